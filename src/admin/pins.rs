@@ -1,0 +1,105 @@
+//! `/admin/v1/pins`: which replica holds which conversation prefix.
+
+use actix_web::{delete, get, web, HttpResponse};
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
+use utoipa_actix_web::service_config::ServiceConfig;
+
+use super::rfc3339;
+use crate::error::{ApiError, ErrorBody};
+use crate::gateway::Gateway;
+use crate::pins::Pin;
+use crate::policy::PrefixKey;
+
+pub fn routes(cfg: &mut ServiceConfig) {
+    cfg.service(list).service(get_one).service(remove);
+}
+
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
+pub struct PinView {
+    /// The prefix key, 32 hex digits.
+    #[schema(example = "4f1c0b7e9a2d3c5b6a7f8e9d0c1b2a39")]
+    pub key: String,
+    pub replica: String,
+    pub created: String,
+    pub last_used: String,
+    pub turns: u32,
+    pub est_tokens: u64,
+}
+
+fn view(key: PrefixKey, p: &Pin) -> PinView {
+    PinView {
+        key: format!("{key:032x}"),
+        replica: p.replica.to_string(),
+        created: rfc3339(p.created_ms),
+        last_used: rfc3339(p.last_used_ms),
+        turns: p.turns,
+        est_tokens: p.est_tokens,
+    }
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+pub struct PinQuery {
+    /// Only pins held by this replica.
+    pub replica: Option<String>,
+    /// Only pins whose key starts with these hex digits.
+    pub key_prefix: Option<String>,
+    #[serde(default)]
+    pub offset: usize,
+    /// Page size (default 50, at most 1000).
+    pub limit: Option<usize>,
+}
+
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
+pub struct PinPage {
+    pub total: usize,
+    pub offset: usize,
+    pub limit: usize,
+    /// Most recently used first.
+    pub items: Vec<PinView>,
+}
+
+#[utoipa::path(tag = "pins", params(PinQuery), responses((status = 200, body = PinPage), (status = 400, body = ErrorBody)))]
+#[get("/pins")]
+async fn list(gw: web::Data<Gateway>, q: web::Query<PinQuery>) -> Result<web::Json<PinPage>, ApiError> {
+    let limit = q.limit.unwrap_or(50).clamp(1, 1000);
+    let prefix = q.key_prefix.as_deref().unwrap_or("").to_ascii_lowercase();
+    if !prefix.chars().all(|c| c.is_ascii_hexdigit()) || prefix.len() > 32 {
+        return Err(ApiError::BadRequest("key_prefix must be up to 32 hex digits".into()));
+    }
+    let (total, items) = if prefix.is_empty() {
+        gw.pins.page(q.replica.as_deref(), q.offset, limit)
+    } else {
+        let (_, all) = gw.pins.page(q.replica.as_deref(), 0, usize::MAX);
+        let matching: Vec<_> = all.into_iter().filter(|(k, _)| format!("{k:032x}").starts_with(&prefix)).collect();
+        (matching.len(), matching.into_iter().skip(q.offset).take(limit).collect())
+    };
+    Ok(web::Json(PinPage { total, offset: q.offset, limit, items: items.iter().map(|(k, p)| view(*k, p)).collect() }))
+}
+
+fn parse_key(key: &str) -> Result<PrefixKey, ApiError> {
+    if key.len() != 32 {
+        return Err(ApiError::BadRequest("a pin key is 32 hex digits".into()));
+    }
+    PrefixKey::from_str_radix(key, 16).map_err(|_| ApiError::BadRequest("a pin key is 32 hex digits".into()))
+}
+
+#[utoipa::path(tag = "pins", params(("key" = String, Path, description = "32 hex digits")),
+    responses((status = 200, body = PinView), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
+#[get("/pins/{key}")]
+async fn get_one(gw: web::Data<Gateway>, key: web::Path<String>) -> Result<web::Json<PinView>, ApiError> {
+    let k = parse_key(&key)?;
+    let pin = gw.pins.get(k).ok_or_else(|| ApiError::NotFound(format!("no pin {key}")))?;
+    Ok(web::Json(view(k, &pin)))
+}
+
+#[utoipa::path(tag = "pins", params(("key" = String, Path, description = "32 hex digits")),
+    responses((status = 204, description = "deleted"), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
+#[delete("/pins/{key}")]
+async fn remove(gw: web::Data<Gateway>, key: web::Path<String>) -> Result<HttpResponse, ApiError> {
+    if gw.pins.remove(parse_key(&key)?) {
+        Ok(HttpResponse::NoContent().finish())
+    } else {
+        Err(ApiError::NotFound(format!("no pin {key}")))
+    }
+}

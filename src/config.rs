@@ -1,0 +1,322 @@
+//! Typed configuration: file, then `PREFIXGATE_*` environment variables, then
+//! CLI flags (each later source wins). Validated once at startup; an invalid
+//! value fails with a message that names its key.
+//!
+//! Environment mapping: `PREFIXGATE_<KEY>` for top-level keys and
+//! `PREFIXGATE_<SECTION>_<KEY>` for keys of a section, e.g.
+//! `PREFIXGATE_POLICY=roundrobin`, `PREFIXGATE_TIMEOUTS_CONNECT_MS=500`.
+//! Values are read as TOML values (numbers, booleans), else as strings.
+//! `PREFIXGATE_REPLICAS="a=http://127.0.0.1:8001,b=http://127.0.0.1:8002"`
+//! sets the replica list.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::fleet::ReplicaSpec;
+use crate::policy::{IdentityBlocks, Mode};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Client traffic listener (`/v1`, `/healthz`).
+    pub listen: SocketAddr,
+    /// Admin listener (admin API, metrics, Swagger UI, web UI).
+    pub admin_listen: SocketAddr,
+    /// Where the sled database lives. Unset: in-memory only (nothing survives a restart).
+    pub data_dir: Option<PathBuf>,
+    pub policy: Mode,
+    /// Bearer token for the admin API. Required when `admin_listen` is not loopback.
+    pub admin_token: Option<String>,
+    /// Client API keys accepted on `/v1` (empty: no key required).
+    pub api_keys: Vec<String>,
+    pub identity: IdentityBlocks,
+    pub timeouts: Timeouts,
+    pub health: HealthConfig,
+    pub limits: Limits,
+    pub pins: PinConfig,
+    pub rate_limits: RateLimits,
+    pub admission: AdmissionConfig,
+    pub replicas: Vec<ReplicaSpec>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Timeouts {
+    /// TCP connect to a replica. Short: a refused or silent replica fails over fast.
+    pub connect_ms: u64,
+    /// From sending the request to the response head. Long: some servers send
+    /// headers only after a cold prefill (90k tokens: 20+ s).
+    pub response_head_ms: u64,
+    /// Longest silence between two chunks of a response body.
+    pub idle_stream_ms: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HealthConfig {
+    pub interval_ms: u64,
+    pub timeout_ms: u64,
+    /// Consecutive successes before a down replica is up again.
+    pub rise: u32,
+    /// Consecutive failures before an up replica is down.
+    pub fall: u32,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// Largest request body accepted (a 90k-token context is ~400 KB).
+    pub max_body_bytes: usize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PinConfig {
+    /// A pin unused for this long is forgotten (the replica has evicted it anyway).
+    pub ttl_secs: u64,
+    /// Most pins kept; the least recently used go first.
+    pub max_pins: usize,
+    /// Pins are written to disk behind the requests, in batches, this often.
+    pub flush_interval_ms: u64,
+    /// Most events kept in history; the oldest go first.
+    pub max_events: usize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RateLimits {
+    /// Requests per second per client on `/v1` (0: off).
+    pub client_rps: u32,
+    pub client_burst: u32,
+    /// Failed admin authentications per minute per IP before 429.
+    pub admin_auth_failures_per_minute: u32,
+    /// Requests per second per IP on the admin API (0: off).
+    pub admin_rps: u32,
+    /// Peers whose `X-Forwarded-For` is believed.
+    pub trusted_proxies: Vec<std::net::IpAddr>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdmissionConfig {
+    /// Requests estimated at or above this many prompt tokens are "large".
+    pub large_context_tokens: u64,
+    /// Longest a large request waits for a slot before 503.
+    pub wait_ms: u64,
+    /// Most large requests queued per replica before 503 at once.
+    pub max_queue: usize,
+    /// Families active within this window count toward a replica's working set.
+    pub working_set_window_secs: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: "0.0.0.0:8080".parse().expect("literal"),
+            admin_listen: "127.0.0.1:9090".parse().expect("literal"),
+            data_dir: None,
+            policy: Mode::Shape,
+            admin_token: None,
+            api_keys: Vec::new(),
+            identity: IdentityBlocks::default(),
+            timeouts: Timeouts::default(),
+            health: HealthConfig::default(),
+            limits: Limits::default(),
+            pins: PinConfig::default(),
+            rate_limits: RateLimits::default(),
+            admission: AdmissionConfig::default(),
+            replicas: Vec::new(),
+        }
+    }
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts { connect_ms: 2_000, response_head_ms: 300_000, idle_stream_ms: 120_000 }
+    }
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig { interval_ms: 5_000, timeout_ms: 3_000, rise: 2, fall: 2 }
+    }
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { max_body_bytes: 64 * 1024 * 1024 }
+    }
+}
+
+impl Default for PinConfig {
+    fn default() -> Self {
+        PinConfig { ttl_secs: 3_600, max_pins: 1_000_000, flush_interval_ms: 200, max_events: 100_000 }
+    }
+}
+
+impl Default for RateLimits {
+    fn default() -> Self {
+        RateLimits {
+            client_rps: 0,
+            client_burst: 100,
+            admin_auth_failures_per_minute: 10,
+            admin_rps: 50,
+            trusted_proxies: Vec::new(),
+        }
+    }
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        AdmissionConfig { large_context_tokens: 32_768, wait_ms: 30_000, max_queue: 64, working_set_window_secs: 300 }
+    }
+}
+
+/// Top-level keys whose value is a table (for the env mapping).
+const SECTIONS: &[&str] = &["identity", "timeouts", "health", "limits", "pins", "rate_limits", "admission"];
+
+impl Config {
+    /// Reads `path` (if any), then overlays `PREFIXGATE_*` variables from `env`.
+    pub fn load(path: Option<&Path>, env: impl Iterator<Item = (String, String)>) -> Result<Config, String> {
+        let mut table = match path {
+            Some(p) => {
+                let text = std::fs::read_to_string(p).map_err(|e| format!("cannot read config {}: {e}", p.display()))?;
+                text.parse::<toml::Table>().map_err(|e| format!("invalid config {}: {e}", p.display()))?
+            }
+            None => toml::Table::new(),
+        };
+        for (name, value) in env {
+            let Some(key) = name.strip_prefix("PREFIXGATE_") else { continue };
+            if key == "LOG" {
+                continue;
+            }
+            apply_env(&mut table, &key.to_ascii_lowercase(), &value).map_err(|e| format!("{name}: {e}"))?;
+        }
+        let config: Config = toml::Value::Table(table)
+            .try_into()
+            .map_err(|e: toml::de::Error| format!("invalid config: {}", e.message().trim()))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        let mut seen = std::collections::HashSet::new();
+        for (i, r) in self.replicas.iter().enumerate() {
+            r.validate().map_err(|e| format!("replicas[{i}]: {e}"))?;
+            if !seen.insert(r.id.as_str()) {
+                return Err(format!("replicas[{i}].id: duplicate replica id '{}'", r.id));
+            }
+        }
+        if self.identity.block_bytes == 0 || self.identity.block_tokens == 0 {
+            return Err("identity.block_bytes and identity.block_tokens must be at least 1".into());
+        }
+        if self.health.rise == 0 || self.health.fall == 0 {
+            return Err("health.rise and health.fall must be at least 1".into());
+        }
+        if self.timeouts.connect_ms == 0 || self.timeouts.response_head_ms == 0 || self.timeouts.idle_stream_ms == 0 {
+            return Err("timeouts.*_ms must be greater than 0".into());
+        }
+        if self.pins.flush_interval_ms == 0 {
+            return Err("pins.flush_interval_ms must be greater than 0".into());
+        }
+        if !self.admin_listen.ip().is_loopback() && self.admin_token.as_deref().unwrap_or("").is_empty() {
+            return Err(format!(
+                "admin_listen: refusing to serve the admin API on non-loopback address {} without an admin_token \
+                 (set admin_token in the config or PREFIXGATE_ADMIN_TOKEN)",
+                self.admin_listen
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn apply_env(table: &mut toml::Table, key: &str, value: &str) -> Result<(), String> {
+    if key == "replicas" {
+        let list = value
+            .split(',')
+            .filter(|s| !s.trim().is_empty())
+            .map(|s| parse_replica_flag(s.trim()).map(|r| toml::Value::try_from(r).expect("serializable")))
+            .collect::<Result<Vec<_>, _>>()?;
+        table.insert("replicas".into(), toml::Value::Array(list));
+        return Ok(());
+    }
+    let value = parse_env_value(value);
+    for section in SECTIONS {
+        if let Some(sub) = key.strip_prefix(section).and_then(|k| k.strip_prefix('_')) {
+            let entry = table.entry(section.to_string()).or_insert_with(|| toml::Value::Table(Default::default()));
+            let toml::Value::Table(t) = entry else { return Err(format!("config key '{section}' is not a table")) };
+            t.insert(sub.to_string(), value);
+            return Ok(());
+        }
+    }
+    table.insert(key.to_string(), value);
+    Ok(())
+}
+
+/// `42`, `true`, `["a"]` are TOML values; anything else is a string.
+fn parse_env_value(raw: &str) -> toml::Value {
+    format!("v = {raw}")
+        .parse::<toml::Table>()
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(raw.to_string()))
+}
+
+/// Parses the `--replica ID=URL` flag.
+pub fn parse_replica_flag(s: &str) -> Result<ReplicaSpec, String> {
+    let (id, url) = s.split_once('=').ok_or_else(|| format!("expected ID=URL, got '{s}'"))?;
+    let spec = ReplicaSpec::new(id.trim(), url.trim());
+    spec.validate()?;
+    Ok(spec)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Iterator<Item = (String, String)> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<Vec<_>>().into_iter()
+    }
+
+    #[test]
+    fn env_overrides_file_and_sections_map() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, "policy = \"affinity\"\n[timeouts]\nconnect_ms = 10\n").unwrap();
+        let c = Config::load(
+            Some(&path),
+            env(&[
+                ("PREFIXGATE_POLICY", "roundrobin"),
+                ("PREFIXGATE_TIMEOUTS_IDLE_STREAM_MS", "77"),
+                ("PREFIXGATE_REPLICAS", "a=http://127.0.0.1:1,b=http://127.0.0.1:2/"),
+                ("OTHER", "x"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(c.policy, Mode::RoundRobin);
+        assert_eq!(c.timeouts.connect_ms, 10);
+        assert_eq!(c.timeouts.idle_stream_ms, 77);
+        assert_eq!(c.replicas[1].url, "http://127.0.0.1:2");
+    }
+
+    #[test]
+    fn invalid_config_names_the_key() {
+        let err = Config::load(None, env(&[("PREFIXGATE_POLICY", "fastest")])).unwrap_err();
+        assert!(err.contains("policy") || err.contains("fastest"), "{err}");
+        let err = Config::load(None, env(&[("PREFIXGATE_TIMEOUTS_CONECT_MS", "1")])).unwrap_err();
+        assert!(err.contains("conect_ms"), "{err}");
+        let err = Config::load(None, env(&[("PREFIXGATE_REPLICAS", "a=ftp://x")])).unwrap_err();
+        assert!(err.contains("PREFIXGATE_REPLICAS"), "{err}");
+        let err = Config::load(None, env(&[("PREFIXGATE_ADMIN_LISTEN", "0.0.0.0:9090")])).unwrap_err();
+        assert!(err.contains("admin_listen") && err.contains("admin_token"), "{err}");
+    }
+
+    #[test]
+    fn the_example_config_is_valid() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("prefixgate.example.toml");
+        let c = Config::load(Some(&path), std::iter::empty()).unwrap();
+        assert!(!c.replicas.is_empty());
+    }
+}

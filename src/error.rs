@@ -1,0 +1,117 @@
+//! One error type for everything a client or operator can be told, mapped to
+//! an HTTP status and OpenAI's error JSON: `{"error":{"message","type","code"}}`.
+//! The status of each variant is an exhaustive match: a new variant forces a
+//! decision.
+
+use std::time::Duration;
+
+use actix_web::http::{header, StatusCode};
+use actix_web::{HttpResponse, ResponseError};
+use serde::Serialize;
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ApiError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("request body is larger than the {limit}-byte limit")]
+    BodyTooLarge { limit: usize },
+    #[error("the model '{0}' does not exist or is not served by any replica")]
+    ModelNotFound(String),
+    #[error("no replica is available to serve this request; retry shortly")]
+    NoReplica,
+    #[error("{message}")]
+    Overloaded { message: String, retry_after: Duration },
+    #[error("the replica did not answer in time")]
+    UpstreamTimeout,
+    #[error("the replica failed: {0}")]
+    Upstream(String),
+    #[error("{0}")]
+    Unauthorized(String),
+    #[error("too many requests; retry after {} s", retry_after.as_secs().max(1))]
+    RateLimited { retry_after: Duration },
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("{0}")]
+    Unprocessable(String),
+    #[error("{0}")]
+    Timeout(String),
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+/// OpenAI's error envelope.
+#[derive(Debug, Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Debug, Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct ErrorDetail {
+    pub message: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub code: Option<String>,
+}
+
+impl ApiError {
+    /// (status, OpenAI `type`, `code`)
+    fn parts(&self) -> (StatusCode, &'static str, &'static str) {
+        use ApiError::*;
+        match self {
+            BadRequest(_) => (StatusCode::BAD_REQUEST, "invalid_request_error", "invalid_request"),
+            BodyTooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", "body_too_large"),
+            ModelNotFound(_) => (StatusCode::NOT_FOUND, "invalid_request_error", "model_not_found"),
+            NoReplica => (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "no_routable_replica"),
+            Overloaded { .. } => (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "admission_queue_full"),
+            UpstreamTimeout => (StatusCode::GATEWAY_TIMEOUT, "upstream_error", "upstream_timeout"),
+            Upstream(_) => (StatusCode::BAD_GATEWAY, "upstream_error", "upstream_failed"),
+            Unauthorized(_) => (StatusCode::UNAUTHORIZED, "authentication_error", "invalid_api_key"),
+            RateLimited { .. } => (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", "rate_limited"),
+            NotFound(_) => (StatusCode::NOT_FOUND, "invalid_request_error", "not_found"),
+            Conflict(_) => (StatusCode::CONFLICT, "invalid_request_error", "conflict"),
+            Unprocessable(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid_request_error", "invalid_value"),
+            Timeout(_) => (StatusCode::GATEWAY_TIMEOUT, "timeout_error", "timeout"),
+            Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal_error"),
+        }
+    }
+
+    fn retry_after(&self) -> Option<Duration> {
+        match self {
+            ApiError::NoReplica => Some(Duration::from_secs(1)),
+            ApiError::Overloaded { retry_after, .. } | ApiError::RateLimited { retry_after } => Some(*retry_after),
+            _ => None,
+        }
+    }
+
+    pub fn body(&self) -> ErrorBody {
+        let (_, kind, code) = self.parts();
+        ErrorBody { error: ErrorDetail { message: self.to_string(), kind: kind.into(), code: Some(code.into()) } }
+    }
+}
+
+impl ResponseError for ApiError {
+    fn status_code(&self) -> StatusCode {
+        self.parts().0
+    }
+
+    fn error_response(&self) -> HttpResponse {
+        let mut res = HttpResponse::build(self.status_code());
+        if let Some(after) = self.retry_after() {
+            // Whole seconds, rounded up: Retry-After has no sub-second form.
+            let secs = after.as_millis().div_ceil(1000).max(1);
+            res.insert_header((header::RETRY_AFTER, secs.to_string()));
+        }
+        res.json(self.body())
+    }
+}
+
+impl From<actix_web::error::PayloadError> for ApiError {
+    fn from(e: actix_web::error::PayloadError) -> Self {
+        match e {
+            actix_web::error::PayloadError::Overflow => ApiError::BodyTooLarge { limit: 0 },
+            other => ApiError::BadRequest(format!("could not read the request body: {other}")),
+        }
+    }
+}

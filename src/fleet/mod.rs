@@ -1,0 +1,322 @@
+//! The replica registry: what each replica is (its spec), what the operator
+//! decided (admin state), what the health checker observed (health), and its
+//! live counters. Readers take a snapshot (`Arc<Vec<..>>`) that is swapped
+//! whole when the set changes, so routing never holds a lock across I/O.
+
+pub mod health;
+
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+/// What a replica is. Persisted; secrets inside are never returned by the API.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaSpec {
+    /// Slug: lowercase letters, digits, '-' and '_', at most 64 characters.
+    pub id: String,
+    /// Base URL without `/v1`, e.g. `http://10.0.0.5:8000`.
+    pub url: String,
+    /// Sent to the replica as `Authorization: Bearer ...` instead of the client's header.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key: Option<String>,
+    /// Health probe path; `/health` by default (falls back to `/v1/models` on 404).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health_path: Option<String>,
+    /// Most concurrent large-context requests (unset: unlimited).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_large_inflight: Option<u32>,
+    /// KV cache capacity in tokens, when the replica does not report it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_tokens: Option<u64>,
+}
+
+impl ReplicaSpec {
+    pub fn new(id: &str, url: &str) -> ReplicaSpec {
+        ReplicaSpec {
+            id: id.to_string(),
+            url: normalize_url(url),
+            api_key: None,
+            health_path: None,
+            max_large_inflight: None,
+            kv_tokens: None,
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        validate_id(&self.id)?;
+        validate_url(&self.url)?;
+        if let Some(p) = &self.health_path {
+            if !p.starts_with('/') || p.contains("..") || p.chars().any(|c| c.is_whitespace() || c.is_control()) {
+                return Err(format!("health_path: '{p}' must be an absolute path like /health"));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn health_path(&self) -> &str {
+        self.health_path.as_deref().unwrap_or("/health")
+    }
+}
+
+pub fn validate_id(id: &str) -> Result<(), String> {
+    let ok = !id.is_empty()
+        && id.len() <= 64
+        && id.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("id: '{}' is not a slug (lowercase letters, digits, '-', '_'; 1-64 chars)", id.escape_debug()))
+    }
+}
+
+/// Only plain http(s) URLs with a host: no `file:`, no credentials, no query.
+pub fn validate_url(raw: &str) -> Result<(), String> {
+    let url = url::Url::parse(raw).map_err(|e| format!("url: '{raw}' is not a valid URL ({e})"))?;
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(format!("url: scheme '{}' is not allowed (http or https only)", url.scheme()));
+    }
+    if url.host_str().is_none_or(str::is_empty) {
+        return Err(format!("url: '{raw}' has no host"));
+    }
+    if !url.username().is_empty() || url.password().is_some() || url.query().is_some() || url.fragment().is_some() {
+        return Err(format!("url: '{raw}' must not carry credentials, a query or a fragment"));
+    }
+    Ok(())
+}
+
+/// Trailing `/` and a trailing `/v1` are dropped: request paths already start with `/v1`.
+pub fn normalize_url(url: &str) -> String {
+    let trimmed = url.trim().trim_end_matches('/');
+    trimmed.strip_suffix("/v1").unwrap_or(trimmed).to_string()
+}
+
+/// What the operator decided. Sticky: only the operator changes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum AdminState {
+    Active,
+    /// No new requests; in-flight ones finish.
+    Draining,
+    /// Demoted by hand until `enable`.
+    Disabled,
+}
+
+/// What the health checker (or a failed connection) observed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Health {
+    Unknown,
+    Up,
+    Down,
+}
+
+impl AdminState {
+    fn from_u8(v: u8) -> AdminState {
+        match v {
+            1 => AdminState::Draining,
+            2 => AdminState::Disabled,
+            _ => AdminState::Active,
+        }
+    }
+}
+
+impl Health {
+    fn from_u8(v: u8) -> Health {
+        match v {
+            1 => Health::Up,
+            2 => Health::Down,
+            _ => Health::Unknown,
+        }
+    }
+}
+
+/// Probe bookkeeping, only touched by the health checker and failovers.
+#[derive(Debug, Default, Clone)]
+pub struct ProbeState {
+    pub ok_streak: u32,
+    pub fail_streak: u32,
+    pub last_check_ms: Option<u64>,
+    pub last_error: Option<String>,
+}
+
+#[derive(Debug)]
+pub struct Replica {
+    pub id: Arc<str>,
+    spec: RwLock<Arc<ReplicaSpec>>,
+    admin: AtomicU8,
+    health: AtomicU8,
+    inflight: AtomicI64,
+    large_inflight: AtomicI64,
+    served: AtomicU64,
+    models: RwLock<Arc<Vec<String>>>,
+    pub probe: Mutex<ProbeState>,
+}
+
+impl Replica {
+    pub fn new(spec: ReplicaSpec, admin: AdminState) -> Replica {
+        Replica {
+            id: Arc::from(spec.id.as_str()),
+            spec: RwLock::new(Arc::new(spec)),
+            admin: AtomicU8::new(admin as u8),
+            health: AtomicU8::new(Health::Unknown as u8),
+            inflight: AtomicI64::new(0),
+            large_inflight: AtomicI64::new(0),
+            served: AtomicU64::new(0),
+            models: RwLock::new(Arc::new(Vec::new())),
+            probe: Mutex::new(ProbeState::default()),
+        }
+    }
+
+    pub fn spec(&self) -> Arc<ReplicaSpec> {
+        self.spec.read().expect("spec lock").clone()
+    }
+
+    pub fn set_spec(&self, spec: ReplicaSpec) {
+        *self.spec.write().expect("spec lock") = Arc::new(spec);
+    }
+
+    pub fn admin(&self) -> AdminState {
+        AdminState::from_u8(self.admin.load(Ordering::Acquire))
+    }
+
+    pub fn set_admin(&self, s: AdminState) -> AdminState {
+        AdminState::from_u8(self.admin.swap(s as u8, Ordering::AcqRel))
+    }
+
+    pub fn health(&self) -> Health {
+        Health::from_u8(self.health.load(Ordering::Acquire))
+    }
+
+    /// Sets health; returns the previous value (callers log transitions once).
+    pub fn set_health(&self, h: Health) -> Health {
+        Health::from_u8(self.health.swap(h as u8, Ordering::AcqRel))
+    }
+
+    /// Takes new traffic: active and not known to be down.
+    pub fn routable(&self) -> bool {
+        self.admin() == AdminState::Active && self.health() != Health::Down
+    }
+
+    pub fn inflight(&self) -> i64 {
+        self.inflight.load(Ordering::Acquire)
+    }
+
+    pub fn large_inflight(&self) -> i64 {
+        self.large_inflight.load(Ordering::Acquire)
+    }
+
+    pub fn served(&self) -> u64 {
+        self.served.load(Ordering::Relaxed)
+    }
+
+    pub fn models(&self) -> Arc<Vec<String>> {
+        self.models.read().expect("models lock").clone()
+    }
+
+    pub fn set_models(&self, models: Vec<String>) {
+        *self.models.write().expect("models lock") = Arc::new(models);
+    }
+
+    /// True when the replica serves `model`, or when its list is not known
+    /// yet (an unknown list must not make a fresh replica unroutable).
+    pub fn serves(&self, model: &str) -> bool {
+        let models = self.models();
+        models.is_empty() || models.iter().any(|m| m == model)
+    }
+
+    /// Counts one request in flight until the guard drops, whichever path
+    /// (success, error, client gone) ends it.
+    pub fn begin(self: &Arc<Self>, large: bool) -> InflightGuard {
+        self.inflight.fetch_add(1, Ordering::AcqRel);
+        if large {
+            self.large_inflight.fetch_add(1, Ordering::AcqRel);
+        }
+        self.served.fetch_add(1, Ordering::Relaxed);
+        InflightGuard { replica: self.clone(), large }
+    }
+}
+
+#[derive(Debug)]
+pub struct InflightGuard {
+    pub replica: Arc<Replica>,
+    large: bool,
+}
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        self.replica.inflight.fetch_sub(1, Ordering::AcqRel);
+        if self.large {
+            self.replica.large_inflight.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+/// The set of replicas, in a stable order.
+#[derive(Debug, Default)]
+pub struct Fleet {
+    list: RwLock<Arc<Vec<Arc<Replica>>>>,
+}
+
+impl Fleet {
+    pub fn snapshot(&self) -> Arc<Vec<Arc<Replica>>> {
+        self.list.read().expect("fleet lock").clone()
+    }
+
+    pub fn get(&self, id: &str) -> Option<Arc<Replica>> {
+        self.snapshot().iter().find(|r| &*r.id == id).cloned()
+    }
+
+    /// Adds a replica; false when the id exists.
+    pub fn add(&self, replica: Replica) -> bool {
+        let mut list = self.list.write().expect("fleet lock");
+        if list.iter().any(|r| r.id == replica.id) {
+            return false;
+        }
+        let mut next = (**list).clone();
+        next.push(Arc::new(replica));
+        *list = Arc::new(next);
+        true
+    }
+
+    pub fn remove(&self, id: &str) -> Option<Arc<Replica>> {
+        let mut list = self.list.write().expect("fleet lock");
+        let pos = list.iter().position(|r| &*r.id == id)?;
+        let mut next = (**list).clone();
+        let removed = next.remove(pos);
+        *list = Arc::new(next);
+        Some(removed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_and_ids_are_validated() {
+        assert!(validate_url("http://127.0.0.1:8000").is_ok());
+        assert!(validate_url("https://gpu-3.internal").is_ok());
+        for bad in ["ftp://x", "file:///etc/passwd", "gopher://x", "http://", "http://u:p@x", "x", "http://x/?a=1"] {
+            assert!(validate_url(bad).is_err(), "{bad}");
+        }
+        assert!(validate_id("gpu-0").is_ok());
+        for bad in ["", "../etc", "A", "a/b", "a b", &"x".repeat(65)] {
+            assert!(validate_id(bad).is_err(), "{bad}");
+        }
+        assert_eq!(normalize_url("http://x:1/v1/"), "http://x:1");
+    }
+
+    #[test]
+    fn guards_release_counters_on_drop() {
+        let r = Arc::new(Replica::new(ReplicaSpec::new("a", "http://x"), AdminState::Active));
+        let g1 = r.begin(true);
+        let g2 = r.begin(false);
+        assert_eq!((r.inflight(), r.large_inflight()), (2, 1));
+        drop(g1);
+        drop(g2);
+        assert_eq!((r.inflight(), r.large_inflight()), (0, 0));
+    }
+}

@@ -1,0 +1,164 @@
+//! prefixgate: a gateway in front of OpenAI-compatible LLM replicas that
+//! routes by request shape: continuations go back to the replica holding
+//! their prefix in KV cache, everything else is spread by a counter.
+//!
+//! `create_traffic_app` and `create_admin_app` are the one place where the
+//! HTTP surface is wired; `main` and the integration tests both use them.
+
+pub mod access;
+pub mod admin;
+pub mod admission;
+pub mod capacity;
+pub mod clock;
+pub mod config;
+pub mod error;
+pub mod events;
+pub mod fleet;
+pub mod gateway;
+pub mod metrics;
+pub mod pins;
+pub mod policy;
+pub mod proxy;
+pub mod sim;
+pub mod store;
+pub mod tokens;
+
+use std::net::{SocketAddr, TcpListener};
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix_web::dev::{Server, ServerHandle};
+use actix_web::{web, App, HttpResponse, HttpServer};
+
+use error::ApiError;
+use gateway::Gateway;
+
+/// A running gateway: its two listeners and the handles to stop it.
+pub struct Running {
+    pub gateway: Arc<Gateway>,
+    pub traffic_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    traffic: Server,
+    admin: Server,
+}
+
+impl Running {
+    pub fn handles(&self) -> (ServerHandle, ServerHandle) {
+        (self.traffic.handle(), self.admin.handle())
+    }
+
+    /// Stops accepting, lets in-flight requests finish (bounded by the
+    /// servers' shutdown timeout), then flushes pins and the store.
+    pub async fn stop(self) {
+        let (t, a) = self.handles();
+        futures_util::future::join(t.stop(true), a.stop(true)).await;
+        let _ = futures_util::future::join(self.traffic, self.admin).await;
+        if let Err(e) = self.gateway.flush_all() {
+            tracing::error!("final flush failed: {e}");
+        }
+    }
+
+    /// Runs until both servers end (e.g. after `stop` from elsewhere), then flushes.
+    pub async fn wait(self) -> std::io::Result<()> {
+        let (a, b) = futures_util::future::join(self.traffic, self.admin).await;
+        self.gateway.flush_all().map_err(std::io::Error::other)?;
+        a.and(b)
+    }
+}
+
+/// Starts both listeners and the background tasks (health checks, pin
+/// flusher and pruner). Must run inside an actix system.
+pub fn start(gw: Arc<Gateway>, traffic: TcpListener, admin: TcpListener) -> std::io::Result<Running> {
+    let traffic_addr = traffic.local_addr()?;
+    let admin_addr = admin.local_addr()?;
+    let data = web::Data::from(gw.clone());
+    let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let traffic_server = HttpServer::new({
+        let data = data.clone();
+        move || create_traffic_app(data.clone())
+    })
+    .workers(workers)
+    .backlog(4096)
+    .max_connections(100_000)
+    .client_request_timeout(Duration::from_secs(30))
+    .shutdown_timeout(30)
+    .disable_signals()
+    .listen(traffic)?
+    .run();
+    let admin_server = HttpServer::new({
+        let data = data.clone();
+        move || create_admin_app(data.clone())
+    })
+    .workers(1)
+    .shutdown_timeout(5)
+    .disable_signals()
+    .listen(admin)?
+    .run();
+    spawn_background(gw.clone());
+    Ok(Running { gateway: gw, traffic_addr, admin_addr, traffic: traffic_server, admin: admin_server })
+}
+
+fn spawn_background(gw: Arc<Gateway>) {
+    actix_web::rt::spawn(fleet::health::run(gw.clone()));
+    let flush_every = Duration::from_millis(gw.config.pins.flush_interval_ms);
+    actix_web::rt::spawn(async move {
+        let mut last_prune = tokio::time::Instant::now();
+        loop {
+            tokio::time::sleep(flush_every).await;
+            if last_prune.elapsed() >= Duration::from_secs(10) {
+                let pruned = gw.pins.prune(clock::now_ms(), gw.config.pins.ttl_secs * 1000, gw.config.pins.max_pins);
+                if pruned > 0 {
+                    tracing::debug!("pruned {pruned} pin(s)");
+                }
+                last_prune = tokio::time::Instant::now();
+            }
+            if let Err(e) = gw.flush_pins() {
+                tracing::error!("pin flush failed (will retry): {e}");
+            }
+        }
+    });
+}
+
+/// The client-facing app: `/v1/*` and `/healthz`.
+pub fn create_traffic_app(
+    gw: web::Data<Gateway>,
+) -> App<
+    impl actix_web::dev::ServiceFactory<
+        actix_web::dev::ServiceRequest,
+        Config = (),
+        Response = actix_web::dev::ServiceResponse<impl actix_web::body::MessageBody>,
+        Error = actix_web::Error,
+        InitError = (),
+    >,
+> {
+    let upstream = web::Data::new(proxy::Upstream::new(&gw));
+    App::new()
+        .wrap(actix_web::middleware::from_fn(access::guard_traffic))
+        .app_data(gw)
+        .app_data(upstream)
+        .route("/healthz", web::get().to(healthz))
+        .route("/v1/models", web::get().to(list_models))
+        .route("/v1/{tail:.*}", web::to(proxy::forward))
+        .default_service(web::to(|| async { Err::<HttpResponse, _>(ApiError::NotFound("no such route; the API lives under /v1".into())) }))
+}
+
+async fn healthz(gw: web::Data<Gateway>) -> HttpResponse {
+    let routable = gw.fleet.snapshot().iter().filter(|r| r.routable()).count();
+    let body = serde_json::json!({"status": if routable > 0 { "ok" } else { "degraded" }, "routable_replicas": routable});
+    if routable > 0 {
+        HttpResponse::Ok().json(body)
+    } else {
+        HttpResponse::ServiceUnavailable().json(body)
+    }
+}
+
+/// `GET /v1/models`: the union of the models the replicas reported.
+async fn list_models(gw: web::Data<Gateway>) -> HttpResponse {
+    let mut ids: Vec<String> = gw.fleet.snapshot().iter().flat_map(|r| r.models().as_ref().clone()).collect();
+    ids.sort();
+    ids.dedup();
+    let data: Vec<_> = ids.iter().map(|id| serde_json::json!({"id": id, "object": "model", "owned_by": "prefixgate"})).collect();
+    HttpResponse::Ok().json(serde_json::json!({"object": "list", "data": data}))
+}
+
+pub use admin::create_admin_app;

@@ -1,0 +1,191 @@
+//! The command line: parse, then call into the library.
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+use prefixgate::config::{parse_replica_flag, Config};
+use prefixgate::fleet::ReplicaSpec;
+use prefixgate::gateway::Gateway;
+use prefixgate::policy::Mode;
+use prefixgate::sim::{self, SimConfig, SimState};
+
+#[derive(Parser)]
+#[command(name = "prefixgate", version, about = "Routes OpenAI traffic across LLM replicas by request shape")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the gateway in front of real replicas (vLLM, SGLang, llama.cpp server, ...).
+    Serve(ServeArgs),
+    /// Run one simulated replica (an OpenAI-compatible engine model).
+    SimReplica {
+        /// Port to listen on (127.0.0.1).
+        #[arg(long)]
+        port: u16,
+        #[arg(long, default_value = "127.0.0.1")]
+        host: String,
+        #[command(flatten)]
+        sim: SimConfig,
+    },
+    /// Two simulated replicas and the gateway in one process.
+    Demo {
+        /// Gateway traffic port (replicas get free ports).
+        #[arg(long, default_value_t = 8080)]
+        port: u16,
+        /// Admin API, Swagger UI and web UI port.
+        #[arg(long, default_value_t = 9090)]
+        admin_port: u16,
+        /// Simulated-time factor for the replicas (0.05: a 22 s cold prefill takes 1.1 s).
+        #[arg(long, default_value_t = 0.05)]
+        time_scale: f64,
+    },
+    /// Print the admin API's OpenAPI document.
+    Openapi,
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// TOML config file (see prefixgate.example.toml).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Traffic listener [default: 0.0.0.0:8080].
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// Admin listener [default: 127.0.0.1:9090].
+    #[arg(long)]
+    admin_listen: Option<SocketAddr>,
+    /// Directory for the sled database (pins, replicas, history).
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// A replica as ID=URL (repeatable); seeds an empty database.
+    #[arg(long = "replica", value_parser = parse_replica_flag)]
+    replicas: Vec<ReplicaSpec>,
+    /// Routing mode: shape, roundrobin or affinity.
+    #[arg(long)]
+    policy: Option<Mode>,
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("PREFIXGATE_LOG").unwrap_or_else(|_| "info,actix_server=warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Serve(args) => serve(args),
+        Command::SimReplica { port, host, sim } => sim_replica(&host, port, sim),
+        Command::Demo { port, admin_port, time_scale } => demo(port, admin_port, time_scale),
+        Command::Openapi => {
+            print!("{}", prefixgate::admin::openapi_json());
+            Ok(())
+        }
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("prefixgate: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn serve(args: ServeArgs) -> Result<(), String> {
+    let mut config = Config::load(args.config.as_deref(), std::env::vars())?;
+    if let Some(l) = args.listen {
+        config.listen = l;
+    }
+    if let Some(l) = args.admin_listen {
+        config.admin_listen = l;
+    }
+    if let Some(d) = args.data_dir {
+        config.data_dir = Some(d);
+    }
+    if !args.replicas.is_empty() {
+        config.replicas = args.replicas;
+    }
+    if let Some(p) = args.policy {
+        config.policy = p;
+    }
+    config.validate()?;
+    run_gateway(config, None)
+}
+
+fn bind(addr: SocketAddr, what: &str) -> Result<TcpListener, String> {
+    TcpListener::bind(addr).map_err(|e| format!("cannot listen on {addr} ({what}): {e}"))
+}
+
+/// Runs the gateway until SIGINT/SIGTERM, then shuts down gracefully.
+fn run_gateway(config: Config, banner: Option<String>) -> Result<(), String> {
+    let traffic = bind(config.listen, "listen")?;
+    let admin = bind(config.admin_listen, "admin_listen")?;
+    actix_web::rt::System::new().block_on(async move {
+        let gw = Gateway::open(config).map_err(|e| e.to_string())?;
+        let running = prefixgate::start(gw, traffic, admin).map_err(|e| e.to_string())?;
+        tracing::info!("traffic on http://{}, admin on http://{}", running.traffic_addr, running.admin_addr);
+        if let Some(b) = banner {
+            println!("{b}");
+        }
+        shutdown_signal().await;
+        tracing::info!("shutting down: finishing in-flight requests, then flushing state");
+        running.stop().await;
+        Ok(())
+    })
+}
+
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+fn sim_replica(host: &str, port: u16, cfg: SimConfig) -> Result<(), String> {
+    let listener = bind(format!("{host}:{port}").parse().map_err(|e| format!("--host/--port: {e}"))?, "sim-replica")?;
+    actix_web::rt::System::new().block_on(async move {
+        tracing::info!("simulated replica serving '{}' on http://{host}:{port}", cfg.model);
+        sim::serve(listener, SimState::new(cfg)).map_err(|e| e.to_string())?.await.map_err(|e| e.to_string())
+    })
+}
+
+fn demo(port: u16, admin_port: u16, time_scale: f64) -> Result<(), String> {
+    let mut replicas = Vec::new();
+    let mut sims = Vec::new();
+    for id in ["sim-a", "sim-b"] {
+        let l = bind("127.0.0.1:0".parse().expect("literal"), id)?;
+        let url = format!("http://{}", l.local_addr().map_err(|e| e.to_string())?);
+        replicas.push(ReplicaSpec { kv_tokens: Some(122_636), ..ReplicaSpec::new(id, &url) });
+        sims.push(l);
+    }
+    let config = Config {
+        listen: SocketAddr::from(([127, 0, 0, 1], port)),
+        admin_listen: SocketAddr::from(([127, 0, 0, 1], admin_port)),
+        replicas: replicas.clone(),
+        health: prefixgate::config::HealthConfig { interval_ms: 1_000, ..Default::default() },
+        ..Config::default()
+    };
+    // The replicas run on their own runtime thread, like separate processes.
+    std::thread::spawn(move || {
+        actix_web::rt::System::new().block_on(async move {
+            let servers: Vec<_> = sims
+                .into_iter()
+                .map(|l| sim::serve(l, SimState::new(SimConfig { time_scale, ..SimConfig::default() })).expect("sim starts"))
+                .collect();
+            futures_util::future::join_all(servers).await;
+        })
+    });
+    let banner = format!(
+        "\nprefixgate demo is up.\n  OpenAI endpoint:  http://127.0.0.1:{port}/v1   (model: sim-model, any API key)\n  \
+         Admin web UI:     http://127.0.0.1:{admin_port}/\n  Swagger UI:       http://127.0.0.1:{admin_port}/swagger-ui/\n  \
+         Metrics:          http://127.0.0.1:{admin_port}/metrics\n  Replicas:         {}\n\nTry:\n  curl -s http://127.0.0.1:{port}/v1/chat/completions -H 'content-type: application/json' \\\n    \
+         -d '{{\"model\":\"sim-model\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}]}}' -i\n\nCtrl-C stops it.",
+        replicas.iter().map(|r| format!("{}={}", r.id, r.url)).collect::<Vec<_>>().join(", ")
+    );
+    run_gateway(config, Some(banner))
+}

@@ -1,0 +1,167 @@
+//! Prometheus metrics (`GET /metrics` on the admin listener). Names follow
+//! Prometheus conventions: `prefixgate_` prefix, counters end in `_total`,
+//! durations in `_seconds`. Every name here is listed in the README and a
+//! test scrapes the live endpoint for each, so docs and code cannot drift.
+//!
+//! Counters and histograms are updated on the request path (atomics, no
+//! locks beyond the label map); gauges that mirror fleet state are set at
+//! scrape time from the fleet itself, so they cannot disagree with it.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    pub replica: String,
+    pub route: String,
+    pub status: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RouteLabels {
+    pub replica: String,
+    pub route: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReplicaLabels {
+    pub replica: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FailoverLabels {
+    pub from: String,
+    pub to: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    pub result: String,
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+fn latency_histogram() -> Histogram {
+    // 1 ms .. ~524 s: covers a warm first token and a cold 90k-token prefill.
+    Histogram::new(exponential_buckets(0.001, 2.0, 20))
+}
+
+pub struct Metrics {
+    registry: Registry,
+    pub requests: Family<RequestLabels, Counter>,
+    pub upstream_ttfb: HistogramFamily<RouteLabels>,
+    pub request_duration: HistogramFamily<RouteLabels>,
+    pub failovers: Family<FailoverLabels, Counter>,
+    pub pin_lookups: Family<ResultLabels, Counter>,
+    pub rejected: Family<ResultLabels, Counter>,
+    pub prompt_tokens: Family<RouteLabels, Counter>,
+    pub cached_tokens: Family<RouteLabels, Counter>,
+    pub usage_measured: Family<ResultLabels, Counter>,
+    pub admission_waits: Family<ReplicaLabels, Counter>,
+    pub admission_rejections: Family<ReplicaLabels, Counter>,
+    // Mirrors of fleet state, set at scrape time.
+    pub inflight: Family<ReplicaLabels, Gauge>,
+    pub large_inflight: Family<ReplicaLabels, Gauge>,
+    pub pins: Family<ReplicaLabels, Gauge>,
+    pub replica_up: Family<ReplicaLabels, Gauge>,
+    pub admission_queue_depth: Family<ReplicaLabels, Gauge>,
+    pub working_set_tokens: Family<ReplicaLabels, Gauge>,
+    pub kv_capacity_tokens: Family<ReplicaLabels, Gauge>,
+    pub bytes_per_token: Family<ReplicaLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    pub capacity_warning: Family<ReplicaLabels, Gauge>,
+}
+
+/// Every metric name as it appears in the exposition (the README lists these).
+pub const METRIC_NAMES: &[&str] = &[
+    "prefixgate_requests_total",
+    "prefixgate_upstream_ttfb_seconds",
+    "prefixgate_request_duration_seconds",
+    "prefixgate_failovers_total",
+    "prefixgate_pin_lookups_total",
+    "prefixgate_rejected_requests_total",
+    "prefixgate_prompt_tokens_total",
+    "prefixgate_cached_tokens_total",
+    "prefixgate_usage_measured_total",
+    "prefixgate_admission_waits_total",
+    "prefixgate_admission_rejections_total",
+    "prefixgate_inflight_requests",
+    "prefixgate_large_inflight_requests",
+    "prefixgate_pins",
+    "prefixgate_replica_up",
+    "prefixgate_admission_queue_depth",
+    "prefixgate_working_set_tokens",
+    "prefixgate_kv_capacity_tokens",
+    "prefixgate_bytes_per_token",
+    "prefixgate_capacity_warning",
+];
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::default();
+        let m = Metrics {
+            requests: Family::default(),
+            upstream_ttfb: Family::new_with_constructor(latency_histogram as fn() -> Histogram),
+            request_duration: Family::new_with_constructor(latency_histogram as fn() -> Histogram),
+            failovers: Family::default(),
+            pin_lookups: Family::default(),
+            rejected: Family::default(),
+            prompt_tokens: Family::default(),
+            cached_tokens: Family::default(),
+            usage_measured: Family::default(),
+            admission_waits: Family::default(),
+            admission_rejections: Family::default(),
+            inflight: Family::default(),
+            large_inflight: Family::default(),
+            pins: Family::default(),
+            replica_up: Family::default(),
+            admission_queue_depth: Family::default(),
+            working_set_tokens: Family::default(),
+            kv_capacity_tokens: Family::default(),
+            bytes_per_token: Family::default(),
+            capacity_warning: Family::default(),
+            registry: Registry::default(),
+        };
+        // Registration clones the families (they share state through Arcs).
+        registry.register("prefixgate_requests", "Requests proxied, by replica, route reason and status", m.requests.clone());
+        registry.register("prefixgate_upstream_ttfb_seconds", "Time to the first upstream response byte", m.upstream_ttfb.clone());
+        registry.register("prefixgate_request_duration_seconds", "Time until the response body ended", m.request_duration.clone());
+        registry.register("prefixgate_failovers", "Requests retried on another replica after a connection failure", m.failovers.clone());
+        registry.register("prefixgate_pin_lookups", "Continuation pin lookups by result (hit, miss)", m.pin_lookups.clone());
+        registry.register("prefixgate_rejected_requests", "Requests answered by the gateway with an error, by reason", m.rejected.clone());
+        registry.register("prefixgate_prompt_tokens", "Prompt tokens reported by replicas in usage, by replica and route", m.prompt_tokens.clone());
+        registry.register("prefixgate_cached_tokens", "Cached prompt tokens reported by replicas, by replica and route", m.cached_tokens.clone());
+        registry.register("prefixgate_usage_measured", "Successful responses whose usage could be read (result=measured|unmeasured)", m.usage_measured.clone());
+        registry.register("prefixgate_admission_waits", "Large requests that waited for an admission slot", m.admission_waits.clone());
+        registry.register("prefixgate_admission_rejections", "Large requests rejected by admission (queue full or wait timeout)", m.admission_rejections.clone());
+        registry.register("prefixgate_inflight_requests", "Requests in flight per replica", m.inflight.clone());
+        registry.register("prefixgate_large_inflight_requests", "Large-context requests in flight per replica", m.large_inflight.clone());
+        registry.register("prefixgate_pins", "Conversation pins held per replica", m.pins.clone());
+        registry.register("prefixgate_replica_up", "1 when the replica takes traffic (active and not down)", m.replica_up.clone());
+        registry.register("prefixgate_admission_queue_depth", "Large requests waiting for an admission slot", m.admission_queue_depth.clone());
+        registry.register("prefixgate_working_set_tokens", "Estimated KV working set: active families plus running requests", m.working_set_tokens.clone());
+        registry.register("prefixgate_kv_capacity_tokens", "KV cache capacity in tokens (declared or read from the replica)", m.kv_capacity_tokens.clone());
+        registry.register("prefixgate_bytes_per_token", "Calibrated prompt bytes per token", m.bytes_per_token.clone());
+        registry.register("prefixgate_capacity_warning", "1 when the working set exceeds KV capacity", m.capacity_warning.clone());
+        Metrics { registry, ..m }
+    }
+
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("writing to a String cannot fail");
+        out
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+pub fn replica_label(id: &str) -> ReplicaLabels {
+    ReplicaLabels { replica: id.to_string() }
+}

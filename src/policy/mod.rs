@@ -1,0 +1,201 @@
+//! The routing policy: a request's shape and the replicas' routable states in,
+//! a decision out. No I/O, no clock, no async, no storage: every rule here is
+//! testable by calling a function.
+//!
+//! The rule (from the field's measurements): a *continuation* (a request with
+//! history whose prefix was served before) goes back to the replica that
+//! holds that prefix in its KV cache; anything else is spread with a counter,
+//! so cold prefills run on all cards at once. A hash would send every member
+//! of a batch that shares a system prompt to one card.
+
+pub mod identity;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+pub use identity::{Boundary, Endpoint, IdentityBlocks, PrefixKey, RequestShape, ShapeError};
+use xxhash_rust::xxh3::xxh3_128;
+
+/// Routing mode. `roundrobin` and `affinity` are the comparison baselines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Pin continuations to their prefix's replica; spread everything else.
+    #[default]
+    Shape,
+    /// A counter for everything: loses every other cache hit in an agent loop.
+    #[serde(rename = "roundrobin")]
+    RoundRobin,
+    /// Everything by prefix: a batch sharing a system prompt lands on one card.
+    Affinity,
+}
+
+impl std::str::FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Mode, String> {
+        match s {
+            "shape" => Ok(Mode::Shape),
+            "roundrobin" => Ok(Mode::RoundRobin),
+            "affinity" => Ok(Mode::Affinity),
+            other => Err(format!("unknown policy '{other}' (expected shape, roundrobin or affinity)")),
+        }
+    }
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Shape => "shape",
+            Mode::RoundRobin => "roundrobin",
+            Mode::Affinity => "affinity",
+        }
+    }
+
+    /// The mode named by `PREFIXGATE_POLICY`, if set and valid.
+    pub fn from_env() -> Result<Option<Mode>, String> {
+        match std::env::var("PREFIXGATE_POLICY") {
+            Ok(v) => v.parse().map(Some),
+            Err(_) => Ok(None),
+        }
+    }
+}
+
+/// Why a request went where it went (the `x-prefixgate-route` header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RouteReason {
+    Pinned,
+    Spread,
+    RoundRobin,
+    Affinity,
+    /// The pinned replica was not routable: spread, and the pin moves.
+    Repinned,
+    /// The chosen replica refused the connection: retried elsewhere.
+    Failover,
+}
+
+impl RouteReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RouteReason::Pinned => "pinned",
+            RouteReason::Spread => "spread",
+            RouteReason::RoundRobin => "roundrobin",
+            RouteReason::Affinity => "affinity",
+            RouteReason::Repinned => "repinned",
+            RouteReason::Failover => "failover",
+        }
+    }
+}
+
+/// A replica as the policy sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct Candidate<'a> {
+    pub id: &'a str,
+    /// Active, not known down, serves the requested model, not already tried.
+    pub routable: bool,
+    /// Can start this request without queueing (a free large-context slot,
+    /// or no limit). Spread picks prefer such replicas; pins ignore it,
+    /// because moving a continuation throws its cache away.
+    pub spare: bool,
+}
+
+/// The prefix a continuation matched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixMatch {
+    pub key: PrefixKey,
+    /// Prompt bytes covered by the match (the cache the replica should hold).
+    pub bytes: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    /// Index into the candidate slice.
+    pub replica: usize,
+    pub reason: RouteReason,
+    /// The longest pinned prefix found, whether or not it was followed.
+    pub matched: Option<PrefixMatch>,
+    /// For `Repinned`: the replica the pin pointed at.
+    pub moved_from: Option<String>,
+}
+
+/// The spread counter. Only spread picks advance it, so consecutive spread
+/// picks alternate across the live replicas whatever pinned traffic does.
+#[derive(Debug, Default)]
+pub struct SpreadCounter(AtomicU64);
+
+impl SpreadCounter {
+    pub fn next(&self) -> u64 {
+        self.0.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+/// Decides where a request goes. `pin_of` looks a prefix key up in the pin
+/// table; `None` when no candidate is routable.
+pub fn decide<R: AsRef<str>>(
+    mode: Mode,
+    shape: &RequestShape,
+    candidates: &[Candidate],
+    pin_of: impl Fn(PrefixKey) -> Option<R>,
+    counter: &SpreadCounter,
+) -> Option<Decision> {
+    if !candidates.iter().any(|c| c.routable) {
+        return None;
+    }
+    let spread = |reason| Decision { replica: spread_pick(candidates, counter), reason, matched: None, moved_from: None };
+    match mode {
+        Mode::RoundRobin => Some(spread(RouteReason::RoundRobin)),
+        Mode::Affinity => match shape.boundaries.first() {
+            Some(first) => Some(Decision {
+                replica: rendezvous_pick(candidates, first.key),
+                reason: RouteReason::Affinity,
+                matched: None,
+                moved_from: None,
+            }),
+            None => Some(spread(RouteReason::Spread)),
+        },
+        Mode::Shape => {
+            if !shape.multi_unit {
+                return Some(spread(RouteReason::Spread));
+            }
+            // Longest match wins: walk the boundaries from the end.
+            let found = shape.boundaries.iter().rev().find_map(|b| pin_of(b.key).map(|r| (b, r)));
+            let Some((boundary, pinned)) = found else {
+                return Some(spread(RouteReason::Spread));
+            };
+            let matched = Some(PrefixMatch { key: boundary.key, bytes: boundary.bytes });
+            let pinned = pinned.as_ref();
+            match candidates.iter().position(|c| c.routable && c.id == pinned) {
+                Some(i) => Some(Decision { replica: i, reason: RouteReason::Pinned, matched, moved_from: None }),
+                None => Some(Decision { matched, moved_from: Some(pinned.to_owned()), ..spread(RouteReason::Repinned) }),
+            }
+        }
+    }
+}
+
+/// The n-th routable candidate, n from the counter; among those with spare
+/// room when there are any.
+fn spread_pick(candidates: &[Candidate], counter: &SpreadCounter) -> usize {
+    let any_spare = candidates.iter().any(|c| c.routable && c.spare);
+    let eligible = |c: &&Candidate| c.routable && (c.spare || !any_spare);
+    let count = candidates.iter().filter(eligible).count() as u64;
+    let nth = (counter.next() % count) as usize;
+    candidates.iter().enumerate().filter(|(_, c)| eligible(c)).nth(nth).map(|(i, _)| i).expect("nth < eligible count")
+}
+
+/// Highest-random-weight hashing: stable per key, and only the keys of a
+/// replica that leaves move when the set changes.
+fn rendezvous_pick(candidates: &[Candidate], key: PrefixKey) -> usize {
+    candidates
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.routable)
+        .max_by_key(|(_, c)| {
+            let mut buf = key.to_le_bytes().to_vec();
+            buf.extend_from_slice(c.id.as_bytes());
+            xxh3_128(&buf)
+        })
+        .map(|(i, _)| i)
+        .expect("at least one routable candidate")
+}
+
+#[cfg(test)]
+mod tests;

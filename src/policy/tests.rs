@@ -1,0 +1,204 @@
+//! The seed's test shapes, driven through the pure policy with no server.
+
+use std::collections::HashMap;
+
+use proptest::prelude::*;
+
+use super::*;
+
+/// A tiny in-memory router: decide, then record the pin like the gateway does.
+struct Router {
+    mode: Mode,
+    ids: Vec<&'static str>,
+    down: Vec<bool>,
+    pins: HashMap<PrefixKey, String>,
+    counter: SpreadCounter,
+}
+
+impl Router {
+    fn new(mode: Mode) -> Router {
+        Router { mode, ids: vec!["a", "b"], down: vec![false, false], pins: HashMap::new(), counter: SpreadCounter::default() }
+    }
+
+    fn route(&mut self, body: &str) -> Option<(&'static str, RouteReason)> {
+        let shape = identity::extract(Endpoint::Chat, body.as_bytes(), IdentityBlocks::default()).unwrap();
+        let candidates: Vec<Candidate> =
+            self.ids.iter().zip(&self.down).map(|(id, down)| Candidate { id, routable: !down, spare: true }).collect();
+        let d = decide(self.mode, &shape, &candidates, |k| self.pins.get(&k).cloned(), &self.counter)?;
+        let id = self.ids[d.replica];
+        if let Some(key) = shape.pin_at {
+            self.pins.insert(key, id.to_string());
+        }
+        Some((id, d.reason))
+    }
+}
+
+fn single(i: usize) -> String {
+    format!(r#"{{"model":"m","messages":[{{"role":"user","content":"question {i}"}}]}}"#)
+}
+
+/// Turn `n` of a conversation: the same leading messages, a longer history.
+fn conversation(first: &str, turns: usize) -> String {
+    let mut msgs = vec![format!(r#"{{"role":"user","content":"{first}"}}"#)];
+    for t in 1..turns {
+        msgs.push(format!(r#"{{"role":"assistant","content":"answer {t}"}}"#));
+        msgs.push(format!(r#"{{"role":"user","content":"follow-up {t}"}}"#));
+    }
+    format!(r#"{{"model":"m","messages":[{}]}}"#, msgs.join(","))
+}
+
+#[test]
+fn a_batch_of_single_turn_requests_alternates_across_replicas() {
+    let mut r = Router::new(Mode::Shape);
+    let picks: Vec<_> = (0..8).map(|i| r.route(&single(i)).unwrap()).collect();
+    for pair in picks.windows(2) {
+        assert_ne!(pair[0].0, pair[1].0, "consecutive spread picks must alternate");
+    }
+    assert!(picks.iter().all(|(_, reason)| *reason == RouteReason::Spread));
+}
+
+#[test]
+fn a_growing_conversation_stays_with_its_first_turn_even_when_it_is_tiny() {
+    for first in ["x", "a much longer opening message about the codebase"] {
+        let mut r = Router::new(Mode::Shape);
+        let (home, _) = r.route(&conversation(first, 1)).unwrap();
+        for turn in 2..12 {
+            // Unrelated single-turn traffic in between advances the counter.
+            r.route(&single(turn)).unwrap();
+            let (id, reason) = r.route(&conversation(first, turn)).unwrap();
+            assert_eq!((id, reason), (home, RouteReason::Pinned), "turn {turn} of {first:?}");
+        }
+    }
+}
+
+#[test]
+fn multi_message_requests_sharing_a_few_shot_prefix_are_spread() {
+    let few_shot = (0..20)
+        .map(|i| format!(r#"{{"role":"user","content":"example {i}"}},{{"role":"assistant","content":"label {i}"}}"#))
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut r = Router::new(Mode::Shape);
+    let picks: Vec<_> = (0..6)
+        .map(|i| {
+            r.route(&format!(r#"{{"model":"m","messages":[{few_shot},{{"role":"user","content":"item {i}"}}]}}"#))
+                .unwrap()
+        })
+        .collect();
+    assert!(picks.iter().any(|p| p.0 == "a") && picks.iter().any(|p| p.0 == "b"));
+    assert!(picks.iter().all(|p| p.1 == RouteReason::Spread));
+}
+
+#[test]
+fn a_pin_on_a_down_replica_moves_and_sticks_to_its_new_home() {
+    let mut r = Router::new(Mode::Shape);
+    let (home, _) = r.route(&conversation("x", 1)).unwrap();
+    let home_index = r.ids.iter().position(|i| *i == home).unwrap();
+    r.down[home_index] = true;
+    let (moved_to, reason) = r.route(&conversation("x", 2)).unwrap();
+    assert_eq!(reason, RouteReason::Repinned);
+    assert_ne!(moved_to, home);
+    r.down[home_index] = false;
+    assert_eq!(r.route(&conversation("x", 3)).unwrap(), (moved_to, RouteReason::Pinned));
+}
+
+#[test]
+fn every_mode_picks_the_live_replica_and_none_when_all_are_down() {
+    for mode in [Mode::Shape, Mode::RoundRobin, Mode::Affinity] {
+        let mut r = Router::new(mode);
+        r.down = vec![true, false];
+        for i in 0..4 {
+            assert_eq!(r.route(&single(i)).unwrap().0, "b", "{mode:?}");
+            assert_eq!(r.route(&conversation("y", i + 1)).unwrap().0, "b", "{mode:?}");
+        }
+        r.down = vec![true, true];
+        assert_eq!(r.route(&single(9)), None, "{mode:?}");
+    }
+}
+
+#[test]
+fn spread_prefers_a_replica_with_a_free_slot_but_pins_do_not_move() {
+    let ids = ["a", "b"];
+    let candidates = [Candidate { id: ids[0], routable: true, spare: false }, Candidate { id: ids[1], routable: true, spare: true }];
+    let counter = SpreadCounter::default();
+    for i in 0..4 {
+        let shape = identity::extract(Endpoint::Chat, single(i).as_bytes(), IdentityBlocks::default()).unwrap();
+        assert_eq!(decide(Mode::Shape, &shape, &candidates, |_| None::<String>, &counter).unwrap().replica, 1);
+    }
+    let shape = identity::extract(Endpoint::Chat, conversation("q", 2).as_bytes(), IdentityBlocks::default()).unwrap();
+    let d = decide(Mode::Shape, &shape, &candidates, |_| Some("a"), &counter).unwrap();
+    assert_eq!((d.replica, d.reason), (0, RouteReason::Pinned));
+}
+
+#[test]
+fn roundrobin_alternates_even_within_a_conversation() {
+    let mut r = Router::new(Mode::RoundRobin);
+    let ids: Vec<_> = (1..5).map(|t| r.route(&conversation("z", t)).unwrap().0).collect();
+    assert_eq!(ids, ["a", "b", "a", "b"]);
+}
+
+#[test]
+fn affinity_sends_everything_sharing_a_first_message_to_one_replica() {
+    let mut r = Router::new(Mode::Affinity);
+    let sys = r#"{"role":"system","content":"big shared system prompt"}"#;
+    let ids: Vec<_> = (0..6)
+        .map(|i| r.route(&format!(r#"{{"model":"m","messages":[{sys},{{"role":"user","content":"q{i}"}}]}}"#)).unwrap().0)
+        .collect();
+    assert!(ids.iter().all(|id| *id == ids[0]), "{ids:?}");
+}
+
+#[test]
+fn modes_are_selected_by_the_environment_variable() {
+    // One test owns this variable, so parallel tests do not race on it.
+    for (value, mode) in [("shape", Mode::Shape), ("roundrobin", Mode::RoundRobin), ("affinity", Mode::Affinity)] {
+        std::env::set_var("PREFIXGATE_POLICY", value);
+        assert_eq!(Mode::from_env(), Ok(Some(mode)));
+    }
+    std::env::set_var("PREFIXGATE_POLICY", "bogus");
+    assert!(Mode::from_env().is_err());
+    std::env::remove_var("PREFIXGATE_POLICY");
+    assert_eq!(Mode::from_env(), Ok(None));
+}
+
+proptest! {
+    #[test]
+    fn spread_never_picks_an_unroutable_replica(routable in prop::collection::vec(any::<bool>(), 1..8), start in 0u64..1000, n in 1usize..20) {
+        let ids: Vec<String> = (0..routable.len()).map(|i| format!("r{i}")).collect();
+        let candidates: Vec<Candidate> = ids.iter().zip(&routable).map(|(id, r)| Candidate { id, routable: *r, spare: true }).collect();
+        let counter = SpreadCounter(AtomicU64::new(start));
+        let shape = RequestShape::default();
+        let live = routable.iter().filter(|r| **r).count();
+        let mut last = None;
+        for _ in 0..n {
+            match decide(Mode::Shape, &shape, &candidates, |_| None::<String>, &counter) {
+                None => prop_assert_eq!(live, 0),
+                Some(d) => {
+                    prop_assert!(routable[d.replica]);
+                    if live > 1 { prop_assert_ne!(Some(d.replica), last, "the counter must alternate"); }
+                    last = Some(d.replica);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_continuation_follows_its_pin_whenever_that_replica_is_routable(
+        routable in prop::collection::vec(any::<bool>(), 1..6), pinned in 0usize..6, turns in 2usize..10,
+    ) {
+        let ids: Vec<String> = (0..routable.len()).map(|i| format!("r{i}")).collect();
+        let pinned = pinned % ids.len();
+        let candidates: Vec<Candidate> = ids.iter().zip(&routable).map(|(id, r)| Candidate { id, routable: *r, spare: true }).collect();
+        let first = identity::extract(Endpoint::Chat, conversation("p", 1).as_bytes(), IdentityBlocks::default()).unwrap();
+        let later = identity::extract(Endpoint::Chat, conversation("p", turns).as_bytes(), IdentityBlocks::default()).unwrap();
+        let pin_key = first.pin_at.unwrap();
+        let lookup = |k: PrefixKey| (k == pin_key).then(|| ids[pinned].clone());
+        let d = decide(Mode::Shape, &later, &candidates, lookup, &SpreadCounter::default());
+        match d {
+            None => prop_assert!(routable.iter().all(|r| !r)),
+            Some(d) if routable[pinned] => prop_assert_eq!((d.replica, d.reason), (pinned, RouteReason::Pinned)),
+            Some(d) => {
+                prop_assert_eq!(d.reason, RouteReason::Repinned);
+                prop_assert!(routable[d.replica]);
+            }
+        }
+    }
+}

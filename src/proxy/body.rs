@@ -1,0 +1,111 @@
+//! The response body on its way to the client: passed through chunk by
+//! chunk (no buffering), watched for silence (idle timeout) and upstream
+//! failure, and carrying the request's guard so that in-flight counters are
+//! released on every path: end of body, upstream error, or the client going
+//! away (actix drops the body, which drops the upstream response and with it
+//! the upstream connection: that is the cancellation).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use actix_web::error::PayloadError;
+use bytes::Bytes;
+use futures_util::Stream;
+use tokio::time::{Instant, Sleep};
+
+use super::usage::UsageTap;
+
+/// What ends with the body: the guard, and the outcome recorder.
+pub trait BodyEnd {
+    /// Called once: when the body ends, fails, or is dropped unfinished.
+    fn finish(&mut self, outcome: BodyOutcome, usage: Option<&UsageTap>);
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyOutcome {
+    Complete,
+    UpstreamFailed,
+    IdleTimeout,
+    ClientGone,
+}
+
+pub struct GuardedBody<S, E: BodyEnd> {
+    inner: S,
+    idle: Duration,
+    timer: Pin<Box<Sleep>>,
+    sse: bool,
+    end: Option<E>,
+    tap: Option<UsageTap>,
+    done: bool,
+}
+
+impl<S, E: BodyEnd> GuardedBody<S, E> {
+    pub fn new(inner: S, idle: Duration, sse: bool, tap: Option<UsageTap>, end: E) -> Self {
+        GuardedBody { inner, idle, timer: Box::pin(tokio::time::sleep(idle)), sse, end: Some(end), tap, done: false }
+    }
+
+    fn finish(&mut self, outcome: BodyOutcome) {
+        if let Some(mut end) = self.end.take() {
+            end.finish(outcome, self.tap.as_ref());
+        }
+    }
+
+    /// How a failure reaches the client: an SSE error event (the OpenAI SDKs
+    /// raise it) then a clean end, or for plain bodies an aborted response.
+    fn fail(&mut self, outcome: BodyOutcome, message: &str) -> Poll<Option<Result<Bytes, PayloadError>>> {
+        self.finish(outcome);
+        self.done = true;
+        if self.sse {
+            let event = serde_json::json!({"error": {"message": message, "type": "upstream_error", "code": "upstream_stream_failed"}});
+            Poll::Ready(Some(Ok(Bytes::from(format!("data: {event}\n\n")))))
+        } else {
+            Poll::Ready(Some(Err(PayloadError::Io(std::io::Error::other(message.to_string())))))
+        }
+    }
+}
+
+impl<S, E> Stream for GuardedBody<S, E>
+where
+    S: Stream<Item = Result<Bytes, PayloadError>> + Unpin,
+    E: BodyEnd + Unpin,
+{
+    type Item = Result<Bytes, PayloadError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        match Pin::new(&mut self.inner).poll_next(cx) {
+            Poll::Ready(Some(Ok(chunk))) => {
+                let deadline = Instant::now() + self.idle;
+                self.timer.as_mut().reset(deadline);
+                if let Some(tap) = self.tap.as_mut() {
+                    tap.observe(&chunk);
+                }
+                Poll::Ready(Some(Ok(chunk)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                tracing::warn!("upstream body failed mid-response: {e}");
+                self.fail(BodyOutcome::UpstreamFailed, "the replica failed while streaming the response")
+            }
+            Poll::Ready(None) => {
+                self.finish(BodyOutcome::Complete);
+                self.done = true;
+                Poll::Ready(None)
+            }
+            Poll::Pending => match self.timer.as_mut().poll(cx) {
+                Poll::Ready(()) => self.fail(BodyOutcome::IdleTimeout, "the replica stopped sending (idle timeout)"),
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+}
+
+impl<S, E: BodyEnd> Drop for GuardedBody<S, E> {
+    fn drop(&mut self) {
+        // Still holding the end: nobody read the body to its end.
+        self.finish(BodyOutcome::ClientGone);
+    }
+}

@@ -1,0 +1,51 @@
+//! Which headers cross the gateway. Everything does, minus hop-by-hop
+//! headers (they describe one connection, not the message) and the framing
+//! headers the HTTP stack recomputes.
+
+use actix_web::http::header::{self, HeaderMap, HeaderName};
+use actix_web::{HttpRequest, HttpResponseBuilder};
+
+use crate::fleet::ReplicaSpec;
+
+fn hop_by_hop(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "proxy-connection"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+            | "host"
+            | "content-length"
+    )
+}
+
+/// The upstream request: same method, path, query and headers; the replica's
+/// own API key replaces the client's credentials when it has one, and the
+/// client's key for the gateway itself is never passed on.
+pub fn upstream_request(client: &awc::Client, req: &HttpRequest, spec: &ReplicaSpec, gateway_keys: bool) -> awc::ClientRequest {
+    let path = req.uri().path_and_query().map_or("/", |p| p.as_str());
+    let mut up = client.request(req.method().clone(), format!("{}{}", spec.url, path)).no_decompress();
+    for (name, value) in req.headers() {
+        if hop_by_hop(name) || (name == header::AUTHORIZATION && (gateway_keys || spec.api_key.is_some())) {
+            continue;
+        }
+        up = up.append_header((name.clone(), value.clone()));
+    }
+    if let Some(key) = &spec.api_key {
+        up = up.insert_header((header::AUTHORIZATION, format!("Bearer {key}")));
+    }
+    up
+}
+
+pub fn copy_response_headers(from: &HeaderMap, to: &mut HttpResponseBuilder) {
+    for (name, value) in from {
+        if !hop_by_hop(name) {
+            to.append_header((name.clone(), value.clone()));
+        }
+    }
+}

@@ -1,0 +1,392 @@
+//! A simulated OpenAI-compatible engine: the test backend and the demo.
+//!
+//! Not an echo server: it models what makes routing matter. Prompts become
+//! pseudo-tokens (4 bytes each, the documented estimate), grouped in blocks
+//! of 16 whose hash chain is looked up in a KV pool of `kv_tokens` shared by
+//! running sequences and cached prefixes (see `kv`). Only uncached tokens
+//! are prefilled, at `prefill_tps`, one prefill at a time (a card's compute
+//! is one resource); decode runs at `decode_tps` per sequence. All delays
+//! are multiplied by `time_scale`, so the seed's 22 s cold prefill can take
+//! 0.2 s in a test while the reported simulated times stay unscaled.
+//!
+//! `usage.prompt_tokens_details.cached_tokens` is always reported, so tests
+//! assert cache hits by count, not by timing. `x-sim-prefill-ms` carries the
+//! simulated (unscaled) prefill time of the response.
+
+pub mod kv;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use actix_web::{web, App, HttpResponse, HttpServer};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::Notify;
+use xxhash_rust::xxh3::Xxh3;
+
+use kv::{AdmitError, KvPool, BLOCK_TOKENS};
+
+const BYTES_PER_BLOCK: usize = BLOCK_TOKENS as usize * crate::tokens::BYTES_PER_TOKEN;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct SimConfig {
+    /// KV cache capacity in tokens (the seed's cards: 122636).
+    #[arg(long, default_value_t = 122_636)]
+    pub kv_tokens: u64,
+    /// Prefill throughput in tokens/s (90k tokens in ~22 s: about 4100).
+    #[arg(long, default_value_t = 4_100.0)]
+    pub prefill_tps: f64,
+    /// Decode speed per sequence in tokens/s.
+    #[arg(long, default_value_t = 40.0)]
+    pub decode_tps: f64,
+    /// Multiplies every delay (0.01 = a hundred times faster than simulated).
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// The model id this replica serves.
+    #[arg(long, default_value = "sim-model")]
+    pub model: String,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig { kv_tokens: 122_636, prefill_tps: 4_100.0, decode_tps: 40.0, time_scale: 1.0, model: "sim-model".into() }
+    }
+}
+
+pub struct SimState {
+    cfg: SimConfig,
+    kv: Mutex<KvPool>,
+    kv_freed: Notify,
+    /// One prefill at a time, first come first served.
+    prefill_lane: tokio::sync::Mutex<()>,
+    running: AtomicU64,
+    waiting: AtomicU64,
+    queries: AtomicU64,
+    hits: AtomicU64,
+    prompt_tokens: AtomicU64,
+    generated: AtomicU64,
+    next_id: AtomicU64,
+    /// Requests whose stream ended because the client went away.
+    pub cancelled: AtomicU64,
+}
+
+impl SimState {
+    pub fn new(cfg: SimConfig) -> Arc<SimState> {
+        Arc::new(SimState {
+            kv: Mutex::new(KvPool::new(cfg.kv_tokens)),
+            cfg,
+            kv_freed: Notify::new(),
+            prefill_lane: tokio::sync::Mutex::new(()),
+            running: AtomicU64::new(0),
+            waiting: AtomicU64::new(0),
+            queries: AtomicU64::new(0),
+            hits: AtomicU64::new(0),
+            prompt_tokens: AtomicU64::new(0),
+            generated: AtomicU64::new(0),
+            next_id: AtomicU64::new(1),
+            cancelled: AtomicU64::new(0),
+        })
+    }
+
+    pub fn running(&self) -> u64 {
+        self.running.load(Ordering::Acquire)
+    }
+
+    fn scaled(&self, simulated_secs: f64) -> Duration {
+        Duration::from_secs_f64((simulated_secs * self.cfg.time_scale).max(0.0))
+    }
+}
+
+/// Starts a simulated replica on `listener` (bind `127.0.0.1:0` in tests).
+pub fn serve(listener: std::net::TcpListener, state: Arc<SimState>) -> std::io::Result<actix_web::dev::Server> {
+    let data = web::Data::from(state);
+    Ok(HttpServer::new(move || {
+        App::new()
+            .app_data(data.clone())
+            .app_data(web::PayloadConfig::new(256 * 1024 * 1024))
+            .route("/health", web::get().to(|| async { HttpResponse::Ok().finish() }))
+            .route("/metrics", web::get().to(metrics))
+            .route("/v1/models", web::get().to(models))
+            .route("/v1/chat/completions", web::post().to(chat))
+            .route("/v1/completions", web::post().to(completions))
+    })
+    .workers(1)
+    .shutdown_timeout(1)
+    .disable_signals()
+    .listen(listener)?
+    .run())
+}
+
+async fn models(s: web::Data<SimState>) -> HttpResponse {
+    HttpResponse::Ok().json(json!({"object": "list", "data": [{"id": s.cfg.model, "object": "model", "owned_by": "prefixgate-sim"}]}))
+}
+
+async fn metrics(s: web::Data<SimState>) -> HttpResponse {
+    let kv = s.kv.lock().expect("kv lock");
+    let usage = kv.used_blocks() as f64 / kv.capacity_blocks().max(1) as f64;
+    let body = format!(
+        "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name=\"{m}\"}} {}\n\
+         # TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{model_name=\"{m}\"}} {}\n\
+         # TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{{model_name=\"{m}\"}} {usage}\n\
+         # TYPE vllm:prefix_cache_queries counter\nvllm:prefix_cache_queries_total{{model_name=\"{m}\"}} {}\n\
+         # TYPE vllm:prefix_cache_hits counter\nvllm:prefix_cache_hits_total{{model_name=\"{m}\"}} {}\n\
+         # TYPE vllm:prompt_tokens counter\nvllm:prompt_tokens_total{{model_name=\"{m}\"}} {}\n\
+         # TYPE vllm:generation_tokens counter\nvllm:generation_tokens_total{{model_name=\"{m}\"}} {}\n\
+         # TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{block_size=\"{}\",num_gpu_blocks=\"{}\"}} 1\n",
+        s.running.load(Ordering::Relaxed),
+        s.waiting.load(Ordering::Relaxed),
+        s.queries.load(Ordering::Relaxed),
+        s.hits.load(Ordering::Relaxed),
+        s.prompt_tokens.load(Ordering::Relaxed),
+        s.generated.load(Ordering::Relaxed),
+        BLOCK_TOKENS,
+        kv.capacity_blocks(),
+        m = s.cfg.model,
+    );
+    HttpResponse::Ok().content_type("text/plain; version=0.0.4").body(body)
+}
+
+#[derive(Deserialize)]
+struct GenParams {
+    model: Option<String>,
+    #[serde(default)]
+    stream: bool,
+    max_tokens: Option<u64>,
+    max_completion_tokens: Option<u64>,
+    stream_options: Option<StreamOptions>,
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+#[derive(Deserialize)]
+struct ChatPrompt {
+    messages: Vec<Value>,
+}
+
+#[derive(Deserialize)]
+struct CompletionPrompt {
+    prompt: Value,
+}
+
+fn bad_request(msg: impl Into<String>) -> HttpResponse {
+    HttpResponse::BadRequest().json(json!({"error": {"message": msg.into(), "type": "invalid_request_error", "code": null}}))
+}
+
+/// A chat template stand-in: role and content of each message, in order.
+fn render_chat(messages: &[Value]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for m in messages {
+        out.extend_from_slice(m.get("role").and_then(Value::as_str).unwrap_or("user").as_bytes());
+        out.push(b'\n');
+        match m.get("content") {
+            Some(Value::String(s)) => out.extend_from_slice(s.as_bytes()),
+            Some(other @ Value::Array(_)) => out.extend_from_slice(other.to_string().as_bytes()),
+            _ => {}
+        }
+        if let Some(calls) = m.get("tool_calls") {
+            out.extend_from_slice(calls.to_string().as_bytes());
+        }
+        out.push(b'\n');
+    }
+    out
+}
+
+fn render_completion(prompt: &Value) -> Option<Vec<u8>> {
+    match prompt {
+        Value::String(s) => Some(s.as_bytes().to_vec()),
+        Value::Array(items) if items.iter().all(Value::is_u64) => {
+            Some(items.iter().flat_map(|t| (t.as_u64().unwrap_or(0) as u32).to_le_bytes()).collect())
+        }
+        _ => None,
+    }
+}
+
+async fn chat(s: web::Data<SimState>, body: web::Bytes) -> HttpResponse {
+    let (params, prompt) = match (serde_json::from_slice::<GenParams>(&body), serde_json::from_slice::<ChatPrompt>(&body)) {
+        (Ok(p), Ok(c)) if !c.messages.is_empty() => (p, render_chat(&c.messages)),
+        _ => return bad_request("expected a chat completion request with a non-empty 'messages' array"),
+    };
+    generate(s.into_inner(), params, prompt, true).await
+}
+
+async fn completions(s: web::Data<SimState>, body: web::Bytes) -> HttpResponse {
+    let parsed = serde_json::from_slice::<GenParams>(&body)
+        .ok()
+        .zip(serde_json::from_slice::<CompletionPrompt>(&body).ok().and_then(|c| render_completion(&c.prompt)));
+    match parsed {
+        Some((params, prompt)) => generate(s.into_inner(), params, prompt, false).await,
+        None => bad_request("expected a completion request with a string or token-array 'prompt'"),
+    }
+}
+
+/// One running sequence: its KV reservation is released when it drops,
+/// including when the client disconnects mid-stream.
+struct Sequence {
+    state: Arc<SimState>,
+    chain: Vec<u128>,
+    private: usize,
+}
+
+impl Drop for Sequence {
+    fn drop(&mut self) {
+        self.state.kv.lock().expect("kv lock").release(&self.chain, self.private);
+        self.state.running.fetch_sub(1, Ordering::AcqRel);
+        self.state.kv_freed.notify_waiters();
+    }
+}
+
+struct Prefilled {
+    seq: Sequence,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+    prefill_ms: f64,
+}
+
+fn block_chain(prompt: &[u8]) -> Vec<u128> {
+    let mut prev = 0u128;
+    prompt
+        .chunks_exact(BYTES_PER_BLOCK)
+        .map(|block| {
+            let mut h = Xxh3::new();
+            h.update(&prev.to_le_bytes());
+            h.update(block);
+            prev = h.digest128();
+            prev
+        })
+        .collect()
+}
+
+/// Waits for KV and the prefill lane, then "prefills" the uncached tokens.
+async fn prefill(s: &Arc<SimState>, prompt: &[u8], max_tokens: u64) -> Result<Prefilled, HttpResponse> {
+    let prompt_tokens = crate::tokens::estimate_tokens(prompt.len()).max(1);
+    let chain = block_chain(prompt);
+    let partial = usize::from(prompt.len() % BYTES_PER_BLOCK != 0);
+    let private = partial + max_tokens.div_ceil(BLOCK_TOKENS) as usize;
+    s.waiting.fetch_add(1, Ordering::AcqRel);
+    let lane = s.prefill_lane.lock().await;
+    let matched = loop {
+        let freed = s.kv_freed.notified();
+        let result = s.kv.lock().expect("kv lock").admit(&chain, private);
+        match result {
+            Ok(m) => break m,
+            Err(AdmitError::Full) => freed.await,
+            Err(AdmitError::TooLarge { needed, capacity }) => {
+                s.waiting.fetch_sub(1, Ordering::AcqRel);
+                return Err(bad_request(format!(
+                    "this request needs {} KV tokens but the cache holds {}",
+                    needed as u64 * BLOCK_TOKENS,
+                    capacity as u64 * BLOCK_TOKENS
+                )));
+            }
+        }
+    };
+    s.waiting.fetch_sub(1, Ordering::AcqRel);
+    s.running.fetch_add(1, Ordering::AcqRel);
+    let seq = Sequence { state: s.clone(), chain, private };
+    // vLLM recomputes at least the last token even on a full hit.
+    let cached_tokens = (matched as u64 * BLOCK_TOKENS).min((prompt_tokens - 1) / BLOCK_TOKENS * BLOCK_TOKENS);
+    s.queries.fetch_add(prompt_tokens, Ordering::Relaxed);
+    s.hits.fetch_add(cached_tokens, Ordering::Relaxed);
+    s.prompt_tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
+    let prefill_secs = (prompt_tokens - cached_tokens) as f64 / s.cfg.prefill_tps;
+    tokio::time::sleep(s.scaled(prefill_secs)).await;
+    drop(lane);
+    Ok(Prefilled { seq, prompt_tokens, cached_tokens, prefill_ms: prefill_secs * 1000.0 })
+}
+
+const WORDS: &[&str] = &["the", " cache", " is", " warm", " and", " the", " prefix", " holds", ","];
+
+fn usage(p: &Prefilled, completion: u64) -> Value {
+    json!({
+        "prompt_tokens": p.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": p.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": p.cached_tokens},
+    })
+}
+
+async fn generate(s: Arc<SimState>, params: GenParams, prompt: Vec<u8>, chat: bool) -> HttpResponse {
+    let max_tokens = params.max_completion_tokens.or(params.max_tokens).unwrap_or(16).min(4096);
+    let model = params.model.clone().unwrap_or_else(|| s.cfg.model.clone());
+    let id = format!("{}-sim-{}", if chat { "chatcmpl" } else { "cmpl" }, s.next_id.fetch_add(1, Ordering::Relaxed));
+    let created = crate::clock::now_ms() / 1000;
+    let per_token = s.scaled(1.0 / s.cfg.decode_tps);
+    if !params.stream {
+        let p = match prefill(&s, &prompt, max_tokens).await {
+            Ok(p) => p,
+            Err(resp) => return resp,
+        };
+        tokio::time::sleep(per_token * max_tokens as u32).await;
+        s.generated.fetch_add(max_tokens, Ordering::Relaxed);
+        let text: String = (0..max_tokens as usize).map(|i| WORDS[i % WORDS.len()]).collect();
+        let choice = if chat {
+            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"})
+        } else {
+            json!({"index": 0, "text": text, "finish_reason": "length"})
+        };
+        let object = if chat { "chat.completion" } else { "text_completion" };
+        let body = json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice], "usage": usage(&p, max_tokens)});
+        drop(p.seq);
+        return HttpResponse::Ok().insert_header(("x-sim-prefill-ms", format!("{:.1}", p.prefill_ms))).json(body);
+    }
+    // Streaming: headers go out at once (as real SSE servers do); the first
+    // data chunk waits for the prefill.
+    let include_usage = params.stream_options.is_some_and(|o| o.include_usage);
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<web::Bytes, actix_web::Error>>(8);
+    actix_web::rt::spawn(async move {
+        let p = match prefill(&s, &prompt, max_tokens).await {
+            Ok(p) => p,
+            Err(_) => {
+                let _ = tx.send(Ok(sse(&json!({"error": {"message": "prompt does not fit in the KV cache"}})))).await;
+                return;
+            }
+        };
+        let object = if chat { "chat.completion.chunk" } else { "text_completion" };
+        let chunk = |delta: Option<&str>, finish: Option<&str>| {
+            let choice = match (chat, delta) {
+                (true, Some(d)) => json!({"index": 0, "delta": {"content": d}, "finish_reason": finish}),
+                (true, None) => json!({"index": 0, "delta": {}, "finish_reason": finish}),
+                (false, d) => json!({"index": 0, "text": d.unwrap_or(""), "finish_reason": finish}),
+            };
+            sse(&json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice], "prefill_ms": p.prefill_ms}))
+        };
+        for i in 0..max_tokens as usize {
+            if i > 0 {
+                tokio::time::sleep(per_token).await;
+            }
+            s.generated.fetch_add(1, Ordering::Relaxed);
+            if tx.send(Ok(chunk(Some(WORDS[i % WORDS.len()]), None))).await.is_err() {
+                s.cancelled.fetch_add(1, Ordering::Relaxed);
+                return; // the client went away: stop generating, free the KV
+            }
+        }
+        let mut tail = vec![chunk(None, Some("length"))];
+        if include_usage {
+            tail.push(sse(&json!({"id": id, "object": object, "created": created, "model": model, "choices": [], "usage": usage(&p, max_tokens)})));
+        }
+        tail.push(web::Bytes::from_static(b"data: [DONE]\n\n"));
+        for t in tail {
+            if tx.send(Ok(t)).await.is_err() {
+                s.cancelled.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+        }
+    });
+    HttpResponse::Ok()
+        .content_type("text/event-stream")
+        .insert_header(("cache-control", "no-cache"))
+        .streaming(tokio_stream_from(rx))
+}
+
+fn sse(v: &Value) -> web::Bytes {
+    web::Bytes::from(format!("data: {v}\n\n"))
+}
+
+fn tokio_stream_from<T>(mut rx: tokio::sync::mpsc::Receiver<T>) -> impl futures_util::Stream<Item = T> {
+    futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}

@@ -1,0 +1,68 @@
+//! An in-memory store: the same contract as sled, nothing survives the process.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+
+use super::{Store, StoreError, StoredReplica};
+use crate::events::Event;
+use crate::pins::{Pin, PinChange};
+use crate::policy::PrefixKey;
+
+#[derive(Default)]
+pub struct MemoryStore {
+    replicas: Mutex<BTreeMap<String, StoredReplica>>,
+    pins: Mutex<HashMap<PrefixKey, Pin>>,
+    events: Mutex<BTreeMap<u64, Event>>,
+    settings: Mutex<HashMap<String, serde_json::Value>>,
+}
+
+impl Store for MemoryStore {
+    fn is_new(&self) -> bool {
+        self.replicas.lock().expect("lock").is_empty()
+    }
+    fn replicas(&self) -> Result<Vec<StoredReplica>, StoreError> {
+        Ok(self.replicas.lock().expect("lock").values().cloned().collect())
+    }
+    fn put_replica(&self, r: &StoredReplica) -> Result<(), StoreError> {
+        self.replicas.lock().expect("lock").insert(r.spec.id.clone(), r.clone());
+        Ok(())
+    }
+    fn delete_replica(&self, id: &str) -> Result<(), StoreError> {
+        self.replicas.lock().expect("lock").remove(id);
+        Ok(())
+    }
+    fn pins(&self) -> Result<Vec<(PrefixKey, Pin)>, StoreError> {
+        Ok(self.pins.lock().expect("lock").iter().map(|(k, p)| (*k, p.clone())).collect())
+    }
+    fn write_pins(&self, changes: &[PinChange]) -> Result<(), StoreError> {
+        let mut pins = self.pins.lock().expect("lock");
+        for (k, p) in changes {
+            match p {
+                Some(p) => pins.insert(*k, p.clone()),
+                None => pins.remove(k),
+            };
+        }
+        Ok(())
+    }
+    fn append_event(&self, e: &Event, dropped_up_to: Option<u64>) -> Result<(), StoreError> {
+        let mut events = self.events.lock().expect("lock");
+        events.insert(e.id, e.clone());
+        if let Some(upto) = dropped_up_to {
+            events.retain(|id, _| *id > upto);
+        }
+        Ok(())
+    }
+    fn events(&self) -> Result<Vec<Event>, StoreError> {
+        Ok(self.events.lock().expect("lock").values().cloned().collect())
+    }
+    fn setting(&self, key: &str) -> Result<Option<serde_json::Value>, StoreError> {
+        Ok(self.settings.lock().expect("lock").get(key).cloned())
+    }
+    fn put_setting(&self, key: &str, value: &serde_json::Value) -> Result<(), StoreError> {
+        self.settings.lock().expect("lock").insert(key.to_string(), value.clone());
+        Ok(())
+    }
+    fn flush(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+}

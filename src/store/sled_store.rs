@@ -1,0 +1,178 @@
+//! The embedded default store: sled, one tree per kind of state.
+
+use std::path::Path;
+
+use super::{decode_pin, encode_pin, migrations, Store, StoreError, StoredReplica};
+use crate::events::Event;
+use crate::pins::{Pin, PinChange};
+use crate::policy::PrefixKey;
+
+pub struct SledStore {
+    db: sled::Db,
+    replicas: sled::Tree,
+    pins: sled::Tree,
+    events: sled::Tree,
+    settings: sled::Tree,
+    new: bool,
+}
+
+impl SledStore {
+    pub fn open(dir: &Path) -> Result<SledStore, StoreError> {
+        std::fs::create_dir_all(dir).map_err(|e| StoreError::Backend(format!("cannot create {}: {e}", dir.display())))?;
+        let db = sled::Config::new().path(dir.join("db")).open()?;
+        let new = migrations::read_version(&db)? == 0 && db.tree_names().len() <= 1;
+        migrations::run(&db)?;
+        Ok(SledStore {
+            replicas: db.open_tree("replicas")?,
+            pins: db.open_tree("pins")?,
+            events: db.open_tree("events")?,
+            settings: db.open_tree("settings")?,
+            db,
+            new,
+        })
+    }
+
+    /// Bytes on disk (for the size measurements in the docs).
+    pub fn size_on_disk(&self) -> u64 {
+        self.db.size_on_disk().unwrap_or(0)
+    }
+}
+
+fn corrupt(tree: &'static str) -> impl Fn(String) -> StoreError {
+    move |detail| StoreError::Corrupt { tree, detail }
+}
+
+impl Store for SledStore {
+    fn is_new(&self) -> bool {
+        self.new
+    }
+
+    fn replicas(&self) -> Result<Vec<StoredReplica>, StoreError> {
+        self.replicas
+            .iter()
+            .map(|item| {
+                let (_, v) = item?;
+                serde_json::from_slice(&v).map_err(|e| corrupt("replicas")(e.to_string()))
+            })
+            .collect()
+    }
+
+    fn put_replica(&self, r: &StoredReplica) -> Result<(), StoreError> {
+        let v = serde_json::to_vec(r).map_err(|e| StoreError::Backend(e.to_string()))?;
+        self.replicas.insert(r.spec.id.as_bytes(), v)?;
+        Ok(())
+    }
+
+    fn delete_replica(&self, id: &str) -> Result<(), StoreError> {
+        self.replicas.remove(id.as_bytes())?;
+        Ok(())
+    }
+
+    fn pins(&self) -> Result<Vec<(PrefixKey, Pin)>, StoreError> {
+        self.pins
+            .iter()
+            .map(|item| {
+                let (k, v) = item?;
+                let key: [u8; 16] = k.as_ref().try_into().map_err(|_| corrupt("pins")("key is not 16 bytes".into()))?;
+                Ok((u128::from_be_bytes(key), decode_pin(&v).map_err(corrupt("pins"))?))
+            })
+            .collect()
+    }
+
+    fn write_pins(&self, changes: &[PinChange]) -> Result<(), StoreError> {
+        let mut batch = sled::Batch::default();
+        for (key, pin) in changes {
+            match pin {
+                Some(p) => batch.insert(&key.to_be_bytes(), encode_pin(p)),
+                None => batch.remove(&key.to_be_bytes()),
+            }
+        }
+        self.pins.apply_batch(batch)?;
+        Ok(())
+    }
+
+    fn append_event(&self, e: &Event, dropped_up_to: Option<u64>) -> Result<(), StoreError> {
+        let v = serde_json::to_vec(e).map_err(|e| StoreError::Backend(e.to_string()))?;
+        self.events.insert(e.id.to_be_bytes(), v)?;
+        if let Some(upto) = dropped_up_to {
+            let mut batch = sled::Batch::default();
+            for item in self.events.range(..=upto.to_be_bytes()) {
+                batch.remove(item?.0);
+            }
+            self.events.apply_batch(batch)?;
+        }
+        Ok(())
+    }
+
+    fn events(&self) -> Result<Vec<Event>, StoreError> {
+        self.events
+            .iter()
+            .map(|item| {
+                let (_, v) = item?;
+                serde_json::from_slice(&v).map_err(|e| corrupt("events")(e.to_string()))
+            })
+            .collect()
+    }
+
+    fn setting(&self, key: &str) -> Result<Option<serde_json::Value>, StoreError> {
+        match self.settings.get(key)? {
+            Some(v) => serde_json::from_slice(&v).map(Some).map_err(|e| corrupt("settings")(e.to_string())),
+            None => Ok(None),
+        }
+    }
+
+    fn put_setting(&self, key: &str, value: &serde_json::Value) -> Result<(), StoreError> {
+        self.settings.insert(key, serde_json::to_vec(value).map_err(|e| StoreError::Backend(e.to_string()))?)?;
+        Ok(())
+    }
+
+    fn flush(&self) -> Result<(), StoreError> {
+        self.db.flush()?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_schema_1_database_is_migrated_and_its_pins_load() {
+        let dir = tempfile::tempdir().unwrap();
+        let pin = Pin { replica: "a".into(), created_ms: 5, last_used_ms: 6, turns: 2, est_tokens: 100, family: 7 };
+        {
+            // What the first schema wrote: version 1 and JSON pins.
+            let db = sled::Config::new().path(dir.path().join("db")).open().unwrap();
+            for t in migrations::TREES {
+                db.open_tree(t).unwrap();
+            }
+            let v1 = br#"{"replica":"a","created_ms":5,"last_used_ms":6,"turns":2,"est_tokens":100}"#;
+            db.open_tree("pins").unwrap().insert(7u128.to_be_bytes(), &v1[..]).unwrap();
+            db.insert("schema_version", &1u64.to_be_bytes()).unwrap();
+            db.flush().unwrap();
+        }
+        let store = SledStore::open(dir.path()).unwrap();
+        assert!(!store.is_new());
+        assert_eq!(store.pins().unwrap(), vec![(7, pin)]);
+        assert_eq!(migrations::read_version(&store.db).unwrap(), migrations::SCHEMA_VERSION);
+    }
+
+    #[test]
+    fn a_database_from_a_newer_schema_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let db = sled::Config::new().path(dir.path().join("db")).open().unwrap();
+            db.insert("schema_version", &99u64.to_be_bytes()).unwrap();
+            db.flush().unwrap();
+        }
+        let err = SledStore::open(dir.path()).err().expect("must refuse");
+        assert!(err.to_string().contains("newer prefixgate"), "{err}");
+    }
+
+    #[test]
+    fn a_new_database_reports_new_then_not() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(SledStore::open(dir.path()).unwrap().is_new());
+        assert!(!SledStore::open(dir.path()).unwrap().is_new());
+    }
+}
