@@ -33,7 +33,8 @@ pub enum EventKind {
 impl std::str::FromStr for EventKind {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        serde_json::from_value(serde_json::Value::String(s.to_string())).map_err(|_| format!("unknown event kind '{s}'"))
+        serde_json::from_value(serde_json::Value::String(s.to_string()))
+            .map_err(|_| format!("unknown event kind '{s}'"))
     }
 }
 
@@ -79,10 +80,21 @@ impl EventLog {
         while ring.len() > cap {
             ring.pop_front();
         }
-        EventLog { next_id: AtomicU64::new(next), ring: RwLock::new(ring), cap: cap.max(1), store }
+        EventLog {
+            next_id: AtomicU64::new(next),
+            ring: RwLock::new(ring),
+            cap: cap.max(1),
+            store,
+        }
     }
 
-    pub fn record(&self, kind: EventKind, replica: Option<&str>, to_replica: Option<&str>, detail: impl Into<String>) -> Event {
+    pub fn record(
+        &self,
+        kind: EventKind,
+        replica: Option<&str>,
+        to_replica: Option<&str>,
+        detail: impl Into<String>,
+    ) -> Event {
         let now = std::time::SystemTime::now();
         let event = Event {
             id: self.next_id.fetch_add(1, Ordering::AcqRel),
@@ -117,7 +129,9 @@ impl EventLog {
             .filter(|e| f.before_id.is_none_or(|b| e.id < b))
             .filter(|e| f.kind.is_none_or(|k| e.kind == k))
             .filter(|e| {
-                f.replica.as_deref().is_none_or(|r| e.replica.as_deref() == Some(r) || e.to_replica.as_deref() == Some(r))
+                f.replica.as_deref().is_none_or(|r| {
+                    e.replica.as_deref() == Some(r) || e.to_replica.as_deref() == Some(r)
+                })
             })
             .take_while(|e| f.since_ms.is_none_or(|s| e.at_ms >= s))
             .take(f.limit)
@@ -126,6 +140,11 @@ impl EventLog {
     }
 
     pub fn count(&self, kind: EventKind) -> usize {
-        self.ring.read().expect("events lock").iter().filter(|e| e.kind == kind).count()
+        self.ring
+            .read()
+            .expect("events lock")
+            .iter()
+            .filter(|e| e.kind == kind)
+            .count()
     }
 }

@@ -27,7 +27,7 @@ use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::time::Duration;
 
-use actix_web::dev::{Server, ServerHandle};
+use actix_web::dev::ServerHandle;
 use actix_web::{web, App, HttpResponse, HttpServer};
 
 use error::ApiError;
@@ -38,37 +38,30 @@ pub struct Running {
     pub gateway: Arc<Gateway>,
     pub traffic_addr: SocketAddr,
     pub admin_addr: SocketAddr,
-    traffic: Server,
-    admin: Server,
+    traffic: ServerHandle,
+    admin: ServerHandle,
+    tasks: Vec<actix_web::rt::task::JoinHandle<std::io::Result<()>>>,
 }
 
 impl Running {
-    pub fn handles(&self) -> (ServerHandle, ServerHandle) {
-        (self.traffic.handle(), self.admin.handle())
-    }
-
     /// Stops accepting, lets in-flight requests finish (bounded by the
     /// servers' shutdown timeout), then flushes pins and the store.
     pub async fn stop(self) {
-        let (t, a) = self.handles();
-        futures_util::future::join(t.stop(true), a.stop(true)).await;
-        let _ = futures_util::future::join(self.traffic, self.admin).await;
+        futures_util::future::join(self.traffic.stop(true), self.admin.stop(true)).await;
+        futures_util::future::join_all(self.tasks).await;
         if let Err(e) = self.gateway.flush_all() {
             tracing::error!("final flush failed: {e}");
         }
-    }
-
-    /// Runs until both servers end (e.g. after `stop` from elsewhere), then flushes.
-    pub async fn wait(self) -> std::io::Result<()> {
-        let (a, b) = futures_util::future::join(self.traffic, self.admin).await;
-        self.gateway.flush_all().map_err(std::io::Error::other)?;
-        a.and(b)
     }
 }
 
 /// Starts both listeners and the background tasks (health checks, pin
 /// flusher and pruner). Must run inside an actix system.
-pub fn start(gw: Arc<Gateway>, traffic: TcpListener, admin: TcpListener) -> std::io::Result<Running> {
+pub fn start(
+    gw: Arc<Gateway>,
+    traffic: TcpListener,
+    admin: TcpListener,
+) -> std::io::Result<Running> {
     let traffic_addr = traffic.local_addr()?;
     let admin_addr = admin.local_addr()?;
     let data = web::Data::from(gw.clone());
@@ -95,7 +88,20 @@ pub fn start(gw: Arc<Gateway>, traffic: TcpListener, admin: TcpListener) -> std:
     .listen(admin)?
     .run();
     spawn_background(gw.clone());
-    Ok(Running { gateway: gw, traffic_addr, admin_addr, traffic: traffic_server, admin: admin_server })
+    let (traffic, admin) = (traffic_server.handle(), admin_server.handle());
+    // Servers run only while polled: spawn them on this system.
+    let tasks = vec![
+        actix_web::rt::spawn(traffic_server),
+        actix_web::rt::spawn(admin_server),
+    ];
+    Ok(Running {
+        gateway: gw,
+        traffic_addr,
+        admin_addr,
+        traffic,
+        admin,
+        tasks,
+    })
 }
 
 fn spawn_background(gw: Arc<Gateway>) {
@@ -106,7 +112,11 @@ fn spawn_background(gw: Arc<Gateway>) {
         loop {
             tokio::time::sleep(flush_every).await;
             if last_prune.elapsed() >= Duration::from_secs(10) {
-                let pruned = gw.pins.prune(clock::now_ms(), gw.config.pins.ttl_secs * 1000, gw.config.pins.max_pins);
+                let pruned = gw.pins.prune(
+                    clock::now_ms(),
+                    gw.config.pins.ttl_secs * 1000,
+                    gw.config.pins.max_pins,
+                );
                 if pruned > 0 {
                     tracing::debug!("pruned {pruned} pin(s)");
                 }
@@ -139,7 +149,11 @@ pub fn create_traffic_app(
         .route("/healthz", web::get().to(healthz))
         .route("/v1/models", web::get().to(list_models))
         .route("/v1/{tail:.*}", web::to(proxy::forward))
-        .default_service(web::to(|| async { Err::<HttpResponse, _>(ApiError::NotFound("no such route; the API lives under /v1".into())) }))
+        .default_service(web::to(|| async {
+            Err::<HttpResponse, _>(ApiError::NotFound(
+                "no such route; the API lives under /v1".into(),
+            ))
+        }))
 }
 
 async fn healthz(gw: web::Data<Gateway>) -> HttpResponse {
@@ -154,10 +168,18 @@ async fn healthz(gw: web::Data<Gateway>) -> HttpResponse {
 
 /// `GET /v1/models`: the union of the models the replicas reported.
 async fn list_models(gw: web::Data<Gateway>) -> HttpResponse {
-    let mut ids: Vec<String> = gw.fleet.snapshot().iter().flat_map(|r| r.models().as_ref().clone()).collect();
+    let mut ids: Vec<String> = gw
+        .fleet
+        .snapshot()
+        .iter()
+        .flat_map(|r| r.models().as_ref().clone())
+        .collect();
     ids.sort();
     ids.dedup();
-    let data: Vec<_> = ids.iter().map(|id| serde_json::json!({"id": id, "object": "model", "owned_by": "prefixgate"})).collect();
+    let data: Vec<_> = ids
+        .iter()
+        .map(|id| serde_json::json!({"id": id, "object": "model", "owned_by": "prefixgate"}))
+        .collect();
     HttpResponse::Ok().json(serde_json::json!({"object": "list", "data": data}))
 }
 

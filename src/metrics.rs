@@ -126,32 +126,113 @@ impl Metrics {
             registry: Registry::default(),
         };
         // Registration clones the families (they share state through Arcs).
-        registry.register("prefixgate_requests", "Requests proxied, by replica, route reason and status", m.requests.clone());
-        registry.register("prefixgate_upstream_ttfb_seconds", "Time to the first upstream response byte", m.upstream_ttfb.clone());
-        registry.register("prefixgate_request_duration_seconds", "Time until the response body ended", m.request_duration.clone());
-        registry.register("prefixgate_failovers", "Requests retried on another replica after a connection failure", m.failovers.clone());
-        registry.register("prefixgate_pin_lookups", "Continuation pin lookups by result (hit, miss)", m.pin_lookups.clone());
-        registry.register("prefixgate_rejected_requests", "Requests answered by the gateway with an error, by reason", m.rejected.clone());
-        registry.register("prefixgate_prompt_tokens", "Prompt tokens reported by replicas in usage, by replica and route", m.prompt_tokens.clone());
-        registry.register("prefixgate_cached_tokens", "Cached prompt tokens reported by replicas, by replica and route", m.cached_tokens.clone());
-        registry.register("prefixgate_usage_measured", "Successful responses whose usage could be read (result=measured|unmeasured)", m.usage_measured.clone());
-        registry.register("prefixgate_admission_waits", "Large requests that waited for an admission slot", m.admission_waits.clone());
-        registry.register("prefixgate_admission_rejections", "Large requests rejected by admission (queue full or wait timeout)", m.admission_rejections.clone());
-        registry.register("prefixgate_inflight_requests", "Requests in flight per replica", m.inflight.clone());
-        registry.register("prefixgate_large_inflight_requests", "Large-context requests in flight per replica", m.large_inflight.clone());
-        registry.register("prefixgate_pins", "Conversation pins held per replica", m.pins.clone());
-        registry.register("prefixgate_replica_up", "1 when the replica takes traffic (active and not down)", m.replica_up.clone());
-        registry.register("prefixgate_admission_queue_depth", "Large requests waiting for an admission slot", m.admission_queue_depth.clone());
-        registry.register("prefixgate_working_set_tokens", "Estimated KV working set: active families plus running requests", m.working_set_tokens.clone());
-        registry.register("prefixgate_kv_capacity_tokens", "KV cache capacity in tokens (declared or read from the replica)", m.kv_capacity_tokens.clone());
-        registry.register("prefixgate_bytes_per_token", "Calibrated prompt bytes per token", m.bytes_per_token.clone());
-        registry.register("prefixgate_capacity_warning", "1 when the working set exceeds KV capacity", m.capacity_warning.clone());
+        registry.register(
+            "prefixgate_requests",
+            "Requests proxied, by replica, route reason and status",
+            m.requests.clone(),
+        );
+        registry.register(
+            "prefixgate_upstream_ttfb_seconds",
+            "Time to the first upstream response byte",
+            m.upstream_ttfb.clone(),
+        );
+        registry.register(
+            "prefixgate_request_duration_seconds",
+            "Time until the response body ended",
+            m.request_duration.clone(),
+        );
+        registry.register(
+            "prefixgate_failovers",
+            "Requests retried on another replica after a connection failure",
+            m.failovers.clone(),
+        );
+        registry.register(
+            "prefixgate_pin_lookups",
+            "Continuation pin lookups by result (hit, miss)",
+            m.pin_lookups.clone(),
+        );
+        registry.register(
+            "prefixgate_rejected_requests",
+            "Requests answered by the gateway with an error, by reason",
+            m.rejected.clone(),
+        );
+        registry.register(
+            "prefixgate_prompt_tokens",
+            "Prompt tokens reported by replicas in usage, by replica and route",
+            m.prompt_tokens.clone(),
+        );
+        registry.register(
+            "prefixgate_cached_tokens",
+            "Cached prompt tokens reported by replicas, by replica and route",
+            m.cached_tokens.clone(),
+        );
+        registry.register(
+            "prefixgate_usage_measured",
+            "Successful responses whose usage could be read (result=measured|unmeasured)",
+            m.usage_measured.clone(),
+        );
+        registry.register(
+            "prefixgate_admission_waits",
+            "Large requests that waited for an admission slot",
+            m.admission_waits.clone(),
+        );
+        registry.register(
+            "prefixgate_admission_rejections",
+            "Large requests rejected by admission (queue full or wait timeout)",
+            m.admission_rejections.clone(),
+        );
+        registry.register(
+            "prefixgate_inflight_requests",
+            "Requests in flight per replica",
+            m.inflight.clone(),
+        );
+        registry.register(
+            "prefixgate_large_inflight_requests",
+            "Large-context requests in flight per replica",
+            m.large_inflight.clone(),
+        );
+        registry.register(
+            "prefixgate_pins",
+            "Conversation pins held per replica",
+            m.pins.clone(),
+        );
+        registry.register(
+            "prefixgate_replica_up",
+            "1 when the replica takes traffic (active and not down)",
+            m.replica_up.clone(),
+        );
+        registry.register(
+            "prefixgate_admission_queue_depth",
+            "Large requests waiting for an admission slot",
+            m.admission_queue_depth.clone(),
+        );
+        registry.register(
+            "prefixgate_working_set_tokens",
+            "Estimated KV working set: active families plus running requests",
+            m.working_set_tokens.clone(),
+        );
+        registry.register(
+            "prefixgate_kv_capacity_tokens",
+            "KV cache capacity in tokens (declared or read from the replica)",
+            m.kv_capacity_tokens.clone(),
+        );
+        registry.register(
+            "prefixgate_bytes_per_token",
+            "Calibrated prompt bytes per token",
+            m.bytes_per_token.clone(),
+        );
+        registry.register(
+            "prefixgate_capacity_warning",
+            "1 when the working set exceeds KV capacity",
+            m.capacity_warning.clone(),
+        );
         Metrics { registry, ..m }
     }
 
     pub fn encode(&self) -> String {
         let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("writing to a String cannot fail");
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("writing to a String cannot fail");
         out
     }
 }
@@ -163,5 +244,7 @@ impl Default for Metrics {
 }
 
 pub fn replica_label(id: &str) -> ReplicaLabels {
-    ReplicaLabels { replica: id.to_string() }
+    ReplicaLabels {
+        replica: id.to_string(),
+    }
 }

@@ -21,7 +21,10 @@ async fn get_policy(gw: web::Data<Gateway>) -> web::Json<PolicySettings> {
         example = json!({"mode": "shape", "identity": {"block_bytes": 1024, "block_tokens": 256}})),
     responses((status = 200, body = PolicySettings), (status = 400, body = ErrorBody), (status = 422, body = ErrorBody)))]
 #[put("/policy")]
-async fn put_policy(gw: web::Data<Gateway>, body: web::Json<PolicySettings>) -> Result<web::Json<PolicySettings>, ApiError> {
+async fn put_policy(
+    gw: web::Data<Gateway>,
+    body: web::Json<PolicySettings>,
+) -> Result<web::Json<PolicySettings>, ApiError> {
     gw.set_policy(body.into_inner())?;
     Ok(web::Json(gw.policy()))
 }

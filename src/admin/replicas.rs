@@ -97,7 +97,10 @@ async fn list(gw: web::Data<Gateway>) -> web::Json<Vec<ReplicaView>> {
 #[utoipa::path(tag = "replicas", params(("id" = String, Path, description = "replica id")),
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody)))]
 #[get("/replicas/{id}")]
-async fn get_one(gw: web::Data<Gateway>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
+async fn get_one(
+    gw: web::Data<Gateway>,
+    id: web::Path<String>,
+) -> Result<web::Json<ReplicaView>, ApiError> {
     let r = gw.replica(checked_id(&id)?)?;
     Ok(web::Json(view(&gw, &r)))
 }
@@ -118,7 +121,10 @@ pub struct NewReplica {
 #[utoipa::path(tag = "replicas", request_body = NewReplica,
     responses((status = 201, body = ReplicaView), (status = 400, body = ErrorBody), (status = 409, body = ErrorBody), (status = 422, body = ErrorBody)))]
 #[post("/replicas")]
-async fn add(gw: web::Data<Gateway>, body: web::Json<NewReplica>) -> Result<HttpResponse, ApiError> {
+async fn add(
+    gw: web::Data<Gateway>,
+    body: web::Json<NewReplica>,
+) -> Result<HttpResponse, ApiError> {
     let b = body.into_inner();
     let mut spec = ReplicaSpec::new(&b.id, &b.url);
     spec.api_key = b.api_key.filter(|k| !k.is_empty());
@@ -150,7 +156,11 @@ pub struct ReplicaPatch {
 #[utoipa::path(tag = "replicas", params(("id" = String, Path)), request_body = ReplicaPatch,
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody), (status = 422, body = ErrorBody)))]
 #[patch("/replicas/{id}")]
-async fn update(gw: web::Data<Gateway>, id: web::Path<String>, body: web::Json<ReplicaPatch>) -> Result<web::Json<ReplicaView>, ApiError> {
+async fn update(
+    gw: web::Data<Gateway>,
+    id: web::Path<String>,
+    body: web::Json<ReplicaPatch>,
+) -> Result<web::Json<ReplicaView>, ApiError> {
     let r = gw.replica(checked_id(&id)?)?;
     let p = body.into_inner();
     let mut spec = (*r.spec()).clone();
@@ -201,10 +211,15 @@ pub struct DrainQuery {
                    With `wait=true` answers once nothing is in flight: 504 at the timeout, 409 if resumed meanwhile.",
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 504, body = ErrorBody)))]
 #[post("/replicas/{id}/drain")]
-async fn drain(gw: web::Data<Gateway>, id: web::Path<String>, q: web::Query<DrainQuery>) -> Result<web::Json<ReplicaView>, ApiError> {
+async fn drain(
+    gw: web::Data<Gateway>,
+    id: web::Path<String>,
+    q: web::Query<DrainQuery>,
+) -> Result<web::Json<ReplicaView>, ApiError> {
     let r = gw.set_admin(checked_id(&id)?, AdminState::Draining)?;
     if q.wait {
-        gw.wait_drained(&r, Duration::from_secs(q.timeout.unwrap_or(60).min(3600))).await?;
+        gw.wait_drained(&r, Duration::from_secs(q.timeout.unwrap_or(60).min(3600)))
+            .await?;
     }
     Ok(web::Json(view(&gw, &r)))
 }
@@ -212,10 +227,15 @@ async fn drain(gw: web::Data<Gateway>, id: web::Path<String>, q: web::Query<Drai
 #[utoipa::path(tag = "replicas", params(("id" = String, Path)), description = "Undoes a drain.",
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 #[post("/replicas/{id}/resume")]
-async fn resume(gw: web::Data<Gateway>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
+async fn resume(
+    gw: web::Data<Gateway>,
+    id: web::Path<String>,
+) -> Result<web::Json<ReplicaView>, ApiError> {
     let r = gw.replica(checked_id(&id)?)?;
     if r.admin() == AdminState::Disabled {
-        return Err(ApiError::Conflict(format!("replica '{id}' is disabled; use enable")));
+        return Err(ApiError::Conflict(format!(
+            "replica '{id}' is disabled; use enable"
+        )));
     }
     let r = gw.set_admin(&id, AdminState::Active)?;
     Ok(web::Json(view(&gw, &r)))
@@ -224,7 +244,10 @@ async fn resume(gw: web::Data<Gateway>, id: web::Path<String>) -> Result<web::Js
 #[utoipa::path(tag = "replicas", params(("id" = String, Path)), description = "Demotes a replica by hand; sticky until enable.",
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody)))]
 #[post("/replicas/{id}/disable")]
-async fn disable(gw: web::Data<Gateway>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
+async fn disable(
+    gw: web::Data<Gateway>,
+    id: web::Path<String>,
+) -> Result<web::Json<ReplicaView>, ApiError> {
     let r = gw.set_admin(checked_id(&id)?, AdminState::Disabled)?;
     Ok(web::Json(view(&gw, &r)))
 }
@@ -232,7 +255,10 @@ async fn disable(gw: web::Data<Gateway>, id: web::Path<String>) -> Result<web::J
 #[utoipa::path(tag = "replicas", params(("id" = String, Path)),
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody)))]
 #[post("/replicas/{id}/enable")]
-async fn enable(gw: web::Data<Gateway>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
+async fn enable(
+    gw: web::Data<Gateway>,
+    id: web::Path<String>,
+) -> Result<web::Json<ReplicaView>, ApiError> {
     let r = gw.set_admin(checked_id(&id)?, AdminState::Active)?;
     Ok(web::Json(view(&gw, &r)))
 }
@@ -245,7 +271,12 @@ pub struct Removed {
 #[utoipa::path(tag = "pins", params(("id" = String, Path)), description = "Deletes every pin held by the replica.",
     responses((status = 200, body = Removed), (status = 404, body = ErrorBody)))]
 #[delete("/replicas/{id}/pins")]
-async fn remove_pins(gw: web::Data<Gateway>, id: web::Path<String>) -> Result<web::Json<Removed>, ApiError> {
+async fn remove_pins(
+    gw: web::Data<Gateway>,
+    id: web::Path<String>,
+) -> Result<web::Json<Removed>, ApiError> {
     gw.replica(checked_id(&id)?)?;
-    Ok(web::Json(Removed { removed: gw.pins.remove_replica(&id) }))
+    Ok(web::Json(Removed {
+        removed: gw.pins.remove_replica(&id),
+    }))
 }

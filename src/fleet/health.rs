@@ -28,7 +28,14 @@ pub enum ProbeResult {
 }
 
 /// The health after a probe, given the streaks *including* this probe.
-pub fn next(current: Health, result: ProbeResult, ok_streak: u32, fail_streak: u32, rise: u32, fall: u32) -> Health {
+pub fn next(
+    current: Health,
+    result: ProbeResult,
+    ok_streak: u32,
+    fail_streak: u32,
+    rise: u32,
+    fall: u32,
+) -> Health {
     match (current, result) {
         (_, ProbeResult::Inconclusive) => current,
         (Health::Unknown, ProbeResult::Ok) => Health::Up,
@@ -53,7 +60,9 @@ struct ModelEntry {
 pub async fn run(gw: Arc<Gateway>) {
     let cfg = gw.config.health.clone();
     let client = awc::Client::builder()
-        .connector(awc::Connector::new().timeout(Duration::from_millis(gw.config.timeouts.connect_ms)))
+        .connector(
+            awc::Connector::new().timeout(Duration::from_millis(gw.config.timeouts.connect_ms)),
+        )
         .timeout(Duration::from_millis(cfg.timeout_ms))
         .finish();
     loop {
@@ -69,7 +78,10 @@ pub async fn check(gw: &Gateway, client: &awc::Client, r: Arc<Replica>) {
     let spec = r.spec();
     let busy = r.inflight() > 0;
     let (mut result, mut error) = probe(client, &spec.url, spec.health_path(), busy).await;
-    if result == ProbeResult::Failed && spec.health_path.is_none() && error.as_deref() == Some("404") {
+    if result == ProbeResult::Failed
+        && spec.health_path.is_none()
+        && error.as_deref() == Some("404")
+    {
         (result, error) = probe(client, &spec.url, "/v1/models", busy).await;
     }
     if result == ProbeResult::Ok && (!busy || r.models().is_empty()) {
@@ -94,25 +106,50 @@ pub async fn check(gw: &Gateway, client: &awc::Client, r: Arc<Replica>) {
         }
         p.last_check_ms = Some(crate::clock::now_ms());
         let prev = r.health();
-        let now = next(prev, result, p.ok_streak, p.fail_streak, gw.config.health.rise, gw.config.health.fall);
+        let now = next(
+            prev,
+            result,
+            p.ok_streak,
+            p.fail_streak,
+            gw.config.health.rise,
+            gw.config.health.fall,
+        );
         r.set_health(now);
         (prev, now)
     };
     match (prev, now) {
         (Health::Up | Health::Unknown, Health::Down) => {
-            gw.events.record(EventKind::ReplicaDown, Some(&r.id), None, error.unwrap_or_default());
+            gw.events.record(
+                EventKind::ReplicaDown,
+                Some(&r.id),
+                None,
+                error.unwrap_or_default(),
+            );
         }
         (Health::Down, Health::Up) => {
-            gw.events.record(EventKind::ReplicaUp, Some(&r.id), None, "health checks pass again");
+            gw.events.record(
+                EventKind::ReplicaUp,
+                Some(&r.id),
+                None,
+                "health checks pass again",
+            );
         }
         _ => {}
     }
 }
 
-async fn probe(client: &awc::Client, base: &str, path: &str, busy: bool) -> (ProbeResult, Option<String>) {
+async fn probe(
+    client: &awc::Client,
+    base: &str,
+    path: &str,
+    busy: bool,
+) -> (ProbeResult, Option<String>) {
     match client.get(format!("{base}{path}")).send().await {
         Ok(resp) if resp.status().is_success() => (ProbeResult::Ok, None),
-        Ok(resp) => (ProbeResult::Failed, Some(resp.status().as_u16().to_string())),
+        Ok(resp) => (
+            ProbeResult::Failed,
+            Some(resp.status().as_u16().to_string()),
+        ),
         Err(awc::error::SendRequestError::Timeout) if busy => (ProbeResult::Inconclusive, None),
         Err(e) => (ProbeResult::Failed, Some(e.to_string())),
     }

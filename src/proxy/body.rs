@@ -39,11 +39,59 @@ pub struct GuardedBody<S, E: BodyEnd> {
     end: Option<E>,
     tap: Option<UsageTap>,
     done: bool,
+    /// The upstream's Content-Length, and the bytes seen so far.
+    expected: Option<u64>,
+    seen: u64,
+    /// The last bytes of the body (to find an SSE stream's `data: [DONE]`).
+    tail: Vec<u8>,
 }
 
+/// Why truncation needs detecting here: awc ends a chunked body cleanly when
+/// the upstream connection closes between two chunks, so a crashed engine
+/// looks like a finished response. A body shorter than its Content-Length,
+/// or an SSE stream that ends without OpenAI's `data: [DONE]` terminator
+/// (vLLM, SGLang, llama.cpp and OpenAI all send it), is a failed upstream.
+const DONE: &[u8] = b"data: [DONE]";
+
 impl<S, E: BodyEnd> GuardedBody<S, E> {
-    pub fn new(inner: S, idle: Duration, sse: bool, tap: Option<UsageTap>, end: E) -> Self {
-        GuardedBody { inner, idle, timer: Box::pin(tokio::time::sleep(idle)), sse, end: Some(end), tap, done: false }
+    pub fn new(
+        inner: S,
+        idle: Duration,
+        sse: bool,
+        expected: Option<u64>,
+        tap: Option<UsageTap>,
+        end: E,
+    ) -> Self {
+        GuardedBody {
+            inner,
+            idle,
+            timer: Box::pin(tokio::time::sleep(idle)),
+            sse,
+            end: Some(end),
+            tap,
+            done: false,
+            expected,
+            seen: 0,
+            tail: Vec::new(),
+        }
+    }
+
+    fn truncated(&self) -> bool {
+        let short = self.expected.is_some_and(|n| self.seen < n);
+        let unterminated = self.sse && !self.tail.trim_ascii_end().ends_with(DONE);
+        short || unterminated
+    }
+
+    fn remember_tail(&mut self, chunk: &[u8]) {
+        const KEEP: usize = 32;
+        if chunk.len() >= KEEP {
+            self.tail.clear();
+            self.tail.extend_from_slice(&chunk[chunk.len() - KEEP..]);
+        } else {
+            self.tail.extend_from_slice(chunk);
+            let excess = self.tail.len().saturating_sub(KEEP);
+            self.tail.drain(..excess);
+        }
     }
 
     fn finish(&mut self, outcome: BodyOutcome) {
@@ -54,14 +102,20 @@ impl<S, E: BodyEnd> GuardedBody<S, E> {
 
     /// How a failure reaches the client: an SSE error event (the OpenAI SDKs
     /// raise it) then a clean end, or for plain bodies an aborted response.
-    fn fail(&mut self, outcome: BodyOutcome, message: &str) -> Poll<Option<Result<Bytes, PayloadError>>> {
+    fn fail(
+        &mut self,
+        outcome: BodyOutcome,
+        message: &str,
+    ) -> Poll<Option<Result<Bytes, PayloadError>>> {
         self.finish(outcome);
         self.done = true;
         if self.sse {
             let event = serde_json::json!({"error": {"message": message, "type": "upstream_error", "code": "upstream_stream_failed"}});
             Poll::Ready(Some(Ok(Bytes::from(format!("data: {event}\n\n")))))
         } else {
-            Poll::Ready(Some(Err(PayloadError::Io(std::io::Error::other(message.to_string())))))
+            Poll::Ready(Some(Err(PayloadError::Io(std::io::Error::other(
+                message.to_string(),
+            )))))
         }
     }
 }
@@ -81,6 +135,10 @@ where
             Poll::Ready(Some(Ok(chunk))) => {
                 let deadline = Instant::now() + self.idle;
                 self.timer.as_mut().reset(deadline);
+                self.seen += chunk.len() as u64;
+                if self.sse {
+                    self.remember_tail(&chunk);
+                }
                 if let Some(tap) = self.tap.as_mut() {
                     tap.observe(&chunk);
                 }
@@ -88,7 +146,17 @@ where
             }
             Poll::Ready(Some(Err(e))) => {
                 tracing::warn!("upstream body failed mid-response: {e}");
-                self.fail(BodyOutcome::UpstreamFailed, "the replica failed while streaming the response")
+                self.fail(
+                    BodyOutcome::UpstreamFailed,
+                    "the replica failed while streaming the response",
+                )
+            }
+            Poll::Ready(None) if self.truncated() => {
+                tracing::warn!("upstream body ended early (connection closed mid-response)");
+                self.fail(
+                    BodyOutcome::UpstreamFailed,
+                    "the replica closed the connection before the response was complete",
+                )
             }
             Poll::Ready(None) => {
                 self.finish(BodyOutcome::Complete);
@@ -96,7 +164,10 @@ where
                 Poll::Ready(None)
             }
             Poll::Pending => match self.timer.as_mut().poll(cx) {
-                Poll::Ready(()) => self.fail(BodyOutcome::IdleTimeout, "the replica stopped sending (idle timeout)"),
+                Poll::Ready(()) => self.fail(
+                    BodyOutcome::IdleTimeout,
+                    "the replica stopped sending (idle timeout)",
+                ),
                 Poll::Pending => Poll::Pending,
             },
         }

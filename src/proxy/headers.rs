@@ -27,11 +27,20 @@ fn hop_by_hop(name: &HeaderName) -> bool {
 /// The upstream request: same method, path, query and headers; the replica's
 /// own API key replaces the client's credentials when it has one, and the
 /// client's key for the gateway itself is never passed on.
-pub fn upstream_request(client: &awc::Client, req: &HttpRequest, spec: &ReplicaSpec, gateway_keys: bool) -> awc::ClientRequest {
+pub fn upstream_request(
+    client: &awc::Client,
+    req: &HttpRequest,
+    spec: &ReplicaSpec,
+    gateway_keys: bool,
+) -> awc::ClientRequest {
     let path = req.uri().path_and_query().map_or("/", |p| p.as_str());
-    let mut up = client.request(req.method().clone(), format!("{}{}", spec.url, path)).no_decompress();
+    let mut up = client
+        .request(req.method().clone(), format!("{}{}", spec.url, path))
+        .no_decompress();
     for (name, value) in req.headers() {
-        if hop_by_hop(name) || (name == header::AUTHORIZATION && (gateway_keys || spec.api_key.is_some())) {
+        if hop_by_hop(name)
+            || (name == header::AUTHORIZATION && (gateway_keys || spec.api_key.is_some()))
+        {
             continue;
         }
         up = up.append_header((name.clone(), value.clone()));

@@ -50,7 +50,13 @@ pub struct SimConfig {
 
 impl Default for SimConfig {
     fn default() -> Self {
-        SimConfig { kv_tokens: 122_636, prefill_tps: 4_100.0, decode_tps: 40.0, time_scale: 1.0, model: "sim-model".into() }
+        SimConfig {
+            kv_tokens: 122_636,
+            prefill_tps: 4_100.0,
+            decode_tps: 40.0,
+            time_scale: 1.0,
+            model: "sim-model".into(),
+        }
     }
 }
 
@@ -69,6 +75,8 @@ pub struct SimState {
     next_id: AtomicU64,
     /// Requests whose stream ended because the client went away.
     pub cancelled: AtomicU64,
+    /// Generation requests received (valid or not).
+    pub received: AtomicU64,
 }
 
 impl SimState {
@@ -86,7 +94,16 @@ impl SimState {
             generated: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
             cancelled: AtomicU64::new(0),
+            received: AtomicU64::new(0),
         })
+    }
+
+    pub fn received(&self) -> u64 {
+        self.received.load(Ordering::Acquire)
+    }
+
+    pub fn cancelled(&self) -> u64 {
+        self.cancelled.load(Ordering::Acquire)
     }
 
     pub fn running(&self) -> u64 {
@@ -99,13 +116,19 @@ impl SimState {
 }
 
 /// Starts a simulated replica on `listener` (bind `127.0.0.1:0` in tests).
-pub fn serve(listener: std::net::TcpListener, state: Arc<SimState>) -> std::io::Result<actix_web::dev::Server> {
+pub fn serve(
+    listener: std::net::TcpListener,
+    state: Arc<SimState>,
+) -> std::io::Result<actix_web::dev::Server> {
     let data = web::Data::from(state);
     Ok(HttpServer::new(move || {
         App::new()
             .app_data(data.clone())
             .app_data(web::PayloadConfig::new(256 * 1024 * 1024))
-            .route("/health", web::get().to(|| async { HttpResponse::Ok().finish() }))
+            .route(
+                "/health",
+                web::get().to(|| async { HttpResponse::Ok().finish() }),
+            )
             .route("/metrics", web::get().to(metrics))
             .route("/v1/models", web::get().to(models))
             .route("/v1/chat/completions", web::post().to(chat))
@@ -144,7 +167,9 @@ async fn metrics(s: web::Data<SimState>) -> HttpResponse {
         kv.capacity_blocks(),
         m = s.cfg.model,
     );
-    HttpResponse::Ok().content_type("text/plain; version=0.0.4").body(body)
+    HttpResponse::Ok()
+        .content_type("text/plain; version=0.0.4")
+        .body(body)
 }
 
 #[derive(Deserialize)]
@@ -174,14 +199,21 @@ struct CompletionPrompt {
 }
 
 fn bad_request(msg: impl Into<String>) -> HttpResponse {
-    HttpResponse::BadRequest().json(json!({"error": {"message": msg.into(), "type": "invalid_request_error", "code": null}}))
+    HttpResponse::BadRequest().json(
+        json!({"error": {"message": msg.into(), "type": "invalid_request_error", "code": null}}),
+    )
 }
 
 /// A chat template stand-in: role and content of each message, in order.
 fn render_chat(messages: &[Value]) -> Vec<u8> {
     let mut out = Vec::new();
     for m in messages {
-        out.extend_from_slice(m.get("role").and_then(Value::as_str).unwrap_or("user").as_bytes());
+        out.extend_from_slice(
+            m.get("role")
+                .and_then(Value::as_str)
+                .unwrap_or("user")
+                .as_bytes(),
+        );
         out.push(b'\n');
         match m.get("content") {
             Some(Value::String(s)) => out.extend_from_slice(s.as_bytes()),
@@ -199,25 +231,39 @@ fn render_chat(messages: &[Value]) -> Vec<u8> {
 fn render_completion(prompt: &Value) -> Option<Vec<u8>> {
     match prompt {
         Value::String(s) => Some(s.as_bytes().to_vec()),
-        Value::Array(items) if items.iter().all(Value::is_u64) => {
-            Some(items.iter().flat_map(|t| (t.as_u64().unwrap_or(0) as u32).to_le_bytes()).collect())
-        }
+        Value::Array(items) if items.iter().all(Value::is_u64) => Some(
+            items
+                .iter()
+                .flat_map(|t| (t.as_u64().unwrap_or(0) as u32).to_le_bytes())
+                .collect(),
+        ),
         _ => None,
     }
 }
 
 async fn chat(s: web::Data<SimState>, body: web::Bytes) -> HttpResponse {
-    let (params, prompt) = match (serde_json::from_slice::<GenParams>(&body), serde_json::from_slice::<ChatPrompt>(&body)) {
+    s.received.fetch_add(1, Ordering::Relaxed);
+    let (params, prompt) = match (
+        serde_json::from_slice::<GenParams>(&body),
+        serde_json::from_slice::<ChatPrompt>(&body),
+    ) {
         (Ok(p), Ok(c)) if !c.messages.is_empty() => (p, render_chat(&c.messages)),
-        _ => return bad_request("expected a chat completion request with a non-empty 'messages' array"),
+        _ => {
+            return bad_request(
+                "expected a chat completion request with a non-empty 'messages' array",
+            )
+        }
     };
     generate(s.into_inner(), params, prompt, true).await
 }
 
 async fn completions(s: web::Data<SimState>, body: web::Bytes) -> HttpResponse {
-    let parsed = serde_json::from_slice::<GenParams>(&body)
-        .ok()
-        .zip(serde_json::from_slice::<CompletionPrompt>(&body).ok().and_then(|c| render_completion(&c.prompt)));
+    s.received.fetch_add(1, Ordering::Relaxed);
+    let parsed = serde_json::from_slice::<GenParams>(&body).ok().zip(
+        serde_json::from_slice::<CompletionPrompt>(&body)
+            .ok()
+            .and_then(|c| render_completion(&c.prompt)),
+    );
     match parsed {
         Some((params, prompt)) => generate(s.into_inner(), params, prompt, false).await,
         None => bad_request("expected a completion request with a string or token-array 'prompt'"),
@@ -234,7 +280,11 @@ struct Sequence {
 
 impl Drop for Sequence {
     fn drop(&mut self) {
-        self.state.kv.lock().expect("kv lock").release(&self.chain, self.private);
+        self.state
+            .kv
+            .lock()
+            .expect("kv lock")
+            .release(&self.chain, self.private);
         self.state.running.fetch_sub(1, Ordering::AcqRel);
         self.state.kv_freed.notify_waiters();
     }
@@ -262,10 +312,14 @@ fn block_chain(prompt: &[u8]) -> Vec<u128> {
 }
 
 /// Waits for KV and the prefill lane, then "prefills" the uncached tokens.
-async fn prefill(s: &Arc<SimState>, prompt: &[u8], max_tokens: u64) -> Result<Prefilled, HttpResponse> {
+async fn prefill(
+    s: &Arc<SimState>,
+    prompt: &[u8],
+    max_tokens: u64,
+) -> Result<Prefilled, HttpResponse> {
     let prompt_tokens = crate::tokens::estimate_tokens(prompt.len()).max(1);
     let chain = block_chain(prompt);
-    let partial = usize::from(prompt.len() % BYTES_PER_BLOCK != 0);
+    let partial = usize::from(!prompt.len().is_multiple_of(BYTES_PER_BLOCK));
     let private = partial + max_tokens.div_ceil(BLOCK_TOKENS) as usize;
     s.waiting.fetch_add(1, Ordering::AcqRel);
     let lane = s.prefill_lane.lock().await;
@@ -287,19 +341,31 @@ async fn prefill(s: &Arc<SimState>, prompt: &[u8], max_tokens: u64) -> Result<Pr
     };
     s.waiting.fetch_sub(1, Ordering::AcqRel);
     s.running.fetch_add(1, Ordering::AcqRel);
-    let seq = Sequence { state: s.clone(), chain, private };
+    let seq = Sequence {
+        state: s.clone(),
+        chain,
+        private,
+    };
     // vLLM recomputes at least the last token even on a full hit.
-    let cached_tokens = (matched as u64 * BLOCK_TOKENS).min((prompt_tokens - 1) / BLOCK_TOKENS * BLOCK_TOKENS);
+    let cached_tokens =
+        (matched as u64 * BLOCK_TOKENS).min((prompt_tokens - 1) / BLOCK_TOKENS * BLOCK_TOKENS);
     s.queries.fetch_add(prompt_tokens, Ordering::Relaxed);
     s.hits.fetch_add(cached_tokens, Ordering::Relaxed);
     s.prompt_tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
     let prefill_secs = (prompt_tokens - cached_tokens) as f64 / s.cfg.prefill_tps;
     tokio::time::sleep(s.scaled(prefill_secs)).await;
     drop(lane);
-    Ok(Prefilled { seq, prompt_tokens, cached_tokens, prefill_ms: prefill_secs * 1000.0 })
+    Ok(Prefilled {
+        seq,
+        prompt_tokens,
+        cached_tokens,
+        prefill_ms: prefill_secs * 1000.0,
+    })
 }
 
-const WORDS: &[&str] = &["the", " cache", " is", " warm", " and", " the", " prefix", " holds", ","];
+const WORDS: &[&str] = &[
+    "the", " cache", " is", " warm", " and", " the", " prefix", " holds", ",",
+];
 
 fn usage(p: &Prefilled, completion: u64) -> Value {
     json!({
@@ -310,10 +376,23 @@ fn usage(p: &Prefilled, completion: u64) -> Value {
     })
 }
 
-async fn generate(s: Arc<SimState>, params: GenParams, prompt: Vec<u8>, chat: bool) -> HttpResponse {
-    let max_tokens = params.max_completion_tokens.or(params.max_tokens).unwrap_or(16).min(4096);
+async fn generate(
+    s: Arc<SimState>,
+    params: GenParams,
+    prompt: Vec<u8>,
+    chat: bool,
+) -> HttpResponse {
+    let max_tokens = params
+        .max_completion_tokens
+        .or(params.max_tokens)
+        .unwrap_or(16)
+        .min(4096);
     let model = params.model.clone().unwrap_or_else(|| s.cfg.model.clone());
-    let id = format!("{}-sim-{}", if chat { "chatcmpl" } else { "cmpl" }, s.next_id.fetch_add(1, Ordering::Relaxed));
+    let id = format!(
+        "{}-sim-{}",
+        if chat { "chatcmpl" } else { "cmpl" },
+        s.next_id.fetch_add(1, Ordering::Relaxed)
+    );
     let created = crate::clock::now_ms() / 1000;
     let per_token = s.scaled(1.0 / s.cfg.decode_tps);
     if !params.stream {
@@ -323,44 +402,69 @@ async fn generate(s: Arc<SimState>, params: GenParams, prompt: Vec<u8>, chat: bo
         };
         tokio::time::sleep(per_token * max_tokens as u32).await;
         s.generated.fetch_add(max_tokens, Ordering::Relaxed);
-        let text: String = (0..max_tokens as usize).map(|i| WORDS[i % WORDS.len()]).collect();
+        let text: String = (0..max_tokens as usize)
+            .map(|i| WORDS[i % WORDS.len()])
+            .collect();
         let choice = if chat {
             json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"})
         } else {
             json!({"index": 0, "text": text, "finish_reason": "length"})
         };
-        let object = if chat { "chat.completion" } else { "text_completion" };
+        let object = if chat {
+            "chat.completion"
+        } else {
+            "text_completion"
+        };
         let body = json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice], "usage": usage(&p, max_tokens)});
         drop(p.seq);
-        return HttpResponse::Ok().insert_header(("x-sim-prefill-ms", format!("{:.1}", p.prefill_ms))).json(body);
+        return HttpResponse::Ok()
+            .insert_header(("x-sim-prefill-ms", format!("{:.1}", p.prefill_ms)))
+            .json(body);
     }
     // Streaming: headers go out at once (as real SSE servers do); the first
     // data chunk waits for the prefill.
     let include_usage = params.stream_options.is_some_and(|o| o.include_usage);
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<web::Bytes, actix_web::Error>>(8);
+    let (tx, rx) = tokio::sync::mpsc::channel::<Frame>(8);
     actix_web::rt::spawn(async move {
         let p = match prefill(&s, &prompt, max_tokens).await {
             Ok(p) => p,
             Err(_) => {
-                let _ = tx.send(Ok(sse(&json!({"error": {"message": "prompt does not fit in the KV cache"}})))).await;
+                let _ = tx
+                    .send(Frame::Chunk(sse(
+                        &json!({"error": {"message": "prompt does not fit in the KV cache"}}),
+                    )))
+                    .await;
+                let _ = tx.send(Frame::End).await;
                 return;
             }
         };
-        let object = if chat { "chat.completion.chunk" } else { "text_completion" };
+        let object = if chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
         let chunk = |delta: Option<&str>, finish: Option<&str>| {
             let choice = match (chat, delta) {
-                (true, Some(d)) => json!({"index": 0, "delta": {"content": d}, "finish_reason": finish}),
+                (true, Some(d)) => {
+                    json!({"index": 0, "delta": {"content": d}, "finish_reason": finish})
+                }
                 (true, None) => json!({"index": 0, "delta": {}, "finish_reason": finish}),
                 (false, d) => json!({"index": 0, "text": d.unwrap_or(""), "finish_reason": finish}),
             };
-            sse(&json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice], "prefill_ms": p.prefill_ms}))
+            sse(
+                &json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice], "prefill_ms": p.prefill_ms}),
+            )
         };
         for i in 0..max_tokens as usize {
             if i > 0 {
                 tokio::time::sleep(per_token).await;
             }
             s.generated.fetch_add(1, Ordering::Relaxed);
-            if tx.send(Ok(chunk(Some(WORDS[i % WORDS.len()]), None))).await.is_err() {
+            if tx
+                .send(Frame::Chunk(chunk(Some(WORDS[i % WORDS.len()]), None)))
+                .await
+                .is_err()
+            {
                 s.cancelled.fetch_add(1, Ordering::Relaxed);
                 return; // the client went away: stop generating, free the KV
             }
@@ -371,11 +475,12 @@ async fn generate(s: Arc<SimState>, params: GenParams, prompt: Vec<u8>, chat: bo
         }
         tail.push(web::Bytes::from_static(b"data: [DONE]\n\n"));
         for t in tail {
-            if tx.send(Ok(t)).await.is_err() {
+            if tx.send(Frame::Chunk(t)).await.is_err() {
                 s.cancelled.fetch_add(1, Ordering::Relaxed);
                 return;
             }
         }
+        let _ = tx.send(Frame::End).await;
     });
     HttpResponse::Ok()
         .content_type("text/event-stream")
@@ -387,6 +492,35 @@ fn sse(v: &Value) -> web::Bytes {
     web::Bytes::from(format!("data: {v}\n\n"))
 }
 
-fn tokio_stream_from<T>(mut rx: tokio::sync::mpsc::Receiver<T>) -> impl futures_util::Stream<Item = T> {
-    futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
+/// What the generator sends to the response body.
+enum Frame {
+    Chunk(web::Bytes),
+    End,
+}
+
+/// The response body of a stream. If the generator vanishes without `End`
+/// (the engine "crashed": its runtime stopped), the body fails, so the
+/// connection is cut mid-response as a real crash would cut it.
+fn tokio_stream_from(
+    mut rx: tokio::sync::mpsc::Receiver<Frame>,
+) -> impl futures_util::Stream<Item = Result<web::Bytes, std::io::Error>> {
+    let mut ended = false;
+    futures_util::stream::poll_fn(move |cx| {
+        if ended {
+            return std::task::Poll::Ready(None);
+        }
+        rx.poll_recv(cx).map(|frame| match frame {
+            Some(Frame::Chunk(b)) => Some(Ok(b)),
+            Some(Frame::End) => {
+                ended = true;
+                None
+            }
+            None => {
+                ended = true;
+                Some(Err(std::io::Error::other(
+                    "simulated engine crashed mid-stream",
+                )))
+            }
+        })
+    })
 }

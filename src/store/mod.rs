@@ -97,7 +97,14 @@ mod tests {
 
     #[test]
     fn pins_round_trip_through_the_binary_layout() {
-        let p = Pin { replica: "gpu-1".into(), created_ms: 1, last_used_ms: u64::MAX, turns: 7, est_tokens: 90_000, family: 3 << 100 };
+        let p = Pin {
+            replica: "gpu-1".into(),
+            created_ms: 1,
+            last_used_ms: u64::MAX,
+            turns: 7,
+            est_tokens: 90_000,
+            family: 3 << 100,
+        };
         assert_eq!(decode_pin(&encode_pin(&p)).unwrap(), p);
         assert!(decode_pin(b"{\"json\":1}").is_err());
         assert!(decode_pin(&[]).is_err());

@@ -1,0 +1,217 @@
+//! Shared harness: real servers on ephemeral loopback ports (bind
+//! `127.0.0.1:0`, hand the listener over, never rebind), simulated replicas
+//! as the backend, and polling helpers instead of sleeps.
+
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix_web::dev::ServerHandle;
+use prefixgate::config::{Config, HealthConfig, Timeouts};
+use prefixgate::fleet::ReplicaSpec;
+use prefixgate::gateway::Gateway;
+use prefixgate::sim::{self, SimConfig, SimState};
+use serde_json::{json, Value};
+
+pub struct Sim {
+    pub id: String,
+    pub url: String,
+    pub state: Arc<SimState>,
+    handle: ServerHandle,
+}
+
+impl Sim {
+    /// Stops the replica: `graceful=false` drops its open connections at once.
+    pub async fn stop(&self, graceful: bool) {
+        self.handle.stop(graceful).await;
+    }
+}
+
+/// A fast simulated card: the seed's numbers, time scaled down 1000x.
+pub fn fast_sim() -> SimConfig {
+    SimConfig {
+        time_scale: 0.001,
+        ..SimConfig::default()
+    }
+}
+
+pub async fn start_sim(id: &str, cfg: SimConfig) -> Sim {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let state = SimState::new(cfg);
+    let server = sim::serve(listener, state.clone()).unwrap();
+    let handle = server.handle();
+    actix_web::rt::spawn(server);
+    Sim {
+        id: id.to_string(),
+        url,
+        state,
+        handle,
+    }
+}
+
+/// A config for tests: loopback, quick health checks, short connect timeout.
+pub fn test_config(sims: &[&Sim]) -> Config {
+    Config {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        admin_listen: "127.0.0.1:0".parse().unwrap(),
+        replicas: sims
+            .iter()
+            .map(|s| ReplicaSpec::new(&s.id, &s.url))
+            .collect(),
+        health: HealthConfig {
+            interval_ms: 100,
+            timeout_ms: 1_000,
+            rise: 1,
+            fall: 1,
+        },
+        timeouts: Timeouts {
+            connect_ms: 500,
+            response_head_ms: 30_000,
+            idle_stream_ms: 30_000,
+        },
+        ..Config::default()
+    }
+}
+
+pub struct Gw {
+    pub gw: Arc<Gateway>,
+    pub base: String,
+    pub admin: String,
+    running: Option<prefixgate::Running>,
+}
+
+impl Gw {
+    pub async fn stop(mut self) {
+        self.running.take().unwrap().stop().await;
+    }
+}
+
+pub async fn start_gateway(config: Config) -> Gw {
+    let traffic = TcpListener::bind(config.listen).unwrap();
+    let admin = TcpListener::bind(config.admin_listen).unwrap();
+    let gw = Gateway::open(config).unwrap();
+    let running = prefixgate::start(gw.clone(), traffic, admin).unwrap();
+    let g = Gw {
+        gw: gw.clone(),
+        base: format!("http://{}", running.traffic_addr),
+        admin: format!("http://{}", running.admin_addr),
+        running: Some(running),
+    };
+    // Ready when every replica has been probed once.
+    wait_until("replicas probed", Duration::from_secs(10), || {
+        gw.fleet
+            .snapshot()
+            .iter()
+            .all(|r| r.health() != prefixgate::fleet::Health::Unknown)
+    })
+    .await;
+    g
+}
+
+/// Polls `cond` every 10 ms until it holds; panics with `what` at the timeout.
+pub async fn wait_until(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + timeout;
+    while !cond() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+pub fn client() -> awc::Client {
+    awc::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .finish()
+}
+
+pub fn chat_body(messages: &[(&str, &str)], extra: Value) -> Value {
+    let msgs: Vec<Value> = messages
+        .iter()
+        .map(|(r, c)| json!({"role": r, "content": c}))
+        .collect();
+    let mut body = json!({"model": "sim-model", "messages": msgs, "max_tokens": 4});
+    if let (Value::Object(b), Value::Object(e)) = (&mut body, extra) {
+        b.extend(e);
+    }
+    body
+}
+
+pub struct Reply {
+    pub status: u16,
+    pub replica: String,
+    pub route: String,
+    pub headers: awc::http::header::HeaderMap,
+    pub body: Value,
+}
+
+pub async fn post(url: &str, body: &Value) -> Reply {
+    let mut resp = client().post(url).send_json(body).await.unwrap();
+    let header = |name: &str| {
+        resp.headers()
+            .get(name)
+            .map(|v| v.to_str().unwrap().to_string())
+            .unwrap_or_default()
+    };
+    let (replica, route) = (header("x-prefixgate-replica"), header("x-prefixgate-route"));
+    let bytes = resp.body().limit(64 << 20).await.unwrap();
+    Reply {
+        status: resp.status().as_u16(),
+        replica,
+        route,
+        headers: resp.headers().clone(),
+        body: serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    }
+}
+
+pub async fn chat(gw: &Gw, messages: &[(&str, &str)]) -> Reply {
+    post(
+        &format!("{}/v1/chat/completions", gw.base),
+        &chat_body(messages, json!({})),
+    )
+    .await
+}
+
+pub fn cached_tokens(r: &Reply) -> u64 {
+    r.body["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap()
+}
+
+/// A JSON request to the admin API with an optional bearer token.
+pub async fn admin(
+    method: &str,
+    url: &str,
+    token: Option<&str>,
+    body: Option<Value>,
+) -> (u16, Value) {
+    let c = client();
+    let mut req = c.request(method.parse().unwrap(), url);
+    if let Some(t) = token {
+        req = req.insert_header(("authorization", format!("Bearer {t}")));
+    }
+    let mut resp = match body {
+        Some(b) => req.send_json(&b).await.unwrap(),
+        None => req.send().await.unwrap(),
+    };
+    let bytes = resp.body().limit(16 << 20).await.unwrap();
+    (
+        resp.status().as_u16(),
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
+}
+
+/// A long, unique text of about `tokens` estimated tokens.
+pub fn text(tag: &str, tokens: usize) -> String {
+    let mut s = format!("[{tag}] ");
+    let mut i = 0;
+    while s.len() < tokens * 4 {
+        s.push_str(&format!("sentence {i} of {tag}. "));
+        i += 1;
+    }
+    s
+}
