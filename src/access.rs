@@ -37,8 +37,7 @@ pub struct Access {
 }
 
 fn per_second(n: u32, burst: u32) -> Option<Quota> {
-    NonZeroU32::new(n)
-        .map(|n| Quota::per_second(n).allow_burst(NonZeroU32::new(burst.max(1)).expect("max(1)")))
+    NonZeroU32::new(n).map(|n| Quota::per_second(n).allow_burst(NonZeroU32::new(burst.max(1)).expect("max(1)")))
 }
 
 impl Access {
@@ -48,8 +47,7 @@ impl Access {
             admin_token: c.admin_token.clone().filter(|t| !t.is_empty()),
             api_keys: c.api_keys.clone(),
             trusted: r.trusted_proxies.clone(),
-            client: per_second(r.client_rps, r.client_burst.max(r.client_rps))
-                .map(RateLimiter::keyed),
+            client: per_second(r.client_rps, r.client_burst.max(r.client_rps)).map(RateLimiter::keyed),
             admin: per_second(r.admin_rps, r.admin_rps.saturating_mul(2)).map(RateLimiter::keyed),
             auth_failures: NonZeroU32::new(r.admin_auth_failures_per_minute)
                 .map(|n| RateLimiter::keyed(Quota::per_minute(n))),
@@ -72,10 +70,7 @@ impl Access {
             l.shrink_to_fit();
         }
         let now = Instant::now();
-        self.locked
-            .lock()
-            .expect("lock")
-            .retain(|_, until| *until > now);
+        self.locked.lock().expect("lock").retain(|_, until| *until > now);
     }
 
     pub fn client_ip(&self, req: &ServiceRequest) -> Option<IpAddr> {
@@ -83,22 +78,14 @@ impl Access {
         if !self.trusted.contains(&peer) {
             return Some(peer);
         }
-        let forwarded = req
-            .headers()
-            .get("x-forwarded-for")
-            .and_then(|v| v.to_str().ok());
+        let forwarded = req.headers().get("x-forwarded-for").and_then(|v| v.to_str().ok());
         let from_header = forwarded.and_then(|list| {
-            list.rsplit(',')
-                .filter_map(|s| s.trim().parse::<IpAddr>().ok())
-                .find(|ip| !self.trusted.contains(ip))
+            list.rsplit(',').filter_map(|s| s.trim().parse::<IpAddr>().ok()).find(|ip| !self.trusted.contains(ip))
         });
         Some(from_header.unwrap_or(peer))
     }
 
-    fn limited<K: std::hash::Hash + Eq + Clone>(
-        l: &DefaultKeyedRateLimiter<K>,
-        key: &K,
-    ) -> Result<(), ApiError> {
+    fn limited<K: std::hash::Hash + Eq + Clone>(l: &DefaultKeyedRateLimiter<K>, key: &K) -> Result<(), ApiError> {
         l.check_key(key).map_err(|not_until| ApiError::RateLimited {
             retry_after: not_until.wait_time_from(DefaultClock::default().now()),
         })
@@ -110,9 +97,7 @@ impl Access {
         if !self.api_keys.is_empty() {
             let given = key.unwrap_or("");
             // Every key is compared, in constant time, whatever matched.
-            let ok = self.api_keys.iter().fold(false, |ok, k| {
-                ok | bool::from(k.as_bytes().ct_eq(given.as_bytes()))
-            });
+            let ok = self.api_keys.iter().fold(false, |ok, k| ok | bool::from(k.as_bytes().ct_eq(given.as_bytes())));
             if !ok {
                 return Err(ApiError::Unauthorized("missing or invalid API key".into()));
             }
@@ -122,10 +107,7 @@ impl Access {
                 Some(k) if !self.api_keys.is_empty() => {
                     format!("key:{}", xxhash_rust::xxh3::xxh3_64(k.as_bytes()))
                 }
-                _ => format!(
-                    "ip:{}",
-                    self.client_ip(req).map_or("?".into(), |ip| ip.to_string())
-                ),
+                _ => format!("ip:{}", self.client_ip(req).map_or("?".into(), |ip| ip.to_string())),
             };
             Access::limited(l, &id)?;
         }
@@ -138,9 +120,7 @@ impl Access {
         if let Some(until) = self.locked.lock().expect("lock").get(&ip) {
             let now = Instant::now();
             if *until > now {
-                return Err(ApiError::RateLimited {
-                    retry_after: *until - now,
-                });
+                return Err(ApiError::RateLimited { retry_after: *until - now });
             }
         }
         if let Some(l) = &self.admin {
@@ -155,28 +135,19 @@ impl Access {
         }
         if let Some(l) = &self.auth_failures {
             if let Err(not_until) = l.check_key(&ip) {
-                let wait = not_until
-                    .wait_time_from(DefaultClock::default().now())
-                    .max(Duration::from_secs(1));
-                self.locked
-                    .lock()
-                    .expect("lock")
-                    .insert(ip, Instant::now() + wait);
+                let wait = not_until.wait_time_from(DefaultClock::default().now()).max(Duration::from_secs(1));
+                self.locked.lock().expect("lock").insert(ip, Instant::now() + wait);
                 tracing::warn!(%ip, "admin API locked for {} s after repeated failed authentication", wait.as_secs());
                 return Err(ApiError::RateLimited { retry_after: wait });
             }
         }
-        Err(ApiError::Unauthorized(
-            "missing or invalid admin token (send Authorization: Bearer <token>)".into(),
-        ))
+        Err(ApiError::Unauthorized("missing or invalid admin token (send Authorization: Bearer <token>)".into()))
     }
 }
 
 fn bearer(req: &ServiceRequest) -> Option<&str> {
     let v = req.headers().get(header::AUTHORIZATION)?.to_str().ok()?;
-    v.strip_prefix("Bearer ")
-        .or_else(|| v.strip_prefix("bearer "))
-        .map(str::trim)
+    v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")).map(str::trim)
 }
 
 /// Middleware for the traffic listener (`/v1` only; `/healthz` stays open).
@@ -185,17 +156,9 @@ pub async fn guard_traffic(
     next: Next<impl MessageBody>,
 ) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
     if req.path().starts_with("/v1") {
-        let gw = req
-            .app_data::<web::Data<Gateway>>()
-            .expect("gateway data")
-            .clone();
+        let gw = req.app_data::<web::Data<Gateway>>().expect("gateway data").clone();
         if let Err(e) = gw.access.check_client(&req) {
-            gw.metrics
-                .rejected
-                .get_or_create(&crate::metrics::ResultLabels {
-                    result: "client_access".into(),
-                })
-                .inc();
+            gw.metrics.rejected.get_or_create(&crate::metrics::ResultLabels { result: "client_access".into() }).inc();
             return Err(e.into());
         }
     }
@@ -208,10 +171,7 @@ pub async fn guard_admin(
     next: Next<impl MessageBody>,
 ) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
     if req.path().starts_with("/admin/") {
-        let gw = req
-            .app_data::<web::Data<Gateway>>()
-            .expect("gateway data")
-            .clone();
+        let gw = req.app_data::<web::Data<Gateway>>().expect("gateway data").clone();
         gw.access.check_admin(&req)?;
     }
     next.call(req).await

@@ -53,27 +53,18 @@ pub enum Admitted {
 
 impl Admission {
     pub fn queued(&self, replica: &str) -> usize {
-        self.replicas
-            .lock()
-            .expect("lock")
-            .get(replica)
-            .map_or(0, |s| s.waiters.len())
+        self.replicas.lock().expect("lock").get(replica).map_or(0, |s| s.waiters.len())
     }
 
     pub fn in_use(&self, replica: &str) -> u32 {
-        self.replicas
-            .lock()
-            .expect("lock")
-            .get(replica)
-            .map_or(0, |s| s.in_use)
+        self.replicas.lock().expect("lock").get(replica).map_or(0, |s| s.in_use)
     }
 
     /// True when a large request could start on `replica` without waiting.
     pub fn has_free_slot(&self, replica: &str, limit: Option<u32>) -> bool {
         let Some(limit) = limit else { return true };
         let map = self.replicas.lock().expect("lock");
-        map.get(replica)
-            .is_none_or(|s| s.in_use < limit && s.waiters.is_empty())
+        map.get(replica).is_none_or(|s| s.in_use < limit && s.waiters.is_empty())
     }
 
     /// Takes a slot on `replica`, waiting in line if needed. `limit` is read
@@ -85,11 +76,7 @@ impl Admission {
         wait: Duration,
         max_queue: usize,
     ) -> Result<(Permit, Admitted), ApiError> {
-        let permit = || Permit {
-            admission: self.clone(),
-            replica: replica.clone(),
-            limit: limit.clone(),
-        };
+        let permit = || Permit { admission: self.clone(), replica: replica.clone(), limit: limit.clone() };
         let waiter = {
             let mut map = self.replicas.lock().expect("lock");
             let slots = map.entry(replica.clone()).or_default();
@@ -107,17 +94,9 @@ impl Admission {
                 }
                 Some(_) => {
                     let (tx, rx) = oneshot::channel();
-                    let id = self
-                        .next_waiter
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let id = self.next_waiter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     slots.waiters.push_back((id, tx));
-                    Waiter {
-                        admission: self.clone(),
-                        replica: replica.clone(),
-                        id,
-                        rx: Some(rx),
-                        limit: limit.clone(),
-                    }
+                    Waiter { admission: self.clone(), replica: replica.clone(), id, rx: Some(rx), limit: limit.clone() }
                 }
             }
         };
@@ -128,11 +107,7 @@ impl Admission {
                 Ok((permit(), Admitted::AfterWaiting))
             }
             // The waiter's drop settles the place in line (or a racing grant).
-            _ => Err(rejected(
-                replica,
-                wait,
-                "no large-context slot freed up in time",
-            )),
+            _ => Err(rejected(replica, wait, "no large-context slot freed up in time")),
         }
     }
 
@@ -168,9 +143,7 @@ impl Admission {
 
 fn rejected(replica: &str, wait: Duration, why: &str) -> ApiError {
     ApiError::Overloaded {
-        message: format!(
-            "replica '{replica}' is at its large-context limit and {why}; retry later"
-        ),
+        message: format!("replica '{replica}' is at its large-context limit and {why}; retry later"),
         retry_after: (wait / 2).max(Duration::from_secs(1)),
     }
 }
@@ -192,13 +165,7 @@ impl Drop for Waiter {
         let granted = rx.try_recv().is_ok();
         if granted {
             self.admission.release(&self.replica, (self.limit)());
-        } else if let Some(slots) = self
-            .admission
-            .replicas
-            .lock()
-            .expect("lock")
-            .get_mut(&self.replica)
-        {
+        } else if let Some(slots) = self.admission.replicas.lock().expect("lock").get_mut(&self.replica) {
             slots.waiters.retain(|(id, _)| *id != self.id);
         }
     }
@@ -216,18 +183,14 @@ mod tests {
     async fn waiters_are_served_in_order_and_slots_never_leak() {
         let a = Arc::new(Admission::default());
         let r: Arc<str> = Arc::from("r");
-        let (first, how) = a
-            .acquire(&r, limit(1), Duration::from_secs(5), 8)
-            .await
-            .unwrap();
+        let (first, how) = a.acquire(&r, limit(1), Duration::from_secs(5), 8).await.unwrap();
         assert_eq!(how, Admitted::AtOnce);
         let a2 = a.clone();
         let r2 = r.clone();
-        let second = tokio::spawn(async move {
-            a2.acquire(&r2, limit(1), Duration::from_secs(5), 8)
-                .await
-                .map(|(p, h)| (h, p))
-        });
+        let second =
+            tokio::spawn(
+                async move { a2.acquire(&r2, limit(1), Duration::from_secs(5), 8).await.map(|(p, h)| (h, p)) },
+            );
         while a.queued("r") == 0 {
             tokio::task::yield_now().await;
         }
@@ -243,14 +206,8 @@ mod tests {
     async fn a_full_queue_and_a_timeout_are_rejections_that_leave_nothing_behind() {
         let a = Arc::new(Admission::default());
         let r: Arc<str> = Arc::from("r");
-        let (held, _) = a
-            .acquire(&r, limit(1), Duration::from_secs(1), 0)
-            .await
-            .unwrap();
-        assert!(matches!(
-            a.acquire(&r, limit(1), Duration::from_secs(1), 0).await,
-            Err(ApiError::Overloaded { .. })
-        ));
+        let (held, _) = a.acquire(&r, limit(1), Duration::from_secs(1), 0).await.unwrap();
+        assert!(matches!(a.acquire(&r, limit(1), Duration::from_secs(1), 0).await, Err(ApiError::Overloaded { .. })));
         assert!(matches!(
             a.acquire(&r, limit(1), Duration::from_millis(20), 4).await,
             Err(ApiError::Overloaded { .. })
@@ -264,10 +221,7 @@ mod tests {
     async fn a_cancelled_waiter_leaves_the_queue() {
         let a = Arc::new(Admission::default());
         let r: Arc<str> = Arc::from("r");
-        let (held, _) = a
-            .acquire(&r, limit(1), Duration::from_secs(1), 4)
-            .await
-            .unwrap();
+        let (held, _) = a.acquire(&r, limit(1), Duration::from_secs(1), 4).await.unwrap();
         let wait = a.acquire(&r, limit(1), Duration::from_secs(10), 4);
         // Poll once so it queues, then drop it (a client that went away).
         let mut wait = Box::pin(wait);

@@ -41,12 +41,7 @@ struct ReplicaFacts {
 
 impl Default for ReplicaFacts {
     fn default() -> Self {
-        ReplicaFacts {
-            bytes_per_token: BYTES_PER_TOKEN as f64,
-            samples: 0,
-            metrics_kv_tokens: None,
-            warned: false,
-        }
+        ReplicaFacts { bytes_per_token: BYTES_PER_TOKEN as f64, samples: 0, metrics_kv_tokens: None, warned: false }
     }
 }
 
@@ -84,22 +79,13 @@ pub struct RunningTicket {
 
 impl Drop for RunningTicket {
     fn drop(&mut self) {
-        self.tracker
-            .capacity
-            .running
-            .lock()
-            .expect("lock")
-            .remove(&self.id);
+        self.tracker.capacity.running.lock().expect("lock").remove(&self.id);
     }
 }
 
 impl CapacityTracker {
     pub fn bytes_per_token(&self, replica: &str) -> f64 {
-        self.facts
-            .lock()
-            .expect("lock")
-            .get(replica)
-            .map_or(BYTES_PER_TOKEN as f64, |f| f.bytes_per_token)
+        self.facts.lock().expect("lock").get(replica).map_or(BYTES_PER_TOKEN as f64, |f| f.bytes_per_token)
     }
 
     /// Estimated tokens of `bytes` of prompt on `replica`.
@@ -124,40 +110,17 @@ impl CapacityTracker {
     }
 
     pub fn set_metrics_kv(&self, replica: &Arc<str>, kv_tokens: Option<u64>) {
-        self.facts
-            .lock()
-            .expect("lock")
-            .entry(replica.clone())
-            .or_default()
-            .metrics_kv_tokens = kv_tokens;
+        self.facts.lock().expect("lock").entry(replica.clone()).or_default().metrics_kv_tokens = kv_tokens;
     }
 
-    pub fn begin(
-        gw: &Arc<Gateway>,
-        replica: &Arc<str>,
-        family: Option<PrefixKey>,
-        tokens: u64,
-    ) -> RunningTicket {
+    pub fn begin(gw: &Arc<Gateway>, replica: &Arc<str>, family: Option<PrefixKey>, tokens: u64) -> RunningTicket {
         let id = gw.capacity.next_ticket.fetch_add(1, Ordering::Relaxed);
-        gw.capacity
-            .running
-            .lock()
-            .expect("lock")
-            .insert(id, (replica.clone(), RunningRequest { family, tokens }));
-        RunningTicket {
-            tracker: gw.clone(),
-            id,
-        }
+        gw.capacity.running.lock().expect("lock").insert(id, (replica.clone(), RunningRequest { family, tokens }));
+        RunningTicket { tracker: gw.clone(), id }
     }
 
     pub fn replica(&self, id: &str) -> ReplicaFigures {
-        let facts = self
-            .facts
-            .lock()
-            .expect("lock")
-            .get(id)
-            .cloned()
-            .unwrap_or_default();
+        let facts = self.facts.lock().expect("lock").get(id).cloned().unwrap_or_default();
         let last = self.last.lock().expect("lock").get(id).copied();
         ReplicaFigures {
             kv_tokens: last.and_then(|l| l.1),
@@ -240,16 +203,10 @@ fn compute(
     for r in replicas {
         // family -> largest context held on this replica
         let mut families: HashMap<PrefixKey, u64> = HashMap::new();
-        let running_here: Vec<&RunningRequest> = running
-            .iter()
-            .filter(|(id, _)| &**id == r.id)
-            .map(|(_, q)| q)
-            .collect();
-        let running_families: HashSet<PrefixKey> =
-            running_here.iter().filter_map(|q| q.family).collect();
-        for p in pins.iter().filter(|p| {
-            &*p.replica == r.id && (p.turns >= 2 || running_families.contains(&p.family))
-        }) {
+        let running_here: Vec<&RunningRequest> =
+            running.iter().filter(|(id, _)| &**id == r.id).map(|(_, q)| q).collect();
+        let running_families: HashSet<PrefixKey> = running_here.iter().filter_map(|q| q.family).collect();
+        for p in pins.iter().filter(|p| &*p.replica == r.id && (p.turns >= 2 || running_families.contains(&p.family))) {
             let e = families.entry(p.family).or_default();
             *e = (*e).max(p.est_tokens);
         }
@@ -287,8 +244,7 @@ fn compute(
         kv_tokens: known.iter().filter_map(|r| r.kv_tokens).sum(),
         families_active: all_families.len(),
         over_capacity: !known.is_empty()
-            && known.iter().map(|r| r.working_set_tokens).sum::<u64>()
-                > known.iter().filter_map(|r| r.kv_tokens).sum(),
+            && known.iter().map(|r| r.working_set_tokens).sum::<u64>() > known.iter().filter_map(|r| r.kv_tokens).sum(),
     };
     let over: Vec<&ReplicaCapacity> = out.iter().filter(|r| r.over_capacity).collect();
     let verdict = if !over.is_empty() || aggregate.over_capacity {
@@ -313,13 +269,7 @@ fn compute(
             if aggregate.over_capacity { " (the sum over all cards is over too)" } else { "" }
         )
     });
-    CapacityReport {
-        window_secs,
-        replicas: out,
-        aggregate,
-        verdict,
-        warning,
-    }
+    CapacityReport { window_secs, replicas: out, aggregate, verdict, warning }
 }
 
 /// Computes the current report from the gateway's state.
@@ -327,14 +277,8 @@ pub fn report(gw: &Gateway) -> CapacityReport {
     let window = gw.config.admission.working_set_window_secs;
     let since = crate::clock::now_ms().saturating_sub(window * 1000);
     let pins = gw.pins.active_since(since);
-    let running: Vec<(Arc<str>, RunningRequest)> = gw
-        .capacity
-        .running
-        .lock()
-        .expect("lock")
-        .values()
-        .cloned()
-        .collect();
+    let running: Vec<(Arc<str>, RunningRequest)> =
+        gw.capacity.running.lock().expect("lock").values().cloned().collect();
     let facts = gw.capacity.facts.lock().expect("lock").clone();
     let fleet = gw.fleet.snapshot();
     let specs: Vec<_> = fleet.iter().map(|r| (r.id.clone(), r.spec())).collect();
@@ -354,10 +298,7 @@ pub fn report(gw: &Gateway) -> CapacityReport {
     let mut last = gw.capacity.last.lock().expect("lock");
     last.clear();
     for r in &report.replicas {
-        last.insert(
-            Arc::from(r.replica.as_str()),
-            (r.working_set_tokens, r.kv_tokens),
-        );
+        last.insert(Arc::from(r.replica.as_str()), (r.working_set_tokens, r.kv_tokens));
     }
     report
 }
@@ -371,19 +312,14 @@ pub fn evaluate(gw: &Gateway) -> CapacityReport {
         let f = facts.entry(Arc::from(r.replica.as_str())).or_default();
         if f.warned != r.over_capacity {
             f.warned = r.over_capacity;
-            let detail = format!(
-                "working set ~{} tokens vs KV {} tokens",
-                r.working_set_tokens,
-                r.kv_tokens.unwrap_or(0)
-            );
+            let detail =
+                format!("working set ~{} tokens vs KV {} tokens", r.working_set_tokens, r.kv_tokens.unwrap_or(0));
             if r.over_capacity {
                 tracing::warn!(replica = %r.replica, "capacity warning: {detail}; routing cannot fix this (see /admin/v1/capacity)");
-                gw.events
-                    .record(EventKind::CapacityWarning, Some(&r.replica), None, detail);
+                gw.events.record(EventKind::CapacityWarning, Some(&r.replica), None, detail);
             } else {
                 tracing::info!(replica = %r.replica, "capacity warning cleared: {detail}");
-                gw.events
-                    .record(EventKind::CapacityCleared, Some(&r.replica), None, detail);
+                gw.events.record(EventKind::CapacityCleared, Some(&r.replica), None, detail);
             }
         }
     }
@@ -395,11 +331,7 @@ pub fn evaluate(gw: &Gateway) -> CapacityReport {
             "fleet working set ~{} tokens vs aggregate KV {} tokens",
             report.aggregate.working_set_tokens, report.aggregate.kv_tokens
         );
-        let kind = if *agg {
-            EventKind::CapacityWarning
-        } else {
-            EventKind::CapacityCleared
-        };
+        let kind = if *agg { EventKind::CapacityWarning } else { EventKind::CapacityCleared };
         tracing::warn!("{detail}");
         gw.events.record(kind, None, None, detail);
     }
@@ -428,39 +360,23 @@ pub fn refresh_gauges(gw: &Gateway) {
         let l = replica_label(&r.id);
         m.inflight.get_or_create(&l).set(r.inflight());
         m.large_inflight.get_or_create(&l).set(r.large_inflight());
-        m.pins
-            .get_or_create(&l)
-            .set(pins.get(&r.id).copied().unwrap_or(0) as i64);
+        m.pins.get_or_create(&l).set(pins.get(&r.id).copied().unwrap_or(0) as i64);
         m.replica_up.get_or_create(&l).set(i64::from(r.routable()));
-        m.admission_queue_depth
-            .get_or_create(&l)
-            .set(gw.admission.queued(&r.id) as i64);
-        m.bytes_per_token
-            .get_or_create(&l)
-            .set(gw.capacity.bytes_per_token(&r.id));
+        m.admission_queue_depth.get_or_create(&l).set(gw.admission.queued(&r.id) as i64);
+        m.bytes_per_token.get_or_create(&l).set(gw.capacity.bytes_per_token(&r.id));
     }
     for r in &report.replicas {
         let l = replica_label(&r.replica);
-        m.working_set_tokens
-            .get_or_create(&l)
-            .set(r.working_set_tokens as i64);
-        m.kv_capacity_tokens
-            .get_or_create(&l)
-            .set(r.kv_tokens.unwrap_or(0) as i64);
-        m.capacity_warning
-            .get_or_create(&l)
-            .set(i64::from(r.over_capacity));
+        m.working_set_tokens.get_or_create(&l).set(r.working_set_tokens as i64);
+        m.kv_capacity_tokens.get_or_create(&l).set(r.kv_tokens.unwrap_or(0) as i64);
+        m.capacity_warning.get_or_create(&l).set(i64::from(r.over_capacity));
     }
-    m.capacity_warning
-        .get_or_create(&replica_label("_aggregate"))
-        .set(i64::from(report.aggregate.over_capacity));
+    m.capacity_warning.get_or_create(&replica_label("_aggregate")).set(i64::from(report.aggregate.over_capacity));
 }
 
 /// Parses `vllm:cache_config_info{...num_gpu_blocks="N",block_size="B"...}` from a metrics page.
 pub fn kv_tokens_from_vllm_metrics(text: &str) -> Option<u64> {
-    let line = text
-        .lines()
-        .find(|l| l.starts_with("vllm:cache_config_info{"))?;
+    let line = text.lines().find(|l| l.starts_with("vllm:cache_config_info{"))?;
     let label = |name: &str| -> Option<u64> {
         let start = line.find(&format!("{name}=\""))? + name.len() + 2;
         line[start..].split('"').next()?.parse().ok()
@@ -473,34 +389,17 @@ mod tests {
     use super::*;
 
     fn pin(replica: &str, family: u128, turns: u32, tokens: u64) -> Pin {
-        Pin {
-            replica: replica.into(),
-            created_ms: 0,
-            last_used_ms: 0,
-            turns,
-            est_tokens: tokens,
-            family,
-        }
+        Pin { replica: replica.into(), created_ms: 0, last_used_ms: 0, turns, est_tokens: tokens, family }
     }
 
     fn input(id: &str, kv: u64) -> ReplicaInput<'_> {
-        ReplicaInput {
-            id,
-            declared_kv: Some(kv),
-            metrics_kv: None,
-            bytes_per_token: 4.0,
-        }
+        ReplicaInput { id, declared_kv: Some(kv), metrics_kv: None, bytes_per_token: 4.0 }
     }
 
     #[test]
     fn three_large_families_on_two_cards_is_over_capacity_on_the_shared_card() {
         // The seed's wall: 50-80k-token families, 122,636 KV tokens per card.
-        let pins = vec![
-            pin("a", 1, 3, 80_000),
-            pin("a", 1, 2, 70_000),
-            pin("b", 2, 3, 60_000),
-            pin("a", 3, 2, 50_000),
-        ];
+        let pins = vec![pin("a", 1, 3, 80_000), pin("a", 1, 2, 70_000), pin("b", 2, 3, 60_000), pin("a", 3, 2, 50_000)];
         let r = compute(300, &[input("a", 122_636), input("b", 122_636)], &pins, &[]);
         assert_eq!(r.verdict, Verdict::OverCapacity);
         assert_eq!(r.replicas[0].working_set_tokens, 130_000);
@@ -513,25 +412,10 @@ mod tests {
     fn one_shot_pins_do_not_count_but_running_requests_do() {
         let pins = vec![pin("a", 1, 1, 100_000)];
         let r = compute(300, &[input("a", 122_636)], &pins, &[]);
-        assert_eq!(
-            (r.replicas[0].working_set_tokens, r.verdict),
-            (0, Verdict::Ok)
-        );
+        assert_eq!((r.replicas[0].working_set_tokens, r.verdict), (0, Verdict::Ok));
         let running = vec![
-            (
-                Arc::from("a"),
-                RunningRequest {
-                    family: Some(1),
-                    tokens: 110_000,
-                },
-            ),
-            (
-                Arc::from("a"),
-                RunningRequest {
-                    family: None,
-                    tokens: 20_000,
-                },
-            ),
+            (Arc::from("a"), RunningRequest { family: Some(1), tokens: 110_000 }),
+            (Arc::from("a"), RunningRequest { family: None, tokens: 20_000 }),
         ];
         let r = compute(300, &[input("a", 122_636)], &pins, &running);
         assert_eq!(r.replicas[0].working_set_tokens, 130_000);
@@ -543,18 +427,10 @@ mod tests {
         let mut i = input("a", 1_000);
         i.metrics_kv = Some(5_000);
         let r = compute(300, &[i], &[], &[]);
-        assert_eq!(
-            (r.replicas[0].kv_tokens, r.replicas[0].kv_source),
-            (Some(5_000), KvSource::Metrics)
-        );
+        assert_eq!((r.replicas[0].kv_tokens, r.replicas[0].kv_source), (Some(5_000), KvSource::Metrics));
         let r = compute(
             300,
-            &[ReplicaInput {
-                id: "a",
-                declared_kv: None,
-                metrics_kv: None,
-                bytes_per_token: 4.0,
-            }],
+            &[ReplicaInput { id: "a", declared_kv: None, metrics_kv: None, bytes_per_token: 4.0 }],
             &[],
             &[],
         );
@@ -563,12 +439,10 @@ mod tests {
 
     #[test]
     fn parses_vllm_cache_config_info() {
-        let text = "# HELP x\nvllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",num_gpu_blocks=\"7664\"} 1.0\n";
+        let text =
+            "# HELP x\nvllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",num_gpu_blocks=\"7664\"} 1.0\n";
         assert_eq!(kv_tokens_from_vllm_metrics(text), Some(122_624));
-        assert_eq!(
-            kv_tokens_from_vllm_metrics("vllm:num_requests_running 1"),
-            None
-        );
+        assert_eq!(kv_tokens_from_vllm_metrics("vllm:num_requests_running 1"), None);
     }
 
     #[test]

@@ -134,41 +134,25 @@ impl Default for Config {
 
 impl Default for Timeouts {
     fn default() -> Self {
-        Timeouts {
-            connect_ms: 2_000,
-            response_head_ms: 300_000,
-            idle_stream_ms: 120_000,
-        }
+        Timeouts { connect_ms: 2_000, response_head_ms: 300_000, idle_stream_ms: 120_000 }
     }
 }
 
 impl Default for HealthConfig {
     fn default() -> Self {
-        HealthConfig {
-            interval_ms: 5_000,
-            timeout_ms: 3_000,
-            rise: 2,
-            fall: 2,
-        }
+        HealthConfig { interval_ms: 5_000, timeout_ms: 3_000, rise: 2, fall: 2 }
     }
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits {
-            max_body_bytes: 64 * 1024 * 1024,
-        }
+        Limits { max_body_bytes: 64 * 1024 * 1024 }
     }
 }
 
 impl Default for PinConfig {
     fn default() -> Self {
-        PinConfig {
-            ttl_secs: 3_600,
-            max_pins: 1_000_000,
-            flush_interval_ms: 200,
-            max_events: 100_000,
-        }
+        PinConfig { ttl_secs: 3_600, max_pins: 1_000_000, flush_interval_ms: 200, max_events: 100_000 }
     }
 }
 
@@ -186,38 +170,21 @@ impl Default for RateLimits {
 
 impl Default for AdmissionConfig {
     fn default() -> Self {
-        AdmissionConfig {
-            large_context_tokens: 32_768,
-            wait_ms: 30_000,
-            max_queue: 64,
-            working_set_window_secs: 300,
-        }
+        AdmissionConfig { large_context_tokens: 32_768, wait_ms: 30_000, max_queue: 64, working_set_window_secs: 300 }
     }
 }
 
 /// Top-level keys whose value is a table (for the env mapping).
-const SECTIONS: &[&str] = &[
-    "identity",
-    "timeouts",
-    "health",
-    "limits",
-    "pins",
-    "rate_limits",
-    "admission",
-];
+const SECTIONS: &[&str] = &["identity", "timeouts", "health", "limits", "pins", "rate_limits", "admission"];
 
 impl Config {
     /// Reads `path` (if any), then overlays `PREFIXGATE_*` variables from `env`.
-    pub fn load(
-        path: Option<&Path>,
-        env: impl Iterator<Item = (String, String)>,
-    ) -> Result<Config, String> {
+    pub fn load(path: Option<&Path>, env: impl Iterator<Item = (String, String)>) -> Result<Config, String> {
         let mut table = match path {
             Some(p) => {
-                let text = std::fs::read_to_string(p)
-                    .map_err(|e| format!("cannot read config {}: {e}", p.display()))?;
-                text.parse::<toml::Table>()
-                    .map_err(|e| format!("invalid config {}: {e}", p.display()))?
+                let text =
+                    std::fs::read_to_string(p).map_err(|e| format!("cannot read config {}: {e}", p.display()))?;
+                text.parse::<toml::Table>().map_err(|e| format!("invalid config {}: {e}", p.display()))?
             }
             None => toml::Table::new(),
         };
@@ -228,8 +195,7 @@ impl Config {
             if key == "LOG" {
                 continue;
             }
-            apply_env(&mut table, &key.to_ascii_lowercase(), &value)
-                .map_err(|e| format!("{name}: {e}"))?;
+            apply_env(&mut table, &key.to_ascii_lowercase(), &value).map_err(|e| format!("{name}: {e}"))?;
         }
         let config: Config = toml::Value::Table(table)
             .try_into()
@@ -252,18 +218,13 @@ impl Config {
         if self.health.rise == 0 || self.health.fall == 0 {
             return Err("health.rise and health.fall must be at least 1".into());
         }
-        if self.timeouts.connect_ms == 0
-            || self.timeouts.response_head_ms == 0
-            || self.timeouts.idle_stream_ms == 0
-        {
+        if self.timeouts.connect_ms == 0 || self.timeouts.response_head_ms == 0 || self.timeouts.idle_stream_ms == 0 {
             return Err("timeouts.*_ms must be greater than 0".into());
         }
         if self.pins.flush_interval_ms == 0 {
             return Err("pins.flush_interval_ms must be greater than 0".into());
         }
-        if !self.admin_listen.ip().is_loopback()
-            && self.admin_token.as_deref().unwrap_or("").is_empty()
-        {
+        if !self.admin_listen.ip().is_loopback() && self.admin_token.as_deref().unwrap_or("").is_empty() {
             return Err(format!(
                 "admin_listen: refusing to serve the admin API on non-loopback address {} without an admin_token \
                  (set admin_token in the config or PREFIXGATE_ADMIN_TOKEN)",
@@ -279,10 +240,7 @@ fn apply_env(table: &mut toml::Table, key: &str, value: &str) -> Result<(), Stri
         let list = value
             .split(',')
             .filter(|s| !s.trim().is_empty())
-            .map(|s| {
-                parse_replica_flag(s.trim())
-                    .map(|r| toml::Value::try_from(r).expect("serializable"))
-            })
+            .map(|s| parse_replica_flag(s.trim()).map(|r| toml::Value::try_from(r).expect("serializable")))
             .collect::<Result<Vec<_>, _>>()?;
         table.insert("replicas".into(), toml::Value::Array(list));
         return Ok(());
@@ -290,9 +248,7 @@ fn apply_env(table: &mut toml::Table, key: &str, value: &str) -> Result<(), Stri
     let value = parse_env_value(value);
     for section in SECTIONS {
         if let Some(sub) = key.strip_prefix(section).and_then(|k| k.strip_prefix('_')) {
-            let entry = table
-                .entry(section.to_string())
-                .or_insert_with(|| toml::Value::Table(Default::default()));
+            let entry = table.entry(section.to_string()).or_insert_with(|| toml::Value::Table(Default::default()));
             let toml::Value::Table(t) = entry else {
                 return Err(format!("config key '{section}' is not a table"));
             };
@@ -315,9 +271,7 @@ fn parse_env_value(raw: &str) -> toml::Value {
 
 /// Parses the `--replica ID=URL` flag.
 pub fn parse_replica_flag(s: &str) -> Result<ReplicaSpec, String> {
-    let (id, url) = s
-        .split_once('=')
-        .ok_or_else(|| format!("expected ID=URL, got '{s}'"))?;
+    let (id, url) = s.split_once('=').ok_or_else(|| format!("expected ID=URL, got '{s}'"))?;
     let spec = ReplicaSpec::new(id.trim(), url.trim());
     spec.validate()?;
     Ok(spec)
@@ -328,31 +282,20 @@ mod tests {
     use super::*;
 
     fn env(pairs: &[(&str, &str)]) -> impl Iterator<Item = (String, String)> {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect::<Vec<_>>()
-            .into_iter()
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<Vec<_>>().into_iter()
     }
 
     #[test]
     fn env_overrides_file_and_sections_map() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("c.toml");
-        std::fs::write(
-            &path,
-            "policy = \"affinity\"\n[timeouts]\nconnect_ms = 10\n",
-        )
-        .unwrap();
+        std::fs::write(&path, "policy = \"affinity\"\n[timeouts]\nconnect_ms = 10\n").unwrap();
         let c = Config::load(
             Some(&path),
             env(&[
                 ("PREFIXGATE_POLICY", "roundrobin"),
                 ("PREFIXGATE_TIMEOUTS_IDLE_STREAM_MS", "77"),
-                (
-                    "PREFIXGATE_REPLICAS",
-                    "a=http://127.0.0.1:1,b=http://127.0.0.1:2/",
-                ),
+                ("PREFIXGATE_REPLICAS", "a=http://127.0.0.1:1,b=http://127.0.0.1:2/"),
                 ("OTHER", "x"),
             ]),
         )
@@ -371,12 +314,8 @@ mod tests {
         assert!(err.contains("conect_ms"), "{err}");
         let err = Config::load(None, env(&[("PREFIXGATE_REPLICAS", "a=ftp://x")])).unwrap_err();
         assert!(err.contains("PREFIXGATE_REPLICAS"), "{err}");
-        let err =
-            Config::load(None, env(&[("PREFIXGATE_ADMIN_LISTEN", "0.0.0.0:9090")])).unwrap_err();
-        assert!(
-            err.contains("admin_listen") && err.contains("admin_token"),
-            "{err}"
-        );
+        let err = Config::load(None, env(&[("PREFIXGATE_ADMIN_LISTEN", "0.0.0.0:9090")])).unwrap_err();
+        assert!(err.contains("admin_listen") && err.contains("admin_token"), "{err}");
     }
 
     #[test]

@@ -20,10 +20,7 @@ pub enum ApiError {
     #[error("no replica is available to serve this request; retry shortly")]
     NoReplica,
     #[error("{message}")]
-    Overloaded {
-        message: String,
-        retry_after: Duration,
-    },
+    Overloaded { message: String, retry_after: Duration },
     #[error("the replica did not answer in time")]
     UpstreamTimeout,
     #[error("the replica failed: {0}")]
@@ -63,82 +60,34 @@ impl ApiError {
     fn parts(&self) -> (StatusCode, &'static str, &'static str) {
         use ApiError::*;
         match self {
-            BadRequest(_) => (
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                "invalid_request",
-            ),
-            BodyTooLarge { .. } => (
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "invalid_request_error",
-                "body_too_large",
-            ),
-            ModelNotFound(_) => (
-                StatusCode::NOT_FOUND,
-                "invalid_request_error",
-                "model_not_found",
-            ),
-            NoReplica => (
-                StatusCode::SERVICE_UNAVAILABLE,
-                "service_unavailable",
-                "no_routable_replica",
-            ),
-            Overloaded { .. } => (
-                StatusCode::SERVICE_UNAVAILABLE,
-                "service_unavailable",
-                "admission_queue_full",
-            ),
-            UpstreamTimeout => (
-                StatusCode::GATEWAY_TIMEOUT,
-                "upstream_error",
-                "upstream_timeout",
-            ),
+            BadRequest(_) => (StatusCode::BAD_REQUEST, "invalid_request_error", "invalid_request"),
+            BodyTooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", "body_too_large"),
+            ModelNotFound(_) => (StatusCode::NOT_FOUND, "invalid_request_error", "model_not_found"),
+            NoReplica => (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "no_routable_replica"),
+            Overloaded { .. } => (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "admission_queue_full"),
+            UpstreamTimeout => (StatusCode::GATEWAY_TIMEOUT, "upstream_error", "upstream_timeout"),
             Upstream(_) => (StatusCode::BAD_GATEWAY, "upstream_error", "upstream_failed"),
-            Unauthorized(_) => (
-                StatusCode::UNAUTHORIZED,
-                "authentication_error",
-                "invalid_api_key",
-            ),
-            RateLimited { .. } => (
-                StatusCode::TOO_MANY_REQUESTS,
-                "rate_limit_error",
-                "rate_limited",
-            ),
+            Unauthorized(_) => (StatusCode::UNAUTHORIZED, "authentication_error", "invalid_api_key"),
+            RateLimited { .. } => (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", "rate_limited"),
             NotFound(_) => (StatusCode::NOT_FOUND, "invalid_request_error", "not_found"),
             Conflict(_) => (StatusCode::CONFLICT, "invalid_request_error", "conflict"),
-            Unprocessable(_) => (
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid_request_error",
-                "invalid_value",
-            ),
+            Unprocessable(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid_request_error", "invalid_value"),
             Timeout(_) => (StatusCode::GATEWAY_TIMEOUT, "timeout_error", "timeout"),
-            Internal(_) => (
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "server_error",
-                "internal_error",
-            ),
+            Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal_error"),
         }
     }
 
     fn retry_after(&self) -> Option<Duration> {
         match self {
             ApiError::NoReplica => Some(Duration::from_secs(1)),
-            ApiError::Overloaded { retry_after, .. } | ApiError::RateLimited { retry_after } => {
-                Some(*retry_after)
-            }
+            ApiError::Overloaded { retry_after, .. } | ApiError::RateLimited { retry_after } => Some(*retry_after),
             _ => None,
         }
     }
 
     pub fn body(&self) -> ErrorBody {
         let (_, kind, code) = self.parts();
-        ErrorBody {
-            error: ErrorDetail {
-                message: self.to_string(),
-                kind: kind.into(),
-                code: Some(code.into()),
-            },
-        }
+        ErrorBody { error: ErrorDetail { message: self.to_string(), kind: kind.into(), code: Some(code.into()) } }
     }
 }
 

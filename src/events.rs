@@ -80,12 +80,7 @@ impl EventLog {
         while ring.len() > cap {
             ring.pop_front();
         }
-        EventLog {
-            next_id: AtomicU64::new(next),
-            ring: RwLock::new(ring),
-            cap: cap.max(1),
-            store,
-        }
+        EventLog { next_id: AtomicU64::new(next), ring: RwLock::new(ring), cap: cap.max(1), store }
     }
 
     pub fn record(
@@ -129,9 +124,9 @@ impl EventLog {
             .filter(|e| f.before_id.is_none_or(|b| e.id < b))
             .filter(|e| f.kind.is_none_or(|k| e.kind == k))
             .filter(|e| {
-                f.replica.as_deref().is_none_or(|r| {
-                    e.replica.as_deref() == Some(r) || e.to_replica.as_deref() == Some(r)
-                })
+                f.replica
+                    .as_deref()
+                    .is_none_or(|r| e.replica.as_deref() == Some(r) || e.to_replica.as_deref() == Some(r))
             })
             .take_while(|e| f.since_ms.is_none_or(|s| e.at_ms >= s))
             .take(f.limit)
@@ -140,11 +135,6 @@ impl EventLog {
     }
 
     pub fn count(&self, kind: EventKind) -> usize {
-        self.ring
-            .read()
-            .expect("events lock")
-            .iter()
-            .filter(|e| e.kind == kind)
-            .count()
+        self.ring.read().expect("events lock").iter().filter(|e| e.kind == kind).count()
     }
 }

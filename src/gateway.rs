@@ -61,10 +61,7 @@ impl Gateway {
         let stored = store.replicas()?;
         if store.is_new() || (stored.is_empty() && config.data_dir.is_none()) {
             for spec in &config.replicas {
-                let r = StoredReplica {
-                    spec: spec.clone(),
-                    admin: AdminState::Active,
-                };
+                let r = StoredReplica { spec: spec.clone(), admin: AdminState::Active };
                 store.put_replica(&r)?;
                 fleet.add(Replica::new(r.spec, r.admin));
             }
@@ -81,14 +78,9 @@ impl Gateway {
             }
         }
         let policy = match store.setting("policy")? {
-            Some(v) => serde_json::from_value(v).map_err(|e| StoreError::Corrupt {
-                tree: "settings",
-                detail: e.to_string(),
-            })?,
-            None => PolicySettings {
-                mode: config.policy,
-                identity: config.identity,
-            },
+            Some(v) => serde_json::from_value(v)
+                .map_err(|e| StoreError::Corrupt { tree: "settings", detail: e.to_string() })?,
+            None => PolicySettings { mode: config.policy, identity: config.identity },
         };
         let pins = PinTable::default();
         pins.restore(store.pins()?);
@@ -114,14 +106,10 @@ impl Gateway {
 
     pub fn set_policy(&self, next: PolicySettings) -> Result<(), ApiError> {
         if next.identity.block_bytes == 0 || next.identity.block_tokens == 0 {
-            return Err(ApiError::Unprocessable(
-                "identity block sizes must be at least 1".into(),
-            ));
+            return Err(ApiError::Unprocessable("identity block sizes must be at least 1".into()));
         }
         let prev = std::mem::replace(&mut *self.policy.write().expect("policy lock"), next);
-        self.store
-            .put_setting("policy", &serde_json::to_value(next).expect("serializable"))
-            .map_err(internal)?;
+        self.store.put_setting("policy", &serde_json::to_value(next).expect("serializable")).map_err(internal)?;
         if prev != next {
             self.events.record(
                 EventKind::PolicyChanged,
@@ -142,36 +130,22 @@ impl Gateway {
     }
 
     pub fn replica(&self, id: &str) -> Result<Arc<Replica>, ApiError> {
-        self.fleet
-            .get(id)
-            .ok_or_else(|| ApiError::NotFound(format!("no replica with id '{id}'")))
+        self.fleet.get(id).ok_or_else(|| ApiError::NotFound(format!("no replica with id '{id}'")))
     }
 
     fn persist(&self, r: &Replica) -> Result<(), ApiError> {
-        self.store
-            .put_replica(&StoredReplica {
-                spec: (*r.spec()).clone(),
-                admin: r.admin(),
-            })
-            .map_err(internal)
+        self.store.put_replica(&StoredReplica { spec: (*r.spec()).clone(), admin: r.admin() }).map_err(internal)
     }
 
     pub fn add_replica(&self, spec: ReplicaSpec) -> Result<Arc<Replica>, ApiError> {
         spec.validate().map_err(ApiError::Unprocessable)?;
         let id = spec.id.clone();
         if !self.fleet.add(Replica::new(spec, AdminState::Active)) {
-            return Err(ApiError::Conflict(format!(
-                "a replica with id '{id}' already exists"
-            )));
+            return Err(ApiError::Conflict(format!("a replica with id '{id}' already exists")));
         }
         let r = self.replica(&id)?;
         self.persist(&r)?;
-        self.events.record(
-            EventKind::ReplicaAdded,
-            Some(&id),
-            None,
-            r.spec().url.clone(),
-        );
+        self.events.record(EventKind::ReplicaAdded, Some(&id), None, r.spec().url.clone());
         Ok(r)
     }
 
@@ -181,23 +155,15 @@ impl Gateway {
         let url = spec.url.clone();
         r.set_spec(spec);
         self.persist(&r)?;
-        self.events
-            .record(EventKind::ReplicaUpdated, Some(&r.id), None, url);
+        self.events.record(EventKind::ReplicaUpdated, Some(&r.id), None, url);
         Ok(r)
     }
 
     pub fn remove_replica(&self, id: &str) -> Result<(), ApiError> {
-        self.fleet
-            .remove(id)
-            .ok_or_else(|| ApiError::NotFound(format!("no replica with id '{id}'")))?;
+        self.fleet.remove(id).ok_or_else(|| ApiError::NotFound(format!("no replica with id '{id}'")))?;
         self.store.delete_replica(id).map_err(internal)?;
         let pins = self.pins.remove_replica(id);
-        self.events.record(
-            EventKind::ReplicaRemoved,
-            Some(id),
-            None,
-            format!("{pins} pin(s) dropped"),
-        );
+        self.events.record(EventKind::ReplicaRemoved, Some(id), None, format!("{pins} pin(s) dropped"));
         Ok(())
     }
 
@@ -213,8 +179,7 @@ impl Gateway {
                 (AdminState::Disabled, AdminState::Active) => EventKind::Enabled,
                 (_, AdminState::Active) => EventKind::Resumed,
             };
-            self.events
-                .record(kind, Some(id), None, format!("{} in flight", r.inflight()));
+            self.events.record(kind, Some(id), None, format!("{} in flight", r.inflight()));
         }
         Ok(r)
     }
@@ -224,18 +189,10 @@ impl Gateway {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             if r.admin() != AdminState::Draining {
-                return Err(ApiError::Conflict(format!(
-                    "replica '{}' is no longer draining",
-                    r.id
-                )));
+                return Err(ApiError::Conflict(format!("replica '{}' is no longer draining", r.id)));
             }
             if r.inflight() == 0 {
-                self.events.record(
-                    EventKind::DrainCompleted,
-                    Some(&r.id),
-                    None,
-                    "nothing in flight",
-                );
+                self.events.record(EventKind::DrainCompleted, Some(&r.id), None, "nothing in flight");
                 return Ok(());
             }
             if tokio::time::Instant::now() >= deadline {

@@ -40,7 +40,8 @@ pub struct Running {
     pub admin_addr: SocketAddr,
     traffic: ServerHandle,
     admin: ServerHandle,
-    tasks: Vec<actix_web::rt::task::JoinHandle<std::io::Result<()>>>,
+    servers: Vec<actix_web::rt::task::JoinHandle<std::io::Result<()>>>,
+    background: Vec<actix_web::rt::task::JoinHandle<()>>,
 }
 
 impl Running {
@@ -48,7 +49,12 @@ impl Running {
     /// servers' shutdown timeout), then flushes pins and the store.
     pub async fn stop(self) {
         futures_util::future::join(self.traffic.stop(true), self.admin.stop(true)).await;
-        futures_util::future::join_all(self.tasks).await;
+        futures_util::future::join_all(self.servers).await;
+        // The background tasks hold the gateway (and so the database): end them.
+        for task in &self.background {
+            task.abort();
+        }
+        futures_util::future::join_all(self.background).await;
         if let Err(e) = self.gateway.flush_all() {
             tracing::error!("final flush failed: {e}");
         }
@@ -57,11 +63,7 @@ impl Running {
 
 /// Starts both listeners and the background tasks (health checks, pin
 /// flusher and pruner). Must run inside an actix system.
-pub fn start(
-    gw: Arc<Gateway>,
-    traffic: TcpListener,
-    admin: TcpListener,
-) -> std::io::Result<Running> {
+pub fn start(gw: Arc<Gateway>, traffic: TcpListener, admin: TcpListener) -> std::io::Result<Running> {
     let traffic_addr = traffic.local_addr()?;
     let admin_addr = admin.local_addr()?;
     let data = web::Data::from(gw.clone());
@@ -87,46 +89,45 @@ pub fn start(
     .disable_signals()
     .listen(admin)?
     .run();
-    spawn_background(gw.clone());
+    let background = spawn_background(gw.clone());
     let (traffic, admin) = (traffic_server.handle(), admin_server.handle());
     // Servers run only while polled: spawn them on this system.
-    let tasks = vec![
-        actix_web::rt::spawn(traffic_server),
-        actix_web::rt::spawn(admin_server),
-    ];
-    Ok(Running {
-        gateway: gw,
-        traffic_addr,
-        admin_addr,
-        traffic,
-        admin,
-        tasks,
-    })
+    let servers = vec![actix_web::rt::spawn(traffic_server), actix_web::rt::spawn(admin_server)];
+    Ok(Running { gateway: gw, traffic_addr, admin_addr, traffic, admin, servers, background })
 }
 
-fn spawn_background(gw: Arc<Gateway>) {
-    actix_web::rt::spawn(fleet::health::run(gw.clone()));
+/// Health checks; the pin flusher; capacity evaluation, pin pruning and
+/// rate-limiter pruning.
+fn spawn_background(gw: Arc<Gateway>) -> Vec<actix_web::rt::task::JoinHandle<()>> {
+    let health = actix_web::rt::spawn(fleet::health::run(gw.clone()));
     let flush_every = Duration::from_millis(gw.config.pins.flush_interval_ms);
-    actix_web::rt::spawn(async move {
-        let mut last_prune = tokio::time::Instant::now();
-        loop {
-            tokio::time::sleep(flush_every).await;
-            if last_prune.elapsed() >= Duration::from_secs(10) {
-                let pruned = gw.pins.prune(
-                    clock::now_ms(),
-                    gw.config.pins.ttl_secs * 1000,
-                    gw.config.pins.max_pins,
-                );
-                if pruned > 0 {
-                    tracing::debug!("pruned {pruned} pin(s)");
+    let flusher = actix_web::rt::spawn({
+        let gw = gw.clone();
+        async move {
+            loop {
+                tokio::time::sleep(flush_every).await;
+                if let Err(e) = gw.flush_pins() {
+                    tracing::error!("pin flush failed (will retry): {e}");
                 }
-                last_prune = tokio::time::Instant::now();
-            }
-            if let Err(e) = gw.flush_pins() {
-                tracing::error!("pin flush failed (will retry): {e}");
             }
         }
     });
+    let housekeeping = actix_web::rt::spawn(async move {
+        let mut tick = 0u64;
+        loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            tick += 1;
+            capacity::evaluate(&gw);
+            if tick.is_multiple_of(10) {
+                let pruned = gw.pins.prune(clock::now_ms(), gw.config.pins.ttl_secs * 1000, gw.config.pins.max_pins);
+                if pruned > 0 {
+                    tracing::debug!("pruned {pruned} pin(s)");
+                }
+                gw.access.prune();
+            }
+        }
+    });
+    vec![health, flusher, housekeeping]
 }
 
 /// The client-facing app: `/v1/*` and `/healthz`.
@@ -150,15 +151,14 @@ pub fn create_traffic_app(
         .route("/v1/models", web::get().to(list_models))
         .route("/v1/{tail:.*}", web::to(proxy::forward))
         .default_service(web::to(|| async {
-            Err::<HttpResponse, _>(ApiError::NotFound(
-                "no such route; the API lives under /v1".into(),
-            ))
+            Err::<HttpResponse, _>(ApiError::NotFound("no such route; the API lives under /v1".into()))
         }))
 }
 
 async fn healthz(gw: web::Data<Gateway>) -> HttpResponse {
     let routable = gw.fleet.snapshot().iter().filter(|r| r.routable()).count();
-    let body = serde_json::json!({"status": if routable > 0 { "ok" } else { "degraded" }, "routable_replicas": routable});
+    let body =
+        serde_json::json!({"status": if routable > 0 { "ok" } else { "degraded" }, "routable_replicas": routable});
     if routable > 0 {
         HttpResponse::Ok().json(body)
     } else {
@@ -168,18 +168,11 @@ async fn healthz(gw: web::Data<Gateway>) -> HttpResponse {
 
 /// `GET /v1/models`: the union of the models the replicas reported.
 async fn list_models(gw: web::Data<Gateway>) -> HttpResponse {
-    let mut ids: Vec<String> = gw
-        .fleet
-        .snapshot()
-        .iter()
-        .flat_map(|r| r.models().as_ref().clone())
-        .collect();
+    let mut ids: Vec<String> = gw.fleet.snapshot().iter().flat_map(|r| r.models().as_ref().clone()).collect();
     ids.sort();
     ids.dedup();
-    let data: Vec<_> = ids
-        .iter()
-        .map(|id| serde_json::json!({"id": id, "object": "model", "owned_by": "prefixgate"}))
-        .collect();
+    let data: Vec<_> =
+        ids.iter().map(|id| serde_json::json!({"id": id, "object": "model", "owned_by": "prefixgate"})).collect();
     HttpResponse::Ok().json(serde_json::json!({"object": "list", "data": data}))
 }
 

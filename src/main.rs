@@ -11,11 +11,7 @@ use prefixgate::policy::Mode;
 use prefixgate::sim::{self, SimConfig, SimState};
 
 #[derive(Parser)]
-#[command(
-    name = "prefixgate",
-    version,
-    about = "Routes OpenAI traffic across LLM replicas by request shape"
-)]
+#[command(name = "prefixgate", version, about = "Routes OpenAI traffic across LLM replicas by request shape")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -85,11 +81,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Serve(args) => serve(args),
         Command::SimReplica { port, host, sim } => sim_replica(&host, port, sim),
-        Command::Demo {
-            port,
-            admin_port,
-            time_scale,
-        } => demo(port, admin_port, time_scale),
+        Command::Demo { port, admin_port, time_scale } => demo(port, admin_port, time_scale),
         Command::Openapi => {
             print!("{}", prefixgate::admin::openapi_json());
             Ok(())
@@ -136,11 +128,7 @@ fn run_gateway(config: Config, banner: Option<String>) -> Result<(), String> {
     actix_web::rt::System::new().block_on(async move {
         let gw = Gateway::open(config).map_err(|e| e.to_string())?;
         let running = prefixgate::start(gw, traffic, admin).map_err(|e| e.to_string())?;
-        tracing::info!(
-            "traffic on http://{}, admin on http://{}",
-            running.traffic_addr,
-            running.admin_addr
-        );
+        tracing::info!("traffic on http://{}, admin on http://{}", running.traffic_addr, running.admin_addr);
         if let Some(b) = banner {
             println!("{b}");
         }
@@ -152,8 +140,7 @@ fn run_gateway(config: Config, banner: Option<String>) -> Result<(), String> {
 }
 
 async fn shutdown_signal() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .expect("SIGTERM handler");
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
@@ -161,21 +148,10 @@ async fn shutdown_signal() {
 }
 
 fn sim_replica(host: &str, port: u16, cfg: SimConfig) -> Result<(), String> {
-    let listener = bind(
-        format!("{host}:{port}")
-            .parse()
-            .map_err(|e| format!("--host/--port: {e}"))?,
-        "sim-replica",
-    )?;
+    let listener = bind(format!("{host}:{port}").parse().map_err(|e| format!("--host/--port: {e}"))?, "sim-replica")?;
     actix_web::rt::System::new().block_on(async move {
-        tracing::info!(
-            "simulated replica serving '{}' on http://{host}:{port}",
-            cfg.model
-        );
-        sim::serve(listener, SimState::new(cfg))
-            .map_err(|e| e.to_string())?
-            .await
-            .map_err(|e| e.to_string())
+        tracing::info!("simulated replica serving '{}' on http://{host}:{port}", cfg.model);
+        sim::serve(listener, SimState::new(cfg)).map_err(|e| e.to_string())?.await.map_err(|e| e.to_string())
     })
 }
 
@@ -185,20 +161,14 @@ fn demo(port: u16, admin_port: u16, time_scale: f64) -> Result<(), String> {
     for id in ["sim-a", "sim-b"] {
         let l = bind("127.0.0.1:0".parse().expect("literal"), id)?;
         let url = format!("http://{}", l.local_addr().map_err(|e| e.to_string())?);
-        replicas.push(ReplicaSpec {
-            kv_tokens: Some(122_636),
-            ..ReplicaSpec::new(id, &url)
-        });
+        replicas.push(ReplicaSpec { kv_tokens: Some(122_636), ..ReplicaSpec::new(id, &url) });
         sims.push(l);
     }
     let config = Config {
         listen: SocketAddr::from(([127, 0, 0, 1], port)),
         admin_listen: SocketAddr::from(([127, 0, 0, 1], admin_port)),
         replicas: replicas.clone(),
-        health: prefixgate::config::HealthConfig {
-            interval_ms: 1_000,
-            ..Default::default()
-        },
+        health: prefixgate::config::HealthConfig { interval_ms: 1_000, ..Default::default() },
         ..Config::default()
     };
     // The replicas run on their own runtime thread, like separate processes.
@@ -207,14 +177,7 @@ fn demo(port: u16, admin_port: u16, time_scale: f64) -> Result<(), String> {
             let servers: Vec<_> = sims
                 .into_iter()
                 .map(|l| {
-                    sim::serve(
-                        l,
-                        SimState::new(SimConfig {
-                            time_scale,
-                            ..SimConfig::default()
-                        }),
-                    )
-                    .expect("sim starts")
+                    sim::serve(l, SimState::new(SimConfig { time_scale, ..SimConfig::default() })).expect("sim starts")
                 })
                 .collect();
             futures_util::future::join_all(servers).await;

@@ -181,21 +181,13 @@ impl Metrics {
             "Large requests rejected by admission (queue full or wait timeout)",
             m.admission_rejections.clone(),
         );
-        registry.register(
-            "prefixgate_inflight_requests",
-            "Requests in flight per replica",
-            m.inflight.clone(),
-        );
+        registry.register("prefixgate_inflight_requests", "Requests in flight per replica", m.inflight.clone());
         registry.register(
             "prefixgate_large_inflight_requests",
             "Large-context requests in flight per replica",
             m.large_inflight.clone(),
         );
-        registry.register(
-            "prefixgate_pins",
-            "Conversation pins held per replica",
-            m.pins.clone(),
-        );
+        registry.register("prefixgate_pins", "Conversation pins held per replica", m.pins.clone());
         registry.register(
             "prefixgate_replica_up",
             "1 when the replica takes traffic (active and not down)",
@@ -216,11 +208,7 @@ impl Metrics {
             "KV cache capacity in tokens (declared or read from the replica)",
             m.kv_capacity_tokens.clone(),
         );
-        registry.register(
-            "prefixgate_bytes_per_token",
-            "Calibrated prompt bytes per token",
-            m.bytes_per_token.clone(),
-        );
+        registry.register("prefixgate_bytes_per_token", "Calibrated prompt bytes per token", m.bytes_per_token.clone());
         registry.register(
             "prefixgate_capacity_warning",
             "1 when the working set exceeds KV capacity",
@@ -231,8 +219,7 @@ impl Metrics {
 
     pub fn encode(&self) -> String {
         let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &self.registry)
-            .expect("writing to a String cannot fail");
+        prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("writing to a String cannot fail");
         out
     }
 }
@@ -244,7 +231,5 @@ impl Default for Metrics {
 }
 
 pub fn replica_label(id: &str) -> ReplicaLabels {
-    ReplicaLabels {
-        replica: id.to_string(),
-    }
+    ReplicaLabels { replica: id.to_string() }
 }

@@ -37,11 +37,7 @@ pub struct PinTable {
 
 impl PinTable {
     pub fn replica_of(&self, key: PrefixKey) -> Option<Arc<str>> {
-        self.map
-            .read()
-            .expect("pins lock")
-            .get(&key)
-            .map(|p| p.replica.clone())
+        self.map.read().expect("pins lock").get(&key).map(|p| p.replica.clone())
     }
 
     pub fn get(&self, key: PrefixKey) -> Option<Pin> {
@@ -59,14 +55,7 @@ impl PinTable {
     /// Records that `replica` served the prefix `key`. `parent` is the
     /// matched shorter prefix of the same conversation, if any: it stays
     /// alive too, and its turn count carries over.
-    pub fn record(
-        &self,
-        key: PrefixKey,
-        replica: &Arc<str>,
-        parent: Option<PrefixKey>,
-        est_tokens: u64,
-        now_ms: u64,
-    ) {
+    pub fn record(&self, key: PrefixKey, replica: &Arc<str>, parent: Option<PrefixKey>, est_tokens: u64, now_ms: u64) {
         let mut map = self.map.write().expect("pins lock");
         let mut dirty = self.dirty.lock().expect("dirty lock");
         let parent_info = parent.filter(|p| *p != key).and_then(|p| {
@@ -125,8 +114,7 @@ impl PinTable {
             return expired;
         }
         let excess = map.len() - max;
-        let mut ages: Vec<(u64, PrefixKey)> =
-            map.iter().map(|(k, p)| (p.last_used_ms, *k)).collect();
+        let mut ages: Vec<(u64, PrefixKey)> = map.iter().map(|(k, p)| (p.last_used_ms, *k)).collect();
         ages.select_nth_unstable(excess - 1);
         let mut dirty = self.dirty.lock().expect("dirty lock");
         for (_, key) in &ages[..excess] {
@@ -152,9 +140,7 @@ impl PinTable {
 
     /// The changes since the last call, for the write-behind flusher.
     pub fn take_dirty(&self) -> Vec<PinChange> {
-        std::mem::take(&mut *self.dirty.lock().expect("dirty lock"))
-            .into_iter()
-            .collect()
+        std::mem::take(&mut *self.dirty.lock().expect("dirty lock")).into_iter().collect()
     }
 
     pub fn count_by_replica(&self) -> HashMap<Arc<str>, usize> {
@@ -166,12 +152,7 @@ impl PinTable {
     }
 
     /// A page of pins, most recently used first.
-    pub fn page(
-        &self,
-        replica: Option<&str>,
-        offset: usize,
-        limit: usize,
-    ) -> (usize, Vec<(PrefixKey, Pin)>) {
+    pub fn page(&self, replica: Option<&str>, offset: usize, limit: usize) -> (usize, Vec<(PrefixKey, Pin)>) {
         let map = self.map.read().expect("pins lock");
         let mut all: Vec<(PrefixKey, Pin)> = map
             .iter()
@@ -186,13 +167,7 @@ impl PinTable {
 
     /// Every pin used since `since_ms` (for the working-set estimate).
     pub fn active_since(&self, since_ms: u64) -> Vec<Pin> {
-        self.map
-            .read()
-            .expect("pins lock")
-            .values()
-            .filter(|p| p.last_used_ms >= since_ms)
-            .cloned()
-            .collect()
+        self.map.read().expect("pins lock").values().filter(|p| p.last_used_ms >= since_ms).cloned().collect()
     }
 }
 
@@ -229,14 +204,8 @@ mod tests {
         assert_eq!(t.prune(100, 1_000, 3), 2); // keep the three most recent
         let (total, page) = t.page(None, 0, 10);
         assert_eq!(total, 3);
-        assert_eq!(
-            page.iter().map(|(k, _)| *k).collect::<Vec<_>>(),
-            vec![9, 8, 7]
-        );
-        assert_eq!(
-            t.take_dirty().iter().filter(|(_, p)| p.is_none()).count(),
-            7
-        );
+        assert_eq!(page.iter().map(|(k, _)| *k).collect::<Vec<_>>(), vec![9, 8, 7]);
+        assert_eq!(t.take_dirty().iter().filter(|(_, p)| p.is_none()).count(), 7);
     }
 
     #[test]

@@ -12,10 +12,7 @@ use serde_json::json;
 
 #[actix_web::test]
 async fn single_turn_requests_spread_and_a_conversation_stays_warm_on_its_replica() {
-    let (a, b) = (
-        start_sim("a", fast_sim()).await,
-        start_sim("b", fast_sim()).await,
-    );
+    let (a, b) = (start_sim("a", fast_sim()).await, start_sim("b", fast_sim()).await);
     let gw = start_gateway(test_config(&[&a, &b])).await;
 
     let mut seen = Vec::new();
@@ -24,10 +21,7 @@ async fn single_turn_requests_spread_and_a_conversation_stays_warm_on_its_replic
         assert_eq!((r.status, r.route.as_str()), (200, "spread"));
         seen.push(r.replica);
     }
-    assert!(
-        seen.windows(2).all(|w| w[0] != w[1]),
-        "consecutive spread picks alternate: {seen:?}"
-    );
+    assert!(seen.windows(2).all(|w| w[0] != w[1]), "consecutive spread picks alternate: {seen:?}");
 
     // A conversation whose first turn is tiny, then grows with a long context.
     let context = text("ctx", 2_000);
@@ -35,18 +29,8 @@ async fn single_turn_requests_spread_and_a_conversation_stays_warm_on_its_replic
     let mut history = vec![("user".to_string(), "hi".to_string())];
     for turn in 1..6 {
         history.push(("assistant".into(), format!("answer {turn}")));
-        history.push((
-            "user".into(),
-            if turn == 1 {
-                context.clone()
-            } else {
-                format!("follow-up {turn}")
-            },
-        ));
-        let msgs: Vec<(&str, &str)> = history
-            .iter()
-            .map(|(r, c)| (r.as_str(), c.as_str()))
-            .collect();
+        history.push(("user".into(), if turn == 1 { context.clone() } else { format!("follow-up {turn}") }));
+        let msgs: Vec<(&str, &str)> = history.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
         let r = chat(&gw, &msgs).await;
         assert_eq!(
             (r.status, r.route.as_str(), r.replica.as_str()),
@@ -55,19 +39,9 @@ async fn single_turn_requests_spread_and_a_conversation_stays_warm_on_its_replic
         );
         if turn >= 3 {
             // The replica reports the prefix as cached: the pin was real.
-            assert!(
-                cached_tokens(&r) >= 1_900,
-                "turn {turn}: cached {}",
-                cached_tokens(&r)
-            );
-            let predicted: u64 = r
-                .headers
-                .get("x-prefixgate-predicted-cached-tokens")
-                .unwrap()
-                .to_str()
-                .unwrap()
-                .parse()
-                .unwrap();
+            assert!(cached_tokens(&r) >= 1_900, "turn {turn}: cached {}", cached_tokens(&r));
+            let predicted: u64 =
+                r.headers.get("x-prefixgate-predicted-cached-tokens").unwrap().to_str().unwrap().parse().unwrap();
             assert!(predicted >= 1_900, "predicted {predicted}");
         }
     }
@@ -77,34 +51,15 @@ async fn single_turn_requests_spread_and_a_conversation_stays_warm_on_its_replic
 #[actix_web::test]
 async fn the_first_chunk_reaches_the_client_while_the_replica_is_still_generating() {
     // 5 tokens per simulated second at full time scale: 2 s of generation.
-    let slow = start_sim(
-        "slow",
-        prefixgate::sim::SimConfig {
-            decode_tps: 5.0,
-            time_scale: 1.0,
-            ..fast_sim()
-        },
-    )
-    .await;
+    let slow = start_sim("slow", prefixgate::sim::SimConfig { decode_tps: 5.0, time_scale: 1.0, ..fast_sim() }).await;
     let gw = start_gateway(test_config(&[&slow])).await;
-    let body = chat_body(
-        &[("user", "stream please")],
-        json!({"stream": true, "max_tokens": 10}),
-    );
-    let mut resp = client()
-        .post(format!("{}/v1/chat/completions", gw.base))
-        .send_json(&body)
-        .await
-        .unwrap();
+    let body = chat_body(&[("user", "stream please")], json!({"stream": true, "max_tokens": 10}));
+    let mut resp = client().post(format!("{}/v1/chat/completions", gw.base)).send_json(&body).await.unwrap();
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers().get("x-prefixgate-route").unwrap(), "spread");
     let first = resp.next().await.unwrap().unwrap();
     assert!(first.starts_with(b"data: "), "{first:?}");
-    assert_eq!(
-        slow.state.running(),
-        1,
-        "the replica is still generating when the client has its first chunk"
-    );
+    assert_eq!(slow.state.running(), 1, "the replica is still generating when the client has its first chunk");
     let mut rest = Vec::new();
     while let Some(chunk) = resp.next().await {
         rest.extend_from_slice(&chunk.unwrap());
@@ -115,10 +70,7 @@ async fn the_first_chunk_reaches_the_client_while_the_replica_is_still_generatin
 
 #[actix_web::test]
 async fn a_stopped_replica_is_failed_over_six_requests_six_200s_one_failover() {
-    let (a, b) = (
-        start_sim("a", fast_sim()).await,
-        start_sim("b", fast_sim()).await,
-    );
+    let (a, b) = (start_sim("a", fast_sim()).await, start_sim("b", fast_sim()).await);
     let mut config = test_config(&[&a, &b]);
     // Only the request path may notice the stop: no probe between.
     config.health.interval_ms = 3_600_000;
@@ -126,64 +78,28 @@ async fn a_stopped_replica_is_failed_over_six_requests_six_200s_one_failover() {
     b.stop(true).await;
     let requests = (0..6).map(|i| {
         let url = format!("{}/v1/chat/completions", gw.base);
-        async move {
-            post(
-                &url,
-                &chat_body(&[("user", &format!("during the stop {i}"))], json!({})),
-            )
-            .await
-        }
+        async move { post(&url, &chat_body(&[("user", &format!("during the stop {i}"))], json!({}))).await }
     });
     let replies = futures_util::future::join_all(requests).await;
     assert!(
         replies.iter().all(|r| r.status == 200 && r.replica == "a"),
         "{:?}",
-        replies
-            .iter()
-            .map(|r| (r.status, &r.replica))
-            .collect::<Vec<_>>()
+        replies.iter().map(|r| (r.status, &r.replica)).collect::<Vec<_>>()
     );
     assert!(replies.iter().any(|r| r.route == "failover"));
-    assert_eq!(
-        gw.gw.events.count(EventKind::Failover),
-        1,
-        "one failover per replica transition"
-    );
-    assert_eq!(
-        gw.gw.fleet.get("b").unwrap().health(),
-        prefixgate::fleet::Health::Down
-    );
+    assert_eq!(gw.gw.events.count(EventKind::Failover), 1, "one failover per replica transition");
+    assert_eq!(gw.gw.fleet.get("b").unwrap().health(), prefixgate::fleet::Health::Down);
     gw.stop().await;
 }
 
 #[actix_web::test]
 async fn a_replica_dying_mid_stream_ends_that_stream_with_an_error_and_nothing_is_retried() {
-    let slow = prefixgate::sim::SimConfig {
-        decode_tps: 5.0,
-        time_scale: 1.0,
-        ..fast_sim()
-    };
-    let (a, b) = (
-        start_sim("a", slow.clone()).await,
-        start_sim("b", slow).await,
-    );
+    let slow = prefixgate::sim::SimConfig { decode_tps: 5.0, time_scale: 1.0, ..fast_sim() };
+    let (a, b) = (start_sim("a", slow.clone()).await, start_sim("b", slow).await);
     let gw = start_gateway(test_config(&[&a, &b])).await;
-    let body = chat_body(
-        &[("user", "a long answer please")],
-        json!({"stream": true, "max_tokens": 50}),
-    );
-    let mut resp = client()
-        .post(format!("{}/v1/chat/completions", gw.base))
-        .send_json(&body)
-        .await
-        .unwrap();
-    let serving = resp
-        .headers()
-        .get("x-prefixgate-replica")
-        .unwrap()
-        .to_str()
-        .unwrap()
-        .to_string();
+    let body = chat_body(&[("user", "a long answer please")], json!({"stream": true, "max_tokens": 50}));
+    let mut resp = client().post(format!("{}/v1/chat/completions", gw.base)).send_json(&body).await.unwrap();
+    let serving = resp.headers().get("x-prefixgate-replica").unwrap().to_str().unwrap().to_string();
     let (dying, other) = if serving == "a" { (&a, &b) } else { (&b, &a) };
     let _first = resp.next().await.unwrap().unwrap();
     dying.stop(false).await;
@@ -195,41 +111,19 @@ async fn a_replica_dying_mid_stream_ends_that_stream_with_an_error_and_nothing_i
         }
     }
     let text = String::from_utf8_lossy(&rest);
-    assert!(
-        text.contains("\"error\"") && !text.contains("[DONE]"),
-        "{text}"
-    );
-    assert_eq!(
-        other.state.received(),
-        0,
-        "nothing was re-sent after the stream started"
-    );
+    assert!(text.contains("\"error\"") && !text.contains("[DONE]"), "{text}");
+    assert_eq!(other.state.received(), 0, "nothing was re-sent after the stream started");
     let r = gw.gw.fleet.get(&serving).unwrap();
-    wait_until("in-flight back to zero", Duration::from_secs(5), || {
-        r.inflight() == 0 && r.large_inflight() == 0
-    })
-    .await;
+    wait_until("in-flight back to zero", Duration::from_secs(5), || r.inflight() == 0 && r.large_inflight() == 0).await;
     gw.stop().await;
 }
 
 #[actix_web::test]
 async fn a_client_leaving_mid_stream_cancels_the_upstream_and_releases_counters() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let slow = start_sim(
-        "a",
-        prefixgate::sim::SimConfig {
-            decode_tps: 10.0,
-            time_scale: 1.0,
-            ..fast_sim()
-        },
-    )
-    .await;
+    let slow = start_sim("a", prefixgate::sim::SimConfig { decode_tps: 10.0, time_scale: 1.0, ..fast_sim() }).await;
     let gw = start_gateway(test_config(&[&slow])).await;
-    let body = chat_body(
-        &[("user", "stream then hang up")],
-        json!({"stream": true, "max_tokens": 100}),
-    )
-    .to_string();
+    let body = chat_body(&[("user", "stream then hang up")], json!({"stream": true, "max_tokens": 100})).to_string();
     let addr = gw.base.trim_start_matches("http://").to_string();
     let mut sock = tokio::net::TcpStream::connect(&addr).await.unwrap();
     let req = format!(
@@ -246,14 +140,8 @@ async fn a_client_leaving_mid_stream_cancels_the_upstream_and_releases_counters(
     }
     drop(sock);
     let r = gw.gw.fleet.get("a").unwrap();
-    wait_until("upstream cancelled", Duration::from_secs(10), || {
-        slow.state.cancelled() == 1
-    })
-    .await;
-    wait_until("counters released", Duration::from_secs(5), || {
-        r.inflight() == 0 && slow.state.running() == 0
-    })
-    .await;
+    wait_until("upstream cancelled", Duration::from_secs(10), || slow.state.cancelled() == 1).await;
+    wait_until("counters released", Duration::from_secs(5), || r.inflight() == 0 && slow.state.running() == 0).await;
     gw.stop().await;
 }
 
@@ -267,31 +155,15 @@ async fn bad_input_gets_openai_errors_and_is_not_forwarded() {
     let url = format!("{}/v1/chat/completions", gw.base);
     for (body, status, code) in [
         ("{not json".to_string(), 400, "invalid_request"),
+        (r#"{"model":"sim-model","messages":"hi"}"#.to_string(), 400, "invalid_request"),
         (
-            r#"{"model":"sim-model","messages":"hi"}"#.to_string(),
-            400,
-            "invalid_request",
-        ),
-        (
-            format!(
-                r#"{{"model":"sim-model","messages":[{{"role":"user","content":"{}"}}]}}"#,
-                "x".repeat(2_000)
-            ),
+            format!(r#"{{"model":"sim-model","messages":[{{"role":"user","content":"{}"}}]}}"#, "x".repeat(2_000)),
             413,
             "body_too_large",
         ),
-        (
-            r#"{"model":"no-such-model","messages":[{"role":"user","content":"x"}]}"#.to_string(),
-            404,
-            "model_not_found",
-        ),
+        (r#"{"model":"no-such-model","messages":[{"role":"user","content":"x"}]}"#.to_string(), 404, "model_not_found"),
     ] {
-        let mut resp = c
-            .post(&url)
-            .insert_header(("content-type", "application/json"))
-            .send_body(body)
-            .await
-            .unwrap();
+        let mut resp = c.post(&url).insert_header(("content-type", "application/json")).send_body(body).await.unwrap();
         assert_eq!(resp.status().as_u16(), status);
         let v: serde_json::Value = resp.json().await.unwrap();
         assert_eq!(v["error"]["code"], code, "{v}");
@@ -307,9 +179,7 @@ async fn no_routable_replica_is_a_503_with_retry_after_and_recovery_is_automatic
     let a = start_sim("a", fast_sim()).await;
     let gw = start_gateway(test_config(&[&a])).await;
     let r = gw.gw.fleet.get("a").unwrap();
-    gw.gw
-        .set_admin("a", prefixgate::fleet::AdminState::Disabled)
-        .unwrap();
+    gw.gw.set_admin("a", prefixgate::fleet::AdminState::Disabled).unwrap();
     let mut resp = client()
         .post(format!("{}/v1/chat/completions", gw.base))
         .send_json(&chat_body(&[("user", "x")], json!({})))
@@ -319,9 +189,7 @@ async fn no_routable_replica_is_a_503_with_retry_after_and_recovery_is_automatic
     assert_eq!(resp.headers().get("retry-after").unwrap(), "1");
     let v: serde_json::Value = resp.json().await.unwrap();
     assert_eq!(v["error"]["code"], "no_routable_replica");
-    gw.gw
-        .set_admin("a", prefixgate::fleet::AdminState::Active)
-        .unwrap();
+    gw.gw.set_admin("a", prefixgate::fleet::AdminState::Active).unwrap();
     assert_eq!(chat(&gw, &[("user", "x")]).await.status, 200);
     assert_eq!(r.inflight(), 0);
     gw.stop().await;
@@ -329,47 +197,21 @@ async fn no_routable_replica_is_a_503_with_retry_after_and_recovery_is_automatic
 
 #[actix_web::test]
 async fn models_are_the_union_and_each_model_goes_only_to_its_replicas() {
-    let a = start_sim(
-        "a",
-        prefixgate::sim::SimConfig {
-            model: "m1".into(),
-            ..fast_sim()
-        },
-    )
-    .await;
-    let b = start_sim(
-        "b",
-        prefixgate::sim::SimConfig {
-            model: "m2".into(),
-            ..fast_sim()
-        },
-    )
-    .await;
+    let a = start_sim("a", prefixgate::sim::SimConfig { model: "m1".into(), ..fast_sim() }).await;
+    let b = start_sim("b", prefixgate::sim::SimConfig { model: "m2".into(), ..fast_sim() }).await;
     let gw = start_gateway(test_config(&[&a, &b])).await;
     wait_until("models known", Duration::from_secs(5), || {
-        gw.gw
-            .fleet
-            .snapshot()
-            .iter()
-            .all(|r| !r.models().is_empty())
+        gw.gw.fleet.snapshot().iter().all(|r| !r.models().is_empty())
     })
     .await;
-    let mut resp = client()
-        .get(format!("{}/v1/models", gw.base))
-        .send()
-        .await
-        .unwrap();
+    let mut resp = client().get(format!("{}/v1/models", gw.base)).send().await.unwrap();
     let v: serde_json::Value = resp.json().await.unwrap();
-    let ids: Vec<&str> = v["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| m["id"].as_str().unwrap())
-        .collect();
+    let ids: Vec<&str> = v["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
     assert_eq!(ids, ["m1", "m2"]);
     for i in 0..4 {
         for (model, replica) in [("m1", "a"), ("m2", "b")] {
-            let body = json!({"model": model, "messages": [{"role": "user", "content": format!("q{i}")}], "max_tokens": 2});
+            let body =
+                json!({"model": model, "messages": [{"role": "user", "content": format!("q{i}")}], "max_tokens": 2});
             let r = post(&format!("{}/v1/chat/completions", gw.base), &body).await;
             assert_eq!((r.status, r.replica.as_str()), (200, replica));
         }
@@ -385,8 +227,7 @@ async fn completions_and_other_paths_are_forwarded_byte_for_byte() {
     let body = json!({"model": "sim-model", "prompt": prompt, "max_tokens": 2});
     let first = post(&format!("{}/v1/completions", gw.base), &body).await;
     assert_eq!(first.status, 200);
-    let longer =
-        json!({"model": "sim-model", "prompt": format!("{prompt} and more"), "max_tokens": 2});
+    let longer = json!({"model": "sim-model", "prompt": format!("{prompt} and more"), "max_tokens": 2});
     let second = post(&format!("{}/v1/completions", gw.base), &longer).await;
     assert_eq!(second.route, "pinned");
     assert!(cached_tokens(&second) > 900);

@@ -70,11 +70,7 @@ fn api_scope() -> scope::Scope<
 
 /// The OpenAPI document, as served at `/openapi.json` and committed under `openapi/`.
 pub fn openapi() -> utoipa::openapi::OpenApi {
-    let (_, api) = App::new()
-        .into_utoipa_app()
-        .openapi(ApiDoc::openapi())
-        .service(api_scope())
-        .split_for_parts();
+    let (_, api) = App::new().into_utoipa_app().openapi(ApiDoc::openapi()).service(api_scope()).split_for_parts();
     api
 }
 
@@ -107,9 +103,7 @@ pub fn create_admin_app(
         .route("/metrics", web::get().to(metrics))
         .service(SwaggerUi::new("/swagger-ui/{_:.*}").url("/openapi.json", api))
         .configure(web_ui::routes)
-        .default_service(web::to(|| async {
-            Err::<HttpResponse, _>(ApiError::NotFound("no such admin route".into()))
-        }))
+        .default_service(web::to(|| async { Err::<HttpResponse, _>(ApiError::NotFound("no such admin route".into())) }))
 }
 
 /// Bad JSON is a 400 in the one error shape, not actix's plain-text default.
@@ -120,24 +114,19 @@ fn json_config() -> web::JsonConfig {
 }
 
 fn query_config() -> web::QueryConfig {
-    web::QueryConfig::default()
-        .error_handler(|e, _| ApiError::BadRequest(format!("invalid query string: {e}")).into())
+    web::QueryConfig::default().error_handler(|e, _| ApiError::BadRequest(format!("invalid query string: {e}")).into())
 }
 
 fn path_config() -> web::PathConfig {
-    web::PathConfig::default()
-        .error_handler(|e, _| ApiError::BadRequest(format!("invalid path: {e}")).into())
+    web::PathConfig::default().error_handler(|e, _| ApiError::BadRequest(format!("invalid path: {e}")).into())
 }
 
 async fn metrics(gw: web::Data<Gateway>) -> HttpResponse {
     crate::capacity::refresh_gauges(&gw);
-    HttpResponse::Ok()
-        .content_type("text/plain; version=0.0.4; charset=utf-8")
-        .body(gw.metrics.encode())
+    HttpResponse::Ok().content_type("text/plain; version=0.0.4; charset=utf-8").body(gw.metrics.encode())
 }
 
 /// `Ok(())` or a 404 naming the replica.
 fn rfc3339(ms: u64) -> String {
-    humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms))
-        .to_string()
+    humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms)).to_string()
 }

@@ -61,58 +61,35 @@ pub struct PinPage {
 
 #[utoipa::path(tag = "pins", params(PinQuery), responses((status = 200, body = PinPage), (status = 400, body = ErrorBody)))]
 #[get("/pins")]
-async fn list(
-    gw: web::Data<Gateway>,
-    q: web::Query<PinQuery>,
-) -> Result<web::Json<PinPage>, ApiError> {
+async fn list(gw: web::Data<Gateway>, q: web::Query<PinQuery>) -> Result<web::Json<PinPage>, ApiError> {
     let limit = q.limit.unwrap_or(50).clamp(1, 1000);
     let prefix = q.key_prefix.as_deref().unwrap_or("").to_ascii_lowercase();
     if !prefix.chars().all(|c| c.is_ascii_hexdigit()) || prefix.len() > 32 {
-        return Err(ApiError::BadRequest(
-            "key_prefix must be up to 32 hex digits".into(),
-        ));
+        return Err(ApiError::BadRequest("key_prefix must be up to 32 hex digits".into()));
     }
     let (total, items) = if prefix.is_empty() {
         gw.pins.page(q.replica.as_deref(), q.offset, limit)
     } else {
         let (_, all) = gw.pins.page(q.replica.as_deref(), 0, usize::MAX);
-        let matching: Vec<_> = all
-            .into_iter()
-            .filter(|(k, _)| format!("{k:032x}").starts_with(&prefix))
-            .collect();
-        (
-            matching.len(),
-            matching.into_iter().skip(q.offset).take(limit).collect(),
-        )
+        let matching: Vec<_> = all.into_iter().filter(|(k, _)| format!("{k:032x}").starts_with(&prefix)).collect();
+        (matching.len(), matching.into_iter().skip(q.offset).take(limit).collect())
     };
-    Ok(web::Json(PinPage {
-        total,
-        offset: q.offset,
-        limit,
-        items: items.iter().map(|(k, p)| view(*k, p)).collect(),
-    }))
+    Ok(web::Json(PinPage { total, offset: q.offset, limit, items: items.iter().map(|(k, p)| view(*k, p)).collect() }))
 }
 
 fn parse_key(key: &str) -> Result<PrefixKey, ApiError> {
     if key.len() != 32 {
         return Err(ApiError::BadRequest("a pin key is 32 hex digits".into()));
     }
-    PrefixKey::from_str_radix(key, 16)
-        .map_err(|_| ApiError::BadRequest("a pin key is 32 hex digits".into()))
+    PrefixKey::from_str_radix(key, 16).map_err(|_| ApiError::BadRequest("a pin key is 32 hex digits".into()))
 }
 
 #[utoipa::path(tag = "pins", params(("key" = String, Path, description = "32 hex digits")),
     responses((status = 200, body = PinView), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
 #[get("/pins/{key}")]
-async fn get_one(
-    gw: web::Data<Gateway>,
-    key: web::Path<String>,
-) -> Result<web::Json<PinView>, ApiError> {
+async fn get_one(gw: web::Data<Gateway>, key: web::Path<String>) -> Result<web::Json<PinView>, ApiError> {
     let k = parse_key(&key)?;
-    let pin = gw
-        .pins
-        .get(k)
-        .ok_or_else(|| ApiError::NotFound(format!("no pin {key}")))?;
+    let pin = gw.pins.get(k).ok_or_else(|| ApiError::NotFound(format!("no pin {key}")))?;
     Ok(web::Json(view(k, &pin)))
 }
 

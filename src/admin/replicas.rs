@@ -97,10 +97,7 @@ async fn list(gw: web::Data<Gateway>) -> web::Json<Vec<ReplicaView>> {
 #[utoipa::path(tag = "replicas", params(("id" = String, Path, description = "replica id")),
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody)))]
 #[get("/replicas/{id}")]
-async fn get_one(
-    gw: web::Data<Gateway>,
-    id: web::Path<String>,
-) -> Result<web::Json<ReplicaView>, ApiError> {
+async fn get_one(gw: web::Data<Gateway>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
     let r = gw.replica(checked_id(&id)?)?;
     Ok(web::Json(view(&gw, &r)))
 }
@@ -121,10 +118,7 @@ pub struct NewReplica {
 #[utoipa::path(tag = "replicas", request_body = NewReplica,
     responses((status = 201, body = ReplicaView), (status = 400, body = ErrorBody), (status = 409, body = ErrorBody), (status = 422, body = ErrorBody)))]
 #[post("/replicas")]
-async fn add(
-    gw: web::Data<Gateway>,
-    body: web::Json<NewReplica>,
-) -> Result<HttpResponse, ApiError> {
+async fn add(gw: web::Data<Gateway>, body: web::Json<NewReplica>) -> Result<HttpResponse, ApiError> {
     let b = body.into_inner();
     let mut spec = ReplicaSpec::new(&b.id, &b.url);
     spec.api_key = b.api_key.filter(|k| !k.is_empty());
@@ -218,8 +212,7 @@ async fn drain(
 ) -> Result<web::Json<ReplicaView>, ApiError> {
     let r = gw.set_admin(checked_id(&id)?, AdminState::Draining)?;
     if q.wait {
-        gw.wait_drained(&r, Duration::from_secs(q.timeout.unwrap_or(60).min(3600)))
-            .await?;
+        gw.wait_drained(&r, Duration::from_secs(q.timeout.unwrap_or(60).min(3600))).await?;
     }
     Ok(web::Json(view(&gw, &r)))
 }
@@ -227,15 +220,10 @@ async fn drain(
 #[utoipa::path(tag = "replicas", params(("id" = String, Path)), description = "Undoes a drain.",
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 #[post("/replicas/{id}/resume")]
-async fn resume(
-    gw: web::Data<Gateway>,
-    id: web::Path<String>,
-) -> Result<web::Json<ReplicaView>, ApiError> {
+async fn resume(gw: web::Data<Gateway>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
     let r = gw.replica(checked_id(&id)?)?;
     if r.admin() == AdminState::Disabled {
-        return Err(ApiError::Conflict(format!(
-            "replica '{id}' is disabled; use enable"
-        )));
+        return Err(ApiError::Conflict(format!("replica '{id}' is disabled; use enable")));
     }
     let r = gw.set_admin(&id, AdminState::Active)?;
     Ok(web::Json(view(&gw, &r)))
@@ -244,10 +232,7 @@ async fn resume(
 #[utoipa::path(tag = "replicas", params(("id" = String, Path)), description = "Demotes a replica by hand; sticky until enable.",
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody)))]
 #[post("/replicas/{id}/disable")]
-async fn disable(
-    gw: web::Data<Gateway>,
-    id: web::Path<String>,
-) -> Result<web::Json<ReplicaView>, ApiError> {
+async fn disable(gw: web::Data<Gateway>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
     let r = gw.set_admin(checked_id(&id)?, AdminState::Disabled)?;
     Ok(web::Json(view(&gw, &r)))
 }
@@ -255,10 +240,7 @@ async fn disable(
 #[utoipa::path(tag = "replicas", params(("id" = String, Path)),
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody)))]
 #[post("/replicas/{id}/enable")]
-async fn enable(
-    gw: web::Data<Gateway>,
-    id: web::Path<String>,
-) -> Result<web::Json<ReplicaView>, ApiError> {
+async fn enable(gw: web::Data<Gateway>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
     let r = gw.set_admin(checked_id(&id)?, AdminState::Active)?;
     Ok(web::Json(view(&gw, &r)))
 }
@@ -271,12 +253,7 @@ pub struct Removed {
 #[utoipa::path(tag = "pins", params(("id" = String, Path)), description = "Deletes every pin held by the replica.",
     responses((status = 200, body = Removed), (status = 404, body = ErrorBody)))]
 #[delete("/replicas/{id}/pins")]
-async fn remove_pins(
-    gw: web::Data<Gateway>,
-    id: web::Path<String>,
-) -> Result<web::Json<Removed>, ApiError> {
+async fn remove_pins(gw: web::Data<Gateway>, id: web::Path<String>) -> Result<web::Json<Removed>, ApiError> {
     gw.replica(checked_id(&id)?)?;
-    Ok(web::Json(Removed {
-        removed: gw.pins.remove_replica(&id),
-    }))
+    Ok(web::Json(Removed { removed: gw.pins.remove_replica(&id) }))
 }

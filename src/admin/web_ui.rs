@@ -8,18 +8,9 @@ const SCRIPT: &str = include_str!("../../web/app.js");
 const STYLE: &str = include_str!("../../web/style.css");
 
 pub fn routes(cfg: &mut web::ServiceConfig) {
-    cfg.route(
-        "/",
-        web::get().to(|| async { file("text/html; charset=utf-8", INDEX) }),
-    )
-    .route(
-        "/ui/app.js",
-        web::get().to(|| async { file("text/javascript; charset=utf-8", SCRIPT) }),
-    )
-    .route(
-        "/ui/style.css",
-        web::get().to(|| async { file("text/css; charset=utf-8", STYLE) }),
-    );
+    cfg.route("/", web::get().to(|| async { file("text/html; charset=utf-8", INDEX) }))
+        .route("/ui/app.js", web::get().to(|| async { file("text/javascript; charset=utf-8", SCRIPT) }))
+        .route("/ui/style.css", web::get().to(|| async { file("text/css; charset=utf-8", STYLE) }));
 }
 
 fn file(content_type: &str, body: &'static str) -> HttpResponse {

@@ -28,14 +28,7 @@ pub enum ProbeResult {
 }
 
 /// The health after a probe, given the streaks *including* this probe.
-pub fn next(
-    current: Health,
-    result: ProbeResult,
-    ok_streak: u32,
-    fail_streak: u32,
-    rise: u32,
-    fall: u32,
-) -> Health {
+pub fn next(current: Health, result: ProbeResult, ok_streak: u32, fail_streak: u32, rise: u32, fall: u32) -> Health {
     match (current, result) {
         (_, ProbeResult::Inconclusive) => current,
         (Health::Unknown, ProbeResult::Ok) => Health::Up,
@@ -60,9 +53,7 @@ struct ModelEntry {
 pub async fn run(gw: Arc<Gateway>) {
     let cfg = gw.config.health.clone();
     let client = awc::Client::builder()
-        .connector(
-            awc::Connector::new().timeout(Duration::from_millis(gw.config.timeouts.connect_ms)),
-        )
+        .connector(awc::Connector::new().timeout(Duration::from_millis(gw.config.timeouts.connect_ms)))
         .timeout(Duration::from_millis(cfg.timeout_ms))
         .finish();
     loop {
@@ -78,16 +69,20 @@ pub async fn check(gw: &Gateway, client: &awc::Client, r: Arc<Replica>) {
     let spec = r.spec();
     let busy = r.inflight() > 0;
     let (mut result, mut error) = probe(client, &spec.url, spec.health_path(), busy).await;
-    if result == ProbeResult::Failed
-        && spec.health_path.is_none()
-        && error.as_deref() == Some("404")
-    {
+    if result == ProbeResult::Failed && spec.health_path.is_none() && error.as_deref() == Some("404") {
         (result, error) = probe(client, &spec.url, "/v1/models", busy).await;
     }
     if result == ProbeResult::Ok && (!busy || r.models().is_empty()) {
         if let Some(models) = fetch_models(client, &spec.url).await {
             r.set_models(models);
         }
+    }
+    if result == ProbeResult::Ok && !busy {
+        // vLLM reports its KV capacity; other engines 404 here, which is fine.
+        let kv = fetch_text(client, &format!("{}/metrics", spec.url))
+            .await
+            .and_then(|t| crate::capacity::kv_tokens_from_vllm_metrics(&t));
+        gw.capacity.set_metrics_kv(&r.id, kv);
     }
     let (prev, now) = {
         let mut p = r.probe.lock().expect("probe lock");
@@ -106,53 +101,37 @@ pub async fn check(gw: &Gateway, client: &awc::Client, r: Arc<Replica>) {
         }
         p.last_check_ms = Some(crate::clock::now_ms());
         let prev = r.health();
-        let now = next(
-            prev,
-            result,
-            p.ok_streak,
-            p.fail_streak,
-            gw.config.health.rise,
-            gw.config.health.fall,
-        );
+        let now = next(prev, result, p.ok_streak, p.fail_streak, gw.config.health.rise, gw.config.health.fall);
         r.set_health(now);
         (prev, now)
     };
     match (prev, now) {
         (Health::Up | Health::Unknown, Health::Down) => {
-            gw.events.record(
-                EventKind::ReplicaDown,
-                Some(&r.id),
-                None,
-                error.unwrap_or_default(),
-            );
+            gw.events.record(EventKind::ReplicaDown, Some(&r.id), None, error.unwrap_or_default());
         }
         (Health::Down, Health::Up) => {
-            gw.events.record(
-                EventKind::ReplicaUp,
-                Some(&r.id),
-                None,
-                "health checks pass again",
-            );
+            gw.events.record(EventKind::ReplicaUp, Some(&r.id), None, "health checks pass again");
         }
         _ => {}
     }
 }
 
-async fn probe(
-    client: &awc::Client,
-    base: &str,
-    path: &str,
-    busy: bool,
-) -> (ProbeResult, Option<String>) {
+async fn probe(client: &awc::Client, base: &str, path: &str, busy: bool) -> (ProbeResult, Option<String>) {
     match client.get(format!("{base}{path}")).send().await {
         Ok(resp) if resp.status().is_success() => (ProbeResult::Ok, None),
-        Ok(resp) => (
-            ProbeResult::Failed,
-            Some(resp.status().as_u16().to_string()),
-        ),
+        Ok(resp) => (ProbeResult::Failed, Some(resp.status().as_u16().to_string())),
         Err(awc::error::SendRequestError::Timeout) if busy => (ProbeResult::Inconclusive, None),
         Err(e) => (ProbeResult::Failed, Some(e.to_string())),
     }
+}
+
+async fn fetch_text(client: &awc::Client, url: &str) -> Option<String> {
+    let mut resp = client.get(url).send().await.ok()?;
+    if !resp.status().is_success() {
+        return None;
+    }
+    let body = resp.body().limit(8 * 1024 * 1024).await.ok()?;
+    String::from_utf8(body.to_vec()).ok()
 }
 
 async fn fetch_models(client: &awc::Client, base: &str) -> Option<Vec<String>> {

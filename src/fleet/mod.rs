@@ -49,13 +49,8 @@ impl ReplicaSpec {
         validate_id(&self.id)?;
         validate_url(&self.url)?;
         if let Some(p) = &self.health_path {
-            if !p.starts_with('/')
-                || p.contains("..")
-                || p.chars().any(|c| c.is_whitespace() || c.is_control())
-            {
-                return Err(format!(
-                    "health_path: '{p}' must be an absolute path like /health"
-                ));
+            if !p.starts_with('/') || p.contains("..") || p.chars().any(|c| c.is_whitespace() || c.is_control()) {
+                return Err(format!("health_path: '{p}' must be an absolute path like /health"));
             }
         }
         Ok(())
@@ -69,16 +64,11 @@ impl ReplicaSpec {
 pub fn validate_id(id: &str) -> Result<(), String> {
     let ok = !id.is_empty()
         && id.len() <= 64
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
+        && id.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
     if ok {
         Ok(())
     } else {
-        Err(format!(
-            "id: '{}' is not a slug (lowercase letters, digits, '-', '_'; 1-64 chars)",
-            id.escape_debug()
-        ))
+        Err(format!("id: '{}' is not a slug (lowercase letters, digits, '-', '_'; 1-64 chars)", id.escape_debug()))
     }
 }
 
@@ -86,22 +76,13 @@ pub fn validate_id(id: &str) -> Result<(), String> {
 pub fn validate_url(raw: &str) -> Result<(), String> {
     let url = url::Url::parse(raw).map_err(|e| format!("url: '{raw}' is not a valid URL ({e})"))?;
     if !matches!(url.scheme(), "http" | "https") {
-        return Err(format!(
-            "url: scheme '{}' is not allowed (http or https only)",
-            url.scheme()
-        ));
+        return Err(format!("url: scheme '{}' is not allowed (http or https only)", url.scheme()));
     }
     if url.host_str().is_none_or(str::is_empty) {
         return Err(format!("url: '{raw}' has no host"));
     }
-    if !url.username().is_empty()
-        || url.password().is_some()
-        || url.query().is_some()
-        || url.fragment().is_some()
-    {
-        return Err(format!(
-            "url: '{raw}' must not carry credentials, a query or a fragment"
-        ));
+    if !url.username().is_empty() || url.password().is_some() || url.query().is_some() || url.fragment().is_some() {
+        return Err(format!("url: '{raw}' must not carry credentials, a query or a fragment"));
     }
     Ok(())
 }
@@ -254,10 +235,7 @@ impl Replica {
             self.large_inflight.fetch_add(1, Ordering::AcqRel);
         }
         self.served.fetch_add(1, Ordering::Relaxed);
-        InflightGuard {
-            replica: self.clone(),
-            large,
-        }
+        InflightGuard { replica: self.clone(), large }
     }
 }
 
@@ -321,15 +299,7 @@ mod tests {
     fn urls_and_ids_are_validated() {
         assert!(validate_url("http://127.0.0.1:8000").is_ok());
         assert!(validate_url("https://gpu-3.internal").is_ok());
-        for bad in [
-            "ftp://x",
-            "file:///etc/passwd",
-            "gopher://x",
-            "http://",
-            "http://u:p@x",
-            "x",
-            "http://x/?a=1",
-        ] {
+        for bad in ["ftp://x", "file:///etc/passwd", "gopher://x", "http://", "http://u:p@x", "x", "http://x/?a=1"] {
             assert!(validate_url(bad).is_err(), "{bad}");
         }
         assert!(validate_id("gpu-0").is_ok());
@@ -341,10 +311,7 @@ mod tests {
 
     #[test]
     fn guards_release_counters_on_drop() {
-        let r = Arc::new(Replica::new(
-            ReplicaSpec::new("a", "http://x"),
-            AdminState::Active,
-        ));
+        let r = Arc::new(Replica::new(ReplicaSpec::new("a", "http://x"), AdminState::Active));
         let g1 = r.begin(true);
         let g2 = r.begin(false);
         assert_eq!((r.inflight(), r.large_inflight()), (2, 1));

@@ -34,9 +34,7 @@ use xxhash_rust::xxh3::Xxh3;
 pub type PrefixKey = u128;
 
 /// Block sizes for prompts that have no message boundaries.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
 pub struct IdentityBlocks {
     /// Bytes per identity block of a `/v1/completions` string prompt.
     pub block_bytes: usize,
@@ -46,10 +44,7 @@ pub struct IdentityBlocks {
 
 impl Default for IdentityBlocks {
     fn default() -> Self {
-        IdentityBlocks {
-            block_bytes: 1024,
-            block_tokens: 256,
-        }
+        IdentityBlocks { block_bytes: 1024, block_tokens: 256 }
     }
 }
 
@@ -106,11 +101,7 @@ impl Endpoint {
     }
 }
 
-pub fn extract(
-    endpoint: Endpoint,
-    body: &[u8],
-    blocks: IdentityBlocks,
-) -> Result<RequestShape, ShapeError> {
+pub fn extract(endpoint: Endpoint, body: &[u8], blocks: IdentityBlocks) -> Result<RequestShape, ShapeError> {
     match endpoint {
         Endpoint::Chat => extract_chat(body),
         Endpoint::Completions => extract_completion(body, blocks),
@@ -171,12 +162,10 @@ impl<'de: 'a, 'a> Deserialize<'de> for Content<'a> {
                 Ok(Content::Text(Cow::Owned(v)))
             }
             fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
-                Value::deserialize(de::value::SeqAccessDeserializer::new(seq))
-                    .map(Content::Structured)
+                Value::deserialize(de::value::SeqAccessDeserializer::new(seq)).map(Content::Structured)
             }
             fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
-                Value::deserialize(de::value::MapAccessDeserializer::new(map))
-                    .map(Content::Structured)
+                Value::deserialize(de::value::MapAccessDeserializer::new(map)).map(Content::Structured)
             }
         }
         d.deserialize_any(V(std::marker::PhantomData))
@@ -186,9 +175,7 @@ impl<'de: 'a, 'a> Deserialize<'de> for Content<'a> {
 fn extract_chat(body: &[u8]) -> Result<RequestShape, ShapeError> {
     let parsed: ChatBody = serde_json::from_slice(body).map_err(json_error)?;
     if parsed.messages.is_empty() {
-        return Err(ShapeError(
-            "'messages' must contain at least one message".into(),
-        ));
+        return Err(ShapeError("'messages' must contain at least one message".into()));
     }
     let mut chain = Chain::new(parsed.model.as_deref());
     let mut boundaries = Vec::with_capacity(parsed.messages.len());
@@ -218,10 +205,7 @@ fn extract_chat(body: &[u8]) -> Result<RequestShape, ShapeError> {
             field(&mut h, b'i', id.as_bytes());
         }
         bytes += m.role.len();
-        boundaries.push(Boundary {
-            key: chain.close(h),
-            bytes,
-        });
+        boundaries.push(Boundary { key: chain.close(h), bytes });
     }
     Ok(RequestShape {
         model: parsed.model.map(Cow::into_owned),
@@ -277,11 +261,7 @@ impl<'de: 'a, 'a> Deserialize<'de> for Prompt<'a> {
                         _ => batch = true,
                     }
                 }
-                Ok(if batch {
-                    Prompt::Batch
-                } else {
-                    Prompt::Tokens(tokens)
-                })
+                Ok(if batch { Prompt::Batch } else { Prompt::Tokens(tokens) })
             }
         }
         d.deserialize_any(V(std::marker::PhantomData))
@@ -303,14 +283,10 @@ impl<'de> Deserialize<'de> for PromptItem {
                 f.write_str("a token id, a string or an array of token ids")
             }
             fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
-                u32::try_from(v)
-                    .map(PromptItem::Token)
-                    .map_err(|_| E::custom("token id out of range"))
+                u32::try_from(v).map(PromptItem::Token).map_err(|_| E::custom("token id out of range"))
             }
             fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> {
-                u32::try_from(v)
-                    .map(PromptItem::Token)
-                    .map_err(|_| E::custom("token id out of range"))
+                u32::try_from(v).map(PromptItem::Token).map_err(|_| E::custom("token id out of range"))
             }
             fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
                 Ok(PromptItem::Other)
@@ -335,10 +311,7 @@ fn extract_completion(body: &[u8], blocks: IdentityBlocks) -> Result<RequestShap
             for (i, block) in bytes.chunks(size).enumerate() {
                 let mut h = chain.unit();
                 h.update(block);
-                boundaries.push(Boundary {
-                    key: chain.close(h),
-                    bytes: (i * size + block.len()),
-                });
+                boundaries.push(Boundary { key: chain.close(h), bytes: (i * size + block.len()) });
             }
             (bytes.len(), bytes.len() / size)
         }
@@ -355,10 +328,7 @@ fn extract_completion(body: &[u8], blocks: IdentityBlocks) -> Result<RequestShap
                     bytes: (i * size + block.len()) * crate::tokens::BYTES_PER_TOKEN,
                 });
             }
-            (
-                tokens.len() * crate::tokens::BYTES_PER_TOKEN,
-                tokens.len() / size,
-            )
+            (tokens.len() * crate::tokens::BYTES_PER_TOKEN, tokens.len() / size)
         }
         Prompt::Batch => (0, 0),
     };
@@ -387,13 +357,8 @@ struct OtherBody<'a> {
 /// Other endpoints (embeddings, audio, ...): the model if the body is a JSON
 /// object that names one; the body is forwarded whatever it is.
 fn extract_other(body: &[u8]) -> RequestShape {
-    let model = serde_json::from_slice::<OtherBody>(body)
-        .ok()
-        .and_then(|b| b.model.map(Cow::into_owned));
-    RequestShape {
-        model,
-        ..RequestShape::default()
-    }
+    let model = serde_json::from_slice::<OtherBody>(body).ok().and_then(|b| b.model.map(Cow::into_owned));
+    RequestShape { model, ..RequestShape::default() }
 }
 
 /// The running hash chain.
@@ -406,9 +371,7 @@ impl Chain {
         let mut h = Xxh3::new();
         h.update(b"prefixgate/v1\0");
         field(&mut h, b'm', model.unwrap_or("").as_bytes());
-        Chain {
-            prev: h.digest128(),
-        }
+        Chain { prev: h.digest128() }
     }
 
     fn unit(&self) -> Xxh3 {
@@ -516,38 +479,15 @@ mod tests {
 
     #[test]
     fn string_prompts_use_byte_blocks_and_pin_at_the_last_full_block() {
-        let blocks = IdentityBlocks {
-            block_bytes: 4,
-            block_tokens: 2,
-        };
-        let s = extract(
-            Endpoint::Completions,
-            br#"{"model":"m","prompt":"abcdefghij"}"#,
-            blocks,
-        )
-        .unwrap();
+        let blocks = IdentityBlocks { block_bytes: 4, block_tokens: 2 };
+        let s = extract(Endpoint::Completions, br#"{"model":"m","prompt":"abcdefghij"}"#, blocks).unwrap();
         assert_eq!(s.boundaries.len(), 3);
         assert_eq!(s.pin_at, Some(s.boundaries[1].key));
-        let longer = extract(
-            Endpoint::Completions,
-            br#"{"model":"m","prompt":"abcdefghijklmnop"}"#,
-            blocks,
-        )
-        .unwrap();
+        let longer = extract(Endpoint::Completions, br#"{"model":"m","prompt":"abcdefghijklmnop"}"#, blocks).unwrap();
         assert_eq!(longer.boundaries[1].key, s.pin_at.unwrap());
-        let tokens = extract(
-            Endpoint::Completions,
-            br#"{"model":"m","prompt":[1,2,3,4,5]}"#,
-            blocks,
-        )
-        .unwrap();
+        let tokens = extract(Endpoint::Completions, br#"{"model":"m","prompt":[1,2,3,4,5]}"#, blocks).unwrap();
         assert_eq!(tokens.boundaries.len(), 3);
-        let batch = extract(
-            Endpoint::Completions,
-            br#"{"model":"m","prompt":["a","b"]}"#,
-            blocks,
-        )
-        .unwrap();
+        let batch = extract(Endpoint::Completions, br#"{"model":"m","prompt":["a","b"]}"#, blocks).unwrap();
         assert!(batch.boundaries.is_empty() && batch.pin_at.is_none());
     }
 
@@ -564,23 +504,10 @@ mod tests {
             r#"{"model":1,"messages":[{"role":"user","content":"x"}]}"#,
             r#"{"model":"m","messages":[{"role":"user","content":5}]}"#,
         ] {
-            assert!(
-                extract(Endpoint::Chat, bad.as_bytes(), IdentityBlocks::default()).is_err(),
-                "{bad}"
-            );
+            assert!(extract(Endpoint::Chat, bad.as_bytes(), IdentityBlocks::default()).is_err(), "{bad}");
         }
-        assert!(extract(
-            Endpoint::Completions,
-            br#"{"prompt":[-1]}"#,
-            IdentityBlocks::default()
-        )
-        .is_err());
-        assert_eq!(
-            extract(Endpoint::Other, b"\xff\xfe", IdentityBlocks::default())
-                .unwrap()
-                .model,
-            None
-        );
+        assert!(extract(Endpoint::Completions, br#"{"prompt":[-1]}"#, IdentityBlocks::default()).is_err());
+        assert_eq!(extract(Endpoint::Other, b"\xff\xfe", IdentityBlocks::default()).unwrap().model, None);
     }
 
     #[test]

@@ -16,18 +16,7 @@ pub use identity::{Boundary, Endpoint, IdentityBlocks, PrefixKey, RequestShape, 
 use xxhash_rust::xxh3::xxh3_128;
 
 /// Routing mode. `roundrobin` and `affinity` are the comparison baselines.
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    PartialEq,
-    Eq,
-    Hash,
-    Default,
-    serde::Serialize,
-    serde::Deserialize,
-    utoipa::ToSchema,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
     /// Pin continuations to their prefix's replica; spread everything else.
@@ -47,9 +36,7 @@ impl std::str::FromStr for Mode {
             "shape" => Ok(Mode::Shape),
             "roundrobin" => Ok(Mode::RoundRobin),
             "affinity" => Ok(Mode::Affinity),
-            other => Err(format!(
-                "unknown policy '{other}' (expected shape, roundrobin or affinity)"
-            )),
+            other => Err(format!("unknown policy '{other}' (expected shape, roundrobin or affinity)")),
         }
     }
 }
@@ -153,12 +140,8 @@ pub fn decide<R: AsRef<str>>(
     if !candidates.iter().any(|c| c.routable) {
         return None;
     }
-    let spread = |reason| Decision {
-        replica: spread_pick(candidates, counter),
-        reason,
-        matched: None,
-        moved_from: None,
-    };
+    let spread =
+        |reason| Decision { replica: spread_pick(candidates, counter), reason, matched: None, moved_from: None };
     match mode {
         Mode::RoundRobin => Some(spread(RouteReason::RoundRobin)),
         Mode::Affinity => match shape.boundaries.first() {
@@ -175,31 +158,17 @@ pub fn decide<R: AsRef<str>>(
                 return Some(spread(RouteReason::Spread));
             }
             // Longest match wins: walk the boundaries from the end.
-            let found = shape
-                .boundaries
-                .iter()
-                .rev()
-                .find_map(|b| pin_of(b.key).map(|r| (b, r)));
+            let found = shape.boundaries.iter().rev().find_map(|b| pin_of(b.key).map(|r| (b, r)));
             let Some((boundary, pinned)) = found else {
                 return Some(spread(RouteReason::Spread));
             };
-            let matched = Some(PrefixMatch {
-                key: boundary.key,
-                bytes: boundary.bytes,
-            });
+            let matched = Some(PrefixMatch { key: boundary.key, bytes: boundary.bytes });
             let pinned = pinned.as_ref();
             match candidates.iter().position(|c| c.routable && c.id == pinned) {
-                Some(i) => Some(Decision {
-                    replica: i,
-                    reason: RouteReason::Pinned,
-                    matched,
-                    moved_from: None,
-                }),
-                None => Some(Decision {
-                    matched,
-                    moved_from: Some(pinned.to_owned()),
-                    ..spread(RouteReason::Repinned)
-                }),
+                Some(i) => Some(Decision { replica: i, reason: RouteReason::Pinned, matched, moved_from: None }),
+                None => {
+                    Some(Decision { matched, moved_from: Some(pinned.to_owned()), ..spread(RouteReason::Repinned) })
+                }
             }
         }
     }
@@ -212,13 +181,7 @@ fn spread_pick(candidates: &[Candidate], counter: &SpreadCounter) -> usize {
     let eligible = |c: &&Candidate| c.routable && (c.spare || !any_spare);
     let count = candidates.iter().filter(eligible).count() as u64;
     let nth = (counter.next() % count) as usize;
-    candidates
-        .iter()
-        .enumerate()
-        .filter(|(_, c)| eligible(c))
-        .nth(nth)
-        .map(|(i, _)| i)
-        .expect("nth < eligible count")
+    candidates.iter().enumerate().filter(|(_, c)| eligible(c)).nth(nth).map(|(i, _)| i).expect("nth < eligible count")
 }
 
 /// Highest-random-weight hashing: stable per key, and only the keys of a

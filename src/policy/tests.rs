@@ -27,25 +27,10 @@ impl Router {
     }
 
     fn route(&mut self, body: &str) -> Option<(&'static str, RouteReason)> {
-        let shape =
-            identity::extract(Endpoint::Chat, body.as_bytes(), IdentityBlocks::default()).unwrap();
-        let candidates: Vec<Candidate> = self
-            .ids
-            .iter()
-            .zip(&self.down)
-            .map(|(id, down)| Candidate {
-                id,
-                routable: !down,
-                spare: true,
-            })
-            .collect();
-        let d = decide(
-            self.mode,
-            &shape,
-            &candidates,
-            |k| self.pins.get(&k).cloned(),
-            &self.counter,
-        )?;
+        let shape = identity::extract(Endpoint::Chat, body.as_bytes(), IdentityBlocks::default()).unwrap();
+        let candidates: Vec<Candidate> =
+            self.ids.iter().zip(&self.down).map(|(id, down)| Candidate { id, routable: !down, spare: true }).collect();
+        let d = decide(self.mode, &shape, &candidates, |k| self.pins.get(&k).cloned(), &self.counter)?;
         let id = self.ids[d.replica];
         if let Some(key) = shape.pin_at {
             self.pins.insert(key, id.to_string());
@@ -73,14 +58,9 @@ fn a_batch_of_single_turn_requests_alternates_across_replicas() {
     let mut r = Router::new(Mode::Shape);
     let picks: Vec<_> = (0..8).map(|i| r.route(&single(i)).unwrap()).collect();
     for pair in picks.windows(2) {
-        assert_ne!(
-            pair[0].0, pair[1].0,
-            "consecutive spread picks must alternate"
-        );
+        assert_ne!(pair[0].0, pair[1].0, "consecutive spread picks must alternate");
     }
-    assert!(picks
-        .iter()
-        .all(|(_, reason)| *reason == RouteReason::Spread));
+    assert!(picks.iter().all(|(_, reason)| *reason == RouteReason::Spread));
 }
 
 #[test]
@@ -92,11 +72,7 @@ fn a_growing_conversation_stays_with_its_first_turn_even_when_it_is_tiny() {
             // Unrelated single-turn traffic in between advances the counter.
             r.route(&single(turn)).unwrap();
             let (id, reason) = r.route(&conversation(first, turn)).unwrap();
-            assert_eq!(
-                (id, reason),
-                (home, RouteReason::Pinned),
-                "turn {turn} of {first:?}"
-            );
+            assert_eq!((id, reason), (home, RouteReason::Pinned), "turn {turn} of {first:?}");
         }
     }
 }
@@ -110,10 +86,8 @@ fn multi_message_requests_sharing_a_few_shot_prefix_are_spread() {
     let mut r = Router::new(Mode::Shape);
     let picks: Vec<_> = (0..6)
         .map(|i| {
-            r.route(&format!(
-                r#"{{"model":"m","messages":[{few_shot},{{"role":"user","content":"item {i}"}}]}}"#
-            ))
-            .unwrap()
+            r.route(&format!(r#"{{"model":"m","messages":[{few_shot},{{"role":"user","content":"item {i}"}}]}}"#))
+                .unwrap()
         })
         .collect();
     assert!(picks.iter().any(|p| p.0 == "a") && picks.iter().any(|p| p.0 == "b"));
@@ -130,10 +104,7 @@ fn a_pin_on_a_down_replica_moves_and_sticks_to_its_new_home() {
     assert_eq!(reason, RouteReason::Repinned);
     assert_ne!(moved_to, home);
     r.down[home_index] = false;
-    assert_eq!(
-        r.route(&conversation("x", 3)).unwrap(),
-        (moved_to, RouteReason::Pinned)
-    );
+    assert_eq!(r.route(&conversation("x", 3)).unwrap(), (moved_to, RouteReason::Pinned));
 }
 
 #[test]
@@ -143,11 +114,7 @@ fn every_mode_picks_the_live_replica_and_none_when_all_are_down() {
         r.down = vec![true, false];
         for i in 0..4 {
             assert_eq!(r.route(&single(i)).unwrap().0, "b", "{mode:?}");
-            assert_eq!(
-                r.route(&conversation("y", i + 1)).unwrap().0,
-                "b",
-                "{mode:?}"
-            );
+            assert_eq!(r.route(&conversation("y", i + 1)).unwrap().0, "b", "{mode:?}");
         }
         r.down = vec![true, true];
         assert_eq!(r.route(&single(9)), None, "{mode:?}");
@@ -157,45 +124,14 @@ fn every_mode_picks_the_live_replica_and_none_when_all_are_down() {
 #[test]
 fn spread_prefers_a_replica_with_a_free_slot_but_pins_do_not_move() {
     let ids = ["a", "b"];
-    let candidates = [
-        Candidate {
-            id: ids[0],
-            routable: true,
-            spare: false,
-        },
-        Candidate {
-            id: ids[1],
-            routable: true,
-            spare: true,
-        },
-    ];
+    let candidates =
+        [Candidate { id: ids[0], routable: true, spare: false }, Candidate { id: ids[1], routable: true, spare: true }];
     let counter = SpreadCounter::default();
     for i in 0..4 {
-        let shape = identity::extract(
-            Endpoint::Chat,
-            single(i).as_bytes(),
-            IdentityBlocks::default(),
-        )
-        .unwrap();
-        assert_eq!(
-            decide(
-                Mode::Shape,
-                &shape,
-                &candidates,
-                |_| None::<String>,
-                &counter
-            )
-            .unwrap()
-            .replica,
-            1
-        );
+        let shape = identity::extract(Endpoint::Chat, single(i).as_bytes(), IdentityBlocks::default()).unwrap();
+        assert_eq!(decide(Mode::Shape, &shape, &candidates, |_| None::<String>, &counter).unwrap().replica, 1);
     }
-    let shape = identity::extract(
-        Endpoint::Chat,
-        conversation("q", 2).as_bytes(),
-        IdentityBlocks::default(),
-    )
-    .unwrap();
+    let shape = identity::extract(Endpoint::Chat, conversation("q", 2).as_bytes(), IdentityBlocks::default()).unwrap();
     let d = decide(Mode::Shape, &shape, &candidates, |_| Some("a"), &counter).unwrap();
     assert_eq!((d.replica, d.reason), (0, RouteReason::Pinned));
 }
@@ -203,9 +139,7 @@ fn spread_prefers_a_replica_with_a_free_slot_but_pins_do_not_move() {
 #[test]
 fn roundrobin_alternates_even_within_a_conversation() {
     let mut r = Router::new(Mode::RoundRobin);
-    let ids: Vec<_> = (1..5)
-        .map(|t| r.route(&conversation("z", t)).unwrap().0)
-        .collect();
+    let ids: Vec<_> = (1..5).map(|t| r.route(&conversation("z", t)).unwrap().0).collect();
     assert_eq!(ids, ["a", "b", "a", "b"]);
 }
 
@@ -215,11 +149,7 @@ fn affinity_sends_everything_sharing_a_first_message_to_one_replica() {
     let sys = r#"{"role":"system","content":"big shared system prompt"}"#;
     let ids: Vec<_> = (0..6)
         .map(|i| {
-            r.route(&format!(
-                r#"{{"model":"m","messages":[{sys},{{"role":"user","content":"q{i}"}}]}}"#
-            ))
-            .unwrap()
-            .0
+            r.route(&format!(r#"{{"model":"m","messages":[{sys},{{"role":"user","content":"q{i}"}}]}}"#)).unwrap().0
         })
         .collect();
     assert!(ids.iter().all(|id| *id == ids[0]), "{ids:?}");
@@ -228,11 +158,7 @@ fn affinity_sends_everything_sharing_a_first_message_to_one_replica() {
 #[test]
 fn modes_are_selected_by_the_environment_variable() {
     // One test owns this variable, so parallel tests do not race on it.
-    for (value, mode) in [
-        ("shape", Mode::Shape),
-        ("roundrobin", Mode::RoundRobin),
-        ("affinity", Mode::Affinity),
-    ] {
+    for (value, mode) in [("shape", Mode::Shape), ("roundrobin", Mode::RoundRobin), ("affinity", Mode::Affinity)] {
         std::env::set_var("PREFIXGATE_POLICY", value);
         assert_eq!(Mode::from_env(), Ok(Some(mode)));
     }

@@ -54,14 +54,7 @@ pub struct GuardedBody<S, E: BodyEnd> {
 const DONE: &[u8] = b"data: [DONE]";
 
 impl<S, E: BodyEnd> GuardedBody<S, E> {
-    pub fn new(
-        inner: S,
-        idle: Duration,
-        sse: bool,
-        expected: Option<u64>,
-        tap: Option<UsageTap>,
-        end: E,
-    ) -> Self {
+    pub fn new(inner: S, idle: Duration, sse: bool, expected: Option<u64>, tap: Option<UsageTap>, end: E) -> Self {
         GuardedBody {
             inner,
             idle,
@@ -102,20 +95,14 @@ impl<S, E: BodyEnd> GuardedBody<S, E> {
 
     /// How a failure reaches the client: an SSE error event (the OpenAI SDKs
     /// raise it) then a clean end, or for plain bodies an aborted response.
-    fn fail(
-        &mut self,
-        outcome: BodyOutcome,
-        message: &str,
-    ) -> Poll<Option<Result<Bytes, PayloadError>>> {
+    fn fail(&mut self, outcome: BodyOutcome, message: &str) -> Poll<Option<Result<Bytes, PayloadError>>> {
         self.finish(outcome);
         self.done = true;
         if self.sse {
             let event = serde_json::json!({"error": {"message": message, "type": "upstream_error", "code": "upstream_stream_failed"}});
             Poll::Ready(Some(Ok(Bytes::from(format!("data: {event}\n\n")))))
         } else {
-            Poll::Ready(Some(Err(PayloadError::Io(std::io::Error::other(
-                message.to_string(),
-            )))))
+            Poll::Ready(Some(Err(PayloadError::Io(std::io::Error::other(message.to_string())))))
         }
     }
 }
@@ -146,10 +133,7 @@ where
             }
             Poll::Ready(Some(Err(e))) => {
                 tracing::warn!("upstream body failed mid-response: {e}");
-                self.fail(
-                    BodyOutcome::UpstreamFailed,
-                    "the replica failed while streaming the response",
-                )
+                self.fail(BodyOutcome::UpstreamFailed, "the replica failed while streaming the response")
             }
             Poll::Ready(None) if self.truncated() => {
                 tracing::warn!("upstream body ended early (connection closed mid-response)");
@@ -164,10 +148,7 @@ where
                 Poll::Ready(None)
             }
             Poll::Pending => match self.timer.as_mut().poll(cx) {
-                Poll::Ready(()) => self.fail(
-                    BodyOutcome::IdleTimeout,
-                    "the replica stopped sending (idle timeout)",
-                ),
+                Poll::Ready(()) => self.fail(BodyOutcome::IdleTimeout, "the replica stopped sending (idle timeout)"),
                 Poll::Pending => Poll::Pending,
             },
         }

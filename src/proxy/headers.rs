@@ -34,13 +34,9 @@ pub fn upstream_request(
     gateway_keys: bool,
 ) -> awc::ClientRequest {
     let path = req.uri().path_and_query().map_or("/", |p| p.as_str());
-    let mut up = client
-        .request(req.method().clone(), format!("{}{}", spec.url, path))
-        .no_decompress();
+    let mut up = client.request(req.method().clone(), format!("{}{}", spec.url, path)).no_decompress();
     for (name, value) in req.headers() {
-        if hop_by_hop(name)
-            || (name == header::AUTHORIZATION && (gateway_keys || spec.api_key.is_some()))
-        {
+        if hop_by_hop(name) || (name == header::AUTHORIZATION && (gateway_keys || spec.api_key.is_some())) {
             continue;
         }
         up = up.append_header((name.clone(), value.clone()));

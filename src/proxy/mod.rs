@@ -69,18 +69,12 @@ pub async fn forward(
     let settings = gw.policy();
     let endpoint = Endpoint::from_path(req.path());
     let shape = policy::identity::extract(endpoint, &body, settings.identity).map_err(|e| {
-        gw.metrics
-            .rejected
-            .get_or_create(&ResultLabels {
-                result: "bad_request".into(),
-            })
-            .inc();
+        gw.metrics.rejected.get_or_create(&ResultLabels { result: "bad_request".into() }).inc();
         ApiError::BadRequest(e.0)
     })?;
     // The large/small decision uses the documented default ratio: it is
     // made before a replica (and its calibrated ratio) is chosen.
-    let large = crate::tokens::estimate_tokens(shape.prompt_bytes)
-        >= gw.config.admission.large_context_tokens;
+    let large = crate::tokens::estimate_tokens(shape.prompt_bytes) >= gw.config.admission.large_context_tokens;
 
     let mut tried: Vec<Arc<str>> = Vec::new();
     // The first replica this request failed over from, and whether this
@@ -90,12 +84,7 @@ pub async fn forward(
         let fleet = gw.fleet.snapshot();
         if let Some(model) = shape.model.as_deref() {
             if !fleet.is_empty() && !fleet.iter().any(|r| r.serves(model)) {
-                gw.metrics
-                    .rejected
-                    .get_or_create(&ResultLabels {
-                        result: "model_not_found".into(),
-                    })
-                    .inc();
+                gw.metrics.rejected.get_or_create(&ResultLabels { result: "model_not_found".into() }).inc();
                 return Err(ApiError::ModelNotFound(model.to_string()));
             }
         }
@@ -103,67 +92,29 @@ pub async fn forward(
             .iter()
             .map(|r| Candidate {
                 id: &r.id,
-                routable: r.routable()
-                    && shape.model.as_deref().is_none_or(|m| r.serves(m))
-                    && !tried.contains(&r.id),
-                spare: !large
-                    || gw
-                        .admission
-                        .has_free_slot(&r.id, r.spec().max_large_inflight),
+                routable: r.routable() && shape.model.as_deref().is_none_or(|m| r.serves(m)) && !tried.contains(&r.id),
+                spare: !large || gw.admission.has_free_slot(&r.id, r.spec().max_large_inflight),
             })
             .collect();
-        let Some(decision) = policy::decide(
-            settings.mode,
-            &shape,
-            &candidates,
-            |k| gw.pins.replica_of(k),
-            &gw.spread,
-        ) else {
-            gw.metrics
-                .rejected
-                .get_or_create(&ResultLabels {
-                    result: "no_replica".into(),
-                })
-                .inc();
+        let Some(decision) = policy::decide(settings.mode, &shape, &candidates, |k| gw.pins.replica_of(k), &gw.spread)
+        else {
+            gw.metrics.rejected.get_or_create(&ResultLabels { result: "no_replica".into() }).inc();
             return Err(ApiError::NoReplica);
         };
         if settings.mode == Mode::Shape && shape.multi_unit && tried.is_empty() {
-            let result = if decision.matched.is_some() {
-                "hit"
-            } else {
-                "miss"
-            };
-            gw.metrics
-                .pin_lookups
-                .get_or_create(&ResultLabels {
-                    result: result.into(),
-                })
-                .inc();
+            let result = if decision.matched.is_some() { "hit" } else { "miss" };
+            gw.metrics.pin_lookups.get_or_create(&ResultLabels { result: result.into() }).inc();
         }
         let replica = fleet[decision.replica].clone();
-        let reason = if failed_from.is_some() {
-            RouteReason::Failover
-        } else {
-            decision.reason
-        };
+        let reason = if failed_from.is_some() { RouteReason::Failover } else { decision.reason };
         let started = Instant::now();
-        let permit = if large {
-            Some(admit(&gw, &replica).await?)
-        } else {
-            None
-        };
+        let permit = if large { Some(admit(&gw, &replica).await?) } else { None };
         let guard = replica.begin(large);
         let est_tokens = gw.capacity.estimate(&replica.id, shape.prompt_bytes);
-        let family = decision
-            .matched
-            .and_then(|m| gw.pins.get(m.key))
-            .map(|p| p.family)
-            .or(shape.pin_at);
-        let ticket =
-            CapacityTracker::begin(&gw.clone().into_inner(), &replica.id, family, est_tokens);
+        let family = decision.matched.and_then(|m| gw.pins.get(m.key)).map(|p| p.family).or(shape.pin_at);
+        let ticket = CapacityTracker::begin(&gw.clone().into_inner(), &replica.id, family, est_tokens);
         let spec = replica.spec();
-        let request =
-            headers::upstream_request(&upstream.0, &req, &spec, !gw.config.api_keys.is_empty());
+        let request = headers::upstream_request(&upstream.0, &req, &spec, !gw.config.api_keys.is_empty());
         match request.send_body(body.clone()).await {
             Ok(resp) => {
                 let ttfb = started.elapsed();
@@ -183,9 +134,7 @@ pub async fn forward(
                         let previous_home = parent.and_then(|k| gw.pins.replica_of(k));
                         match previous_home.as_deref() {
                             Some(home) if home == &*replica.id => {
-                                predicted_cached = decision
-                                    .matched
-                                    .map(|m| gw.capacity.estimate(&replica.id, m.bytes));
+                                predicted_cached = decision.matched.map(|m| gw.capacity.estimate(&replica.id, m.bytes));
                             }
                             Some(home) => {
                                 gw.events.record(
@@ -197,23 +146,11 @@ pub async fn forward(
                             }
                             None => {}
                         }
-                        gw.pins.record(
-                            pin_at,
-                            &replica.id,
-                            parent,
-                            est_tokens,
-                            crate::clock::now_ms(),
-                        );
+                        gw.pins.record(pin_at, &replica.id, parent, est_tokens, crate::clock::now_ms());
                     }
                 }
-                let labels = RouteLabels {
-                    replica: replica.id.to_string(),
-                    route: reason.as_str().into(),
-                };
-                gw.metrics
-                    .upstream_ttfb
-                    .get_or_create(&labels)
-                    .observe(ttfb.as_secs_f64());
+                let labels = RouteLabels { replica: replica.id.to_string(), route: reason.as_str().into() };
+                gw.metrics.upstream_ttfb.get_or_create(&labels).observe(ttfb.as_secs_f64());
                 let outcome = Outcome {
                     gw: gw.into_inner(),
                     replica: replica.clone(),
@@ -231,10 +168,7 @@ pub async fn forward(
                 let transitioned = mark_down(&replica, &e.to_string());
                 gw.metrics
                     .failovers
-                    .get_or_create(&FailoverLabels {
-                        from: replica.id.to_string(),
-                        to: String::new(),
-                    })
+                    .get_or_create(&FailoverLabels { from: replica.id.to_string(), to: String::new() })
                     .inc();
                 tried.push(replica.id.clone());
                 failed_from.get_or_insert((replica.id.clone(), transitioned));
@@ -257,16 +191,7 @@ async fn admit(gw: &web::Data<Gateway>, replica: &Arc<Replica>) -> Result<Permit
     let limit = Arc::new(move || r.spec().max_large_inflight);
     let cfg = &gw.config.admission;
     let labels = crate::metrics::replica_label(&replica.id);
-    match gw
-        .admission
-        .acquire(
-            &replica.id,
-            limit,
-            Duration::from_millis(cfg.wait_ms),
-            cfg.max_queue,
-        )
-        .await
-    {
+    match gw.admission.acquire(&replica.id, limit, Duration::from_millis(cfg.wait_ms), cfg.max_queue).await {
         Ok((permit, how)) => {
             if how == Admitted::AfterWaiting {
                 gw.metrics.admission_waits.get_or_create(&labels).inc();
@@ -340,42 +265,17 @@ impl BodyEnd for Outcome {
             BodyOutcome::IdleTimeout => "idle_timeout".into(),
             BodyOutcome::ClientGone => "client_gone".into(),
         };
-        let labels = RouteLabels {
-            replica: self.replica.id.to_string(),
-            route: route.clone(),
-        };
-        m.request_duration
-            .get_or_create(&labels)
-            .observe(self.started.elapsed().as_secs_f64());
-        m.requests
-            .get_or_create(&RequestLabels {
-                replica: labels.replica.clone(),
-                route,
-                status,
-            })
-            .inc();
+        let labels = RouteLabels { replica: self.replica.id.to_string(), route: route.clone() };
+        m.request_duration.get_or_create(&labels).observe(self.started.elapsed().as_secs_f64());
+        m.requests.get_or_create(&RequestLabels { replica: labels.replica.clone(), route, status }).inc();
         if outcome == BodyOutcome::Complete && (200..300).contains(&self.status) {
             let measured = usage.and_then(UsageTap::usage);
-            let result = if measured.is_some() {
-                "measured"
-            } else {
-                "unmeasured"
-            };
-            m.usage_measured
-                .get_or_create(&ResultLabels {
-                    result: result.into(),
-                })
-                .inc();
+            let result = if measured.is_some() { "measured" } else { "unmeasured" };
+            m.usage_measured.get_or_create(&ResultLabels { result: result.into() }).inc();
             if let Some(u) = measured {
-                self.gw
-                    .capacity
-                    .calibrate(&self.replica.id, self.prompt_bytes, u.prompt_tokens);
-                m.prompt_tokens
-                    .get_or_create(&labels)
-                    .inc_by(u.prompt_tokens);
-                m.cached_tokens
-                    .get_or_create(&labels)
-                    .inc_by(u.cached_tokens.unwrap_or(0));
+                self.gw.capacity.calibrate(&self.replica.id, self.prompt_bytes, u.prompt_tokens);
+                m.prompt_tokens.get_or_create(&labels).inc_by(u.prompt_tokens);
+                m.cached_tokens.get_or_create(&labels).inc_by(u.cached_tokens.unwrap_or(0));
             }
         }
     }
@@ -383,9 +283,7 @@ impl BodyEnd for Outcome {
 
 fn respond(
     resp: awc::ClientResponse<
-        impl futures_util::Stream<Item = Result<web::Bytes, actix_web::error::PayloadError>>
-            + Unpin
-            + 'static,
+        impl futures_util::Stream<Item = Result<web::Bytes, actix_web::error::PayloadError>> + Unpin + 'static,
     >,
     outcome: Outcome,
     predicted_cached: Option<u64>,
@@ -393,10 +291,7 @@ fn respond(
     let status = resp.status();
     let mut out = HttpResponse::build(status);
     headers::copy_response_headers(resp.headers(), &mut out);
-    out.insert_header((
-        HEADER_REPLICA,
-        HeaderValue::from_str(&outcome.replica.id).expect("slug is a valid header"),
-    ));
+    out.insert_header((HEADER_REPLICA, HeaderValue::from_str(&outcome.replica.id).expect("slug is a valid header")));
     out.insert_header((HEADER_ROUTE, outcome.reason.as_str()));
     if let Some(n) = predicted_cached {
         out.insert_header((HEADER_PREDICTED_CACHED, n.to_string()));
@@ -408,19 +303,9 @@ fn respond(
         .is_some_and(|ct| ct.starts_with("text/event-stream"));
     let idle = Duration::from_millis(outcome.gw.config.timeouts.idle_stream_ms);
     let tap = status.is_success().then(|| UsageTap::new(sse));
-    let expected = resp
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
+    let expected =
+        resp.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
     // An SSE error reply (non-2xx) carries no [DONE]: only check successful streams.
     let sse_checked = sse && status.is_success();
-    out.streaming(GuardedBody::new(
-        resp,
-        idle,
-        sse_checked,
-        expected,
-        tap,
-        outcome,
-    ))
+    out.streaming(GuardedBody::new(resp, idle, sse_checked, expected, tap, outcome))
 }

@@ -42,12 +42,7 @@ pub struct UsageTap {
 
 impl UsageTap {
     pub fn new(sse: bool) -> UsageTap {
-        UsageTap {
-            sse,
-            buf: Vec::new(),
-            overflow: false,
-            found: None,
-        }
+        UsageTap { sse, buf: Vec::new(), overflow: false, found: None }
     }
 
     pub fn observe(&mut self, chunk: &Bytes) {
@@ -107,9 +102,7 @@ fn memchr_usage(data: &[u8]) -> bool {
 }
 
 fn parse(json: &[u8]) -> Option<Usage> {
-    let u = serde_json::from_slice::<WithUsage>(json.trim_ascii())
-        .ok()?
-        .usage?;
+    let u = serde_json::from_slice::<WithUsage>(json.trim_ascii()).ok()?.usage?;
     Some(Usage {
         prompt_tokens: u.prompt_tokens?,
         cached_tokens: u.prompt_tokens_details.and_then(|d| d.cached_tokens),
@@ -123,41 +116,19 @@ mod tests {
     #[test]
     fn finds_usage_in_a_json_body_split_across_chunks() {
         let mut tap = UsageTap::new(false);
-        tap.observe(&Bytes::from_static(
-            br#"{"id":"x","usage":{"prompt_tokens":10,"#,
-        ));
-        tap.observe(&Bytes::from_static(
-            br#""prompt_tokens_details":{"cached_tokens":8}}}"#,
-        ));
-        assert_eq!(
-            tap.usage(),
-            Some(Usage {
-                prompt_tokens: 10,
-                cached_tokens: Some(8)
-            })
-        );
+        tap.observe(&Bytes::from_static(br#"{"id":"x","usage":{"prompt_tokens":10,"#));
+        tap.observe(&Bytes::from_static(br#""prompt_tokens_details":{"cached_tokens":8}}}"#));
+        assert_eq!(tap.usage(), Some(Usage { prompt_tokens: 10, cached_tokens: Some(8) }));
     }
 
     #[test]
     fn finds_usage_in_an_sse_stream_with_lines_split_across_chunks() {
         let mut tap = UsageTap::new(true);
-        tap.observe(&Bytes::from_static(
-            b"data: {\"choices\":[]}\n\ndata: {\"choices\":[],\"us",
-        ));
-        tap.observe(&Bytes::from_static(
-            b"age\":{\"prompt_tokens\":5}}\n\ndata: [DONE]\n\n",
-        ));
-        assert_eq!(
-            tap.usage(),
-            Some(Usage {
-                prompt_tokens: 5,
-                cached_tokens: None
-            })
-        );
+        tap.observe(&Bytes::from_static(b"data: {\"choices\":[]}\n\ndata: {\"choices\":[],\"us"));
+        tap.observe(&Bytes::from_static(b"age\":{\"prompt_tokens\":5}}\n\ndata: [DONE]\n\n"));
+        assert_eq!(tap.usage(), Some(Usage { prompt_tokens: 5, cached_tokens: None }));
         let mut none = UsageTap::new(true);
-        none.observe(&Bytes::from_static(
-            b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n",
-        ));
+        none.observe(&Bytes::from_static(b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n"));
         assert_eq!(none.usage(), None);
     }
 }

@@ -39,12 +39,7 @@ pub enum AdmitError {
 
 impl KvPool {
     pub fn new(capacity_tokens: u64) -> KvPool {
-        KvPool {
-            capacity: (capacity_tokens / BLOCK_TOKENS) as usize,
-            cached: HashMap::new(),
-            private: 0,
-            tick: 0,
-        }
+        KvPool { capacity: (capacity_tokens / BLOCK_TOKENS) as usize, cached: HashMap::new(), private: 0, tick: 0 }
     }
 
     pub fn capacity_blocks(&self) -> usize {
@@ -57,10 +52,7 @@ impl KvPool {
 
     /// Leading blocks of `chain` already cached.
     pub fn matched(&self, chain: &[u128]) -> usize {
-        chain
-            .iter()
-            .take_while(|k| self.cached.contains_key(k))
-            .count()
+        chain.iter().take_while(|k| self.cached.contains_key(k)).count()
     }
 
     /// Starts a sequence: shares its cached prefix, allocates the rest
@@ -69,10 +61,7 @@ impl KvPool {
     pub fn admit(&mut self, chain: &[u128], private: usize) -> Result<usize, AdmitError> {
         let needed_total = chain.len() + private;
         if needed_total > self.capacity {
-            return Err(AdmitError::TooLarge {
-                needed: needed_total,
-                capacity: self.capacity,
-            });
+            return Err(AdmitError::TooLarge { needed: needed_total, capacity: self.capacity });
         }
         let matched = self.matched(chain);
         let new_blocks = chain.len() - matched + private;
@@ -95,11 +84,7 @@ impl KvPool {
         }
         self.tick += 1;
         for (depth, k) in chain.iter().enumerate() {
-            let b = self.cached.entry(*k).or_insert(Block {
-                refs: 0,
-                last_used: self.tick,
-                depth: depth as u32,
-            });
+            let b = self.cached.entry(*k).or_insert(Block { refs: 0, last_used: self.tick, depth: depth as u32 });
             b.refs += 1;
             b.last_used = self.tick;
         }
@@ -164,10 +149,7 @@ mod tests {
         let a = chain(1, 6);
         kv.admit(&a, 0).unwrap();
         assert_eq!(kv.admit(&chain(2, 6), 0), Err(AdmitError::Full));
-        assert!(matches!(
-            kv.admit(&chain(3, 11), 0),
-            Err(AdmitError::TooLarge { .. })
-        ));
+        assert!(matches!(kv.admit(&chain(3, 11), 0), Err(AdmitError::TooLarge { .. })));
         kv.release(&a, 0);
         assert_eq!(kv.admit(&chain(2, 6), 0), Ok(0));
     }

@@ -116,19 +116,13 @@ impl SimState {
 }
 
 /// Starts a simulated replica on `listener` (bind `127.0.0.1:0` in tests).
-pub fn serve(
-    listener: std::net::TcpListener,
-    state: Arc<SimState>,
-) -> std::io::Result<actix_web::dev::Server> {
+pub fn serve(listener: std::net::TcpListener, state: Arc<SimState>) -> std::io::Result<actix_web::dev::Server> {
     let data = web::Data::from(state);
     Ok(HttpServer::new(move || {
         App::new()
             .app_data(data.clone())
             .app_data(web::PayloadConfig::new(256 * 1024 * 1024))
-            .route(
-                "/health",
-                web::get().to(|| async { HttpResponse::Ok().finish() }),
-            )
+            .route("/health", web::get().to(|| async { HttpResponse::Ok().finish() }))
             .route("/metrics", web::get().to(metrics))
             .route("/v1/models", web::get().to(models))
             .route("/v1/chat/completions", web::post().to(chat))
@@ -142,7 +136,8 @@ pub fn serve(
 }
 
 async fn models(s: web::Data<SimState>) -> HttpResponse {
-    HttpResponse::Ok().json(json!({"object": "list", "data": [{"id": s.cfg.model, "object": "model", "owned_by": "prefixgate-sim"}]}))
+    HttpResponse::Ok()
+        .json(json!({"object": "list", "data": [{"id": s.cfg.model, "object": "model", "owned_by": "prefixgate-sim"}]}))
 }
 
 async fn metrics(s: web::Data<SimState>) -> HttpResponse {
@@ -167,9 +162,7 @@ async fn metrics(s: web::Data<SimState>) -> HttpResponse {
         kv.capacity_blocks(),
         m = s.cfg.model,
     );
-    HttpResponse::Ok()
-        .content_type("text/plain; version=0.0.4")
-        .body(body)
+    HttpResponse::Ok().content_type("text/plain; version=0.0.4").body(body)
 }
 
 #[derive(Deserialize)]
@@ -199,21 +192,15 @@ struct CompletionPrompt {
 }
 
 fn bad_request(msg: impl Into<String>) -> HttpResponse {
-    HttpResponse::BadRequest().json(
-        json!({"error": {"message": msg.into(), "type": "invalid_request_error", "code": null}}),
-    )
+    HttpResponse::BadRequest()
+        .json(json!({"error": {"message": msg.into(), "type": "invalid_request_error", "code": null}}))
 }
 
 /// A chat template stand-in: role and content of each message, in order.
 fn render_chat(messages: &[Value]) -> Vec<u8> {
     let mut out = Vec::new();
     for m in messages {
-        out.extend_from_slice(
-            m.get("role")
-                .and_then(Value::as_str)
-                .unwrap_or("user")
-                .as_bytes(),
-        );
+        out.extend_from_slice(m.get("role").and_then(Value::as_str).unwrap_or("user").as_bytes());
         out.push(b'\n');
         match m.get("content") {
             Some(Value::String(s)) => out.extend_from_slice(s.as_bytes()),
@@ -231,39 +218,28 @@ fn render_chat(messages: &[Value]) -> Vec<u8> {
 fn render_completion(prompt: &Value) -> Option<Vec<u8>> {
     match prompt {
         Value::String(s) => Some(s.as_bytes().to_vec()),
-        Value::Array(items) if items.iter().all(Value::is_u64) => Some(
-            items
-                .iter()
-                .flat_map(|t| (t.as_u64().unwrap_or(0) as u32).to_le_bytes())
-                .collect(),
-        ),
+        Value::Array(items) if items.iter().all(Value::is_u64) => {
+            Some(items.iter().flat_map(|t| (t.as_u64().unwrap_or(0) as u32).to_le_bytes()).collect())
+        }
         _ => None,
     }
 }
 
 async fn chat(s: web::Data<SimState>, body: web::Bytes) -> HttpResponse {
     s.received.fetch_add(1, Ordering::Relaxed);
-    let (params, prompt) = match (
-        serde_json::from_slice::<GenParams>(&body),
-        serde_json::from_slice::<ChatPrompt>(&body),
-    ) {
-        (Ok(p), Ok(c)) if !c.messages.is_empty() => (p, render_chat(&c.messages)),
-        _ => {
-            return bad_request(
-                "expected a chat completion request with a non-empty 'messages' array",
-            )
-        }
-    };
+    let (params, prompt) =
+        match (serde_json::from_slice::<GenParams>(&body), serde_json::from_slice::<ChatPrompt>(&body)) {
+            (Ok(p), Ok(c)) if !c.messages.is_empty() => (p, render_chat(&c.messages)),
+            _ => return bad_request("expected a chat completion request with a non-empty 'messages' array"),
+        };
     generate(s.into_inner(), params, prompt, true).await
 }
 
 async fn completions(s: web::Data<SimState>, body: web::Bytes) -> HttpResponse {
     s.received.fetch_add(1, Ordering::Relaxed);
-    let parsed = serde_json::from_slice::<GenParams>(&body).ok().zip(
-        serde_json::from_slice::<CompletionPrompt>(&body)
-            .ok()
-            .and_then(|c| render_completion(&c.prompt)),
-    );
+    let parsed = serde_json::from_slice::<GenParams>(&body)
+        .ok()
+        .zip(serde_json::from_slice::<CompletionPrompt>(&body).ok().and_then(|c| render_completion(&c.prompt)));
     match parsed {
         Some((params, prompt)) => generate(s.into_inner(), params, prompt, false).await,
         None => bad_request("expected a completion request with a string or token-array 'prompt'"),
@@ -280,11 +256,7 @@ struct Sequence {
 
 impl Drop for Sequence {
     fn drop(&mut self) {
-        self.state
-            .kv
-            .lock()
-            .expect("kv lock")
-            .release(&self.chain, self.private);
+        self.state.kv.lock().expect("kv lock").release(&self.chain, self.private);
         self.state.running.fetch_sub(1, Ordering::AcqRel);
         self.state.kv_freed.notify_waiters();
     }
@@ -312,11 +284,7 @@ fn block_chain(prompt: &[u8]) -> Vec<u128> {
 }
 
 /// Waits for KV and the prefill lane, then "prefills" the uncached tokens.
-async fn prefill(
-    s: &Arc<SimState>,
-    prompt: &[u8],
-    max_tokens: u64,
-) -> Result<Prefilled, HttpResponse> {
+async fn prefill(s: &Arc<SimState>, prompt: &[u8], max_tokens: u64) -> Result<Prefilled, HttpResponse> {
     let prompt_tokens = crate::tokens::estimate_tokens(prompt.len()).max(1);
     let chain = block_chain(prompt);
     let partial = usize::from(!prompt.len().is_multiple_of(BYTES_PER_BLOCK));
@@ -341,31 +309,19 @@ async fn prefill(
     };
     s.waiting.fetch_sub(1, Ordering::AcqRel);
     s.running.fetch_add(1, Ordering::AcqRel);
-    let seq = Sequence {
-        state: s.clone(),
-        chain,
-        private,
-    };
+    let seq = Sequence { state: s.clone(), chain, private };
     // vLLM recomputes at least the last token even on a full hit.
-    let cached_tokens =
-        (matched as u64 * BLOCK_TOKENS).min((prompt_tokens - 1) / BLOCK_TOKENS * BLOCK_TOKENS);
+    let cached_tokens = (matched as u64 * BLOCK_TOKENS).min((prompt_tokens - 1) / BLOCK_TOKENS * BLOCK_TOKENS);
     s.queries.fetch_add(prompt_tokens, Ordering::Relaxed);
     s.hits.fetch_add(cached_tokens, Ordering::Relaxed);
     s.prompt_tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
     let prefill_secs = (prompt_tokens - cached_tokens) as f64 / s.cfg.prefill_tps;
     tokio::time::sleep(s.scaled(prefill_secs)).await;
     drop(lane);
-    Ok(Prefilled {
-        seq,
-        prompt_tokens,
-        cached_tokens,
-        prefill_ms: prefill_secs * 1000.0,
-    })
+    Ok(Prefilled { seq, prompt_tokens, cached_tokens, prefill_ms: prefill_secs * 1000.0 })
 }
 
-const WORDS: &[&str] = &[
-    "the", " cache", " is", " warm", " and", " the", " prefix", " holds", ",",
-];
+const WORDS: &[&str] = &["the", " cache", " is", " warm", " and", " the", " prefix", " holds", ","];
 
 fn usage(p: &Prefilled, completion: u64) -> Value {
     json!({
@@ -376,23 +332,10 @@ fn usage(p: &Prefilled, completion: u64) -> Value {
     })
 }
 
-async fn generate(
-    s: Arc<SimState>,
-    params: GenParams,
-    prompt: Vec<u8>,
-    chat: bool,
-) -> HttpResponse {
-    let max_tokens = params
-        .max_completion_tokens
-        .or(params.max_tokens)
-        .unwrap_or(16)
-        .min(4096);
+async fn generate(s: Arc<SimState>, params: GenParams, prompt: Vec<u8>, chat: bool) -> HttpResponse {
+    let max_tokens = params.max_completion_tokens.or(params.max_tokens).unwrap_or(16).min(4096);
     let model = params.model.clone().unwrap_or_else(|| s.cfg.model.clone());
-    let id = format!(
-        "{}-sim-{}",
-        if chat { "chatcmpl" } else { "cmpl" },
-        s.next_id.fetch_add(1, Ordering::Relaxed)
-    );
+    let id = format!("{}-sim-{}", if chat { "chatcmpl" } else { "cmpl" }, s.next_id.fetch_add(1, Ordering::Relaxed));
     let created = crate::clock::now_ms() / 1000;
     let per_token = s.scaled(1.0 / s.cfg.decode_tps);
     if !params.stream {
@@ -402,24 +345,16 @@ async fn generate(
         };
         tokio::time::sleep(per_token * max_tokens as u32).await;
         s.generated.fetch_add(max_tokens, Ordering::Relaxed);
-        let text: String = (0..max_tokens as usize)
-            .map(|i| WORDS[i % WORDS.len()])
-            .collect();
+        let text: String = (0..max_tokens as usize).map(|i| WORDS[i % WORDS.len()]).collect();
         let choice = if chat {
             json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"})
         } else {
             json!({"index": 0, "text": text, "finish_reason": "length"})
         };
-        let object = if chat {
-            "chat.completion"
-        } else {
-            "text_completion"
-        };
+        let object = if chat { "chat.completion" } else { "text_completion" };
         let body = json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice], "usage": usage(&p, max_tokens)});
         drop(p.seq);
-        return HttpResponse::Ok()
-            .insert_header(("x-sim-prefill-ms", format!("{:.1}", p.prefill_ms)))
-            .json(body);
+        return HttpResponse::Ok().insert_header(("x-sim-prefill-ms", format!("{:.1}", p.prefill_ms))).json(body);
     }
     // Streaming: headers go out at once (as real SSE servers do); the first
     // data chunk waits for the prefill.
@@ -430,19 +365,13 @@ async fn generate(
             Ok(p) => p,
             Err(_) => {
                 let _ = tx
-                    .send(Frame::Chunk(sse(
-                        &json!({"error": {"message": "prompt does not fit in the KV cache"}}),
-                    )))
+                    .send(Frame::Chunk(sse(&json!({"error": {"message": "prompt does not fit in the KV cache"}}))))
                     .await;
                 let _ = tx.send(Frame::End).await;
                 return;
             }
         };
-        let object = if chat {
-            "chat.completion.chunk"
-        } else {
-            "text_completion"
-        };
+        let object = if chat { "chat.completion.chunk" } else { "text_completion" };
         let chunk = |delta: Option<&str>, finish: Option<&str>| {
             let choice = match (chat, delta) {
                 (true, Some(d)) => {
@@ -460,11 +389,7 @@ async fn generate(
                 tokio::time::sleep(per_token).await;
             }
             s.generated.fetch_add(1, Ordering::Relaxed);
-            if tx
-                .send(Frame::Chunk(chunk(Some(WORDS[i % WORDS.len()]), None)))
-                .await
-                .is_err()
-            {
+            if tx.send(Frame::Chunk(chunk(Some(WORDS[i % WORDS.len()]), None))).await.is_err() {
                 s.cancelled.fetch_add(1, Ordering::Relaxed);
                 return; // the client went away: stop generating, free the KV
             }
@@ -517,9 +442,7 @@ fn tokio_stream_from(
             }
             None => {
                 ended = true;
-                Some(Err(std::io::Error::other(
-                    "simulated engine crashed mid-stream",
-                )))
+                Some(Err(std::io::Error::other("simulated engine crashed mid-stream")))
             }
         })
     })

@@ -21,19 +21,10 @@ impl Store for MemoryStore {
         self.replicas.lock().expect("lock").is_empty()
     }
     fn replicas(&self) -> Result<Vec<StoredReplica>, StoreError> {
-        Ok(self
-            .replicas
-            .lock()
-            .expect("lock")
-            .values()
-            .cloned()
-            .collect())
+        Ok(self.replicas.lock().expect("lock").values().cloned().collect())
     }
     fn put_replica(&self, r: &StoredReplica) -> Result<(), StoreError> {
-        self.replicas
-            .lock()
-            .expect("lock")
-            .insert(r.spec.id.clone(), r.clone());
+        self.replicas.lock().expect("lock").insert(r.spec.id.clone(), r.clone());
         Ok(())
     }
     fn delete_replica(&self, id: &str) -> Result<(), StoreError> {
@@ -41,13 +32,7 @@ impl Store for MemoryStore {
         Ok(())
     }
     fn pins(&self) -> Result<Vec<(PrefixKey, Pin)>, StoreError> {
-        Ok(self
-            .pins
-            .lock()
-            .expect("lock")
-            .iter()
-            .map(|(k, p)| (*k, p.clone()))
-            .collect())
+        Ok(self.pins.lock().expect("lock").iter().map(|(k, p)| (*k, p.clone())).collect())
     }
     fn write_pins(&self, changes: &[PinChange]) -> Result<(), StoreError> {
         let mut pins = self.pins.lock().expect("lock");
@@ -68,22 +53,13 @@ impl Store for MemoryStore {
         Ok(())
     }
     fn events(&self) -> Result<Vec<Event>, StoreError> {
-        Ok(self
-            .events
-            .lock()
-            .expect("lock")
-            .values()
-            .cloned()
-            .collect())
+        Ok(self.events.lock().expect("lock").values().cloned().collect())
     }
     fn setting(&self, key: &str) -> Result<Option<serde_json::Value>, StoreError> {
         Ok(self.settings.lock().expect("lock").get(key).cloned())
     }
     fn put_setting(&self, key: &str, value: &serde_json::Value) -> Result<(), StoreError> {
-        self.settings
-            .lock()
-            .expect("lock")
-            .insert(key.to_string(), value.clone());
+        self.settings.lock().expect("lock").insert(key.to_string(), value.clone());
         Ok(())
     }
     fn flush(&self) -> Result<(), StoreError> {

@@ -16,11 +16,7 @@ pub struct Migration {
 }
 
 pub const MIGRATIONS: &[Migration] = &[
-    Migration {
-        version: 1,
-        file: "0001_initial.toml",
-        text: include_str!("../../migrations/0001_initial.toml"),
-    },
+    Migration { version: 1, file: "0001_initial.toml", text: include_str!("../../migrations/0001_initial.toml") },
     Migration {
         version: 2,
         file: "0002_compact_pins.toml",
@@ -55,18 +51,13 @@ struct PinV1 {
 pub fn run(db: &sled::Db) -> Result<(), StoreError> {
     let found = read_version(db)?;
     if found > SCHEMA_VERSION {
-        return Err(StoreError::TooNew {
-            found,
-            supported: SCHEMA_VERSION,
-        });
+        return Err(StoreError::TooNew { found, supported: SCHEMA_VERSION });
     }
     for m in MIGRATIONS.iter().filter(|m| m.version > found) {
-        let file: MigrationFile = toml::from_str(m.text).map_err(|e| {
-            StoreError::Backend(format!("embedded migration {} is invalid: {e}", m.file))
-        })?;
+        let file: MigrationFile = toml::from_str(m.text)
+            .map_err(|e| StoreError::Backend(format!("embedded migration {} is invalid: {e}", m.file)))?;
         for op in &file.ops {
-            apply(db, op)
-                .map_err(|e| StoreError::Backend(format!("migration {} ({op}): {e}", m.file)))?;
+            apply(db, op).map_err(|e| StoreError::Backend(format!("migration {} ({op}): {e}", m.file)))?;
         }
         db.insert("schema_version", &m.version.to_be_bytes())?;
         db.flush()?;
@@ -77,10 +68,11 @@ pub fn run(db: &sled::Db) -> Result<(), StoreError> {
 
 pub fn read_version(db: &sled::Db) -> Result<u64, StoreError> {
     Ok(match db.get("schema_version")? {
-        Some(v) => u64::from_be_bytes(v.as_ref().try_into().map_err(|_| StoreError::Corrupt {
-            tree: "default",
-            detail: "schema_version is not 8 bytes".into(),
-        })?),
+        Some(v) => u64::from_be_bytes(
+            v.as_ref()
+                .try_into()
+                .map_err(|_| StoreError::Corrupt { tree: "default", detail: "schema_version is not 8 bytes".into() })?,
+        ),
         None => 0,
     })
 }
@@ -99,17 +91,13 @@ fn apply(db: &sled::Db, op: &str) -> Result<(), StoreError> {
             for item in pins.iter() {
                 let (k, v) = item?;
                 if v.first() == Some(&b'{') {
-                    let old: PinV1 =
-                        serde_json::from_slice(&v).map_err(|e| StoreError::Corrupt {
-                            tree: "pins",
-                            detail: e.to_string(),
-                        })?;
-                    let key = u128::from_be_bytes(k.as_ref().try_into().map_err(|_| {
-                        StoreError::Corrupt {
-                            tree: "pins",
-                            detail: "key is not 16 bytes".into(),
-                        }
-                    })?);
+                    let old: PinV1 = serde_json::from_slice(&v)
+                        .map_err(|e| StoreError::Corrupt { tree: "pins", detail: e.to_string() })?;
+                    let key = u128::from_be_bytes(
+                        k.as_ref()
+                            .try_into()
+                            .map_err(|_| StoreError::Corrupt { tree: "pins", detail: "key is not 16 bytes".into() })?,
+                    );
                     let pin = Pin {
                         replica: old.replica.into(),
                         created_ms: old.created_ms,
@@ -125,8 +113,6 @@ fn apply(db: &sled::Db, op: &str) -> Result<(), StoreError> {
             pins.apply_batch(batch)?;
             Ok(())
         }
-        other => Err(StoreError::Backend(format!(
-            "unknown migration operation '{other}'"
-        ))),
+        other => Err(StoreError::Backend(format!("unknown migration operation '{other}'"))),
     }
 }

@@ -74,14 +74,8 @@ impl Store for SledStore {
             .iter()
             .map(|item| {
                 let (k, v) = item?;
-                let key: [u8; 16] = k
-                    .as_ref()
-                    .try_into()
-                    .map_err(|_| corrupt("pins")("key is not 16 bytes".into()))?;
-                Ok((
-                    u128::from_be_bytes(key),
-                    decode_pin(&v).map_err(corrupt("pins"))?,
-                ))
+                let key: [u8; 16] = k.as_ref().try_into().map_err(|_| corrupt("pins")("key is not 16 bytes".into()))?;
+                Ok((u128::from_be_bytes(key), decode_pin(&v).map_err(corrupt("pins"))?))
             })
             .collect()
     }
@@ -123,18 +117,13 @@ impl Store for SledStore {
 
     fn setting(&self, key: &str) -> Result<Option<serde_json::Value>, StoreError> {
         match self.settings.get(key)? {
-            Some(v) => serde_json::from_slice(&v)
-                .map(Some)
-                .map_err(|e| corrupt("settings")(e.to_string())),
+            Some(v) => serde_json::from_slice(&v).map(Some).map_err(|e| corrupt("settings")(e.to_string())),
             None => Ok(None),
         }
     }
 
     fn put_setting(&self, key: &str, value: &serde_json::Value) -> Result<(), StoreError> {
-        self.settings.insert(
-            key,
-            serde_json::to_vec(value).map_err(|e| StoreError::Backend(e.to_string()))?,
-        )?;
+        self.settings.insert(key, serde_json::to_vec(value).map_err(|e| StoreError::Backend(e.to_string()))?)?;
         Ok(())
     }
 
@@ -151,49 +140,29 @@ mod tests {
     #[test]
     fn a_schema_1_database_is_migrated_and_its_pins_load() {
         let dir = tempfile::tempdir().unwrap();
-        let pin = Pin {
-            replica: "a".into(),
-            created_ms: 5,
-            last_used_ms: 6,
-            turns: 2,
-            est_tokens: 100,
-            family: 7,
-        };
+        let pin = Pin { replica: "a".into(), created_ms: 5, last_used_ms: 6, turns: 2, est_tokens: 100, family: 7 };
         {
             // What the first schema wrote: version 1 and JSON pins.
-            let db = sled::Config::new()
-                .path(dir.path().join("db"))
-                .open()
-                .unwrap();
+            let db = sled::Config::new().path(dir.path().join("db")).open().unwrap();
             for t in migrations::TREES {
                 db.open_tree(t).unwrap();
             }
-            let v1 =
-                br#"{"replica":"a","created_ms":5,"last_used_ms":6,"turns":2,"est_tokens":100}"#;
-            db.open_tree("pins")
-                .unwrap()
-                .insert(7u128.to_be_bytes(), &v1[..])
-                .unwrap();
+            let v1 = br#"{"replica":"a","created_ms":5,"last_used_ms":6,"turns":2,"est_tokens":100}"#;
+            db.open_tree("pins").unwrap().insert(7u128.to_be_bytes(), &v1[..]).unwrap();
             db.insert("schema_version", &1u64.to_be_bytes()).unwrap();
             db.flush().unwrap();
         }
         let store = SledStore::open(dir.path()).unwrap();
         assert!(!store.is_new());
         assert_eq!(store.pins().unwrap(), vec![(7, pin)]);
-        assert_eq!(
-            migrations::read_version(&store.db).unwrap(),
-            migrations::SCHEMA_VERSION
-        );
+        assert_eq!(migrations::read_version(&store.db).unwrap(), migrations::SCHEMA_VERSION);
     }
 
     #[test]
     fn a_database_from_a_newer_schema_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         {
-            let db = sled::Config::new()
-                .path(dir.path().join("db"))
-                .open()
-                .unwrap();
+            let db = sled::Config::new().path(dir.path().join("db")).open().unwrap();
             db.insert("schema_version", &99u64.to_be_bytes()).unwrap();
             db.flush().unwrap();
         }

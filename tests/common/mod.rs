@@ -31,10 +31,7 @@ impl Sim {
 
 /// A fast simulated card: the seed's numbers, time scaled down 1000x.
 pub fn fast_sim() -> SimConfig {
-    SimConfig {
-        time_scale: 0.001,
-        ..SimConfig::default()
-    }
+    SimConfig { time_scale: 0.001, ..SimConfig::default() }
 }
 
 pub async fn start_sim(id: &str, cfg: SimConfig) -> Sim {
@@ -44,12 +41,7 @@ pub async fn start_sim(id: &str, cfg: SimConfig) -> Sim {
     let server = sim::serve(listener, state.clone()).unwrap();
     let handle = server.handle();
     actix_web::rt::spawn(server);
-    Sim {
-        id: id.to_string(),
-        url,
-        state,
-        handle,
-    }
+    Sim { id: id.to_string(), url, state, handle }
 }
 
 /// A config for tests: loopback, quick health checks, short connect timeout.
@@ -57,21 +49,9 @@ pub fn test_config(sims: &[&Sim]) -> Config {
     Config {
         listen: "127.0.0.1:0".parse().unwrap(),
         admin_listen: "127.0.0.1:0".parse().unwrap(),
-        replicas: sims
-            .iter()
-            .map(|s| ReplicaSpec::new(&s.id, &s.url))
-            .collect(),
-        health: HealthConfig {
-            interval_ms: 100,
-            timeout_ms: 1_000,
-            rise: 1,
-            fall: 1,
-        },
-        timeouts: Timeouts {
-            connect_ms: 500,
-            response_head_ms: 30_000,
-            idle_stream_ms: 30_000,
-        },
+        replicas: sims.iter().map(|s| ReplicaSpec::new(&s.id, &s.url)).collect(),
+        health: HealthConfig { interval_ms: 100, timeout_ms: 1_000, rise: 1, fall: 1 },
+        timeouts: Timeouts { connect_ms: 500, response_head_ms: 30_000, idle_stream_ms: 30_000 },
         ..Config::default()
     }
 }
@@ -102,10 +82,7 @@ pub async fn start_gateway(config: Config) -> Gw {
     };
     // Ready when every replica has been probed once.
     wait_until("replicas probed", Duration::from_secs(10), || {
-        gw.fleet
-            .snapshot()
-            .iter()
-            .all(|r| r.health() != prefixgate::fleet::Health::Unknown)
+        gw.fleet.snapshot().iter().all(|r| r.health() != prefixgate::fleet::Health::Unknown)
     })
     .await;
     g
@@ -115,25 +92,17 @@ pub async fn start_gateway(config: Config) -> Gw {
 pub async fn wait_until(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + timeout;
     while !cond() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for: {what}"
-        );
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 
 pub fn client() -> awc::Client {
-    awc::Client::builder()
-        .timeout(Duration::from_secs(60))
-        .finish()
+    awc::Client::builder().timeout(Duration::from_secs(60)).finish()
 }
 
 pub fn chat_body(messages: &[(&str, &str)], extra: Value) -> Value {
-    let msgs: Vec<Value> = messages
-        .iter()
-        .map(|(r, c)| json!({"role": r, "content": c}))
-        .collect();
+    let msgs: Vec<Value> = messages.iter().map(|(r, c)| json!({"role": r, "content": c})).collect();
     let mut body = json!({"model": "sim-model", "messages": msgs, "max_tokens": 4});
     if let (Value::Object(b), Value::Object(e)) = (&mut body, extra) {
         b.extend(e);
@@ -151,12 +120,7 @@ pub struct Reply {
 
 pub async fn post(url: &str, body: &Value) -> Reply {
     let mut resp = client().post(url).send_json(body).await.unwrap();
-    let header = |name: &str| {
-        resp.headers()
-            .get(name)
-            .map(|v| v.to_str().unwrap().to_string())
-            .unwrap_or_default()
-    };
+    let header = |name: &str| resp.headers().get(name).map(|v| v.to_str().unwrap().to_string()).unwrap_or_default();
     let (replica, route) = (header("x-prefixgate-replica"), header("x-prefixgate-route"));
     let bytes = resp.body().limit(64 << 20).await.unwrap();
     Reply {
@@ -169,26 +133,15 @@ pub async fn post(url: &str, body: &Value) -> Reply {
 }
 
 pub async fn chat(gw: &Gw, messages: &[(&str, &str)]) -> Reply {
-    post(
-        &format!("{}/v1/chat/completions", gw.base),
-        &chat_body(messages, json!({})),
-    )
-    .await
+    post(&format!("{}/v1/chat/completions", gw.base), &chat_body(messages, json!({}))).await
 }
 
 pub fn cached_tokens(r: &Reply) -> u64 {
-    r.body["usage"]["prompt_tokens_details"]["cached_tokens"]
-        .as_u64()
-        .unwrap()
+    r.body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap()
 }
 
 /// A JSON request to the admin API with an optional bearer token.
-pub async fn admin(
-    method: &str,
-    url: &str,
-    token: Option<&str>,
-    body: Option<Value>,
-) -> (u16, Value) {
+pub async fn admin(method: &str, url: &str, token: Option<&str>, body: Option<Value>) -> (u16, Value) {
     let c = client();
     let mut req = c.request(method.parse().unwrap(), url);
     if let Some(t) = token {
@@ -199,10 +152,7 @@ pub async fn admin(
         None => req.send().await.unwrap(),
     };
     let bytes = resp.body().limit(16 << 20).await.unwrap();
-    (
-        resp.status().as_u16(),
-        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-    )
+    (resp.status().as_u16(), serde_json::from_slice(&bytes).unwrap_or(Value::Null))
 }
 
 /// A long, unique text of about `tokens` estimated tokens.
