@@ -128,7 +128,8 @@ fn run_gateway(config: Config, banner: Option<String>) -> Result<(), String> {
     actix_web::rt::System::new().block_on(async move {
         let gw = Gateway::open(config).map_err(|e| e.to_string())?;
         let running = prefixgate::start(gw, traffic, admin).map_err(|e| e.to_string())?;
-        tracing::info!("traffic on http://{}, admin on http://{}", running.traffic_addr, running.admin_addr);
+        // One machine-readable line: scripts (and tests) read the bound ports from it.
+        println!("prefixgate listening traffic=http://{} admin=http://{}", running.traffic_addr, running.admin_addr);
         if let Some(b) = banner {
             println!("{b}");
         }

@@ -1,0 +1,125 @@
+//! Issue 3: what the gateway learned survives restarts: a graceful one (in
+//! process) and a `kill -9` of the real binary.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+use prefixgate::events::EventKind;
+use prefixgate::fleet::AdminState;
+
+#[actix_web::test]
+async fn pins_replicas_admin_state_and_events_survive_a_graceful_restart() {
+    let (a, b) = (start_sim("a", fast_sim()).await, start_sim("b", fast_sim()).await);
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(&[&a, &b]);
+    config.data_dir = Some(dir.path().to_path_buf());
+
+    let gw = start_gateway(config.clone()).await;
+    let first = chat(&gw, &[("user", "persist me")]).await;
+    gw.gw.set_admin("b", AdminState::Draining).unwrap();
+    gw.gw.set_admin("b", AdminState::Active).unwrap();
+    gw.gw.set_admin("a", AdminState::Disabled).unwrap();
+    gw.gw.set_admin("a", AdminState::Active).unwrap();
+    let c = prefixgate::fleet::ReplicaSpec::new("c", "http://127.0.0.1:9");
+    gw.gw.add_replica(c).unwrap();
+    gw.gw.set_admin("c", AdminState::Disabled).unwrap();
+    let events_before = gw.gw.events.query(&Default::default());
+    let last_id = gw.gw.events.query(&prefixgate::events::EventFilter { limit: 1, ..Default::default() })[0].id;
+    gw.stop().await;
+
+    // The config no longer lists the replicas: the database is the truth now.
+    config.replicas.clear();
+    let gw = start_gateway(config).await;
+    let ids: Vec<String> = gw.gw.fleet.snapshot().iter().map(|r| r.id.to_string()).collect();
+    assert_eq!(ids.len(), 3, "{ids:?}");
+    assert_eq!(gw.gw.fleet.get("c").unwrap().admin(), AdminState::Disabled);
+    assert_eq!(gw.gw.pins.len(), 1);
+    let again = chat(&gw, &[("user", "persist me"), ("assistant", "ok"), ("user", "back after a restart")]).await;
+    assert_eq!((again.route.as_str(), again.replica.as_str()), ("pinned", first.replica.as_str()));
+    assert_eq!(gw.gw.events.count(EventKind::DrainStarted), 1);
+    let all = gw.gw.events.query(&prefixgate::events::EventFilter { limit: 1000, ..Default::default() });
+    assert!(all.len() >= events_before.len());
+    let next = gw.gw.events.record(EventKind::Resumed, Some("a"), None, "after restart");
+    assert!(next.id > last_id, "event ids stay monotonic across restarts");
+    gw.stop().await;
+}
+
+/// The real binary, killed without warning.
+struct Proc {
+    child: Child,
+    base: String,
+    admin: String,
+}
+
+fn spawn_gateway(data_dir: &std::path::Path, replicas: &[&Sim]) -> Proc {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_prefixgate"));
+    cmd.args(["serve", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--data-dir"])
+        .arg(data_dir)
+        .env("PREFIXGATE_PINS_FLUSH_INTERVAL_MS", "100")
+        .env("PREFIXGATE_HEALTH_INTERVAL_MS", "200")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    for r in replicas {
+        cmd.arg("--replica").arg(format!("{}={}", r.id, r.url));
+    }
+    let mut child = cmd.spawn().unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let field = |name: &str| line.split_whitespace().find_map(|w| w.strip_prefix(name)).unwrap_or_default().to_string();
+    let (base, admin) = (field("traffic="), field("admin="));
+    assert!(base.starts_with("http://"), "unexpected first line: {line:?}");
+    Proc { child, base, admin }
+}
+
+async fn chat_at(base: &str, msgs: &[(&str, &str)]) -> Reply {
+    post(&format!("{base}/v1/chat/completions"), &chat_body(msgs, serde_json::json!({}))).await
+}
+
+#[actix_web::test]
+async fn after_kill_9_flushed_pins_survive_and_continuations_stay_pinned() {
+    let (a, b) = (start_sim("a", fast_sim()).await, start_sim("b", fast_sim()).await);
+    let dir = tempfile::tempdir().unwrap();
+    let mut p = spawn_gateway(dir.path(), &[&a, &b]);
+    wait_until_up(&p.base).await;
+    let mut homes = Vec::new();
+    for i in 0..6 {
+        let r = chat_at(&p.base, &[("user", &format!("family {i}"))]).await;
+        assert_eq!(r.status, 200);
+        homes.push(r.replica);
+    }
+    assert!(homes.contains(&"a".to_string()) && homes.contains(&"b".to_string()));
+    // More than one flush interval (100 ms) passes before the crash.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    p.child.kill().unwrap(); // SIGKILL
+    p.child.wait().unwrap();
+
+    let mut p = spawn_gateway(dir.path(), &[]);
+    wait_until_up(&p.base).await;
+    for (i, home) in homes.iter().enumerate() {
+        let first = format!("family {i}");
+        let r = chat_at(&p.base, &[("user", &first), ("assistant", "x"), ("user", "after the crash")]).await;
+        assert_eq!((r.status, r.route.as_str(), r.replica.as_str()), (200, "pinned", home.as_str()), "family {i}");
+    }
+    let (s, pins) = admin("GET", &format!("{}/admin/v1/pins", p.admin), None, None).await;
+    assert_eq!(s, 200);
+    assert!(pins["total"].as_u64().unwrap() >= 6);
+    p.child.kill().unwrap();
+    p.child.wait().unwrap();
+}
+
+async fn wait_until_up(base: &str) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Ok(resp) = client().get(format!("{base}/healthz")).send().await {
+            if resp.status() == 200 {
+                return;
+            }
+        }
+        assert!(tokio::time::Instant::now() < deadline, "gateway at {base} never became healthy");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
