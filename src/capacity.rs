@@ -364,6 +364,9 @@ pub fn refresh_gauges(gw: &Gateway) {
         m.replica_up.get_or_create(&l).set(i64::from(r.routable()));
         m.admission_queue_depth.get_or_create(&l).set(gw.admission.queued(&r.id) as i64);
         m.bytes_per_token.get_or_create(&l).set(gw.capacity.bytes_per_token(&r.id));
+        // Counters a dashboard divides by: present from the start, at zero.
+        m.admission_waits.get_or_create(&l).inc_by(0);
+        m.admission_rejections.get_or_create(&l).inc_by(0);
     }
     for r in &report.replicas {
         let l = replica_label(&r.replica);

@@ -76,6 +76,10 @@ pub fn start(gw: Arc<Gateway>, traffic: TcpListener, admin: TcpListener) -> std:
     .backlog(4096)
     .max_connections(100_000)
     .client_request_timeout(Duration::from_secs(30))
+    // A client that closes its side has gone (OpenAI clients never half-close):
+    // drop its handler at once, so a request queued for admission or waiting
+    // for a slow first byte is cancelled instead of running for nobody.
+    .h1_allow_half_closed(false)
     .shutdown_timeout(30)
     .disable_signals()
     .listen(traffic)?

@@ -140,35 +140,32 @@ pub fn decide<R: AsRef<str>>(
     if !candidates.iter().any(|c| c.routable) {
         return None;
     }
-    let spread =
-        |reason| Decision { replica: spread_pick(candidates, counter), reason, matched: None, moved_from: None };
+    // Longest match wins: walk the boundaries from the end. Looked up in
+    // every mode: the baselines do not follow pins, but the caller still
+    // needs to know which conversation a request continues.
+    let found =
+        if shape.multi_unit { shape.boundaries.iter().rev().find_map(|b| pin_of(b.key).map(|r| (b, r))) } else { None };
+    let matched = found.as_ref().map(|(b, _)| PrefixMatch { key: b.key, bytes: b.bytes });
+    let spread = |reason| Decision { replica: spread_pick(candidates, counter), reason, matched, moved_from: None };
     match mode {
         Mode::RoundRobin => Some(spread(RouteReason::RoundRobin)),
         Mode::Affinity => match shape.boundaries.first() {
             Some(first) => Some(Decision {
                 replica: rendezvous_pick(candidates, first.key),
                 reason: RouteReason::Affinity,
-                matched: None,
+                matched,
                 moved_from: None,
             }),
             None => Some(spread(RouteReason::Spread)),
         },
         Mode::Shape => {
-            if !shape.multi_unit {
-                return Some(spread(RouteReason::Spread));
-            }
-            // Longest match wins: walk the boundaries from the end.
-            let found = shape.boundaries.iter().rev().find_map(|b| pin_of(b.key).map(|r| (b, r)));
-            let Some((boundary, pinned)) = found else {
+            let Some((_, pinned)) = &found else {
                 return Some(spread(RouteReason::Spread));
             };
-            let matched = Some(PrefixMatch { key: boundary.key, bytes: boundary.bytes });
             let pinned = pinned.as_ref();
             match candidates.iter().position(|c| c.routable && c.id == pinned) {
                 Some(i) => Some(Decision { replica: i, reason: RouteReason::Pinned, matched, moved_from: None }),
-                None => {
-                    Some(Decision { matched, moved_from: Some(pinned.to_owned()), ..spread(RouteReason::Repinned) })
-                }
+                None => Some(Decision { moved_from: Some(pinned.to_owned()), ..spread(RouteReason::Repinned) }),
             }
         }
     }

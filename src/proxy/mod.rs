@@ -136,7 +136,9 @@ pub async fn forward(
                             Some(home) if home == &*replica.id => {
                                 predicted_cached = decision.matched.map(|m| gw.capacity.estimate(&replica.id, m.bytes));
                             }
-                            Some(home) => {
+                            // The baselines move conversations on every turn by design;
+                            // history records the moves the shape policy had to make.
+                            Some(home) if matches!(reason, RouteReason::Repinned | RouteReason::Failover) => {
                                 gw.events.record(
                                     EventKind::PinMoved,
                                     Some(home),
@@ -144,7 +146,7 @@ pub async fn forward(
                                     format!("{} route", reason.as_str()),
                                 );
                             }
-                            None => {}
+                            _ => {}
                         }
                         gw.pins.record(pin_at, &replica.id, parent, est_tokens, crate::clock::now_ms());
                     }
