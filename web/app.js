@@ -1,0 +1,263 @@
+// prefixgate admin UI: plain JavaScript, no build step. Talks to the admin
+// API with the bearer token kept in sessionStorage (this browser session only).
+"use strict";
+
+const api = "/admin/v1";
+const state = { pinOffset: 0, pinLimit: 20, ttfb: {}, lastTtfb: {}, replicas: [] };
+const $ = (sel) => document.querySelector(sel);
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "class") node.className = v;
+    // CSSOM, not a style attribute: the page's CSP forbids inline styles.
+    else if (k === "style") node.style.cssText = v;
+    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+    else node.setAttribute(k, v);
+  }
+  for (const c of children) node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  return node;
+}
+
+class AuthError extends Error {}
+
+async function call(method, path, body) {
+  const headers = { accept: "application/json" };
+  const token = sessionStorage.getItem("prefixgate-token");
+  if (token) headers.authorization = "Bearer " + token;
+  if (body !== undefined) headers["content-type"] = "application/json";
+  const res = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
+  if (res.status === 401) throw new AuthError("unauthorized");
+  const text = await res.text();
+  const data = text ? JSON.parse(text) : null;
+  if (!res.ok) throw new Error((data && data.error && data.error.message) || res.statusText);
+  return data;
+}
+
+function showLogin(message) {
+  $("#app").hidden = true;
+  $("#login").hidden = false;
+  $("#login-error").textContent = message || "";
+  $("#token").focus();
+}
+
+function showApp() {
+  $("#login").hidden = true;
+  $("#app").hidden = false;
+}
+
+function status(text, isError) {
+  const s = $("#status");
+  s.textContent = text;
+  s.classList.toggle("error", !!isError);
+}
+
+function fmtTokens(n) {
+  if (n === null || n === undefined) return "?";
+  return n >= 1000 ? (n / 1000).toFixed(1) + "k" : String(n);
+}
+
+function ttfbLabel(points) {
+  return points && points.length ? ` ${(points[points.length - 1] * 1000).toFixed(0)} ms` : " —";
+}
+
+function sparkline(points) {
+  const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
+  svg.setAttribute("class", "spark");
+  svg.setAttribute("viewBox", "0 0 100 20");
+  svg.setAttribute("role", "img");
+  const last = points.length ? points[points.length - 1] : null;
+  svg.setAttribute("aria-label", last === null ? "no data yet" : "last " + (last * 1000).toFixed(0) + " ms");
+  if (points.length > 1) {
+    const max = Math.max(...points, 0.001);
+    const line = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
+    line.setAttribute("points", points.map((p, i) => `${(i / (points.length - 1)) * 100},${20 - (p / max) * 18}`).join(" "));
+    svg.append(line);
+  }
+  return svg;
+}
+
+async function action(id, verb, confirmText) {
+  if (confirmText && !window.confirm(confirmText)) return;
+  try {
+    if (verb === "remove") await call("DELETE", `${api}/replicas/${encodeURIComponent(id)}`);
+    else await call("POST", `${api}/replicas/${encodeURIComponent(id)}/${verb}`);
+    status(`${verb} ${id}: done`);
+  } catch (e) {
+    status(`${verb} ${id}: ${e.message}`, true);
+  }
+  refresh();
+}
+
+function renderReplicas(replicas, capacity) {
+  const body = $("#replicas tbody");
+  body.replaceChildren();
+  const cap = Object.fromEntries((capacity ? capacity.replicas : []).map((r) => [r.replica, r]));
+  for (const r of replicas) {
+    const c = cap[r.id] || {};
+    const kv = c.kv_tokens || r.kv_tokens;
+    const ws = c.working_set_tokens !== undefined ? c.working_set_tokens : r.working_set_tokens;
+    const pct = kv ? Math.min(100, (ws / kv) * 100) : 0;
+    const bar = el("div", { class: "bar" + (c.over_capacity ? " over" : ""), title: `${ws} of ${kv || "unknown"} tokens` },
+      el("span", { style: `width:${pct}%` }));
+    const actions = el("td", {});
+    if (r.admin_state === "active") {
+      actions.append(el("button", { type: "button", "data-action": "drain", onclick: () => action(r.id, "drain", `Drain ${r.id}? New requests stop going to it; in-flight ones finish.`) }, "Drain"));
+      actions.append(el("button", { type: "button", class: "danger", "data-action": "disable", onclick: () => action(r.id, "disable", `Disable ${r.id}? It takes no traffic until enabled.`) }, "Disable"));
+    } else if (r.admin_state === "draining") {
+      actions.append(el("button", { type: "button", "data-action": "resume", onclick: () => action(r.id, "resume") }, "Resume"));
+    } else {
+      actions.append(el("button", { type: "button", "data-action": "enable", onclick: () => action(r.id, "enable") }, "Enable"));
+    }
+    actions.append(el("button", { type: "button", class: "danger", "data-action": "remove", onclick: () => action(r.id, "remove", `Remove ${r.id} and its pins?`) }, "Remove"));
+    const inflight = r.admin_state === "draining" ? `${r.inflight} (draining…)` : `${r.inflight}` + (r.large_inflight ? ` / ${r.large_inflight} large` : "");
+    body.append(el("tr", { "data-replica": r.id },
+      el("td", {}, el("strong", {}, r.id), el("br"), el("small", {}, r.url)),
+      el("td", {}, el("span", { class: "badge health " + r.health }, r.health)),
+      el("td", {}, el("span", { class: "badge state " + r.admin_state }, r.admin_state)),
+      el("td", { class: "inflight" }, inflight),
+      el("td", {}, r.pins),
+      el("td", {}, r.models.join(", ") || "—"),
+      el("td", {}, bar, el("span", { class: "bar-label" }, `${fmtTokens(ws)} / ${fmtTokens(kv)}`)),
+      el("td", {}, sparkline(state.ttfb[r.id] || []), el("span", { class: "bar-label" }, ttfbLabel(state.ttfb[r.id]))),
+      actions));
+  }
+  for (const select of [$("#pin-replica"), $("#event-replica")]) {
+    const current = select.value;
+    select.replaceChildren(el("option", { value: "" }, "all"), ...replicas.map((r) => el("option", { value: r.id }, r.id)));
+    select.value = current;
+  }
+}
+
+function renderCapacity(capacity) {
+  const banner = $("#capacity-banner");
+  banner.hidden = !(capacity && capacity.warning);
+  banner.textContent = capacity && capacity.warning ? capacity.warning : "";
+}
+
+// Mean time to first byte per replica since the last poll, from the
+// Prometheus histogram's _sum and _count.
+function updateTtfb(metricsText) {
+  const totals = {};
+  for (const line of metricsText.split("\n")) {
+    const m = line.match(/^prefixgate_upstream_ttfb_seconds_(sum|count)\{replica="([^"]+)",route="[^"]*"\} ([0-9.eE+-]+)$/);
+    if (!m) continue;
+    const t = (totals[m[2]] = totals[m[2]] || { sum: 0, count: 0 });
+    t[m[1]] += Number(m[3]);
+  }
+  for (const [id, t] of Object.entries(totals)) {
+    const prev = state.lastTtfb[id] || { sum: 0, count: 0 };
+    state.lastTtfb[id] = t;
+    if (t.count <= prev.count) continue;
+    const series = (state.ttfb[id] = state.ttfb[id] || []);
+    series.push((t.sum - prev.sum) / (t.count - prev.count));
+    if (series.length > 60) series.shift();
+  }
+}
+
+async function loadPins() {
+  const params = new URLSearchParams({ offset: state.pinOffset, limit: state.pinLimit });
+  const q = $("#pin-search").value.trim();
+  if (q) params.set("key_prefix", q);
+  if ($("#pin-replica").value) params.set("replica", $("#pin-replica").value);
+  const page = await call("GET", `${api}/pins?${params}`);
+  const body = $("#pin-table tbody");
+  body.replaceChildren(...page.items.map((p) => el("tr", { "data-key": p.key },
+    el("td", { class: "key" }, p.key), el("td", {}, p.replica), el("td", {}, p.turns), el("td", {}, fmtTokens(p.est_tokens)),
+    el("td", {}, new Date(p.last_used).toLocaleTimeString()),
+    el("td", {}, el("button", { type: "button", class: "danger", onclick: async () => {
+      if (!window.confirm(`Delete pin ${p.key.slice(0, 8)}…?`)) return;
+      await call("DELETE", `${api}/pins/${p.key}`);
+      loadPins();
+    } }, "Delete")))));
+  const last = Math.min(page.total, state.pinOffset + page.items.length);
+  $("#pins-page").textContent = page.total ? `${state.pinOffset + 1}–${last} of ${page.total}` : "no pins";
+  $("#pins-prev").disabled = state.pinOffset === 0;
+  $("#pins-next").disabled = last >= page.total;
+}
+
+const KINDS = ["failover", "replica_down", "replica_up", "pin_moved", "drain_started", "drain_completed", "resumed", "disabled",
+  "enabled", "replica_added", "replica_removed", "replica_updated", "policy_changed", "capacity_warning", "capacity_cleared"];
+
+async function loadEvents() {
+  const params = new URLSearchParams({ limit: 100 });
+  if ($("#event-kind").value) params.set("kind", $("#event-kind").value);
+  if ($("#event-replica").value) params.set("replica", $("#event-replica").value);
+  const page = await call("GET", `${api}/events?${params}`);
+  $("#events").replaceChildren(...page.items.map((e) => el("li", { class: "event " + e.kind, "data-kind": e.kind },
+    el("time", { datetime: e.at }, new Date(e.at).toLocaleTimeString()),
+    el("strong", {}, e.kind.replace(/_/g, " ")), " ",
+    [e.replica, e.to_replica].filter(Boolean).join(" → "), e.detail ? ` — ${e.detail}` : "")));
+}
+
+async function refresh() {
+  try {
+    const [replicas, capacity, policy] = await Promise.all([
+      call("GET", `${api}/replicas`), call("GET", `${api}/capacity`), call("GET", `${api}/policy`)]);
+    showApp();
+    try {
+      updateTtfb(await (await fetch("/metrics")).text());
+    } catch (_) { /* metrics are optional for the view */ }
+    state.replicas = replicas;
+    if (document.activeElement !== $("#policy-mode")) $("#policy-mode").value = policy.mode;
+    renderReplicas(replicas, capacity);
+    renderCapacity(capacity);
+    await Promise.all([loadPins(), loadEvents()]);
+  } catch (e) {
+    if (e instanceof AuthError) {
+      const hadToken = !!sessionStorage.getItem("prefixgate-token");
+      sessionStorage.removeItem("prefixgate-token");
+      showLogin(hadToken ? "That token was refused. Check it and try again." : "");
+    } else {
+      status("Could not reach the admin API: " + e.message, true);
+    }
+  }
+}
+
+function init() {
+  $("#event-kind").append(...KINDS.map((k) => el("option", { value: k }, k.replace(/_/g, " "))));
+  $("#login-form").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    sessionStorage.setItem("prefixgate-token", $("#token").value);
+    $("#token").value = "";
+    refresh();
+  });
+  $("#add-form").addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    const f = new FormData(ev.target);
+    const body = { id: f.get("id"), url: f.get("url") };
+    for (const k of ["kv_tokens", "max_large_inflight"]) if (f.get(k)) body[k] = Number(f.get(k));
+    if (f.get("api_key")) body.api_key = f.get("api_key");
+    try {
+      await call("POST", `${api}/replicas`, body);
+      ev.target.reset();
+      status(`added ${body.id}`);
+    } catch (e) {
+      status("add failed: " + e.message, true);
+    }
+    refresh();
+  });
+  $("#policy-mode").addEventListener("change", async (ev) => {
+    try {
+      const current = await call("GET", `${api}/policy`);
+      await call("PUT", `${api}/policy`, { ...current, mode: ev.target.value });
+      status(`routing mode is now ${ev.target.value}`);
+    } catch (e) {
+      status("policy change failed: " + e.message, true);
+    }
+  });
+  let searchTimer;
+  $("#pin-search").addEventListener("input", () => {
+    clearTimeout(searchTimer);
+    searchTimer = setTimeout(() => { state.pinOffset = 0; loadPins().catch((e) => status(e.message, true)); }, 200);
+  });
+  $("#pin-replica").addEventListener("change", () => { state.pinOffset = 0; loadPins(); });
+  $("#pins-prev").addEventListener("click", () => { state.pinOffset = Math.max(0, state.pinOffset - state.pinLimit); loadPins(); });
+  $("#pins-next").addEventListener("click", () => { state.pinOffset += state.pinLimit; loadPins(); });
+  $("#event-kind").addEventListener("change", loadEvents);
+  $("#event-replica").addEventListener("change", loadEvents);
+  refresh();
+  setInterval(() => { if (!$("#app").hidden) refresh(); }, 1000);
+}
+
+document.addEventListener("DOMContentLoaded", init);
