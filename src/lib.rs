@@ -8,6 +8,7 @@
 pub mod access;
 pub mod admin;
 pub mod admission;
+pub mod bench;
 pub mod capacity;
 pub mod clock;
 pub mod config;
@@ -74,6 +75,7 @@ pub fn start(gw: Arc<Gateway>, traffic: TcpListener, admin: TcpListener) -> std:
     })
     .workers(workers)
     .backlog(4096)
+    .tcp_nodelay(true)
     .max_connections(100_000)
     .client_request_timeout(Duration::from_secs(30))
     // A client that closes its side has gone (OpenAI clients never half-close):
@@ -89,6 +91,7 @@ pub fn start(gw: Arc<Gateway>, traffic: TcpListener, admin: TcpListener) -> std:
         move || create_admin_app(data.clone())
     })
     .workers(1)
+    .tcp_nodelay(true)
     .shutdown_timeout(5)
     .disable_signals()
     .listen(admin)?

@@ -45,6 +45,8 @@ enum Command {
     },
     /// Print the admin API's OpenAPI document.
     Openapi,
+    /// Measure any OpenAI-compatible server: agent loops, bursts, cache probes.
+    Bench(prefixgate::bench::BenchArgs),
 }
 
 #[derive(clap::Args)]
@@ -82,6 +84,7 @@ fn main() -> std::process::ExitCode {
         Command::Serve(args) => serve(args),
         Command::SimReplica { port, host, sim } => sim_replica(&host, port, sim),
         Command::Demo { port, admin_port, time_scale } => demo(port, admin_port, time_scale),
+        Command::Bench(args) => prefixgate::bench::run(args),
         Command::Openapi => {
             print!("{}", prefixgate::admin::openapi_json());
             Ok(())

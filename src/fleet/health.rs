@@ -53,7 +53,7 @@ struct ModelEntry {
 pub async fn run(gw: Arc<Gateway>) {
     let cfg = gw.config.health.clone();
     let client = awc::Client::builder()
-        .connector(awc::Connector::new().timeout(Duration::from_millis(gw.config.timeouts.connect_ms)))
+        .connector(crate::proxy::connector(Duration::from_millis(gw.config.timeouts.connect_ms)))
         .timeout(Duration::from_millis(cfg.timeout_ms))
         .finish();
     loop {

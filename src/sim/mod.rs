@@ -129,6 +129,7 @@ pub fn serve(listener: std::net::TcpListener, state: Arc<SimState>) -> std::io::
             .route("/v1/completions", web::post().to(completions))
     })
     .workers(1)
+    .tcp_nodelay(true)
     .shutdown_timeout(1)
     .disable_signals()
     .listen(listener)?

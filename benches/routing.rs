@@ -1,0 +1,66 @@
+//! The routing path in isolation: shape extraction (parse + hash chain) of
+//! chat bodies of 4 KB, 100 KB and 400 KB, and the decision itself.
+//! Run: `cargo bench --bench routing`. Numbers go in docs/benchmarks.md.
+
+use std::collections::HashMap;
+
+use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use prefixgate::policy::{self, Candidate, Endpoint, IdentityBlocks, Mode, SpreadCounter};
+
+/// An agent-loop body of about `bytes`: a system prompt and alternating turns
+/// with realistic escapes (newlines, quotes).
+fn chat_body(bytes: usize) -> Vec<u8> {
+    let mut messages =
+        vec![serde_json::json!({"role": "system", "content": "You are a coding agent.\nFollow the \"rules\"."})];
+    let mut i = 0;
+    while serde_json::to_vec(&messages).unwrap().len() < bytes {
+        let role = if i % 2 == 0 { "user" } else { "assistant" };
+        let content = format!(
+            "Turn {i}: here is a file\n```rust\nfn main() {{ println!(\"{i}\"); }}\n```\n{}",
+            "lorem ipsum dolor sit amet ".repeat(60)
+        );
+        messages.push(serde_json::json!({"role": role, "content": content}));
+        i += 1;
+    }
+    serde_json::to_vec(&serde_json::json!({"model": "m", "messages": messages, "stream": true, "max_tokens": 256}))
+        .unwrap()
+}
+
+fn extraction(c: &mut Criterion) {
+    let mut group = c.benchmark_group("shape_extraction");
+    for kib in [4usize, 100, 400] {
+        let body = chat_body(kib * 1024);
+        group.throughput(Throughput::Bytes(body.len() as u64));
+        group.bench_with_input(BenchmarkId::from_parameter(format!("{kib}KB")), &body, |b, body| {
+            b.iter(|| policy::identity::extract(Endpoint::Chat, black_box(body), IdentityBlocks::default()).unwrap())
+        });
+    }
+    group.finish();
+}
+
+fn decision(c: &mut Criterion) {
+    let body = chat_body(400 * 1024);
+    let shape = policy::identity::extract(Endpoint::Chat, &body, IdentityBlocks::default()).unwrap();
+    // A realistic pin table: a million conversations, this one among them.
+    let mut pins: HashMap<u128, String> =
+        (0..1_000_000u128).map(|k| (k.wrapping_mul(0x9E37_79B9_7F4A_7C15), "r1".to_string())).collect();
+    pins.insert(shape.boundaries[shape.boundaries.len() - 3].key, "r0".into());
+    let ids = ["r0", "r1", "r2", "r3"];
+    let candidates: Vec<Candidate> = ids.iter().map(|id| Candidate { id, routable: true, spare: true }).collect();
+    let counter = SpreadCounter::default();
+    c.bench_function("decide_pinned_400KB", |b| {
+        b.iter(|| {
+            policy::decide(Mode::Shape, black_box(&shape), &candidates, |k| pins.get(&k).map(String::as_str), &counter)
+                .unwrap()
+        })
+    });
+    c.bench_function("extract_and_decide_400KB", |b| {
+        b.iter(|| {
+            let s = policy::identity::extract(Endpoint::Chat, black_box(&body), IdentityBlocks::default()).unwrap();
+            policy::decide(Mode::Shape, &s, &candidates, |k| pins.get(&k).map(String::as_str), &counter).unwrap()
+        })
+    });
+}
+
+criterion_group!(benches, extraction, decision);
+criterion_main!(benches);

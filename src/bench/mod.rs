@@ -1,0 +1,126 @@
+//! `prefixgate bench`: measurement tools for any OpenAI-compatible base URL
+//! (the gateway, a replica, another router). The traps they avoid come from
+//! the seed: a batch benchmark hides the round-robin problem (so
+//! `agent-loop` is sequential per family), two runs sharing a prefix measure
+//! a warm cache (so every corpus is salted), and small samples mislead (so
+//! every report carries its sample size and warns below 20 warm turns).
+//!
+//! Prompt sizes are in estimated tokens (4 bytes each, the documented
+//! estimate): no tokenizer needed.
+
+mod client;
+mod report;
+mod workloads;
+
+use std::path::PathBuf;
+
+use clap::{Args, Subcommand};
+
+pub use report::{Report, Sample};
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    pub workload: Workload,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct Common {
+    /// Base URL of the server under test, e.g. http://127.0.0.1:8080 (without /v1).
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    pub base_url: String,
+    #[arg(long, default_value = "sim-model")]
+    pub model: String,
+    /// Sent as a bearer token.
+    #[arg(long, env = "PREFIXGATE_BENCH_API_KEY")]
+    pub api_key: Option<String>,
+    /// Tokens generated per request.
+    #[arg(long, default_value_t = 8)]
+    pub max_tokens: u64,
+    /// Fixed salt for the corpus (reproducible runs); default: unique per run.
+    #[arg(long)]
+    pub salt: Option<String>,
+    /// A name for this run in reports and charts (e.g. the routing mode).
+    #[arg(long, default_value = "run")]
+    pub label: String,
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Also write an SVG chart (TTFT by turn) to this file.
+    #[arg(long)]
+    pub svg: Option<PathBuf>,
+    /// Per-request timeout in seconds.
+    #[arg(long, default_value_t = 600)]
+    pub timeout: u64,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Workload {
+    /// F concurrent families, each a sequential-turn client whose context grows every turn.
+    AgentLoop {
+        #[command(flatten)]
+        common: Common,
+        #[arg(long, default_value_t = 2)]
+        families: usize,
+        #[arg(long, default_value_t = 6)]
+        turns: usize,
+        /// Shared context per family, in estimated tokens.
+        #[arg(long, default_value_t = 8_000)]
+        context_tokens: usize,
+        /// New user text per turn, in estimated tokens.
+        #[arg(long, default_value_t = 200)]
+        turn_tokens: usize,
+    },
+    /// N distinct single-turn prompts sent at once.
+    Burst {
+        #[command(flatten)]
+        common: Common,
+        #[arg(long, default_value_t = 16)]
+        requests: usize,
+        #[arg(long, default_value_t = 8_000)]
+        prompt_tokens: usize,
+    },
+    /// The same long prompt twice to one idle server, then with a varying tail: does its prefix cache work?
+    ProbeCache {
+        #[command(flatten)]
+        common: Common,
+        #[arg(long, default_value_t = 8_000)]
+        prompt_tokens: usize,
+    },
+    /// Merge JSON reports into one SVG chart (one line per run).
+    Chart {
+        #[arg(long)]
+        out: PathBuf,
+        reports: Vec<PathBuf>,
+    },
+}
+
+/// Runs a workload on its own runtime and prints the report.
+pub fn run(args: BenchArgs) -> Result<(), String> {
+    if let Workload::Chart { out, reports } = &args.workload {
+        let runs = reports
+            .iter()
+            .map(|p| {
+                let text = std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
+                serde_json::from_str::<Report>(&text).map_err(|e| format!("{}: {e}", p.display()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        return std::fs::write(out, report::svg(&runs)).map_err(|e| e.to_string());
+    }
+    let report = actix_web::rt::System::new().block_on(workloads::run(&args.workload))?;
+    let common = match &args.workload {
+        Workload::AgentLoop { common, .. } | Workload::Burst { common, .. } | Workload::ProbeCache { common, .. } => {
+            common
+        }
+        Workload::Chart { .. } => unreachable!("handled above"),
+    };
+    if let Some(path) = &common.svg {
+        std::fs::write(path, report::svg(std::slice::from_ref(&report))).map_err(|e| e.to_string())?;
+    }
+    if common.json {
+        println!("{}", serde_json::to_string_pretty(&report).expect("serializable"));
+    } else {
+        print!("{}", report.table());
+    }
+    Ok(())
+}

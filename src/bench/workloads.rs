@@ -1,0 +1,151 @@
+//! The three workloads. Each builds a salted corpus, runs it, and returns a
+//! report with its samples.
+
+use std::time::Instant;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::{json, Value};
+
+use super::client::stream_chat;
+use super::{Common, Report, Sample, Workload};
+
+/// About `tokens` estimated tokens (4 bytes each) of text, unique to `tag`.
+fn filler(tag: &str, tokens: usize) -> String {
+    let mut s = String::with_capacity(tokens * 4 + 64);
+    let mut i = 0;
+    while s.len() < tokens * 4 {
+        let _ = std::fmt::Write::write_fmt(
+            &mut s,
+            format_args!("{tag} line {i}: the quick brown fox jumps over the lazy dog. "),
+        );
+        i += 1;
+    }
+    s.truncate(tokens * 4);
+    s
+}
+
+fn salt(common: &Common) -> String {
+    common.salt.clone().unwrap_or_else(|| format!("{:x}", crate::clock::now_ms() ^ u64::from(std::process::id()) << 40))
+}
+
+fn bar(len: usize, what: &str) -> ProgressBar {
+    let pb = ProgressBar::new(len as u64);
+    pb.set_style(
+        ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} {elapsed}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    pb.set_message(what.to_string());
+    pb
+}
+
+fn new_report(workload: &str, common: &Common, settings: Value) -> Report {
+    Report {
+        workload: workload.into(),
+        label: common.label.clone(),
+        target: common.base_url.clone(),
+        settings,
+        started: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+        ..Report::default()
+    }
+}
+
+fn client() -> awc::Client {
+    awc::Client::builder()
+        .connector(crate::proxy::connector(std::time::Duration::from_secs(10)).limit(0))
+        .timeout(std::time::Duration::from_secs(3600))
+        .finish()
+}
+
+pub async fn run(w: &Workload) -> Result<Report, String> {
+    let started = Instant::now();
+    let mut report = match w {
+        Workload::AgentLoop { common, families, turns, context_tokens, turn_tokens } => {
+            let salt = salt(common);
+            let settings = json!({"families": families, "turns": turns, "context_tokens": context_tokens, "turn_tokens": turn_tokens, "max_tokens": common.max_tokens, "salt": salt});
+            let mut report = new_report("agent-loop", common, settings);
+            let pb = bar(families * turns, "turns");
+            let runs = (0..*families).map(|f| {
+                let (pb, salt) = (pb.clone(), salt.clone());
+                async move {
+                    let c = client();
+                    let mut messages = vec![json!({"role": "user", "content": format!("[run {salt}] family {f}\n{}", filler(&format!("ctx{f}"), *context_tokens))})];
+                    let mut samples = Vec::new();
+                    for turn in 0..*turns {
+                        let sample = match stream_chat(&c, common, &messages).await {
+                            Ok((s, answer)) => {
+                                messages.push(json!({"role": "assistant", "content": answer}));
+                                s
+                            }
+                            Err(e) => Sample { error: Some(e), ..Sample::default() },
+                        };
+                        messages.push(json!({"role": "user", "content": filler(&format!("f{f}t{turn}"), *turn_tokens)}));
+                        samples.push(Sample { family: f, turn, ..sample });
+                        pb.inc(1);
+                    }
+                    samples
+                }
+            });
+            report.samples = futures_util::future::join_all(runs).await.into_iter().flatten().collect();
+            pb.finish_and_clear();
+            report
+        }
+        Workload::Burst { common, requests, prompt_tokens } => {
+            let salt = salt(common);
+            let settings = json!({"requests": requests, "prompt_tokens": prompt_tokens, "max_tokens": common.max_tokens, "salt": salt});
+            let mut report = new_report("burst", common, settings);
+            let pb = bar(*requests, "requests");
+            let all = (0..*requests).map(|i| {
+                let (pb, salt) = (pb.clone(), salt.clone());
+                async move {
+                    let msg = json!({"role": "user", "content": format!("[run {salt}] request {i}\n{}", filler(&format!("burst{i}"), *prompt_tokens))});
+                    let s = match stream_chat(&client(), common, &[msg]).await {
+                        Ok((s, _)) => s,
+                        Err(e) => Sample { error: Some(e), ..Sample::default() },
+                    };
+                    pb.inc(1);
+                    Sample { family: i, turn: 0, ..s }
+                }
+            });
+            report.samples = futures_util::future::join_all(all).await;
+            pb.finish_and_clear();
+            report
+        }
+        Workload::ProbeCache { common, prompt_tokens } => {
+            let salt = salt(common);
+            let mut report = new_report("probe-cache", common, json!({"prompt_tokens": prompt_tokens, "salt": salt}));
+            let prompt = format!("[run {salt}]\n{}", filler("probe", *prompt_tokens));
+            let c = client();
+            let mut samples = Vec::new();
+            for (i, tail) in ["", "", " And one more question with a different tail."].iter().enumerate() {
+                let msg = json!({"role": "user", "content": format!("{prompt}{tail}")});
+                let s = stream_chat(&c, common, &[msg]).await.map_err(|e| format!("probe request {i}: {e}"))?.0;
+                samples.push(Sample { turn: i, ..s });
+            }
+            let t = |i: usize| samples[i].ttft_ms.unwrap_or(f64::MAX);
+            report.verdict = Some(if t(1) * 3.0 < t(0) && t(2) * 3.0 < t(0) {
+                format!(
+                    "prefix cache works: cold {:.0} ms, same prompt {:.0} ms, varying tail {:.0} ms",
+                    t(0),
+                    t(1),
+                    t(2)
+                )
+            } else {
+                format!(
+                    "no evidence of a working prefix cache: cold {:.0} ms, same prompt {:.0} ms, varying tail {:.0} ms \
+                     (is the server idle, and the prompt long enough?)",
+                    t(0),
+                    t(1),
+                    t(2)
+                )
+            });
+            report.samples = samples;
+            report
+        }
+        Workload::Chart { .. } => return Err("chart is not a workload".into()),
+    };
+    let wall = started.elapsed();
+    report.duration_s = wall.as_secs_f64();
+    report.summarize(wall.as_secs_f64() * 1000.0);
+    Ok(report)
+}
