@@ -69,6 +69,8 @@ pub struct HealthConfig {
 pub struct Limits {
     /// Largest request body accepted (a 90k-token context is ~400 KB).
     pub max_body_bytes: usize,
+    /// A client must send its request head within this time (slowloris guard).
+    pub header_timeout_ms: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -146,7 +148,7 @@ impl Default for HealthConfig {
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_body_bytes: 64 * 1024 * 1024 }
+        Limits { max_body_bytes: 64 * 1024 * 1024, header_timeout_ms: 10_000 }
     }
 }
 

@@ -77,7 +77,7 @@ pub fn start(gw: Arc<Gateway>, traffic: TcpListener, admin: TcpListener) -> std:
     .backlog(4096)
     .tcp_nodelay(true)
     .max_connections(100_000)
-    .client_request_timeout(Duration::from_secs(30))
+    .client_request_timeout(Duration::from_millis(gw.config.limits.header_timeout_ms))
     // A client that closes its side has gone (OpenAI clients never half-close):
     // drop its handler at once, so a request queued for admission or waiting
     // for a slow first byte is cancelled instead of running for nobody.

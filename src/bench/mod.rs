@@ -79,6 +79,10 @@ pub enum Workload {
         requests: usize,
         #[arg(long, default_value_t = 8_000)]
         prompt_tokens: usize,
+        /// A system prompt of this many tokens shared by every request (0: none).
+        /// Shared prefixes are what make prefix-hash routing pile a batch onto one card.
+        #[arg(long, default_value_t = 0)]
+        shared_prefix_tokens: usize,
     },
     /// The same long prompt twice to one idle server, then with a varying tail: does its prefix cache work?
     ProbeCache {
@@ -86,6 +90,17 @@ pub enum Workload {
         common: Common,
         #[arg(long, default_value_t = 8_000)]
         prompt_tokens: usize,
+    },
+    /// The proxy hop's cost: small requests alternated between --base-url
+    /// (the gateway) and --direct-url (a replica behind it), sequentially.
+    Overhead {
+        #[command(flatten)]
+        common: Common,
+        /// A replica URL to compare against (without /v1).
+        #[arg(long)]
+        direct_url: String,
+        #[arg(long, default_value_t = 500)]
+        requests: usize,
     },
     /// Merge JSON reports into one SVG chart (one line per run).
     Chart {
@@ -109,9 +124,10 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
     }
     let report = actix_web::rt::System::new().block_on(workloads::run(&args.workload))?;
     let common = match &args.workload {
-        Workload::AgentLoop { common, .. } | Workload::Burst { common, .. } | Workload::ProbeCache { common, .. } => {
-            common
-        }
+        Workload::AgentLoop { common, .. }
+        | Workload::Burst { common, .. }
+        | Workload::ProbeCache { common, .. }
+        | Workload::Overhead { common, .. } => common,
         Workload::Chart { .. } => unreachable!("handled above"),
     };
     if let Some(path) = &common.svg {

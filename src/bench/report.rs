@@ -59,7 +59,7 @@ pub struct Report {
     pub samples: Vec<Sample>,
 }
 
-fn percentile(values: &mut [f64], p: f64) -> Option<f64> {
+pub fn percentile(values: &mut [f64], p: f64) -> Option<f64> {
     if values.is_empty() {
         return None;
     }

@@ -90,16 +90,18 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
             pb.finish_and_clear();
             report
         }
-        Workload::Burst { common, requests, prompt_tokens } => {
+        Workload::Burst { common, requests, prompt_tokens, shared_prefix_tokens } => {
             let salt = salt(common);
-            let settings = json!({"requests": requests, "prompt_tokens": prompt_tokens, "max_tokens": common.max_tokens, "salt": salt});
+            let settings = json!({"requests": requests, "prompt_tokens": prompt_tokens, "shared_prefix_tokens": shared_prefix_tokens, "max_tokens": common.max_tokens, "salt": salt});
+            let system = json!({"role": "system", "content": format!("[run {salt}]\n{}", filler("shared", *shared_prefix_tokens))});
             let mut report = new_report("burst", common, settings);
             let pb = bar(*requests, "requests");
             let all = (0..*requests).map(|i| {
-                let (pb, salt) = (pb.clone(), salt.clone());
+                let (pb, salt, system) = (pb.clone(), salt.clone(), system.clone());
                 async move {
                     let msg = json!({"role": "user", "content": format!("[run {salt}] request {i}\n{}", filler(&format!("burst{i}"), *prompt_tokens))});
-                    let s = match stream_chat(&client(), common, &[msg]).await {
+                    let messages = if *shared_prefix_tokens > 0 { vec![system, msg] } else { vec![msg] };
+                    let s = match stream_chat(&client(), common, &messages).await {
                         Ok((s, _)) => s,
                         Err(e) => Sample { error: Some(e), ..Sample::default() },
                     };
@@ -140,6 +142,39 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
                 )
             });
             report.samples = samples;
+            report
+        }
+        Workload::Overhead { common, direct_url, requests } => {
+            let mut report = new_report("overhead", common, json!({"requests": requests, "direct_url": direct_url}));
+            let c = client();
+            let direct = Common { base_url: direct_url.clone(), ..common.clone() };
+            let pb = bar(requests * 2, "requests");
+            let (mut via, mut straight) = (Vec::new(), Vec::new());
+            for i in 0..*requests {
+                let msg = [json!({"role": "user", "content": format!("overhead probe {i}")})];
+                // Alternate, so both see the same machine noise.
+                for (target, out) in [(common, &mut via), (&direct, &mut straight)] {
+                    let s = stream_chat(&c, target, &msg).await.map_err(|e| format!("{}: {e}", target.base_url))?.0;
+                    out.push(s.total_ms);
+                    pb.inc(1);
+                }
+            }
+            pb.finish_and_clear();
+            let mut d: Vec<f64> = via.iter().zip(&straight).map(|(a, b)| a - b).collect();
+            let (p50v, p50d) =
+                (super::report::percentile(&mut via, 50.0), super::report::percentile(&mut straight, 50.0));
+            let (p99v, p99d) =
+                (super::report::percentile(&mut via, 99.0), super::report::percentile(&mut straight, 99.0));
+            report.verdict = Some(format!(
+                "{} pairs: through the gateway p50 {:.3} ms / p99 {:.3} ms, direct p50 {:.3} ms / p99 {:.3} ms; \
+                 added latency median {:.3} ms",
+                requests,
+                p50v.unwrap_or(0.0),
+                p99v.unwrap_or(0.0),
+                p50d.unwrap_or(0.0),
+                p99d.unwrap_or(0.0),
+                super::report::percentile(&mut d, 50.0).unwrap_or(0.0)
+            ));
             report
         }
         Workload::Chart { .. } => return Err("chart is not a workload".into()),

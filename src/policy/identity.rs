@@ -510,6 +510,52 @@ mod tests {
         assert_eq!(extract(Endpoint::Other, b"\xff\xfe", IdentityBlocks::default()).unwrap().model, None);
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2_000))]
+
+        /// Arbitrary bytes never panic; they route or they are a clear error.
+        #[test]
+        fn arbitrary_bytes_never_panic(body in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512)) {
+            for e in [Endpoint::Chat, Endpoint::Completions, Endpoint::Other] {
+                if let Err(err) = extract(e, &body, IdentityBlocks::default()) {
+                    proptest::prop_assert!(!err.0.is_empty());
+                }
+            }
+        }
+
+        /// Structurally plausible JSON with wrong types in every field.
+        #[test]
+        fn wrong_types_are_errors_not_panics(
+            model in r#"(null|1|"m"|\[\]|\{\})"#,
+            messages in r#"(null|1|"x"|\[\]|\[1\]|\[\{\}\]|\[\{"role":1\}\]|\[\{"role":"user","content":\{"a":\[1,null\]\}\}\])"#,
+            prompt in r#"(null|1|"x"|\[\]|\[-1\]|\[1.5\]|\[\[1\],"a"\]|\[4294967296\])"#,
+        ) {
+            let chat = format!(r#"{{"model":{model},"messages":{messages}}}"#);
+            let _ = extract(Endpoint::Chat, chat.as_bytes(), IdentityBlocks::default());
+            let completion = format!(r#"{{"model":{model},"prompt":{prompt}}}"#);
+            let _ = extract(Endpoint::Completions, completion.as_bytes(), IdentityBlocks::default());
+        }
+    }
+
+    #[test]
+    fn deep_nesting_huge_strings_and_invalid_utf8_are_handled() {
+        // serde_json's recursion limit turns deep nesting into an error, not a stack overflow.
+        let deep = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":{}{}}}]}}"#,
+            "[".repeat(100_000),
+            "]".repeat(100_000)
+        );
+        assert!(extract(Endpoint::Chat, deep.as_bytes(), IdentityBlocks::default()).is_err());
+        let huge = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"{}"}}]}}"#, "x".repeat(8 << 20));
+        assert_eq!(
+            extract(Endpoint::Chat, huge.as_bytes(), IdentityBlocks::default()).unwrap().prompt_bytes,
+            (8 << 20) + 4
+        );
+        let mut bad = br#"{"model":"m","messages":[{"role":"user","content":"#.to_vec();
+        bad.extend_from_slice(b"\"\xff\xfe\"}]}");
+        assert!(extract(Endpoint::Chat, &bad, IdentityBlocks::default()).is_err());
+    }
+
     #[test]
     fn keys_are_stable_across_builds() {
         // Persisted pins depend on this exact value: if it changes, every

@@ -67,23 +67,34 @@ impl KvPool {
         let new_blocks = chain.len() - matched + private;
         let free = self.capacity - self.used_blocks();
         if new_blocks > free {
+            let evictable_count = self.cached.values().filter(|b| b.refs == 0).count()
+                - chain[..matched].iter().filter(|k| self.cached[*k].refs == 0).count();
+            if new_blocks > free + evictable_count {
+                return Err(AdmitError::Full);
+            }
+        }
+        self.tick += 1;
+        // Reference the shared prefix first, so eviction cannot take it
+        // (and needs no per-block lookup into the prefix: O(n), not O(n^2)).
+        for k in &chain[..matched] {
+            let b = self.cached.get_mut(k).expect("matched blocks are cached");
+            b.refs += 1;
+            b.last_used = self.tick;
+        }
+        if new_blocks > free {
             let mut evictable: Vec<(u64, std::cmp::Reverse<u32>, u128)> = self
                 .cached
                 .iter()
-                .filter(|(k, b)| b.refs == 0 && !chain[..matched].contains(k))
+                .filter(|(_, b)| b.refs == 0)
                 .map(|(k, b)| (b.last_used, std::cmp::Reverse(b.depth), *k))
                 .collect();
-            if new_blocks > free + evictable.len() {
-                return Err(AdmitError::Full);
-            }
             let shortfall = new_blocks - free;
             evictable.select_nth_unstable(shortfall - 1);
             for (_, _, k) in &evictable[..shortfall] {
                 self.cached.remove(k);
             }
         }
-        self.tick += 1;
-        for (depth, k) in chain.iter().enumerate() {
+        for (depth, k) in chain.iter().enumerate().skip(matched) {
             let b = self.cached.entry(*k).or_insert(Block { refs: 0, last_used: self.tick, depth: depth as u32 });
             b.refs += 1;
             b.last_used = self.tick;
