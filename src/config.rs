@@ -176,6 +176,11 @@ impl Default for AdmissionConfig {
     }
 }
 
+/// `PREFIXGATE_*` variables that are not config keys (logging, tools, tests).
+/// Any other unknown `PREFIXGATE_*` variable is an error: a typo must not
+/// silently leave a setting at its default.
+const NOT_CONFIG: &[&str] = &["LOG", "BENCH_API_KEY", "REQUIRE_BROWSER", "UPDATE_SCREENSHOTS"];
+
 /// Top-level keys whose value is a table (for the env mapping).
 const SECTIONS: &[&str] = &["identity", "timeouts", "health", "limits", "pins", "rate_limits", "admission"];
 
@@ -194,7 +199,7 @@ impl Config {
             let Some(key) = name.strip_prefix("PREFIXGATE_") else {
                 continue;
             };
-            if key == "LOG" {
+            if NOT_CONFIG.contains(&key) {
                 continue;
             }
             apply_env(&mut table, &key.to_ascii_lowercase(), &value).map_err(|e| format!("{name}: {e}"))?;
@@ -299,6 +304,7 @@ mod tests {
                 ("PREFIXGATE_TIMEOUTS_IDLE_STREAM_MS", "77"),
                 ("PREFIXGATE_REPLICAS", "a=http://127.0.0.1:1,b=http://127.0.0.1:2/"),
                 ("OTHER", "x"),
+                ("PREFIXGATE_REQUIRE_BROWSER", "1"),
             ]),
         )
         .unwrap();

@@ -208,11 +208,15 @@ impl Gateway {
         }
     }
 
-    /// Writes dirty pins in one batch; called by the flusher and at shutdown.
+    /// Writes dirty pins in one batch and makes them durable; called by the
+    /// flusher and at shutdown. The explicit flush matters: sled otherwise
+    /// keeps writes in memory for up to 500 ms, and a `kill -9` would lose
+    /// pins older than our own flush interval.
     pub fn flush_pins(&self) -> Result<usize, StoreError> {
         let changes = self.pins.take_dirty();
         if !changes.is_empty() {
             self.store.write_pins(&changes)?;
+            self.store.flush()?;
         }
         Ok(changes.len())
     }

@@ -113,8 +113,12 @@ fn spawn_background(gw: Arc<Gateway>) -> Vec<actix_web::rt::task::JoinHandle<()>
         async move {
             loop {
                 tokio::time::sleep(flush_every).await;
-                if let Err(e) = gw.flush_pins() {
-                    tracing::error!("pin flush failed (will retry): {e}");
+                // fsync off the runtime thread.
+                let gw = gw.clone();
+                match tokio::task::spawn_blocking(move || gw.flush_pins()).await {
+                    Ok(Err(e)) => tracing::error!("pin flush failed (will retry): {e}"),
+                    Err(e) => tracing::error!("pin flusher panicked: {e}"),
+                    Ok(Ok(_)) => {}
                 }
             }
         }
