@@ -101,27 +101,50 @@ async fn garbage_and_truncated_replies_are_clean_errors_not_hangs() {
         let admin_l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let gwr = prefixgate::gateway::Gateway::open(config).unwrap();
         let running = prefixgate::start(gwr.clone(), traffic, admin_l).unwrap();
-        let sent = client()
-            .post(format!("http://{}/v1/chat/completions", running.traffic_addr))
-            .send_json(&chat_body(&[("user", "x")], json!({})))
-            .await;
         match expect_status {
             // 502 when the request met the garbage; 503 when the health probe met it first.
             Some(_) => {
+                let sent = client()
+                    .post(format!("http://{}/v1/chat/completions", running.traffic_addr))
+                    .send_json(&chat_body(&[("user", "x")], json!({})))
+                    .await;
                 let status = sent.unwrap().status().as_u16();
                 assert!(matches!(status, 502 | 503), "{status}");
             }
-            // The head said 200 and the body is cut short: the client must see a
-            // failure (a dropped response or a failed body), never a short "success".
-            None => match sent {
-                Err(_) => {}
-                Ok(mut resp) => assert!(resp.body().await.is_err(), "a truncated body must not look complete"),
-            },
+            // The head said 200 and the body is cut short: a client must be able to
+            // tell (no response, a body short of its Content-Length, or a chunked body
+            // without its terminator), never see a short "success". Read raw: awc
+            // itself cannot tell a cut connection from a finished body.
+            None => {
+                let body = chat_body(&[("user", "x")], json!({})).to_string();
+                let raw = raw_exchange(&running.traffic_addr.to_string(), &body).await;
+                let text = String::from_utf8_lossy(&raw).to_string();
+                let (head, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+                let head = head.to_ascii_lowercase();
+                let cut = raw.is_empty()
+                    || (head.contains("content-length: 100") && rest.len() < 100)
+                    || (head.contains("transfer-encoding: chunked") && !rest.ends_with("0\r\n\r\n"));
+                assert!(cut, "a truncated body must not look complete: {text:?}");
+            }
         }
         let replica = gwr.fleet.get("bad").unwrap();
         wait_until("counters released", Duration::from_secs(5), || replica.inflight() == 0).await;
         running.stop().await;
     }
+}
+
+/// One HTTP/1.1 request on a fresh connection; everything until the server closes.
+async fn raw_exchange(addr: &str, body: &str) -> Vec<u8> {
+    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    sock.write_all(req.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), sock.read_to_end(&mut out)).await;
+    assert!(read.is_ok(), "the gateway must end the response");
+    out
 }
 
 #[actix_web::test]

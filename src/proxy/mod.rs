@@ -329,5 +329,10 @@ fn respond(
         resp.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
     // An SSE error reply (non-2xx) carries no [DONE]: only check successful streams.
     let sse_checked = sse && status.is_success();
+    if let Some(len) = expected {
+        // Keep the upstream's framing: a client then sees a body cut short
+        // as short, whatever its HTTP library does with chunked encoding.
+        out.no_chunking(len);
+    }
     out.streaming(GuardedBody::new(resp, idle, sse_checked, expected, tap, outcome))
 }
