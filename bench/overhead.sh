@@ -48,17 +48,17 @@ http {
 NGINX
 start nginx 18413 nginx -c "$tmp/nginx.conf"
 if [ -x "$venv/bin/smg" ]; then
-  start smg-round_robin 18414 "$venv/bin/smg" launch --host 127.0.0.1 --port 18414 --policy round_robin --worker-urls $W
-  start smg-cache_aware 18415 "$venv/bin/smg" launch --host 127.0.0.1 --port 18415 --policy cache_aware --worker-urls $W
+  start smg-round_robin 18414 "$venv/bin/smg" launch --host 127.0.0.1 --port 18414 --prometheus-port 18614 --policy round_robin --worker-urls $W
+  start smg-cache_aware 18415 "$venv/bin/smg" launch --host 127.0.0.1 --port 18415 --prometheus-port 18615 --policy cache_aware --worker-urls $W
 fi
 if [ -x "$venv/bin/vllm-router" ]; then
-  start vllm-router-round_robin 18416 "$venv/bin/vllm-router" --host 127.0.0.1 --port 18416 --policy round_robin --worker-urls $W
-  start vllm-router-cache_aware 18417 "$venv/bin/vllm-router" --host 127.0.0.1 --port 18417 --policy cache_aware --worker-urls $W
+  start vllm-router-round_robin 18416 "$venv/bin/vllm-router" --host 127.0.0.1 --port 18416 --prometheus-port 18616 --policy round_robin --worker-urls $W
+  start vllm-router-cache_aware 18417 "$venv/bin/vllm-router" --host 127.0.0.1 --port 18417 --prometheus-port 18617 --policy cache_aware --worker-urls $W
 fi
 # The same routers in front of the echo backend, for the body check.
 start echo-prefixgate 18441 $bin serve --listen 127.0.0.1:18441 --admin-listen 127.0.0.1:18451 --replica e=$E
-[ -x "$venv/bin/smg" ] && start echo-smg 18444 "$venv/bin/smg" launch --host 127.0.0.1 --port 18444 --policy round_robin --worker-urls $E
-[ -x "$venv/bin/vllm-router" ] && start echo-vllm-router 18446 "$venv/bin/vllm-router" --host 127.0.0.1 --port 18446 --policy round_robin --worker-urls $E
+[ -x "$venv/bin/smg" ] && start echo-smg 18444 "$venv/bin/smg" launch --host 127.0.0.1 --port 18444 --prometheus-port 18644 --policy round_robin --worker-urls $E
+[ -x "$venv/bin/vllm-router" ] && start echo-vllm-router 18446 "$venv/bin/vllm-router" --host 127.0.0.1 --port 18446 --prometheus-port 18646 --policy round_robin --worker-urls $E
 
 body='{"model":"sim-model","max_tokens":4,"messages":[{"role":"user","content":"overhead probe"}]}'
 ready() { curl -sf -m 2 -o /dev/null -H 'content-type: application/json' -d "$body" "http://127.0.0.1:$1/v1/chat/completions"; }
