@@ -261,3 +261,98 @@ async fn a_short_load_run_of_streams_has_no_errors_and_no_leaks() {
     }
     gw.stop().await;
 }
+
+#[actix_web::test]
+async fn a_client_that_sends_half_a_body_and_leaves_costs_nothing_upstream() {
+    let a = start_sim("a", fast_sim()).await;
+    let gw = start_gateway(test_config(&[&a])).await;
+    let addr = gw.base.trim_start_matches("http://").to_string();
+    let mut sock = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let head = format!("POST /v1/chat/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: 100000\r\n\r\n");
+    sock.write_all(head.as_bytes()).await.unwrap();
+    sock.write_all(br#"{"model":"sim-model","messages":[{"role":"user","content":"slow"#).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await; // a slow client, mid-body
+    drop(sock);
+    // The gateway is still fine, and nothing of the half request went upstream.
+    assert_eq!(chat(&gw, &[("user", "next")]).await.status, 200);
+    assert_eq!(a.state.received(), 1, "only the complete request reached the replica");
+    assert_eq!(gw.gw.fleet.get("a").unwrap().inflight(), 0);
+    gw.stop().await;
+}
+
+/// A replica stand-in that answers like an engine and remembers the request head it got.
+async fn recording_replica() -> (String, std::sync::Arc<std::sync::Mutex<String>>) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let record = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let record = record.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 65536];
+                while let Ok(n) = s.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                    let req = String::from_utf8_lossy(&buf[..n]).to_string();
+                    if req.starts_with("POST") {
+                        *record.lock().unwrap() = req;
+                    }
+                    let body = br#"{"object":"list","data":[{"id":"sim-model"}],"choices":[]}"#;
+                    let reply = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                        body.len()
+                    );
+                    let _ = s.write_all(reply.as_bytes()).await;
+                    let _ = s.write_all(body).await;
+                }
+            });
+        }
+    });
+    (url, seen)
+}
+
+#[actix_web::test]
+async fn client_keys_are_checked_and_the_replica_gets_its_own_key_never_the_clients() {
+    let (url, seen) = recording_replica().await;
+    let mut config = test_config(&[]);
+    let mut spec = prefixgate::fleet::ReplicaSpec::new("r", &url);
+    spec.api_key = Some("sk-upstream".into());
+    config.replicas.push(spec);
+    config.api_keys = vec!["sk-client".into()];
+    let gw = start_gateway(config).await;
+    let url = format!("{}/v1/chat/completions", gw.base);
+    let body = chat_body(&[("user", "x")], json!({}));
+    let mut no_key = client().post(&url).send_json(&body).await.unwrap();
+    assert_eq!(no_key.status(), 401);
+    let v: serde_json::Value = no_key.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "invalid_api_key");
+    assert_eq!(client().post(&url).bearer_auth("sk-wrong").send_json(&body).await.unwrap().status(), 401);
+    let ok = client().post(&url).bearer_auth("sk-client").send_json(&body).await.unwrap();
+    assert_eq!(ok.status(), 200);
+    let upstream_head = seen.lock().unwrap().to_ascii_lowercase();
+    assert!(upstream_head.contains("authorization: bearer sk-upstream"), "{upstream_head}");
+    assert!(!upstream_head.contains("sk-client"), "the client's key must not reach the replica");
+    gw.stop().await;
+}
+
+#[actix_web::test]
+async fn the_per_client_rate_limit_answers_429_with_retry_after() {
+    let a = start_sim("a", fast_sim()).await;
+    let mut config = test_config(&[&a]);
+    config.rate_limits.client_rps = 1;
+    config.rate_limits.client_burst = 2;
+    let gw = start_gateway(config).await;
+    let mut replies = Vec::new();
+    for i in 0..6 {
+        replies.push(chat(&gw, &[("user", &format!("burst {i}"))]).await);
+    }
+    // The burst of 2 passes; then (at 1 request/s, however slow this machine is) most are refused.
+    assert!(replies[..2].iter().all(|r| r.status == 200));
+    let limited: Vec<&Reply> = replies[2..].iter().filter(|r| r.status == 429).collect();
+    assert!(limited.len() >= 2, "{:?}", replies.iter().map(|r| r.status).collect::<Vec<_>>());
+    assert!(limited[0].headers.get("retry-after").is_some());
+    assert_eq!(limited[0].body["error"]["code"], "rate_limited");
+    gw.stop().await;
+}
