@@ -126,7 +126,7 @@ async fn metrics(gw: web::Data<Gateway>) -> HttpResponse {
     HttpResponse::Ok().content_type("text/plain; version=0.0.4; charset=utf-8").body(gw.metrics.encode())
 }
 
-/// `Ok(())` or a 404 naming the replica.
+/// Milliseconds since the epoch as an RFC 3339 timestamp.
 fn rfc3339(ms: u64) -> String {
     humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms)).to_string()
 }
