@@ -276,7 +276,7 @@ fn compute(
 pub fn report(gw: &Gateway) -> CapacityReport {
     let window = gw.config.admission.working_set_window_secs;
     let since = crate::clock::now_ms().saturating_sub(window * 1000);
-    let pins = gw.pins.active_since(since);
+    let pins = gw.pins.conversations_active_since(since);
     let running: Vec<(Arc<str>, RunningRequest)> =
         gw.capacity.running.lock().expect("lock").values().cloned().collect();
     let facts = gw.capacity.facts.lock().expect("lock").clone();

@@ -165,9 +165,12 @@ impl PinTable {
         (total, all.into_iter().skip(offset).take(limit).collect())
     }
 
-    /// Every pin used since `since_ms` (for the working-set estimate).
-    pub fn active_since(&self, since_ms: u64) -> Vec<Pin> {
-        self.map.read().expect("pins lock").values().filter(|p| p.last_used_ms >= since_ms).cloned().collect()
+    /// Pins of conversations that came back (a second turn or more), used
+    /// since `since_ms`: the working-set estimate. One-shot pins, usually the
+    /// vast majority, are not copied out.
+    pub fn conversations_active_since(&self, since_ms: u64) -> Vec<Pin> {
+        let map = self.map.read().expect("pins lock");
+        map.values().filter(|p| p.turns >= 2 && p.last_used_ms >= since_ms).cloned().collect()
     }
 }
 

@@ -57,9 +57,18 @@ pub struct ReplicaView {
 }
 
 pub fn view(gw: &Gateway, r: &Replica) -> ReplicaView {
+    view_with_pins(gw, r, &gw.pins.count_by_replica())
+}
+
+/// `pin_counts` is computed once per response: counting is a scan of the table.
+fn view_with_pins(
+    gw: &Gateway,
+    r: &Replica,
+    pin_counts: &std::collections::HashMap<std::sync::Arc<str>, usize>,
+) -> ReplicaView {
     let spec = r.spec();
     let probe = r.probe.lock().expect("probe lock").clone();
-    let pins = gw.pins.count_by_replica().get(&r.id).copied().unwrap_or(0);
+    let pins = pin_counts.get(&r.id).copied().unwrap_or(0);
     let cap = gw.capacity.replica(&r.id);
     ReplicaView {
         id: r.id.to_string(),
@@ -91,7 +100,8 @@ fn checked_id(id: &str) -> Result<&str, ApiError> {
 #[utoipa::path(tag = "replicas", responses((status = 200, body = Vec<ReplicaView>)))]
 #[get("/replicas")]
 async fn list(gw: web::Data<Gateway>) -> web::Json<Vec<ReplicaView>> {
-    web::Json(gw.fleet.snapshot().iter().map(|r| view(&gw, r)).collect())
+    let counts = gw.pins.count_by_replica();
+    web::Json(gw.fleet.snapshot().iter().map(|r| view_with_pins(&gw, r, &counts)).collect())
 }
 
 #[utoipa::path(tag = "replicas", params(("id" = String, Path, description = "replica id")),
