@@ -59,7 +59,7 @@ impl Gateway {
     pub fn with_store(config: Config, store: Arc<dyn Store>) -> Result<Arc<Gateway>, StoreError> {
         let fleet = Fleet::default();
         let stored = store.replicas()?;
-        if store.is_new() || (stored.is_empty() && config.data_dir.is_none()) {
+        if store.is_new() {
             for spec in &config.replicas {
                 let r = StoredReplica { spec: spec.clone(), admin: AdminState::Active };
                 store.put_replica(&r)?;

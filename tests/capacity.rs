@@ -88,11 +88,7 @@ fn large_body(tag: &str) -> Value {
 #[actix_web::test]
 async fn admission_queues_in_order_rejects_past_the_bounds_and_never_leaks_a_slot() {
     // Decode is slow so the first large stream holds its slot until we let go.
-    let a = start_sim(
-        "a",
-        prefixgate::sim::SimConfig { decode_tps: 20.0, time_scale: 1.0, prefill_tps: 1e9, ..fast_sim() },
-    )
-    .await;
+    let a = start_sim("a", slow_decoder(20.0)).await;
     let mut config = test_config(&[&a]);
     config.replicas[0].max_large_inflight = Some(1);
     config.admission.max_queue = 2;
@@ -145,7 +141,7 @@ async fn admission_queues_in_order_rejects_past_the_bounds_and_never_leaks_a_slo
 
 #[actix_web::test]
 async fn a_pinned_large_continuation_waits_for_its_own_replica_and_a_timeout_is_a_503() {
-    let slow = prefixgate::sim::SimConfig { decode_tps: 20.0, time_scale: 1.0, prefill_tps: 1e9, ..fast_sim() };
+    let slow = slow_decoder(20.0);
     let (a, b) = (start_sim("a", slow.clone()).await, start_sim("b", slow).await);
     let mut config = test_config(&[&a, &b]);
     for r in &mut config.replicas {
@@ -241,6 +237,7 @@ async fn every_documented_metric_is_exposed_with_sane_values_and_receipts_join_u
     assert_eq!(sample("prefixgate_inflight_requests{"), 0.0);
     assert_eq!(sample("prefixgate_kv_capacity_tokens{replica=\"a\"}"), 122_624.0, "read from the sim's vLLM metrics");
     assert!(sample("prefixgate_failovers_total{from=\"b\"") >= 1.0);
+    assert!(sample("prefixgate_failovers_total{from=\"b\",to=\"a\"}") >= 1.0, "failovers carry where they went");
     assert_eq!(sample("prefixgate_replica_up{replica=\"b\"}"), 0.0);
     assert_eq!(sample("prefixgate_usage_measured_total{result=\"unmeasured\"}"), 1.0);
     let bpt = sample("prefixgate_bytes_per_token{replica=\"a\"}");

@@ -135,11 +135,8 @@ async fn fetch_text(client: &awc::Client, url: &str) -> Option<String> {
 }
 
 async fn fetch_models(client: &awc::Client, base: &str) -> Option<Vec<String>> {
-    let mut resp = client.get(format!("{base}/v1/models")).send().await.ok()?;
-    if !resp.status().is_success() {
-        return None;
-    }
-    let list: ModelList = resp.json().limit(4 * 1024 * 1024).await.ok()?;
+    let text = fetch_text(client, &format!("{base}/v1/models")).await?;
+    let list: ModelList = serde_json::from_str(&text).ok()?;
     Some(list.data.into_iter().map(|m| m.id).collect())
 }
 

@@ -119,6 +119,10 @@ pub async fn forward(
         let Some(decision) = policy::decide(settings.mode, &shape, &candidates, |k| gw.pins.replica_of(k), &gw.spread)
         else {
             gw.metrics.rejected.get_or_create(&ResultLabels { result: "no_replica".into() }).inc();
+            for from in &tried {
+                let labels = FailoverLabels { from: from.to_string(), to: "none".into() };
+                gw.metrics.failovers.get_or_create(&labels).inc();
+            }
             return Err(ApiError::NoReplica);
         };
         if settings.mode == Mode::Shape && shape.multi_unit && tried.is_empty() {
@@ -131,13 +135,20 @@ pub async fn forward(
         let permit = if large { Some(admit(&gw, &replica).await?) } else { None };
         let guard = replica.begin(large);
         let est_tokens = gw.capacity.estimate(&replica.id, shape.prompt_bytes);
-        let family = decision.matched.and_then(|m| gw.pins.get(m.key)).map(|p| p.family).or(shape.pin_at);
+        // The matched pin, read once: its family (for the working set) and
+        // its home (to tell a warm turn from a moved conversation).
+        let matched_pin = decision.matched.and_then(|m| gw.pins.get(m.key));
+        let family = matched_pin.as_ref().map(|p| p.family).or(shape.pin_at);
         let ticket = CapacityTracker::begin(&gw.clone().into_inner(), &replica.id, family, est_tokens);
         let spec = replica.spec();
         let request = headers::upstream_request(&upstream.0, &req, &spec, !gw.config.api_keys.is_empty());
         match request.send_body(body.clone()).await {
             Ok(resp) => {
                 let ttfb = started.elapsed();
+                for from in &tried {
+                    let labels = FailoverLabels { from: from.to_string(), to: replica.id.to_string() };
+                    gw.metrics.failovers.get_or_create(&labels).inc();
+                }
                 if let Some((from, true)) = failed_from.take() {
                     gw.events.record(
                         EventKind::Failover,
@@ -151,8 +162,7 @@ pub async fn forward(
                 if status.is_success() {
                     if let Some(pin_at) = shape.pin_at {
                         let parent = decision.matched.map(|m| m.key);
-                        let previous_home = parent.and_then(|k| gw.pins.replica_of(k));
-                        match previous_home.as_deref() {
+                        match matched_pin.as_ref().map(|p| &*p.replica) {
                             Some(home) if home == &*replica.id => {
                                 predicted_cached = decision.matched.map(|m| gw.capacity.estimate(&replica.id, m.bytes));
                             }
@@ -188,10 +198,6 @@ pub async fn forward(
                 drop((guard, permit, ticket));
                 tracing::warn!(replica = %replica.id, "connection failed, failing over: {e}");
                 let transitioned = mark_down(&replica, &e.to_string());
-                gw.metrics
-                    .failovers
-                    .get_or_create(&FailoverLabels { from: replica.id.to_string(), to: String::new() })
-                    .inc();
                 tried.push(replica.id.clone());
                 failed_from.get_or_insert((replica.id.clone(), transitioned));
             }
