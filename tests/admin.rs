@@ -95,7 +95,7 @@ async fn the_admin_token_is_required_and_repeated_failures_are_locked_out() {
 
 #[actix_web::test]
 async fn drain_waits_for_in_flight_requests_and_moves_pinned_conversations() {
-    let slow = prefixgate::sim::SimConfig { decode_tps: 10.0, time_scale: 1.0, ..fast_sim() };
+    let slow = slow_decoder(10.0);
     let (a, b) = (start_sim("a", slow.clone()).await, start_sim("b", slow).await);
     let gw = start_gateway(test_config(&[&a, &b])).await;
 
@@ -166,7 +166,7 @@ async fn drain_waits_for_in_flight_requests_and_moves_pinned_conversations() {
 
 #[actix_web::test]
 async fn a_drain_that_cannot_finish_in_time_is_a_504() {
-    let slow = start_sim("a", prefixgate::sim::SimConfig { decode_tps: 2.0, time_scale: 1.0, ..fast_sim() }).await;
+    let slow = start_sim("a", slow_decoder(2.0)).await;
     let gw = start_gateway(test_config(&[&slow])).await;
     let body = chat_body(&[("user", "long")], json!({"stream": true, "max_tokens": 20}));
     let _stream = client().post(format!("{}/v1/chat/completions", gw.base)).send_json(&body).await.unwrap();

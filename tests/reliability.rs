@@ -182,7 +182,7 @@ async fn all_replicas_down_is_a_fast_503_and_recovery_is_automatic() {
 
 #[actix_web::test]
 async fn graceful_shutdown_finishes_every_accepted_request() {
-    let slow = start_sim("a", prefixgate::sim::SimConfig { decode_tps: 20.0, time_scale: 1.0, ..fast_sim() }).await;
+    let slow = start_sim("a", slow_decoder(20.0)).await;
     let gw = start_gateway(test_config(&[&slow])).await;
     let url = format!("{}/v1/chat/completions", gw.base);
     let streams = (0..8).map(|i| {

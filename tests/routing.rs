@@ -51,7 +51,7 @@ async fn single_turn_requests_spread_and_a_conversation_stays_warm_on_its_replic
 #[actix_web::test]
 async fn the_first_chunk_reaches_the_client_while_the_replica_is_still_generating() {
     // 5 tokens per simulated second at full time scale: 2 s of generation.
-    let slow = start_sim("slow", prefixgate::sim::SimConfig { decode_tps: 5.0, time_scale: 1.0, ..fast_sim() }).await;
+    let slow = start_sim("slow", slow_decoder(5.0)).await;
     let gw = start_gateway(test_config(&[&slow])).await;
     let body = chat_body(&[("user", "stream please")], json!({"stream": true, "max_tokens": 10}));
     let mut resp = client().post(format!("{}/v1/chat/completions", gw.base)).send_json(&body).await.unwrap();
@@ -94,7 +94,7 @@ async fn a_stopped_replica_is_failed_over_six_requests_six_200s_one_failover() {
 
 #[actix_web::test]
 async fn a_replica_dying_mid_stream_ends_that_stream_with_an_error_and_nothing_is_retried() {
-    let slow = prefixgate::sim::SimConfig { decode_tps: 5.0, time_scale: 1.0, ..fast_sim() };
+    let slow = slow_decoder(5.0);
     let (a, b) = (start_sim("a", slow.clone()).await, start_sim("b", slow).await);
     let gw = start_gateway(test_config(&[&a, &b])).await;
     let body = chat_body(&[("user", "a long answer please")], json!({"stream": true, "max_tokens": 50}));
@@ -121,7 +121,7 @@ async fn a_replica_dying_mid_stream_ends_that_stream_with_an_error_and_nothing_i
 #[actix_web::test]
 async fn a_client_leaving_mid_stream_cancels_the_upstream_and_releases_counters() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let slow = start_sim("a", prefixgate::sim::SimConfig { decode_tps: 10.0, time_scale: 1.0, ..fast_sim() }).await;
+    let slow = start_sim("a", slow_decoder(10.0)).await;
     let gw = start_gateway(test_config(&[&slow])).await;
     let body = chat_body(&[("user", "stream then hang up")], json!({"stream": true, "max_tokens": 100})).to_string();
     let addr = gw.base.trim_start_matches("http://").to_string();

@@ -34,6 +34,12 @@ pub fn fast_sim() -> SimConfig {
     SimConfig { time_scale: 0.001, ..SimConfig::default() }
 }
 
+/// A card that decodes at `tokens_per_sec` in real time (prefill instant):
+/// streams last long enough to act on them mid-flight.
+pub fn slow_decoder(tokens_per_sec: f64) -> SimConfig {
+    SimConfig { decode_tps: tokens_per_sec, time_scale: 1.0, prefill_tps: 1e9, ..fast_sim() }
+}
+
 pub async fn start_sim(id: &str, cfg: SimConfig) -> Sim {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
