@@ -108,10 +108,9 @@ impl ResponseError for ApiError {
 }
 
 impl From<actix_web::error::PayloadError> for ApiError {
+    // The size limit is enforced while reading (BodyTooLarge with the real
+    // limit); what arrives here is a client that broke off or sent bad framing.
     fn from(e: actix_web::error::PayloadError) -> Self {
-        match e {
-            actix_web::error::PayloadError::Overflow => ApiError::BodyTooLarge { limit: 0 },
-            other => ApiError::BadRequest(format!("could not read the request body: {other}")),
-        }
+        ApiError::BadRequest(format!("could not read the request body: {e}"))
     }
 }
