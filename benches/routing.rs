@@ -1,11 +1,13 @@
 //! The routing path in isolation: shape extraction (parse + hash chain) of
-//! chat bodies of 4 KB, 100 KB and 400 KB, and the decision itself.
+//! chat bodies of 4 KB, 100 KB and 400 KB, the pin lookup and decision
+//! against a million-pin table, and the pin write each request makes.
 //! Run: `cargo bench --bench routing`. Numbers go in docs/benchmarks.md.
 
-use std::collections::HashMap;
+use std::sync::Arc;
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use prefixgate::policy::{self, Candidate, Endpoint, IdentityBlocks, Mode, SpreadCounter};
+use prefixgate::pins::{Pin, PinTable};
+use prefixgate::policy::{self, Candidate, Endpoint, IdentityBlocks, Mode, PrefixMatch, SpreadCounter};
 
 /// An agent-loop body of about `bytes`: a system prompt and alternating turns
 /// with realistic escapes (newlines, quotes).
@@ -41,23 +43,39 @@ fn extraction(c: &mut Criterion) {
 fn decision(c: &mut Criterion) {
     let body = chat_body(400 * 1024);
     let shape = policy::identity::extract(Endpoint::Chat, &body, IdentityBlocks::default()).unwrap();
-    // A realistic pin table: a million conversations, this one among them.
-    let mut pins: HashMap<u128, String> =
-        (0..1_000_000u128).map(|k| (k.wrapping_mul(0x9E37_79B9_7F4A_7C15), "r1".to_string())).collect();
-    pins.insert(shape.boundaries[shape.boundaries.len() - 3].key, "r0".into());
+    // The real pin table with a million conversations, this one among them.
+    let pins = PinTable::default();
+    let (r0, r1): (Arc<str>, Arc<str>) = (Arc::from("r0"), Arc::from("r1"));
+    pins.restore((0..1_000_000u128).map(|k| {
+        let pin = Pin { replica: r1.clone(), created_ms: 0, last_used_ms: 0, turns: 1, est_tokens: 1, family: k };
+        (k.wrapping_mul(0x9E37_79B9_7F4A_7C15), pin)
+    }));
+    pins.record(shape.boundaries[shape.boundaries.len() - 3].key, &r0, None, 1, 1);
     let ids = ["r0", "r1", "r2", "r3"];
     let candidates: Vec<Candidate> = ids.iter().map(|id| Candidate { id, routable: true, spare: true }).collect();
     let counter = SpreadCounter::default();
-    c.bench_function("decide_pinned_400KB", |b| {
-        b.iter(|| {
-            policy::decide(Mode::Shape, black_box(&shape), &candidates, |k| pins.get(&k).map(String::as_str), &counter)
-                .unwrap()
-        })
-    });
+    let route = |s: &policy::RequestShape| {
+        let found = pins.lookup_longest(&s.boundaries);
+        let pinned = found
+            .as_ref()
+            .map(|(i, p)| (PrefixMatch { key: s.boundaries[*i].key, bytes: s.boundaries[*i].bytes }, &*p.replica));
+        policy::decide(Mode::Shape, s, &candidates, pinned, &counter).unwrap()
+    };
+    c.bench_function("decide_pinned_400KB", |b| b.iter(|| route(black_box(&shape))));
     c.bench_function("extract_and_decide_400KB", |b| {
         b.iter(|| {
             let s = policy::identity::extract(Endpoint::Chat, black_box(&body), IdentityBlocks::default()).unwrap();
-            policy::decide(Mode::Shape, &s, &candidates, |k| pins.get(&k).map(String::as_str), &counter).unwrap()
+            route(&s)
+        })
+    });
+    // The write every served request makes: a new turn's pin (parent kept alive).
+    // Keys cycle through a million new conversations, so the table stays bounded.
+    let mut n = 0u128;
+    c.bench_function("pin_record_1M_table", |b| {
+        b.iter(|| {
+            n = (n + 1) % 1_000_000;
+            let key = (1u128 << 100) + n;
+            pins.record(black_box(key), &r0, Some(key - 1), 1_000, 2)
         })
     });
 }

@@ -23,7 +23,7 @@ use subtle::ConstantTimeEq;
 
 use crate::config::Config;
 use crate::error::ApiError;
-use crate::gateway::Gateway;
+use crate::metrics::Metrics;
 
 pub struct Access {
     admin_token: Option<String>,
@@ -156,9 +156,10 @@ pub async fn guard_traffic(
     next: Next<impl MessageBody>,
 ) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
     if req.path().starts_with("/v1") {
-        let gw = req.app_data::<web::Data<Gateway>>().expect("gateway data").clone();
-        if let Err(e) = gw.access.check_client(&req) {
-            gw.metrics.rejected.get_or_create(&crate::metrics::ResultLabels { result: "client_access".into() }).inc();
+        let access = req.app_data::<web::Data<Access>>().expect("access data").clone();
+        if let Err(e) = access.check_client(&req) {
+            let metrics = req.app_data::<web::Data<Metrics>>().expect("metrics data");
+            metrics.rejected.get_or_create(&crate::metrics::ResultLabels { result: "client_access".into() }).inc();
             return Err(e.into());
         }
     }
@@ -171,8 +172,8 @@ pub async fn guard_admin(
     next: Next<impl MessageBody>,
 ) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
     if req.path().starts_with("/admin/") {
-        let gw = req.app_data::<web::Data<Gateway>>().expect("gateway data").clone();
-        gw.access.check_admin(&req)?;
+        let access = req.app_data::<web::Data<Access>>().expect("access data").clone();
+        access.check_admin(&req)?;
     }
     next.call(req).await
 }

@@ -1,7 +1,7 @@
 //! The capacity wall, made visible. A running sequence and its cached prefix
 //! draw on the same per-card KV pool; when the conversations a card must keep
 //! warm do not fit, they evict each other and every turn re-prefills, and no
-//! placement fixes that. This module estimates each replica's working set,
+//! placement fixes that. This module keeps each replica's working set,
 //! compares it with KV capacity, and says so in plain words.
 //!
 //! Working set of a replica = for each conversation family active within the
@@ -11,8 +11,10 @@
 //! metrics (`vllm:cache_config_info`: num_gpu_blocks x block_size) when it
 //! exposes them, else from the declared `kv_tokens`; the source is reported.
 //!
-//! Token estimates start at 4 bytes per token and are calibrated per replica
-//! from the `usage.prompt_tokens` that replicas report.
+//! Why incremental: the pin table holds up to millions of one-shot pins, and
+//! scanning it every second under its locks stalled the request path. The
+//! families that matter are told to us as they are served (`touch_family`),
+//! so a report costs O(active families), not O(pins).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -21,112 +23,207 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use crate::events::EventKind;
-use crate::gateway::Gateway;
-use crate::metrics::replica_label;
+use crate::events::{EventKind, EventLog};
+use crate::fleet::Fleet;
 use crate::pins::Pin;
 use crate::policy::PrefixKey;
-use crate::tokens::BYTES_PER_TOKEN;
-
-/// Calibration keeps this much of each new sample (an exponential average).
-const CALIBRATION_WEIGHT: f64 = 0.2;
-
-#[derive(Debug, Clone)]
-struct ReplicaFacts {
-    bytes_per_token: f64,
-    samples: u64,
-    metrics_kv_tokens: Option<u64>,
-    warned: bool,
-}
-
-impl Default for ReplicaFacts {
-    fn default() -> Self {
-        ReplicaFacts { bytes_per_token: BYTES_PER_TOKEN as f64, samples: 0, metrics_kv_tokens: None, warned: false }
-    }
-}
+use crate::tokens::Calibration;
 
 #[derive(Debug, Clone, Copy)]
-struct RunningRequest {
-    family: Option<PrefixKey>,
-    tokens: u64,
+pub struct RunningRequest {
+    pub family: Option<PrefixKey>,
+    pub tokens: u64,
 }
 
-/// (working set tokens, KV capacity tokens) from the last report.
-type LastFigures = (u64, Option<u64>);
-
+/// Requests running now, with the context they occupy.
 #[derive(Default)]
-pub struct CapacityTracker {
-    facts: Mutex<HashMap<Arc<str>, ReplicaFacts>>,
-    running: Mutex<HashMap<u64, (Arc<str>, RunningRequest)>>,
+pub struct RunningRequests {
+    map: Mutex<HashMap<u64, (Arc<str>, RunningRequest)>>,
     next_ticket: AtomicU64,
-    aggregate_warned: Mutex<bool>,
-    /// The last report's (working set, capacity) per replica, for replica views.
-    last: Mutex<HashMap<Arc<str>, LastFigures>>,
 }
 
-/// What `view` of one replica needs.
-pub struct ReplicaFigures {
-    pub kv_tokens: Option<u64>,
-    pub bytes_per_token: f64,
-    pub working_set_tokens: u64,
-}
-
-/// Registered while a request runs; unregisters on drop.
+/// Registered while a request runs; unregisters on drop, however the request ends.
 pub struct RunningTicket {
-    tracker: Arc<Gateway>,
+    registry: Arc<RunningRequests>,
     id: u64,
 }
 
 impl Drop for RunningTicket {
     fn drop(&mut self) {
-        self.tracker.capacity.running.lock().expect("lock").remove(&self.id);
+        self.registry.map.lock().expect("lock").remove(&self.id);
     }
 }
 
-impl CapacityTracker {
-    pub fn bytes_per_token(&self, replica: &str) -> f64 {
-        self.facts.lock().expect("lock").get(replica).map_or(BYTES_PER_TOKEN as f64, |f| f.bytes_per_token)
+impl RunningRequests {
+    pub fn begin(self: &Arc<Self>, replica: &Arc<str>, family: Option<PrefixKey>, tokens: u64) -> RunningTicket {
+        let id = self.next_ticket.fetch_add(1, Ordering::Relaxed);
+        self.map.lock().expect("lock").insert(id, (replica.clone(), RunningRequest { family, tokens }));
+        RunningTicket { registry: self.clone(), id }
     }
 
-    /// Estimated tokens of `bytes` of prompt on `replica`.
-    pub fn estimate(&self, replica: &str, bytes: usize) -> u64 {
-        (bytes as f64 / self.bytes_per_token(replica)).ceil() as u64
+    fn snapshot(&self) -> Vec<(Arc<str>, RunningRequest)> {
+        self.map.lock().expect("lock").values().cloned().collect()
     }
+}
 
-    /// Feeds one measured (bytes, prompt_tokens) pair into the replica's ratio.
-    pub fn calibrate(&self, replica: &Arc<str>, prompt_bytes: usize, prompt_tokens: u64) {
-        if prompt_bytes == 0 || prompt_tokens == 0 {
-            return;
+/// A family's largest context on one replica, and when it was last served.
+#[derive(Debug, Clone, Copy)]
+struct FamilyUse {
+    tokens: u64,
+    last_used_ms: u64,
+}
+
+/// (working set tokens, KV capacity tokens) from the last evaluation.
+type LastFigures = (u64, Option<u64>);
+
+#[derive(Default)]
+struct Warnings {
+    replicas: HashMap<Arc<str>, bool>,
+    aggregate: bool,
+}
+
+pub struct Capacity {
+    pub running: Arc<RunningRequests>,
+    window_ms: u64,
+    families: Mutex<HashMap<(Arc<str>, PrefixKey), FamilyUse>>,
+    metrics_kv: Mutex<HashMap<Arc<str>, u64>>,
+    warnings: Mutex<Warnings>,
+    last: Mutex<HashMap<Arc<str>, LastFigures>>,
+}
+
+/// What the replica view needs of one replica.
+pub struct ReplicaFigures {
+    pub kv_tokens: Option<u64>,
+    pub working_set_tokens: u64,
+}
+
+impl Capacity {
+    pub fn new(window_secs: u64) -> Capacity {
+        Capacity {
+            running: Arc::default(),
+            window_ms: window_secs.saturating_mul(1000),
+            families: Mutex::default(),
+            metrics_kv: Mutex::default(),
+            warnings: Mutex::default(),
+            last: Mutex::default(),
         }
-        let sample = (prompt_bytes as f64 / prompt_tokens as f64).clamp(0.5, 16.0);
-        let mut facts = self.facts.lock().expect("lock");
-        let f = facts.entry(replica.clone()).or_default();
-        f.bytes_per_token = if f.samples == 0 {
-            sample
-        } else {
-            f.bytes_per_token * (1.0 - CALIBRATION_WEIGHT) + sample * CALIBRATION_WEIGHT
-        };
-        f.samples += 1;
+    }
+
+    pub fn window_secs(&self) -> u64 {
+        self.window_ms / 1000
+    }
+
+    /// Seeds the working set from restored pins (startup only).
+    pub fn seed(&self, pins: &[Pin]) {
+        for p in pins {
+            self.touch_family(&p.replica, p.family, p.est_tokens, p.last_used_ms);
+        }
+    }
+
+    /// A returning conversation (second turn or later) was served on `replica`.
+    pub fn touch_family(&self, replica: &Arc<str>, family: PrefixKey, tokens: u64, now_ms: u64) {
+        let mut families = self.families.lock().expect("lock");
+        let window = self.window_ms;
+        let e = families.entry((replica.clone(), family)).or_insert(FamilyUse { tokens: 0, last_used_ms: now_ms });
+        if now_ms.saturating_sub(e.last_used_ms) > window {
+            e.tokens = 0; // expired: its old size says nothing any more
+        }
+        e.tokens = e.tokens.max(tokens);
+        e.last_used_ms = e.last_used_ms.max(now_ms);
+    }
+
+    /// The conversation left `replica` (its pin moved): it no longer lives there.
+    pub fn family_moved(&self, family: PrefixKey, from: &str) {
+        self.families.lock().expect("lock").retain(|(r, f), _| !(*f == family && &**r == from));
+    }
+
+    pub fn forget_replica(&self, replica: &str) {
+        self.families.lock().expect("lock").retain(|(r, _), _| &**r != replica);
     }
 
     pub fn set_metrics_kv(&self, replica: &Arc<str>, kv_tokens: Option<u64>) {
-        self.facts.lock().expect("lock").entry(replica.clone()).or_default().metrics_kv_tokens = kv_tokens;
+        let mut map = self.metrics_kv.lock().expect("lock");
+        match kv_tokens {
+            Some(kv) => map.insert(replica.clone(), kv),
+            None => map.remove(replica),
+        };
     }
 
-    pub fn begin(gw: &Arc<Gateway>, replica: &Arc<str>, family: Option<PrefixKey>, tokens: u64) -> RunningTicket {
-        let id = gw.capacity.next_ticket.fetch_add(1, Ordering::Relaxed);
-        gw.capacity.running.lock().expect("lock").insert(id, (replica.clone(), RunningRequest { family, tokens }));
-        RunningTicket { tracker: gw.clone(), id }
-    }
-
+    /// The figures of the last evaluation (the background task runs one a second).
     pub fn replica(&self, id: &str) -> ReplicaFigures {
-        let facts = self.facts.lock().expect("lock").get(id).cloned().unwrap_or_default();
         let last = self.last.lock().expect("lock").get(id).copied();
-        ReplicaFigures {
-            kv_tokens: last.and_then(|l| l.1),
-            bytes_per_token: facts.bytes_per_token,
-            working_set_tokens: last.map_or(0, |l| l.0),
+        ReplicaFigures { kv_tokens: last.and_then(|l| l.1), working_set_tokens: last.map_or(0, |l| l.0) }
+    }
+
+    /// The current report. Reads only: a GET may call it.
+    pub fn report(&self, fleet: &Fleet, calibration: &Calibration, now_ms: u64) -> CapacityReport {
+        let since = now_ms.saturating_sub(self.window_ms);
+        let families: Vec<(Arc<str>, PrefixKey, u64)> = self
+            .families
+            .lock()
+            .expect("lock")
+            .iter()
+            .filter(|(_, u)| u.last_used_ms >= since)
+            .map(|((r, f), u)| (r.clone(), *f, u.tokens))
+            .collect();
+        let running = self.running.snapshot();
+        let metrics_kv = self.metrics_kv.lock().expect("lock").clone();
+        let fleet = fleet.snapshot();
+        let specs: Vec<_> = fleet.iter().map(|r| (r.id.clone(), r.spec())).collect();
+        let inputs: Vec<ReplicaInput> = specs
+            .iter()
+            .map(|(id, spec)| ReplicaInput {
+                id,
+                declared_kv: spec.kv_tokens,
+                metrics_kv: metrics_kv.get(id).copied(),
+                bytes_per_token: calibration.bytes_per_token(id),
+            })
+            .collect();
+        compute(self.window_secs(), &inputs, &families, &running)
+    }
+
+    /// Re-evaluates the verdict (the background task, once a second): keeps
+    /// the figures replica views show, forgets expired families, and records
+    /// an event and a log line once per transition (per replica, and for the
+    /// fleet as a whole).
+    pub fn evaluate(&self, fleet: &Fleet, calibration: &Calibration, events: &EventLog, now_ms: u64) -> CapacityReport {
+        let since = now_ms.saturating_sub(self.window_ms);
+        self.families.lock().expect("lock").retain(|_, u| u.last_used_ms >= since);
+        let report = self.report(fleet, calibration, now_ms);
+        {
+            let mut last = self.last.lock().expect("lock");
+            last.clear();
+            for r in &report.replicas {
+                last.insert(Arc::from(r.replica.as_str()), (r.working_set_tokens, r.kv_tokens));
+            }
         }
+        let mut warnings = self.warnings.lock().expect("lock");
+        for r in &report.replicas {
+            let warned = warnings.replicas.entry(Arc::from(r.replica.as_str())).or_default();
+            if *warned != r.over_capacity {
+                *warned = r.over_capacity;
+                let detail =
+                    format!("working set ~{} tokens vs KV {} tokens", r.working_set_tokens, r.kv_tokens.unwrap_or(0));
+                if r.over_capacity {
+                    tracing::warn!(replica = %r.replica, "capacity warning: {detail}; routing cannot fix this (see /admin/v1/capacity)");
+                    events.record(EventKind::CapacityWarning, Some(&r.replica), None, detail);
+                } else {
+                    tracing::info!(replica = %r.replica, "capacity warning cleared: {detail}");
+                    events.record(EventKind::CapacityCleared, Some(&r.replica), None, detail);
+                }
+            }
+        }
+        if warnings.aggregate != report.aggregate.over_capacity {
+            warnings.aggregate = report.aggregate.over_capacity;
+            let detail = format!(
+                "fleet working set ~{} tokens vs aggregate KV {} tokens",
+                report.aggregate.working_set_tokens, report.aggregate.kv_tokens
+            );
+            let kind = if warnings.aggregate { EventKind::CapacityWarning } else { EventKind::CapacityCleared };
+            tracing::warn!("{detail}");
+            events.record(kind, None, None, detail);
+        }
+        report
     }
 }
 
@@ -191,11 +288,12 @@ pub struct ReplicaInput<'a> {
     pub bytes_per_token: f64,
 }
 
-/// The pure part: working sets and the verdict from pins and running requests.
+/// The pure part: working sets and the verdict from the active families
+/// (replica, family, largest context) and the running requests.
 fn compute(
     window_secs: u64,
     replicas: &[ReplicaInput],
-    pins: &[Pin],
+    families_active: &[(Arc<str>, PrefixKey, u64)],
     running: &[(Arc<str>, RunningRequest)],
 ) -> CapacityReport {
     let mut out = Vec::new();
@@ -205,10 +303,9 @@ fn compute(
         let mut families: HashMap<PrefixKey, u64> = HashMap::new();
         let running_here: Vec<&RunningRequest> =
             running.iter().filter(|(id, _)| &**id == r.id).map(|(_, q)| q).collect();
-        let running_families: HashSet<PrefixKey> = running_here.iter().filter_map(|q| q.family).collect();
-        for p in pins.iter().filter(|p| &*p.replica == r.id && (p.turns >= 2 || running_families.contains(&p.family))) {
-            let e = families.entry(p.family).or_default();
-            *e = (*e).max(p.est_tokens);
+        for (_, family, tokens) in families_active.iter().filter(|(id, _, _)| &**id == r.id) {
+            let e = families.entry(*family).or_default();
+            *e = (*e).max(*tokens);
         }
         let mut loose = 0;
         for q in &running_here {
@@ -272,111 +369,6 @@ fn compute(
     CapacityReport { window_secs, replicas: out, aggregate, verdict, warning }
 }
 
-/// Computes the current report from the gateway's state.
-pub fn report(gw: &Gateway) -> CapacityReport {
-    let window = gw.config.admission.working_set_window_secs;
-    let since = crate::clock::now_ms().saturating_sub(window * 1000);
-    let pins = gw.pins.conversations_active_since(since);
-    let running: Vec<(Arc<str>, RunningRequest)> =
-        gw.capacity.running.lock().expect("lock").values().cloned().collect();
-    let facts = gw.capacity.facts.lock().expect("lock").clone();
-    let fleet = gw.fleet.snapshot();
-    let specs: Vec<_> = fleet.iter().map(|r| (r.id.clone(), r.spec())).collect();
-    let inputs: Vec<ReplicaInput> = specs
-        .iter()
-        .map(|(id, spec)| {
-            let f = facts.get(id).cloned().unwrap_or_default();
-            ReplicaInput {
-                id,
-                declared_kv: spec.kv_tokens,
-                metrics_kv: f.metrics_kv_tokens,
-                bytes_per_token: f.bytes_per_token,
-            }
-        })
-        .collect();
-    let report = compute(window, &inputs, &pins, &running);
-    let mut last = gw.capacity.last.lock().expect("lock");
-    last.clear();
-    for r in &report.replicas {
-        last.insert(Arc::from(r.replica.as_str()), (r.working_set_tokens, r.kv_tokens));
-    }
-    report
-}
-
-/// Re-evaluates the verdict; records an event and a log line once per
-/// transition (per replica, and for the fleet as a whole).
-pub fn evaluate(gw: &Gateway) -> CapacityReport {
-    let report = report(gw);
-    let mut facts = gw.capacity.facts.lock().expect("lock");
-    for r in &report.replicas {
-        let f = facts.entry(Arc::from(r.replica.as_str())).or_default();
-        if f.warned != r.over_capacity {
-            f.warned = r.over_capacity;
-            let detail =
-                format!("working set ~{} tokens vs KV {} tokens", r.working_set_tokens, r.kv_tokens.unwrap_or(0));
-            if r.over_capacity {
-                tracing::warn!(replica = %r.replica, "capacity warning: {detail}; routing cannot fix this (see /admin/v1/capacity)");
-                gw.events.record(EventKind::CapacityWarning, Some(&r.replica), None, detail);
-            } else {
-                tracing::info!(replica = %r.replica, "capacity warning cleared: {detail}");
-                gw.events.record(EventKind::CapacityCleared, Some(&r.replica), None, detail);
-            }
-        }
-    }
-    drop(facts);
-    let mut agg = gw.capacity.aggregate_warned.lock().expect("lock");
-    if *agg != report.aggregate.over_capacity {
-        *agg = report.aggregate.over_capacity;
-        let detail = format!(
-            "fleet working set ~{} tokens vs aggregate KV {} tokens",
-            report.aggregate.working_set_tokens, report.aggregate.kv_tokens
-        );
-        let kind = if *agg { EventKind::CapacityWarning } else { EventKind::CapacityCleared };
-        tracing::warn!("{detail}");
-        gw.events.record(kind, None, None, detail);
-    }
-    report
-}
-
-/// Sets the gauges that mirror fleet and capacity state (called at scrape).
-pub fn refresh_gauges(gw: &Gateway) {
-    let report = report(gw);
-    let m = &gw.metrics;
-    for family in [
-        &m.inflight,
-        &m.large_inflight,
-        &m.pins,
-        &m.replica_up,
-        &m.admission_queue_depth,
-        &m.working_set_tokens,
-        &m.kv_capacity_tokens,
-        &m.capacity_warning,
-    ] {
-        family.clear();
-    }
-    m.bytes_per_token.clear();
-    let pins = gw.pins.count_by_replica();
-    for r in gw.fleet.snapshot().iter() {
-        let l = replica_label(&r.id);
-        m.inflight.get_or_create(&l).set(r.inflight());
-        m.large_inflight.get_or_create(&l).set(r.large_inflight());
-        m.pins.get_or_create(&l).set(pins.get(&r.id).copied().unwrap_or(0) as i64);
-        m.replica_up.get_or_create(&l).set(i64::from(r.routable()));
-        m.admission_queue_depth.get_or_create(&l).set(gw.admission.queued(&r.id) as i64);
-        m.bytes_per_token.get_or_create(&l).set(gw.capacity.bytes_per_token(&r.id));
-        // Counters a dashboard divides by: present from the start, at zero.
-        m.admission_waits.get_or_create(&l).inc_by(0);
-        m.admission_rejections.get_or_create(&l).inc_by(0);
-    }
-    for r in &report.replicas {
-        let l = replica_label(&r.replica);
-        m.working_set_tokens.get_or_create(&l).set(r.working_set_tokens as i64);
-        m.kv_capacity_tokens.get_or_create(&l).set(r.kv_tokens.unwrap_or(0) as i64);
-        m.capacity_warning.get_or_create(&l).set(i64::from(r.over_capacity));
-    }
-    m.capacity_warning.get_or_create(&replica_label("_aggregate")).set(i64::from(report.aggregate.over_capacity));
-}
-
 /// Parses `vllm:cache_config_info{...num_gpu_blocks="N",block_size="B"...}` from a metrics page.
 pub fn kv_tokens_from_vllm_metrics(text: &str) -> Option<u64> {
     let line = text.lines().find(|l| l.starts_with("vllm:cache_config_info{"))?;
@@ -391,8 +383,8 @@ pub fn kv_tokens_from_vllm_metrics(text: &str) -> Option<u64> {
 mod tests {
     use super::*;
 
-    fn pin(replica: &str, family: u128, turns: u32, tokens: u64) -> Pin {
-        Pin { replica: replica.into(), created_ms: 0, last_used_ms: 0, turns, est_tokens: tokens, family }
+    fn fam(replica: &str, family: u128, tokens: u64) -> (Arc<str>, PrefixKey, u64) {
+        (Arc::from(replica), family, tokens)
     }
 
     fn input(id: &str, kv: u64) -> ReplicaInput<'_> {
@@ -402,8 +394,8 @@ mod tests {
     #[test]
     fn three_large_families_on_two_cards_is_over_capacity_on_the_shared_card() {
         // The seed's wall: 50-80k-token families, 122,636 KV tokens per card.
-        let pins = vec![pin("a", 1, 3, 80_000), pin("a", 1, 2, 70_000), pin("b", 2, 3, 60_000), pin("a", 3, 2, 50_000)];
-        let r = compute(300, &[input("a", 122_636), input("b", 122_636)], &pins, &[]);
+        let families = vec![fam("a", 1, 80_000), fam("b", 2, 60_000), fam("a", 3, 50_000)];
+        let r = compute(300, &[input("a", 122_636), input("b", 122_636)], &families, &[]);
         assert_eq!(r.verdict, Verdict::OverCapacity);
         assert_eq!(r.replicas[0].working_set_tokens, 130_000);
         assert_eq!(r.replicas[0].families_active, 2);
@@ -412,15 +404,14 @@ mod tests {
     }
 
     #[test]
-    fn one_shot_pins_do_not_count_but_running_requests_do() {
-        let pins = vec![pin("a", 1, 1, 100_000)];
-        let r = compute(300, &[input("a", 122_636)], &pins, &[]);
+    fn running_requests_count_with_their_family_or_on_their_own() {
+        let r = compute(300, &[input("a", 122_636)], &[], &[]);
         assert_eq!((r.replicas[0].working_set_tokens, r.verdict), (0, Verdict::Ok));
         let running = vec![
             (Arc::from("a"), RunningRequest { family: Some(1), tokens: 110_000 }),
             (Arc::from("a"), RunningRequest { family: None, tokens: 20_000 }),
         ];
-        let r = compute(300, &[input("a", 122_636)], &pins, &running);
+        let r = compute(300, &[input("a", 122_636)], &[fam("a", 1, 100_000)], &running);
         assert_eq!(r.replicas[0].working_set_tokens, 130_000);
         assert_eq!(r.verdict, Verdict::OverCapacity);
     }
@@ -441,22 +432,40 @@ mod tests {
     }
 
     #[test]
+    fn the_working_set_follows_families_as_they_are_served_move_and_expire() {
+        let c = Capacity::new(300);
+        let (a, b): (Arc<str>, Arc<str>) = (Arc::from("a"), Arc::from("b"));
+        c.touch_family(&a, 1, 50_000, 1_000);
+        c.touch_family(&a, 1, 60_000, 2_000);
+        c.touch_family(&a, 2, 10_000, 2_000);
+        let active = |c: &Capacity, now: u64| {
+            let since = now.saturating_sub(c.window_ms);
+            let mut v: Vec<_> = c
+                .families
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|(_, u)| u.last_used_ms >= since)
+                .map(|((r, f), u)| (r.to_string(), *f, u.tokens))
+                .collect();
+            v.sort();
+            v
+        };
+        assert_eq!(active(&c, 3_000), vec![("a".into(), 1, 60_000), ("a".into(), 2, 10_000)]);
+        c.family_moved(1, "a");
+        c.touch_family(&b, 1, 70_000, 3_000);
+        assert_eq!(active(&c, 3_000), vec![("a".into(), 2, 10_000), ("b".into(), 1, 70_000)]);
+        // Past the window, family 2 no longer counts.
+        assert_eq!(active(&c, 2_000 + 300_001), vec![("b".into(), 1, 70_000)]);
+        c.forget_replica("b");
+        assert!(active(&c, 3_000).iter().all(|(r, _, _)| r != "b"));
+    }
+
+    #[test]
     fn parses_vllm_cache_config_info() {
         let text =
             "# HELP x\nvllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",num_gpu_blocks=\"7664\"} 1.0\n";
         assert_eq!(kv_tokens_from_vllm_metrics(text), Some(122_624));
         assert_eq!(kv_tokens_from_vllm_metrics("vllm:num_requests_running 1"), None);
-    }
-
-    #[test]
-    fn calibration_moves_toward_measured_ratio() {
-        let t = CapacityTracker::default();
-        let id: Arc<str> = Arc::from("a");
-        assert_eq!(t.bytes_per_token("a"), 4.0);
-        t.calibrate(&id, 3_000, 1_000);
-        assert_eq!(t.bytes_per_token("a"), 3.0);
-        t.calibrate(&id, 5_000, 1_000);
-        assert!((t.bytes_per_token("a") - 3.4).abs() < 1e-9);
-        assert_eq!(t.estimate("a", 340), 100);
     }
 }

@@ -36,8 +36,10 @@ pub struct Config {
     pub health: HealthConfig,
     pub limits: Limits,
     pub pins: PinConfig,
+    pub history: HistoryConfig,
     pub rate_limits: RateLimits,
     pub admission: AdmissionConfig,
+    pub capacity: CapacityConfig,
     pub replicas: Vec<ReplicaSpec>,
 }
 
@@ -51,6 +53,10 @@ pub struct Timeouts {
     pub response_head_ms: u64,
     /// Longest silence between two chunks of a response body.
     pub idle_stream_ms: u64,
+    /// On SIGTERM/SIGINT, how long in-flight requests may run on before they
+    /// are cut. Sized for long decodes: a 4k-token answer at 10 tokens/s is
+    /// almost 7 minutes.
+    pub shutdown_grace_secs: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -80,8 +86,13 @@ pub struct PinConfig {
     pub ttl_secs: u64,
     /// Most pins kept; the least recently used go first.
     pub max_pins: usize,
-    /// Pins are written to disk behind the requests, in batches, this often.
+    /// Pins (and history) are written to disk behind the requests, in batches, this often.
     pub flush_interval_ms: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HistoryConfig {
     /// Most events kept in history; the oldest go first.
     pub max_events: usize,
 }
@@ -109,6 +120,11 @@ pub struct AdmissionConfig {
     pub wait_ms: u64,
     /// Most large requests queued per replica before 503 at once.
     pub max_queue: usize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CapacityConfig {
     /// Families active within this window count toward a replica's working set.
     pub working_set_window_secs: u64,
 }
@@ -127,8 +143,10 @@ impl Default for Config {
             health: HealthConfig::default(),
             limits: Limits::default(),
             pins: PinConfig::default(),
+            history: HistoryConfig::default(),
             rate_limits: RateLimits::default(),
             admission: AdmissionConfig::default(),
+            capacity: CapacityConfig::default(),
             replicas: Vec::new(),
         }
     }
@@ -136,7 +154,7 @@ impl Default for Config {
 
 impl Default for Timeouts {
     fn default() -> Self {
-        Timeouts { connect_ms: 2_000, response_head_ms: 300_000, idle_stream_ms: 120_000 }
+        Timeouts { connect_ms: 2_000, response_head_ms: 300_000, idle_stream_ms: 120_000, shutdown_grace_secs: 600 }
     }
 }
 
@@ -154,7 +172,19 @@ impl Default for Limits {
 
 impl Default for PinConfig {
     fn default() -> Self {
-        PinConfig { ttl_secs: 3_600, max_pins: 1_000_000, flush_interval_ms: 200, max_events: 100_000 }
+        PinConfig { ttl_secs: 3_600, max_pins: 1_000_000, flush_interval_ms: 200 }
+    }
+}
+
+impl Default for HistoryConfig {
+    fn default() -> Self {
+        HistoryConfig { max_events: 100_000 }
+    }
+}
+
+impl Default for CapacityConfig {
+    fn default() -> Self {
+        CapacityConfig { working_set_window_secs: 300 }
     }
 }
 
@@ -172,7 +202,7 @@ impl Default for RateLimits {
 
 impl Default for AdmissionConfig {
     fn default() -> Self {
-        AdmissionConfig { large_context_tokens: 32_768, wait_ms: 30_000, max_queue: 64, working_set_window_secs: 300 }
+        AdmissionConfig { large_context_tokens: 32_768, wait_ms: 30_000, max_queue: 64 }
     }
 }
 
@@ -182,7 +212,30 @@ impl Default for AdmissionConfig {
 const NOT_CONFIG: &[&str] = &["LOG", "BENCH_API_KEY", "REQUIRE_BROWSER", "UPDATE_SCREENSHOTS"];
 
 /// Top-level keys whose value is a table (for the env mapping).
-const SECTIONS: &[&str] = &["identity", "timeouts", "health", "limits", "pins", "rate_limits", "admission"];
+const SECTIONS: &[&str] =
+    &["identity", "timeouts", "health", "limits", "pins", "history", "rate_limits", "admission", "capacity"];
+
+/// Keys renamed since operators wrote their config files: (old section, new
+/// section, key). The old spelling still works, with a warning.
+const RENAMED: &[(&str, &str, &str)] =
+    &[("pins", "history", "max_events"), ("admission", "capacity", "working_set_window_secs")];
+
+/// Moves renamed keys to their new place; returns one warning per key moved.
+/// A key given in both places keeps the new spelling's value.
+fn migrate_renamed_keys(table: &mut toml::Table) -> Vec<String> {
+    let mut warnings = Vec::new();
+    for (old, new, key) in RENAMED {
+        let Some(value) = table.get_mut(*old).and_then(|t| t.as_table_mut()).and_then(|t| t.remove(*key)) else {
+            continue;
+        };
+        warnings.push(format!("config key '{old}.{key}' is deprecated: use '{new}.{key}'"));
+        let entry = table.entry(new.to_string()).or_insert_with(|| toml::Value::Table(Default::default()));
+        if let Some(t) = entry.as_table_mut() {
+            t.entry(key.to_string()).or_insert(value);
+        }
+    }
+    warnings
+}
 
 impl Config {
     /// Reads `path` (if any), then overlays `PREFIXGATE_*` variables from `env`.
@@ -203,6 +256,9 @@ impl Config {
                 continue;
             }
             apply_env(&mut table, &key.to_ascii_lowercase(), &value).map_err(|e| format!("{name}: {e}"))?;
+        }
+        for w in migrate_renamed_keys(&mut table) {
+            tracing::warn!("{w}");
         }
         let config: Config = toml::Value::Table(table)
             .try_into()
@@ -227,6 +283,9 @@ impl Config {
         }
         if self.timeouts.connect_ms == 0 || self.timeouts.response_head_ms == 0 || self.timeouts.idle_stream_ms == 0 {
             return Err("timeouts.*_ms must be greater than 0".into());
+        }
+        if self.timeouts.shutdown_grace_secs == 0 {
+            return Err("timeouts.shutdown_grace_secs must be greater than 0".into());
         }
         if self.pins.flush_interval_ms == 0 {
             return Err("pins.flush_interval_ms must be greater than 0".into());
@@ -324,6 +383,22 @@ mod tests {
         assert!(err.contains("PREFIXGATE_REPLICAS"), "{err}");
         let err = Config::load(None, env(&[("PREFIXGATE_ADMIN_LISTEN", "0.0.0.0:9090")])).unwrap_err();
         assert!(err.contains("admin_listen") && err.contains("admin_token"), "{err}");
+    }
+
+    #[test]
+    fn renamed_keys_still_work_and_the_new_spelling_wins() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, "[pins]\nmax_events = 7\n[admission]\nworking_set_window_secs = 9\n").unwrap();
+        let c = Config::load(Some(&path), std::iter::empty()).unwrap();
+        assert_eq!((c.history.max_events, c.capacity.working_set_window_secs), (7, 9));
+        let c = Config::load(Some(&path), env(&[("PREFIXGATE_HISTORY_MAX_EVENTS", "11")])).unwrap();
+        assert_eq!(c.history.max_events, 11);
+        let mut t: toml::Table = "[pins]\nmax_events = 1".parse().unwrap();
+        assert_eq!(
+            migrate_renamed_keys(&mut t),
+            vec!["config key 'pins.max_events' is deprecated: use 'history.max_events'"]
+        );
     }
 
     #[test]

@@ -1,9 +1,17 @@
 //! Pin and failover history: an append-only log with monotonic ids, capped
-//! in memory (oldest dropped) and mirrored to the store when there is one.
+//! in memory (oldest dropped) and mirrored to the store behind the requests.
+//!
+//! Why a channel: events are recorded from the request path (failovers, pin
+//! moves); a synchronous store write there put disk latency into a client's
+//! response. `record` only appends to the ring and sends the event to the
+//! `EventWriter`, which the flusher drains with the pins (and shutdown drains
+//! last), so history is as durable as pins are.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
+
+use tokio::sync::mpsc;
 
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -26,6 +34,8 @@ pub enum EventKind {
     ReplicaRemoved,
     ReplicaUpdated,
     PolicyChanged,
+    /// An operator deleted pins (one, or all of a replica's).
+    PinsDeleted,
     CapacityWarning,
     CapacityCleared,
 }
@@ -55,11 +65,56 @@ pub struct Event {
     pub detail: String,
 }
 
+impl EventKind {
+    /// Every kind, in the order the API documents them.
+    pub const ALL: [EventKind; 16] = [
+        EventKind::Failover,
+        EventKind::ReplicaDown,
+        EventKind::ReplicaUp,
+        EventKind::PinMoved,
+        EventKind::DrainStarted,
+        EventKind::DrainCompleted,
+        EventKind::Resumed,
+        EventKind::Disabled,
+        EventKind::Enabled,
+        EventKind::ReplicaAdded,
+        EventKind::ReplicaRemoved,
+        EventKind::ReplicaUpdated,
+        EventKind::PolicyChanged,
+        EventKind::PinsDeleted,
+        EventKind::CapacityWarning,
+        EventKind::CapacityCleared,
+    ];
+}
+
+/// An event on its way to the store, with the id up to which older persisted
+/// events fell out of the ring.
+type Pending = (Event, Option<u64>);
+
 pub struct EventLog {
     next_id: AtomicU64,
     ring: RwLock<VecDeque<Event>>,
     cap: usize,
-    store: Option<Arc<dyn Store>>,
+    to_store: mpsc::UnboundedSender<Pending>,
+}
+
+/// The receiving end: writes recorded events to the store in batches.
+pub struct EventWriter {
+    rx: Mutex<mpsc::UnboundedReceiver<Pending>>,
+    store: Arc<dyn Store>,
+}
+
+impl EventWriter {
+    /// Writes everything recorded so far; returns how many events.
+    pub fn flush(&self) -> Result<usize, crate::store::StoreError> {
+        let mut rx = self.rx.lock().expect("event writer lock");
+        let mut n = 0;
+        while let Ok((event, dropped)) = rx.try_recv() {
+            self.store.append_event(&event, dropped)?;
+            n += 1;
+        }
+        Ok(n)
+    }
 }
 
 /// Filters for `query`.
@@ -74,13 +129,15 @@ pub struct EventFilter {
 }
 
 impl EventLog {
-    pub fn new(cap: usize, store: Option<Arc<dyn Store>>, restored: Vec<Event>) -> EventLog {
+    pub fn new(cap: usize, store: Arc<dyn Store>, restored: Vec<Event>) -> (EventLog, EventWriter) {
         let next = restored.iter().map(|e| e.id + 1).max().unwrap_or(1);
         let mut ring: VecDeque<Event> = restored.into();
         while ring.len() > cap {
             ring.pop_front();
         }
-        EventLog { next_id: AtomicU64::new(next), ring: RwLock::new(ring), cap: cap.max(1), store }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let log = EventLog { next_id: AtomicU64::new(next), ring: RwLock::new(ring), cap: cap.max(1), to_store: tx };
+        (log, EventWriter { rx: Mutex::new(rx), store })
     }
 
     pub fn record(
@@ -108,11 +165,8 @@ impl EventLog {
             dropped = ring.pop_front().map(|e| e.id);
         }
         drop(ring);
-        if let Some(store) = &self.store {
-            if let Err(e) = store.append_event(&event, dropped) {
-                tracing::warn!("could not persist event {}: {e}", event.id);
-            }
-        }
+        // Fails only when the writer is gone (the process is ending).
+        let _ = self.to_store.send((event.clone(), dropped));
         event
     }
 

@@ -15,12 +15,13 @@ pub mod config;
 pub mod error;
 pub mod events;
 pub mod fleet;
-pub mod gateway;
 pub mod metrics;
+pub mod operator;
 pub mod pins;
 pub mod policy;
 pub mod proxy;
 pub mod sim;
+pub mod state;
 pub mod store;
 pub mod tokens;
 
@@ -32,11 +33,12 @@ use actix_web::dev::ServerHandle;
 use actix_web::{web, App, HttpResponse, HttpServer};
 
 use error::ApiError;
-use gateway::Gateway;
+use fleet::Fleet;
+use state::AppState;
 
 /// A running gateway: its two listeners and the handles to stop it.
 pub struct Running {
-    pub gateway: Arc<Gateway>,
+    pub state: Arc<AppState>,
     pub traffic_addr: SocketAddr,
     pub admin_addr: SocketAddr,
     traffic: ServerHandle,
@@ -56,7 +58,7 @@ impl Running {
             task.abort();
         }
         futures_util::future::join_all(self.background).await;
-        if let Err(e) = self.gateway.flush_all() {
+        if let Err(e) = self.state.flush_all() {
             tracing::error!("final flush failed: {e}");
         }
     }
@@ -64,10 +66,11 @@ impl Running {
 
 /// Starts both listeners and the background tasks (health checks, pin
 /// flusher and pruner). Must run inside an actix system.
-pub fn start(gw: Arc<Gateway>, traffic: TcpListener, admin: TcpListener) -> std::io::Result<Running> {
+pub fn start(state: Arc<AppState>, traffic: TcpListener, admin: TcpListener) -> std::io::Result<Running> {
     let traffic_addr = traffic.local_addr()?;
     let admin_addr = admin.local_addr()?;
-    let data = web::Data::from(gw.clone());
+    let data = web::Data::from(state.clone());
+    let config = state.config.clone();
     let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
     let traffic_server = HttpServer::new({
         let data = data.clone();
@@ -77,12 +80,13 @@ pub fn start(gw: Arc<Gateway>, traffic: TcpListener, admin: TcpListener) -> std:
     .backlog(4096)
     .tcp_nodelay(true)
     .max_connections(100_000)
-    .client_request_timeout(Duration::from_millis(gw.config.limits.header_timeout_ms))
+    .client_request_timeout(Duration::from_millis(config.limits.header_timeout_ms))
     // A client that closes its side has gone (OpenAI clients never half-close):
     // drop its handler at once, so a request queued for admission or waiting
     // for a slow first byte is cancelled instead of running for nobody.
     .h1_allow_half_closed(false)
-    .shutdown_timeout(30)
+    // In-flight streams may run this long after a stop: long decodes finish.
+    .shutdown_timeout(config.timeouts.shutdown_grace_secs)
     .disable_signals()
     .listen(traffic)?
     .run();
@@ -96,26 +100,31 @@ pub fn start(gw: Arc<Gateway>, traffic: TcpListener, admin: TcpListener) -> std:
     .disable_signals()
     .listen(admin)?
     .run();
-    let background = spawn_background(gw.clone());
+    let background = spawn_background(&state);
     let (traffic, admin) = (traffic_server.handle(), admin_server.handle());
     // Servers run only while polled: spawn them on this system.
     let servers = vec![actix_web::rt::spawn(traffic_server), actix_web::rt::spawn(admin_server)];
-    Ok(Running { gateway: gw, traffic_addr, admin_addr, traffic, admin, servers, background })
+    Ok(Running { state, traffic_addr, admin_addr, traffic, admin, servers, background })
 }
 
-/// Health checks; the pin flusher; capacity evaluation, pin pruning and
-/// rate-limiter pruning.
-fn spawn_background(gw: Arc<Gateway>) -> Vec<actix_web::rt::task::JoinHandle<()>> {
-    let health = actix_web::rt::spawn(fleet::health::run(gw.clone()));
-    let flush_every = Duration::from_millis(gw.config.pins.flush_interval_ms);
+/// Health checks; the pin and event flusher; capacity evaluation, pin
+/// pruning and rate-limiter pruning. Each task holds only the handles it uses.
+fn spawn_background(state: &Arc<AppState>) -> Vec<actix_web::rt::task::JoinHandle<()>> {
+    let health = actix_web::rt::spawn(fleet::health::run(
+        state.config.clone(),
+        state.fleet.clone(),
+        state.health.clone(),
+        state.capacity.clone(),
+    ));
+    let flush_every = Duration::from_millis(state.config.pins.flush_interval_ms);
     let flusher = actix_web::rt::spawn({
-        let gw = gw.clone();
+        let state = state.clone();
         async move {
             loop {
                 tokio::time::sleep(flush_every).await;
                 // fsync off the runtime thread.
-                let gw = gw.clone();
-                match tokio::task::spawn_blocking(move || gw.flush_pins()).await {
+                let state = state.clone();
+                match tokio::task::spawn_blocking(move || state.flush_pins()).await {
                     Ok(Err(e)) => tracing::error!("pin flush failed (will retry): {e}"),
                     Err(e) => tracing::error!("pin flusher panicked: {e}"),
                     Ok(Ok(_)) => {}
@@ -123,18 +132,29 @@ fn spawn_background(gw: Arc<Gateway>) -> Vec<actix_web::rt::task::JoinHandle<()>
             }
         }
     });
-    let housekeeping = actix_web::rt::spawn(async move {
-        let mut tick = 0u64;
-        loop {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            tick += 1;
-            capacity::evaluate(&gw);
-            if tick.is_multiple_of(10) {
-                let pruned = gw.pins.prune(clock::now_ms(), gw.config.pins.ttl_secs * 1000, gw.config.pins.max_pins);
-                if pruned > 0 {
-                    tracing::debug!("pruned {pruned} pin(s)");
+    let housekeeping = actix_web::rt::spawn({
+        let (fleet, pins, capacity, calibration, events, access) = (
+            state.fleet.clone(),
+            state.pins.clone(),
+            state.capacity.clone(),
+            state.calibration.clone(),
+            state.events.clone(),
+            state.access.clone(),
+        );
+        let (ttl_ms, max_pins) = (state.config.pins.ttl_secs * 1000, state.config.pins.max_pins);
+        async move {
+            let mut tick = 0u64;
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                tick += 1;
+                capacity.evaluate(&fleet, &calibration, &events, clock::now_ms());
+                if tick.is_multiple_of(10) {
+                    let pruned = pins.prune(clock::now_ms(), ttl_ms, max_pins);
+                    if pruned > 0 {
+                        tracing::debug!("pruned {pruned} pin(s)");
+                    }
+                    access.prune();
                 }
-                gw.access.prune();
             }
         }
     });
@@ -143,7 +163,7 @@ fn spawn_background(gw: Arc<Gateway>) -> Vec<actix_web::rt::task::JoinHandle<()>
 
 /// The client-facing app: `/v1/*` and `/healthz`.
 pub fn create_traffic_app(
-    gw: web::Data<Gateway>,
+    state: web::Data<AppState>,
 ) -> App<
     impl actix_web::dev::ServiceFactory<
         actix_web::dev::ServiceRequest,
@@ -153,11 +173,16 @@ pub fn create_traffic_app(
         InitError = (),
     >,
 > {
-    let upstream = web::Data::new(proxy::Upstream::new(&gw));
+    let upstream = web::Data::new(proxy::Upstream::new(&state.config.timeouts));
+    let recorder = web::Data::new(proxy::outcome::OutcomeRecorder::new(&state));
     App::new()
         .wrap(actix_web::middleware::from_fn(access::guard_traffic))
-        .app_data(gw)
+        .app_data(web::Data::from(state.access.clone()))
+        .app_data(web::Data::from(state.metrics.clone()))
+        .app_data(web::Data::from(state.fleet.clone()))
+        .app_data(state)
         .app_data(upstream)
+        .app_data(recorder)
         .route("/healthz", web::get().to(healthz))
         .route("/v1/models", web::get().to(list_models))
         .route("/v1/{tail:.*}", web::to(proxy::forward))
@@ -166,8 +191,8 @@ pub fn create_traffic_app(
         }))
 }
 
-async fn healthz(gw: web::Data<Gateway>) -> HttpResponse {
-    let routable = gw.fleet.snapshot().iter().filter(|r| r.routable()).count();
+async fn healthz(fleet: web::Data<Fleet>) -> HttpResponse {
+    let routable = fleet.snapshot().iter().filter(|r| r.routable()).count();
     let body =
         serde_json::json!({"status": if routable > 0 { "ok" } else { "degraded" }, "routable_replicas": routable});
     if routable > 0 {
@@ -178,8 +203,8 @@ async fn healthz(gw: web::Data<Gateway>) -> HttpResponse {
 }
 
 /// `GET /v1/models`: the union of the models the replicas reported.
-async fn list_models(gw: web::Data<Gateway>) -> HttpResponse {
-    let mut ids: Vec<String> = gw.fleet.snapshot().iter().flat_map(|r| r.models().as_ref().clone()).collect();
+async fn list_models(fleet: web::Data<Fleet>) -> HttpResponse {
+    let mut ids: Vec<String> = fleet.snapshot().iter().flat_map(|r| r.models().as_ref().clone()).collect();
     ids.sort();
     ids.dedup();
     let data: Vec<_> =

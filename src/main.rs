@@ -6,9 +6,9 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand};
 use prefixgate::config::{parse_replica_flag, Config};
 use prefixgate::fleet::ReplicaSpec;
-use prefixgate::gateway::Gateway;
 use prefixgate::policy::Mode;
 use prefixgate::sim::{self, SimConfig, SimState};
+use prefixgate::state::AppState;
 
 #[derive(Parser)]
 #[command(name = "prefixgate", version, about = "Routes OpenAI traffic across LLM replicas by request shape")]
@@ -129,8 +129,8 @@ fn run_gateway(config: Config, banner: Option<String>) -> Result<(), String> {
     let traffic = bind(config.listen, "listen")?;
     let admin = bind(config.admin_listen, "admin_listen")?;
     actix_web::rt::System::new().block_on(async move {
-        let gw = Gateway::open(config).map_err(|e| e.to_string())?;
-        let running = prefixgate::start(gw, traffic, admin).map_err(|e| e.to_string())?;
+        let state = AppState::open(config).map_err(|e| e.to_string())?;
+        let running = prefixgate::start(state, traffic, admin).map_err(|e| e.to_string())?;
         // One machine-readable line: scripts (and tests) read the bound ports from it.
         println!("prefixgate listening traffic=http://{} admin=http://{}", running.traffic_addr, running.admin_addr);
         if let Some(b) = banner {

@@ -14,6 +14,12 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+use crate::admission::Admission;
+use crate::capacity::CapacityReport;
+use crate::fleet::Fleet;
+use crate::pins::PinTable;
+use crate::tokens::Calibration;
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
     pub replica: String,
@@ -215,6 +221,54 @@ impl Metrics {
             m.capacity_warning.clone(),
         );
         Metrics { registry, ..m }
+    }
+
+    /// Sets the gauges that mirror fleet and capacity state (at scrape time,
+    /// from the components themselves, so they cannot disagree with them).
+    /// Pin counts are kept incrementally by the pin table: no scan here.
+    pub fn refresh_gauges(
+        &self,
+        fleet: &Fleet,
+        pins: &PinTable,
+        admission: &Admission,
+        calibration: &Calibration,
+        report: &CapacityReport,
+    ) {
+        for family in [
+            &self.inflight,
+            &self.large_inflight,
+            &self.pins,
+            &self.replica_up,
+            &self.admission_queue_depth,
+            &self.working_set_tokens,
+            &self.kv_capacity_tokens,
+            &self.capacity_warning,
+        ] {
+            family.clear();
+        }
+        self.bytes_per_token.clear();
+        let pin_counts = pins.count_by_replica();
+        for r in fleet.snapshot().iter() {
+            let l = replica_label(&r.id);
+            self.inflight.get_or_create(&l).set(r.inflight());
+            self.large_inflight.get_or_create(&l).set(r.large_inflight());
+            self.pins.get_or_create(&l).set(pin_counts.get(&r.id).copied().unwrap_or(0) as i64);
+            self.replica_up.get_or_create(&l).set(i64::from(r.routable()));
+            self.admission_queue_depth.get_or_create(&l).set(admission.queued(&r.id) as i64);
+            self.bytes_per_token.get_or_create(&l).set(calibration.bytes_per_token(&r.id));
+            // Counters a dashboard divides by: present from the start, at zero.
+            self.admission_waits.get_or_create(&l).inc_by(0);
+            self.admission_rejections.get_or_create(&l).inc_by(0);
+        }
+        for r in &report.replicas {
+            let l = replica_label(&r.replica);
+            self.working_set_tokens.get_or_create(&l).set(r.working_set_tokens as i64);
+            self.kv_capacity_tokens.get_or_create(&l).set(r.kv_tokens.unwrap_or(0) as i64);
+            self.capacity_warning.get_or_create(&l).set(i64::from(r.over_capacity));
+        }
+        self.capacity_warning
+            .get_or_create(&replica_label("_aggregate"))
+            .set(i64::from(report.aggregate.over_capacity));
     }
 
     pub fn encode(&self) -> String {

@@ -2,15 +2,31 @@
 //! routing. Writes are tracked as "dirty" and persisted behind the requests
 //! by the store's flusher, never on a request's critical path.
 //!
+//! Why sharded: every served chat request writes a pin, and a continuation
+//! looks up one key per boundary. One global lock made every request
+//! serialize on it; 64 shards keyed by the low bits of the (already
+//! uniformly hashed) key keep writers apart, and `lookup_longest` takes each
+//! shard's read lock only for the one probe it needs.
+//!
+//! Why compact: a million pins is a normal fleet. A pin in memory is a
+//! 48-byte `Slot` (replica as a 2-byte index into an interner, tokens as
+//! u32) beside its 16-byte key; the public `Pin` (with the replica's name)
+//! is built only for callers outside the hot path.
+//!
+//! Pruning is per shard: TTL exactly, the size cap as `max / SHARDS` per
+//! shard (keys are uniform, so this is LRU within a fraction of a percent).
+//!
 //! Time is passed in (`now_ms`), so expiry and LRU eviction are testable
 //! without sleeping.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock};
 
 use serde::{Deserialize, Serialize};
 
-use crate::policy::PrefixKey;
+use crate::policy::{Boundary, PrefixKey};
+
+const SHARDS: usize = 64;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Pin {
@@ -29,23 +45,170 @@ pub struct Pin {
 /// A change waiting to be persisted: `None` means deleted.
 pub type PinChange = (PrefixKey, Option<Pin>);
 
-#[derive(Debug, Default)]
+/// Index into the replica-name interner.
+type ReplicaIdx = u16;
+
+/// A pin as stored in memory.
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    family: PrefixKey,
+    created_ms: u64,
+    last_used_ms: u64,
+    est_tokens: u32,
+    turns: u32,
+    replica: ReplicaIdx,
+}
+
+#[derive(Default)]
+struct Shard {
+    map: HashMap<PrefixKey, Slot>,
+    /// Keys changed since the last flush; the flusher reads their current
+    /// value (absent: deleted), so a key written twice is written once.
+    dirty: HashSet<PrefixKey>,
+    /// Pins per replica in this shard (kept in step, so counting is O(shards)).
+    counts: HashMap<ReplicaIdx, usize>,
+}
+
+impl Shard {
+    fn insert(&mut self, key: PrefixKey, slot: Slot) {
+        if let Some(old) = self.map.insert(key, slot) {
+            self.uncount(old.replica);
+        }
+        *self.counts.entry(slot.replica).or_default() += 1;
+        self.dirty.insert(key);
+    }
+
+    fn remove(&mut self, key: PrefixKey) -> Option<Slot> {
+        let old = self.map.remove(&key)?;
+        self.uncount(old.replica);
+        self.dirty.insert(key);
+        Some(old)
+    }
+
+    fn uncount(&mut self, r: ReplicaIdx) {
+        if let Some(n) = self.counts.get_mut(&r) {
+            *n -= 1;
+            if *n == 0 {
+                self.counts.remove(&r);
+            }
+        }
+    }
+
+    fn retain(&mut self, mut keep: impl FnMut(&PrefixKey, &Slot) -> bool) -> usize {
+        let gone: Vec<PrefixKey> = self.map.iter().filter(|(k, s)| !keep(k, s)).map(|(k, _)| *k).collect();
+        for k in &gone {
+            self.remove(*k);
+        }
+        gone.len()
+    }
+}
+
+/// Replica names, each stored once; pins refer to them by index. Names are
+/// never removed (a removed replica's index stays valid for stale readers),
+/// and there are at most 65,536 of them over a process's life.
+#[derive(Default)]
+struct Interner {
+    names: RwLock<Vec<Arc<str>>>,
+    index: Mutex<HashMap<Arc<str>, ReplicaIdx>>,
+}
+
+impl Interner {
+    fn intern(&self, name: &Arc<str>) -> ReplicaIdx {
+        let mut index = self.index.lock().expect("interner lock");
+        if let Some(i) = index.get(name) {
+            return *i;
+        }
+        let mut names = self.names.write().expect("interner lock");
+        let i = ReplicaIdx::try_from(names.len()).expect("at most 65,536 replica names per process");
+        names.push(name.clone());
+        index.insert(name.clone(), i);
+        i
+    }
+
+    fn find(&self, name: &str) -> Option<ReplicaIdx> {
+        self.index.lock().expect("interner lock").get(name).copied()
+    }
+
+    fn name(&self, i: ReplicaIdx) -> Arc<str> {
+        self.names.read().expect("interner lock")[i as usize].clone()
+    }
+}
+
+/// What `record` did, for the callers that keep derived state (the working set).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recorded {
+    pub turns: u32,
+    pub family: PrefixKey,
+    /// The replica the parent prefix lived on, when the conversation moved.
+    pub moved_from: Option<Arc<str>>,
+}
+
 pub struct PinTable {
-    map: RwLock<HashMap<PrefixKey, Pin>>,
-    dirty: Mutex<HashMap<PrefixKey, Option<Pin>>>,
+    shards: Vec<RwLock<Shard>>,
+    replicas: Interner,
+}
+
+impl Default for PinTable {
+    fn default() -> Self {
+        PinTable { shards: (0..SHARDS).map(|_| RwLock::default()).collect(), replicas: Interner::default() }
+    }
+}
+
+fn shard_of(key: PrefixKey) -> usize {
+    (key as usize) % SHARDS
+}
+
+fn tokens32(t: u64) -> u32 {
+    u32::try_from(t).unwrap_or(u32::MAX)
 }
 
 impl PinTable {
+    fn shard(&self, key: PrefixKey) -> &RwLock<Shard> {
+        &self.shards[shard_of(key)]
+    }
+
+    fn read(&self, key: PrefixKey) -> Option<Slot> {
+        self.shard(key).read().expect("pins lock").map.get(&key).copied()
+    }
+
+    fn to_pin(&self, s: Slot) -> Pin {
+        Pin {
+            replica: self.replicas.name(s.replica),
+            created_ms: s.created_ms,
+            last_used_ms: s.last_used_ms,
+            turns: s.turns,
+            est_tokens: u64::from(s.est_tokens),
+            family: s.family,
+        }
+    }
+
+    fn to_slot(&self, p: &Pin) -> Slot {
+        Slot {
+            family: p.family,
+            created_ms: p.created_ms,
+            last_used_ms: p.last_used_ms,
+            est_tokens: tokens32(p.est_tokens),
+            turns: p.turns,
+            replica: self.replicas.intern(&p.replica),
+        }
+    }
+
     pub fn replica_of(&self, key: PrefixKey) -> Option<Arc<str>> {
-        self.map.read().expect("pins lock").get(&key).map(|p| p.replica.clone())
+        self.read(key).map(|s| self.replicas.name(s.replica))
     }
 
     pub fn get(&self, key: PrefixKey) -> Option<Pin> {
-        self.map.read().expect("pins lock").get(&key).cloned()
+        self.read(key).map(|s| self.to_pin(s))
+    }
+
+    /// The longest boundary that has a pin (walking from the end), with its
+    /// index and the pin: the one lookup a routing decision needs.
+    pub fn lookup_longest(&self, boundaries: &[Boundary]) -> Option<(usize, Pin)> {
+        boundaries.iter().enumerate().rev().find_map(|(i, b)| self.get(b.key).map(|p| (i, p)))
     }
 
     pub fn len(&self) -> usize {
-        self.map.read().expect("pins lock").len()
+        self.shards.iter().map(|s| s.read().expect("pins lock").map.len()).sum()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -55,122 +218,162 @@ impl PinTable {
     /// Records that `replica` served the prefix `key`. `parent` is the
     /// matched shorter prefix of the same conversation, if any: it stays
     /// alive too, and its turn count carries over.
-    pub fn record(&self, key: PrefixKey, replica: &Arc<str>, parent: Option<PrefixKey>, est_tokens: u64, now_ms: u64) {
-        let mut map = self.map.write().expect("pins lock");
-        let mut dirty = self.dirty.lock().expect("dirty lock");
+    pub fn record(
+        &self,
+        key: PrefixKey,
+        replica: &Arc<str>,
+        parent: Option<PrefixKey>,
+        est_tokens: u64,
+        now_ms: u64,
+    ) -> Recorded {
+        let idx = self.replicas.intern(replica);
+        let mut moved_from = None;
+        // Parent and child may share a shard: take one lock at a time.
         let parent_info = parent.filter(|p| *p != key).and_then(|p| {
-            let pin = map.get_mut(&p)?;
-            pin.last_used_ms = now_ms;
-            if pin.replica != *replica {
+            let mut shard = self.shard(p).write().expect("pins lock");
+            let mut slot = *shard.map.get(&p)?;
+            slot.last_used_ms = now_ms;
+            if slot.replica != idx {
                 // The conversation moved: the old prefix lives where it moved to.
-                pin.replica = replica.clone();
+                moved_from = Some(self.replicas.name(slot.replica));
+                slot.replica = idx;
             }
-            dirty.insert(p, Some(pin.clone()));
-            Some((pin.turns, pin.family))
+            shard.insert(p, slot);
+            Some((slot.turns, slot.family))
         });
-        let pin = map
-            .entry(key)
-            .and_modify(|p| {
-                p.last_used_ms = now_ms;
-                p.replica = replica.clone();
-                p.turns += 1;
-                p.est_tokens = est_tokens;
-            })
-            .or_insert_with(|| Pin {
-                replica: replica.clone(),
+        let mut shard = self.shard(key).write().expect("pins lock");
+        let slot = match shard.map.get(&key) {
+            Some(old) => Slot {
+                last_used_ms: now_ms,
+                replica: idx,
+                turns: old.turns.saturating_add(1),
+                est_tokens: tokens32(est_tokens),
+                ..*old
+            },
+            None => Slot {
+                family: parent_info.map_or(key, |(_, f)| f),
                 created_ms: now_ms,
                 last_used_ms: now_ms,
-                turns: parent_info.map_or(1, |(t, _)| t + 1),
-                est_tokens,
-                family: parent_info.map_or(key, |(_, f)| f),
-            });
-        dirty.insert(key, Some(pin.clone()));
+                est_tokens: tokens32(est_tokens),
+                turns: parent_info.map_or(1, |(t, _)| t.saturating_add(1)),
+                replica: idx,
+            },
+        };
+        shard.insert(key, slot);
+        Recorded { turns: slot.turns, family: slot.family, moved_from }
     }
 
     /// Loads persisted pins at startup (not marked dirty).
     pub fn restore(&self, pins: impl IntoIterator<Item = (PrefixKey, Pin)>) {
-        self.map.write().expect("pins lock").extend(pins);
+        for (key, pin) in pins {
+            let slot = self.to_slot(&pin);
+            let mut shard = self.shard(key).write().expect("pins lock");
+            if let Some(old) = shard.map.insert(key, slot) {
+                shard.uncount(old.replica);
+            }
+            *shard.counts.entry(slot.replica).or_default() += 1;
+        }
     }
 
     pub fn remove(&self, key: PrefixKey) -> bool {
-        let removed = self.map.write().expect("pins lock").remove(&key).is_some();
-        if removed {
-            self.dirty.lock().expect("dirty lock").insert(key, None);
-        }
-        removed
+        self.shard(key).write().expect("pins lock").remove(key).is_some()
     }
 
     /// Removes every pin of `replica`; returns how many.
     pub fn remove_replica(&self, replica: &str) -> usize {
-        self.remove_where(|_, p| &*p.replica == replica)
+        let Some(idx) = self.replicas.find(replica) else { return 0 };
+        self.shards.iter().map(|s| s.write().expect("pins lock").retain(|_, slot| slot.replica != idx)).sum()
     }
 
     /// Forgets pins idle for longer than `ttl_ms`, then the least recently
-    /// used beyond `max`. Returns how many went.
+    /// used beyond `max` (per shard: `max / 64`). Returns how many went.
+    /// One shard is locked at a time, so requests on other shards go on.
     pub fn prune(&self, now_ms: u64, ttl_ms: u64, max: usize) -> usize {
-        let expired = self.remove_where(|_, p| now_ms.saturating_sub(p.last_used_ms) > ttl_ms);
-        let mut map = self.map.write().expect("pins lock");
-        if map.len() <= max {
-            return expired;
-        }
-        let excess = map.len() - max;
-        let mut ages: Vec<(u64, PrefixKey)> = map.iter().map(|(k, p)| (p.last_used_ms, *k)).collect();
-        ages.select_nth_unstable(excess - 1);
-        let mut dirty = self.dirty.lock().expect("dirty lock");
-        for (_, key) in &ages[..excess] {
-            map.remove(key);
-            dirty.insert(*key, None);
-        }
-        expired + excess
-    }
-
-    fn remove_where(&self, pred: impl Fn(&PrefixKey, &Pin) -> bool) -> usize {
-        let mut map = self.map.write().expect("pins lock");
-        let mut dirty = self.dirty.lock().expect("dirty lock");
-        let before = map.len();
-        map.retain(|k, p| {
-            let gone = pred(k, p);
-            if gone {
-                dirty.insert(*k, None);
+        let per_shard = max.div_ceil(SHARDS);
+        let mut gone = 0;
+        for shard in &self.shards {
+            let mut shard = shard.write().expect("pins lock");
+            gone += shard.retain(|_, s| now_ms.saturating_sub(s.last_used_ms) <= ttl_ms);
+            if shard.map.len() > per_shard {
+                let excess = shard.map.len() - per_shard;
+                let mut ages: Vec<(u64, PrefixKey)> = shard.map.iter().map(|(k, s)| (s.last_used_ms, *k)).collect();
+                ages.select_nth_unstable(excess - 1);
+                for (_, key) in &ages[..excess] {
+                    shard.remove(*key);
+                }
+                gone += excess;
             }
-            !gone
-        });
-        before - map.len()
+        }
+        gone
     }
 
     /// The changes since the last call, for the write-behind flusher.
     pub fn take_dirty(&self) -> Vec<PinChange> {
-        std::mem::take(&mut *self.dirty.lock().expect("dirty lock")).into_iter().collect()
-    }
-
-    pub fn count_by_replica(&self) -> HashMap<Arc<str>, usize> {
-        let mut counts = HashMap::new();
-        for p in self.map.read().expect("pins lock").values() {
-            *counts.entry(p.replica.clone()).or_default() += 1;
+        let mut out = Vec::new();
+        for shard in &self.shards {
+            let mut shard = shard.write().expect("pins lock");
+            let keys = std::mem::take(&mut shard.dirty);
+            out.extend(keys.into_iter().map(|k| (k, shard.map.get(&k).copied())));
         }
-        counts
+        out.into_iter().map(|(k, s)| (k, s.map(|s| self.to_pin(s)))).collect()
     }
 
-    /// A page of pins, most recently used first.
-    pub fn page(&self, replica: Option<&str>, offset: usize, limit: usize) -> (usize, Vec<(PrefixKey, Pin)>) {
-        let map = self.map.read().expect("pins lock");
-        let mut all: Vec<(PrefixKey, Pin)> = map
-            .iter()
-            .filter(|(_, p)| replica.is_none_or(|r| &*p.replica == r))
-            .map(|(k, p)| (*k, p.clone()))
-            .collect();
-        drop(map);
+    /// Pins held per replica (kept incrementally: no scan of the table).
+    pub fn count_by_replica(&self) -> HashMap<Arc<str>, usize> {
+        let mut by_idx: HashMap<ReplicaIdx, usize> = HashMap::new();
+        for shard in &self.shards {
+            for (r, n) in &shard.read().expect("pins lock").counts {
+                *by_idx.entry(*r).or_default() += n;
+            }
+        }
+        by_idx.into_iter().map(|(r, n)| (self.replicas.name(r), n)).collect()
+    }
+
+    /// A page of pins, most recently used first, optionally only those of
+    /// `replica` and whose key starts with the hex digits `key_prefix`.
+    /// Admin-only: a scan, one shard lock at a time.
+    pub fn page(
+        &self,
+        replica: Option<&str>,
+        key_prefix: &str,
+        offset: usize,
+        limit: usize,
+    ) -> (usize, Vec<(PrefixKey, Pin)>) {
+        let idx = match replica {
+            Some(r) => match self.replicas.find(r) {
+                Some(i) => Some(i),
+                None => return (0, Vec::new()),
+            },
+            None => None,
+        };
+        let mut all: Vec<(PrefixKey, Slot)> = Vec::new();
+        for shard in &self.shards {
+            let shard = shard.read().expect("pins lock");
+            all.extend(
+                shard
+                    .map
+                    .iter()
+                    .filter(|(k, s)| {
+                        idx.is_none_or(|i| s.replica == i)
+                            && (key_prefix.is_empty() || format!("{k:032x}").starts_with(key_prefix))
+                    })
+                    .map(|(k, s)| (*k, *s)),
+            );
+        }
         let total = all.len();
         all.sort_unstable_by(|a, b| b.1.last_used_ms.cmp(&a.1.last_used_ms).then(a.0.cmp(&b.0)));
-        (total, all.into_iter().skip(offset).take(limit).collect())
+        (total, all.into_iter().skip(offset).take(limit).map(|(k, s)| (k, self.to_pin(s))).collect())
     }
 
     /// Pins of conversations that came back (a second turn or more), used
-    /// since `since_ms`: the working-set estimate. One-shot pins, usually the
-    /// vast majority, are not copied out.
+    /// since `since_ms`. Used once at startup to seed the working set.
     pub fn conversations_active_since(&self, since_ms: u64) -> Vec<Pin> {
-        let map = self.map.read().expect("pins lock");
-        map.values().filter(|p| p.turns >= 2 && p.last_used_ms >= since_ms).cloned().collect()
+        let mut out = Vec::new();
+        for shard in &self.shards {
+            let shard = shard.read().expect("pins lock");
+            out.extend(shard.map.values().filter(|s| s.turns >= 2 && s.last_used_ms >= since_ms).copied());
+        }
+        out.into_iter().map(|s| self.to_pin(s)).collect()
     }
 }
 
@@ -188,7 +391,8 @@ mod tests {
         t.record(1, &id("a"), None, 10, 100);
         t.record(2, &id("a"), Some(1), 20, 200);
         assert_eq!(t.get(2).unwrap().turns, 2);
-        t.record(3, &id("b"), Some(2), 30, 300);
+        let r = t.record(3, &id("b"), Some(2), 30, 300);
+        assert_eq!(r.moved_from.as_deref(), Some("a"));
         assert_eq!(&*t.get(2).unwrap().replica, "b");
         assert_eq!(t.get(3).unwrap().turns, 3);
         assert_eq!(t.get(3).unwrap().family, 1);
@@ -199,25 +403,53 @@ mod tests {
     #[test]
     fn prune_drops_expired_then_least_recently_used() {
         let t = PinTable::default();
+        // Keys 0..10 land in ten different shards; the cap is per shard, so
+        // test it within one shard: keys k * SHARDS share shard 0.
         for k in 0..10u128 {
-            t.record(k, &id("a"), None, 1, k as u64 * 10);
+            t.record(k * SHARDS as u128, &id("a"), None, 1, k as u64 * 10);
         }
         t.take_dirty();
-        assert_eq!(t.prune(100, 55, 100), 5); // last used 0..=40 are idle for more than 55 ms
-        assert_eq!(t.prune(100, 1_000, 3), 2); // keep the three most recent
-        let (total, page) = t.page(None, 0, 10);
+        assert_eq!(t.prune(100, 55, usize::MAX), 5); // last used 0..=40 are idle for more than 55 ms
+        assert_eq!(t.prune(100, 1_000, 3 * SHARDS), 2); // keep the three most recent
+        let (total, page) = t.page(None, "", 0, 10);
         assert_eq!(total, 3);
-        assert_eq!(page.iter().map(|(k, _)| *k).collect::<Vec<_>>(), vec![9, 8, 7]);
+        assert_eq!(page.iter().map(|(k, _)| *k / SHARDS as u128).collect::<Vec<_>>(), vec![9, 8, 7]);
         assert_eq!(t.take_dirty().iter().filter(|(_, p)| p.is_none()).count(), 7);
     }
 
     #[test]
-    fn removing_a_replica_removes_only_its_pins() {
+    fn removing_a_replica_removes_only_its_pins_and_counts_follow() {
         let t = PinTable::default();
         t.record(1, &id("a"), None, 1, 1);
         t.record(2, &id("b"), None, 1, 1);
+        t.record(3, &id("a"), None, 1, 1);
+        t.record(3, &id("b"), None, 1, 2); // moved: counted once, on b
+        assert_eq!(t.count_by_replica().get("a"), Some(&1));
+        assert_eq!(t.count_by_replica().get("b"), Some(&2));
         assert_eq!(t.remove_replica("a"), 1);
         assert_eq!(t.replica_of(2).as_deref(), Some("b"));
         assert_eq!(t.replica_of(1), None);
+        assert_eq!(t.count_by_replica().get("a"), None);
+    }
+
+    #[test]
+    fn lookup_longest_finds_the_last_pinned_boundary() {
+        let t = PinTable::default();
+        let b = |key| Boundary { key, bytes: 0 };
+        t.record(11, &id("a"), None, 1, 1);
+        t.record(13, &id("b"), None, 1, 1);
+        let (i, pin) = t.lookup_longest(&[b(10), b(11), b(12), b(13), b(14)]).unwrap();
+        assert_eq!((i, &*pin.replica), (3, "b"));
+        assert!(t.lookup_longest(&[b(1), b(2)]).is_none());
+    }
+
+    #[test]
+    fn restored_pins_round_trip_and_are_not_dirty() {
+        let t = PinTable::default();
+        let p = Pin { replica: id("gpu-1"), created_ms: 5, last_used_ms: 9, turns: 4, est_tokens: 90_000, family: 77 };
+        t.restore([(42, p.clone())]);
+        assert_eq!(t.get(42), Some(p));
+        assert!(t.take_dirty().is_empty());
+        assert_eq!(t.count_by_replica().get("gpu-1"), Some(&1));
     }
 }

@@ -235,7 +235,7 @@ async fn the_admin_ui_steers_the_fleet_in_a_real_browser() {
     page.screenshot("drained").await;
 
     // Find the conversation's pin by searching its key.
-    let key = gw.gw.pins.page(Some(&convo.replica), 0, 1).1[0].0;
+    let key = gw.gw.pins.page(Some(&convo.replica), "", 0, 1).1[0].0;
     let key = format!("{key:032x}");
     page.eval(&format!(
         "const s = document.querySelector('#pin-search'); s.value = '{}'; s.dispatchEvent(new Event('input')); true",

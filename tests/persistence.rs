@@ -20,19 +20,22 @@ async fn pins_replicas_admin_state_and_events_survive_a_graceful_restart() {
 
     let gw = start_gateway(config.clone()).await;
     let first = chat(&gw, &[("user", "persist me")]).await;
-    gw.gw.set_admin("b", AdminState::Draining).unwrap();
-    gw.gw.set_admin("b", AdminState::Active).unwrap();
-    gw.gw.set_admin("a", AdminState::Disabled).unwrap();
-    gw.gw.set_admin("a", AdminState::Active).unwrap();
+    gw.gw.operator.set_admin("b", AdminState::Draining).unwrap();
+    gw.gw.operator.set_admin("b", AdminState::Active).unwrap();
+    gw.gw.operator.set_admin("a", AdminState::Disabled).unwrap();
+    gw.gw.operator.set_admin("a", AdminState::Active).unwrap();
     let c = prefixgate::fleet::ReplicaSpec::new("c", "http://127.0.0.1:9");
-    gw.gw.add_replica(c).unwrap();
-    gw.gw.set_admin("c", AdminState::Disabled).unwrap();
-    let policy = prefixgate::gateway::PolicySettings {
+    gw.gw.operator.add_replica(c).unwrap();
+    gw.gw.operator.set_admin("c", AdminState::Disabled).unwrap();
+    let policy = prefixgate::policy::PolicySettings {
         mode: prefixgate::policy::Mode::Affinity,
         identity: prefixgate::policy::IdentityBlocks { block_bytes: 2048, block_tokens: 128 },
     };
-    gw.gw.set_policy(policy).unwrap();
-    gw.gw.set_policy(prefixgate::gateway::PolicySettings { mode: prefixgate::policy::Mode::Shape, ..policy }).unwrap();
+    gw.gw.operator.set_policy(policy).unwrap();
+    gw.gw
+        .operator
+        .set_policy(prefixgate::policy::PolicySettings { mode: prefixgate::policy::Mode::Shape, ..policy })
+        .unwrap();
     let events_before = gw.gw.events.query(&Default::default());
     let last_id = gw.gw.events.query(&prefixgate::events::EventFilter { limit: 1, ..Default::default() })[0].id;
     gw.stop().await;
@@ -44,7 +47,7 @@ async fn pins_replicas_admin_state_and_events_survive_a_graceful_restart() {
     assert_eq!(ids.len(), 3, "{ids:?}");
     assert_eq!(gw.gw.fleet.get("c").unwrap().admin(), AdminState::Disabled);
     assert_eq!(gw.gw.pins.len(), 1);
-    assert_eq!(gw.gw.policy().identity.block_bytes, 2048, "the policy set through the API persists");
+    assert_eq!(gw.gw.policy.get().identity.block_bytes, 2048, "the policy set through the API persists");
     let again = chat(&gw, &[("user", "persist me"), ("assistant", "ok"), ("user", "back after a restart")]).await;
     assert_eq!((again.route.as_str(), again.replica.as_str()), ("pinned", first.replica.as_str()));
     assert_eq!(gw.gw.events.count(EventKind::DrainStarted), 1);

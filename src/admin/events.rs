@@ -7,7 +7,7 @@ use utoipa_actix_web::service_config::ServiceConfig;
 
 use crate::error::{ApiError, ErrorBody};
 use crate::events::{Event, EventFilter, EventKind};
-use crate::gateway::Gateway;
+use crate::state::AppState;
 
 pub fn routes(cfg: &mut ServiceConfig) {
     cfg.service(list);
@@ -36,7 +36,7 @@ pub struct EventPage {
 
 #[utoipa::path(tag = "events", params(EventQuery), responses((status = 200, body = EventPage), (status = 400, body = ErrorBody)))]
 #[get("/events")]
-async fn list(gw: web::Data<Gateway>, q: web::Query<EventQuery>) -> Result<web::Json<EventPage>, ApiError> {
+async fn list(s: web::Data<AppState>, q: web::Query<EventQuery>) -> Result<web::Json<EventPage>, ApiError> {
     let limit = q.limit.unwrap_or(100).clamp(1, 1000);
     let kind = q.kind.as_deref().map(str::parse::<EventKind>).transpose().map_err(ApiError::BadRequest)?;
     let since_ms = q
@@ -45,8 +45,7 @@ async fn list(gw: web::Data<Gateway>, q: web::Query<EventQuery>) -> Result<web::
         .map(|s| humantime::parse_rfc3339_weak(s).map(crate::clock::unix_ms))
         .transpose()
         .map_err(|e| ApiError::BadRequest(format!("since: {e} (expected RFC 3339)")))?;
-    let items =
-        gw.events.query(&EventFilter { kind, replica: q.replica.clone(), since_ms, before_id: q.cursor, limit });
+    let items = s.events.query(&EventFilter { kind, replica: q.replica.clone(), since_ms, before_id: q.cursor, limit });
     let next_cursor = (items.len() == limit).then(|| items.last().map(|e| e.id)).flatten();
     Ok(web::Json(EventPage { items, next_cursor }))
 }

@@ -17,7 +17,7 @@ use utoipa_actix_web::{scope, AppExt};
 use utoipa_swagger_ui::SwaggerUi;
 
 use crate::error::ApiError;
-use crate::gateway::Gateway;
+use crate::state::AppState;
 
 #[derive(OpenApi)]
 #[openapi(
@@ -79,7 +79,7 @@ pub fn openapi_json() -> String {
 }
 
 pub fn create_admin_app(
-    gw: web::Data<Gateway>,
+    state: web::Data<AppState>,
 ) -> App<
     impl actix_web::dev::ServiceFactory<
         actix_web::dev::ServiceRequest,
@@ -92,7 +92,9 @@ pub fn create_admin_app(
     let (app, api) = App::new()
         .into_utoipa_app()
         .openapi(ApiDoc::openapi())
-        .app_data(gw)
+        .app_data(web::Data::from(state.access.clone()))
+        .app_data(web::Data::from(state.operator.clone()))
+        .app_data(state)
         .app_data(json_config())
         .app_data(query_config())
         .app_data(path_config())
@@ -121,9 +123,10 @@ fn path_config() -> web::PathConfig {
     web::PathConfig::default().error_handler(|e, _| ApiError::BadRequest(format!("invalid path: {e}")).into())
 }
 
-async fn metrics(gw: web::Data<Gateway>) -> HttpResponse {
-    crate::capacity::refresh_gauges(&gw);
-    HttpResponse::Ok().content_type("text/plain; version=0.0.4; charset=utf-8").body(gw.metrics.encode())
+async fn metrics(s: web::Data<AppState>) -> HttpResponse {
+    let report = s.capacity.report(&s.fleet, &s.calibration, crate::clock::now_ms());
+    s.metrics.refresh_gauges(&s.fleet, &s.pins, &s.admission, &s.calibration, &report);
+    HttpResponse::Ok().content_type("text/plain; version=0.0.4; charset=utf-8").body(s.metrics.encode())
 }
 
 /// Milliseconds since the epoch as an RFC 3339 timestamp.

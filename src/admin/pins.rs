@@ -7,9 +7,10 @@ use utoipa_actix_web::service_config::ServiceConfig;
 
 use super::rfc3339;
 use crate::error::{ApiError, ErrorBody};
-use crate::gateway::Gateway;
+use crate::operator::Operator;
 use crate::pins::Pin;
 use crate::policy::PrefixKey;
+use crate::state::AppState;
 
 pub fn routes(cfg: &mut ServiceConfig) {
     cfg.service(list).service(get_one).service(remove);
@@ -61,19 +62,13 @@ pub struct PinPage {
 
 #[utoipa::path(tag = "pins", params(PinQuery), responses((status = 200, body = PinPage), (status = 400, body = ErrorBody)))]
 #[get("/pins")]
-async fn list(gw: web::Data<Gateway>, q: web::Query<PinQuery>) -> Result<web::Json<PinPage>, ApiError> {
+async fn list(s: web::Data<AppState>, q: web::Query<PinQuery>) -> Result<web::Json<PinPage>, ApiError> {
     let limit = q.limit.unwrap_or(50).clamp(1, 1000);
     let prefix = q.key_prefix.as_deref().unwrap_or("").to_ascii_lowercase();
     if !prefix.chars().all(|c| c.is_ascii_hexdigit()) || prefix.len() > 32 {
         return Err(ApiError::BadRequest("key_prefix must be up to 32 hex digits".into()));
     }
-    let (total, items) = if prefix.is_empty() {
-        gw.pins.page(q.replica.as_deref(), q.offset, limit)
-    } else {
-        let (_, all) = gw.pins.page(q.replica.as_deref(), 0, usize::MAX);
-        let matching: Vec<_> = all.into_iter().filter(|(k, _)| format!("{k:032x}").starts_with(&prefix)).collect();
-        (matching.len(), matching.into_iter().skip(q.offset).take(limit).collect())
-    };
+    let (total, items) = s.pins.page(q.replica.as_deref(), &prefix, q.offset, limit);
     Ok(web::Json(PinPage { total, offset: q.offset, limit, items: items.iter().map(|(k, p)| view(*k, p)).collect() }))
 }
 
@@ -87,19 +82,16 @@ fn parse_key(key: &str) -> Result<PrefixKey, ApiError> {
 #[utoipa::path(tag = "pins", params(("key" = String, Path, description = "32 hex digits")),
     responses((status = 200, body = PinView), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
 #[get("/pins/{key}")]
-async fn get_one(gw: web::Data<Gateway>, key: web::Path<String>) -> Result<web::Json<PinView>, ApiError> {
+async fn get_one(s: web::Data<AppState>, key: web::Path<String>) -> Result<web::Json<PinView>, ApiError> {
     let k = parse_key(&key)?;
-    let pin = gw.pins.get(k).ok_or_else(|| ApiError::NotFound(format!("no pin {key}")))?;
+    let pin = s.pins.get(k).ok_or_else(|| ApiError::NotFound(format!("no pin {key}")))?;
     Ok(web::Json(view(k, &pin)))
 }
 
 #[utoipa::path(tag = "pins", params(("key" = String, Path, description = "32 hex digits")),
     responses((status = 204, description = "deleted"), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
 #[delete("/pins/{key}")]
-async fn remove(gw: web::Data<Gateway>, key: web::Path<String>) -> Result<HttpResponse, ApiError> {
-    if gw.pins.remove(parse_key(&key)?) {
-        Ok(HttpResponse::NoContent().finish())
-    } else {
-        Err(ApiError::NotFound(format!("no pin {key}")))
-    }
+async fn remove(operator: web::Data<Operator>, key: web::Path<String>) -> Result<HttpResponse, ApiError> {
+    operator.delete_pin(parse_key(&key)?)?;
+    Ok(HttpResponse::NoContent().finish())
 }

@@ -5,7 +5,9 @@ use actix_web::{get, put, web};
 use utoipa_actix_web::service_config::ServiceConfig;
 
 use crate::error::{ApiError, ErrorBody};
-use crate::gateway::{Gateway, PolicySettings};
+use crate::operator::Operator;
+use crate::policy::{CurrentPolicy, PolicySettings};
+use crate::state::AppState;
 
 pub fn routes(cfg: &mut ServiceConfig) {
     cfg.service(get_policy).service(put_policy);
@@ -13,8 +15,8 @@ pub fn routes(cfg: &mut ServiceConfig) {
 
 #[utoipa::path(tag = "policy", responses((status = 200, body = PolicySettings)))]
 #[get("/policy")]
-async fn get_policy(gw: web::Data<Gateway>) -> web::Json<PolicySettings> {
-    web::Json(gw.policy())
+async fn get_policy(s: web::Data<AppState>) -> web::Json<PolicySettings> {
+    web::Json(CurrentPolicy::get(&s.policy))
 }
 
 #[utoipa::path(tag = "policy", request_body(content = PolicySettings,
@@ -22,9 +24,8 @@ async fn get_policy(gw: web::Data<Gateway>) -> web::Json<PolicySettings> {
     responses((status = 200, body = PolicySettings), (status = 400, body = ErrorBody), (status = 422, body = ErrorBody)))]
 #[put("/policy")]
 async fn put_policy(
-    gw: web::Data<Gateway>,
+    operator: web::Data<Operator>,
     body: web::Json<PolicySettings>,
 ) -> Result<web::Json<PolicySettings>, ApiError> {
-    gw.set_policy(body.into_inner())?;
-    Ok(web::Json(gw.policy()))
+    Ok(web::Json(operator.set_policy(body.into_inner())?))
 }

@@ -11,7 +11,8 @@ use utoipa_actix_web::service_config::ServiceConfig;
 use super::rfc3339;
 use crate::error::{ApiError, ErrorBody};
 use crate::fleet::{validate_id, AdminState, Health, Replica, ReplicaSpec};
-use crate::gateway::Gateway;
+use crate::operator::{Operator, ReplicaPatch};
+use crate::state::AppState;
 
 pub fn routes(cfg: &mut ServiceConfig) {
     cfg.service(list)
@@ -44,7 +45,9 @@ pub struct ReplicaView {
     pub inflight: i64,
     pub large_inflight: i64,
     pub pins: usize,
-    pub served_total: u64,
+    /// Attempts sent to this replica since the gateway started (a request
+    /// that failed over counts on every replica it tried).
+    pub attempts_total: u64,
     pub last_check: Option<String>,
     pub last_error: Option<String>,
     pub models: Vec<String>,
@@ -56,20 +59,20 @@ pub struct ReplicaView {
     pub admission_queue: usize,
 }
 
-pub fn view(gw: &Gateway, r: &Replica) -> ReplicaView {
-    view_with_pins(gw, r, &gw.pins.count_by_replica())
+pub fn view(s: &AppState, r: &Replica) -> ReplicaView {
+    view_with_pins(s, r, &s.pins.count_by_replica())
 }
 
-/// `pin_counts` is computed once per response: counting is a scan of the table.
+/// `pin_counts` is read once per response.
 fn view_with_pins(
-    gw: &Gateway,
+    s: &AppState,
     r: &Replica,
     pin_counts: &std::collections::HashMap<std::sync::Arc<str>, usize>,
 ) -> ReplicaView {
     let spec = r.spec();
-    let probe = r.probe.lock().expect("probe lock").clone();
+    let probe = r.probe_state();
     let pins = pin_counts.get(&r.id).copied().unwrap_or(0);
-    let cap = gw.capacity.replica(&r.id);
+    let cap = s.capacity.replica(&r.id);
     ReplicaView {
         id: r.id.to_string(),
         url: spec.url.clone(),
@@ -82,13 +85,13 @@ fn view_with_pins(
         inflight: r.inflight(),
         large_inflight: r.large_inflight(),
         pins,
-        served_total: r.served(),
+        attempts_total: r.attempts(),
         last_check: probe.last_check_ms.map(rfc3339),
         last_error: probe.last_error,
         models: r.models().as_ref().clone(),
-        bytes_per_token: cap.bytes_per_token,
+        bytes_per_token: s.calibration.bytes_per_token(&r.id),
         working_set_tokens: cap.working_set_tokens,
-        admission_queue: gw.admission.queued(&r.id),
+        admission_queue: s.admission.queued(&r.id),
     }
 }
 
@@ -99,17 +102,17 @@ fn checked_id(id: &str) -> Result<&str, ApiError> {
 
 #[utoipa::path(tag = "replicas", responses((status = 200, body = Vec<ReplicaView>)))]
 #[get("/replicas")]
-async fn list(gw: web::Data<Gateway>) -> web::Json<Vec<ReplicaView>> {
-    let counts = gw.pins.count_by_replica();
-    web::Json(gw.fleet.snapshot().iter().map(|r| view_with_pins(&gw, r, &counts)).collect())
+async fn list(s: web::Data<AppState>) -> web::Json<Vec<ReplicaView>> {
+    let counts = s.pins.count_by_replica();
+    web::Json(s.fleet.snapshot().iter().map(|r| view_with_pins(&s, r, &counts)).collect())
 }
 
 #[utoipa::path(tag = "replicas", params(("id" = String, Path, description = "replica id")),
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody)))]
 #[get("/replicas/{id}")]
-async fn get_one(gw: web::Data<Gateway>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
-    let r = gw.replica(checked_id(&id)?)?;
-    Ok(web::Json(view(&gw, &r)))
+async fn get_one(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
+    let r = s.operator.replica(checked_id(&id)?)?;
+    Ok(web::Json(view(&s, &r)))
 }
 
 /// A replica to add.
@@ -128,76 +131,34 @@ pub struct NewReplica {
 #[utoipa::path(tag = "replicas", request_body = NewReplica,
     responses((status = 201, body = ReplicaView), (status = 400, body = ErrorBody), (status = 409, body = ErrorBody), (status = 422, body = ErrorBody)))]
 #[post("/replicas")]
-async fn add(gw: web::Data<Gateway>, body: web::Json<NewReplica>) -> Result<HttpResponse, ApiError> {
+async fn add(s: web::Data<AppState>, body: web::Json<NewReplica>) -> Result<HttpResponse, ApiError> {
     let b = body.into_inner();
     let mut spec = ReplicaSpec::new(&b.id, &b.url);
     spec.api_key = b.api_key.filter(|k| !k.is_empty());
     spec.health_path = b.health_path;
     spec.max_large_inflight = b.max_large_inflight;
     spec.kv_tokens = b.kv_tokens;
-    let r = gw.add_replica(spec)?;
-    Ok(HttpResponse::Created().json(view(&gw, &r)))
-}
-
-/// Fields to change; absent fields keep their value.
-#[derive(Debug, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-#[schema(example = json!({"max_large_inflight": 2}))]
-pub struct ReplicaPatch {
-    pub url: Option<String>,
-    /// Sets the upstream API key (write-only).
-    pub api_key: Option<String>,
-    /// Removes the upstream API key.
-    #[serde(default)]
-    pub clear_api_key: bool,
-    pub health_path: Option<String>,
-    pub max_large_inflight: Option<u32>,
-    #[serde(default)]
-    pub clear_max_large_inflight: bool,
-    pub kv_tokens: Option<u64>,
+    let r = s.operator.add_replica(spec)?;
+    Ok(HttpResponse::Created().json(view(&s, &r)))
 }
 
 #[utoipa::path(tag = "replicas", params(("id" = String, Path)), request_body = ReplicaPatch,
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody), (status = 422, body = ErrorBody)))]
 #[patch("/replicas/{id}")]
 async fn update(
-    gw: web::Data<Gateway>,
+    s: web::Data<AppState>,
     id: web::Path<String>,
     body: web::Json<ReplicaPatch>,
 ) -> Result<web::Json<ReplicaView>, ApiError> {
-    let r = gw.replica(checked_id(&id)?)?;
-    let p = body.into_inner();
-    let mut spec = (*r.spec()).clone();
-    if let Some(url) = p.url {
-        spec.url = crate::fleet::normalize_url(&url);
-    }
-    if p.clear_api_key {
-        spec.api_key = None;
-    }
-    if let Some(k) = p.api_key.filter(|k| !k.is_empty()) {
-        spec.api_key = Some(k);
-    }
-    if let Some(h) = p.health_path {
-        spec.health_path = Some(h);
-    }
-    if p.clear_max_large_inflight {
-        spec.max_large_inflight = None;
-    }
-    if let Some(m) = p.max_large_inflight {
-        spec.max_large_inflight = Some(m);
-    }
-    if let Some(k) = p.kv_tokens {
-        spec.kv_tokens = Some(k);
-    }
-    let r = gw.update_replica(spec)?;
-    Ok(web::Json(view(&gw, &r)))
+    let r = s.operator.update_replica(checked_id(&id)?, body.into_inner())?;
+    Ok(web::Json(view(&s, &r)))
 }
 
 #[utoipa::path(tag = "replicas", params(("id" = String, Path)),
     responses((status = 204, description = "removed, with its pins"), (status = 404, body = ErrorBody)))]
 #[delete("/replicas/{id}")]
-async fn remove(gw: web::Data<Gateway>, id: web::Path<String>) -> Result<HttpResponse, ApiError> {
-    gw.remove_replica(checked_id(&id)?)?;
+async fn remove(operator: web::Data<Operator>, id: web::Path<String>) -> Result<HttpResponse, ApiError> {
+    operator.remove_replica(checked_id(&id)?)?;
     Ok(HttpResponse::NoContent().finish())
 }
 
@@ -216,43 +177,39 @@ pub struct DrainQuery {
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 504, body = ErrorBody)))]
 #[post("/replicas/{id}/drain")]
 async fn drain(
-    gw: web::Data<Gateway>,
+    s: web::Data<AppState>,
     id: web::Path<String>,
     q: web::Query<DrainQuery>,
 ) -> Result<web::Json<ReplicaView>, ApiError> {
-    let r = gw.set_admin(checked_id(&id)?, AdminState::Draining)?;
+    let r = s.operator.drain(checked_id(&id)?)?;
     if q.wait {
-        gw.wait_drained(&r, Duration::from_secs(q.timeout.unwrap_or(60).min(3600))).await?;
+        s.operator.wait_drained(&r, Duration::from_secs(q.timeout.unwrap_or(60).min(3600))).await?;
     }
-    Ok(web::Json(view(&gw, &r)))
+    Ok(web::Json(view(&s, &r)))
 }
 
 #[utoipa::path(tag = "replicas", params(("id" = String, Path)), description = "Undoes a drain.",
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 #[post("/replicas/{id}/resume")]
-async fn resume(gw: web::Data<Gateway>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
-    let r = gw.replica(checked_id(&id)?)?;
-    if r.admin() == AdminState::Disabled {
-        return Err(ApiError::Conflict(format!("replica '{id}' is disabled; use enable")));
-    }
-    let r = gw.set_admin(&id, AdminState::Active)?;
-    Ok(web::Json(view(&gw, &r)))
+async fn resume(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
+    let r = s.operator.resume(checked_id(&id)?)?;
+    Ok(web::Json(view(&s, &r)))
 }
 
 #[utoipa::path(tag = "replicas", params(("id" = String, Path)), description = "Demotes a replica by hand; sticky until enable.",
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody)))]
 #[post("/replicas/{id}/disable")]
-async fn disable(gw: web::Data<Gateway>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
-    let r = gw.set_admin(checked_id(&id)?, AdminState::Disabled)?;
-    Ok(web::Json(view(&gw, &r)))
+async fn disable(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
+    let r = s.operator.disable(checked_id(&id)?)?;
+    Ok(web::Json(view(&s, &r)))
 }
 
 #[utoipa::path(tag = "replicas", params(("id" = String, Path)),
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody)))]
 #[post("/replicas/{id}/enable")]
-async fn enable(gw: web::Data<Gateway>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
-    let r = gw.set_admin(checked_id(&id)?, AdminState::Active)?;
-    Ok(web::Json(view(&gw, &r)))
+async fn enable(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
+    let r = s.operator.enable(checked_id(&id)?)?;
+    Ok(web::Json(view(&s, &r)))
 }
 
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
@@ -263,7 +220,6 @@ pub struct Removed {
 #[utoipa::path(tag = "pins", params(("id" = String, Path)), description = "Deletes every pin held by the replica.",
     responses((status = 200, body = Removed), (status = 404, body = ErrorBody)))]
 #[delete("/replicas/{id}/pins")]
-async fn remove_pins(gw: web::Data<Gateway>, id: web::Path<String>) -> Result<web::Json<Removed>, ApiError> {
-    gw.replica(checked_id(&id)?)?;
-    Ok(web::Json(Removed { removed: gw.pins.remove_replica(&id) }))
+async fn remove_pins(operator: web::Data<Operator>, id: web::Path<String>) -> Result<web::Json<Removed>, ApiError> {
+    Ok(web::Json(Removed { removed: operator.delete_replica_pins(checked_id(&id)?)? }))
 }

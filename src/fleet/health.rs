@@ -15,9 +15,10 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::{Health, Replica};
-use crate::events::EventKind;
-use crate::gateway::Gateway;
+use super::{Fleet, Health, Replica};
+use crate::capacity::Capacity;
+use crate::config::Config;
+use crate::events::{EventKind, EventLog};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ProbeResult {
@@ -39,6 +40,87 @@ pub fn next(current: Health, result: ProbeResult, ok_streak: u32, fail_streak: u
     }
 }
 
+/// What was seen of a replica's health.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Observation {
+    /// A health probe's verdict; `epoch` is `HealthTracker::epoch` read when
+    /// the probe started.
+    Probe { result: ProbeResult, error: Option<String>, epoch: u64 },
+    /// A request could not connect: the replica is down now, whatever the
+    /// streaks say (the failover path needs it out of rotation at once).
+    ConnectionFailed { error: String },
+}
+
+/// The one writer of replica health. Probes and failed connections both
+/// report here; each observation is applied under the replica's probe lock,
+/// so a probe that was in flight when a connection failed cannot flip the
+/// replica back up with its stale verdict (its epoch is older).
+pub struct HealthTracker {
+    rise: u32,
+    fall: u32,
+    events: Arc<EventLog>,
+}
+
+impl HealthTracker {
+    pub fn new(rise: u32, fall: u32, events: Arc<EventLog>) -> HealthTracker {
+        HealthTracker { rise, fall, events }
+    }
+
+    /// Read before a probe starts; passed back with its result.
+    pub fn epoch(&self, r: &Replica) -> u64 {
+        r.probe.lock().expect("probe lock").epoch
+    }
+
+    /// Applies one observation; returns true when it took the replica down.
+    pub fn observe(&self, r: &Replica, obs: Observation, now_ms: u64) -> bool {
+        let (prev, now, error) = {
+            let mut p = r.probe.lock().expect("probe lock");
+            let prev = r.health();
+            match obs {
+                Observation::ConnectionFailed { error } => {
+                    p.epoch += 1;
+                    p.ok_streak = 0;
+                    p.last_error = Some(error);
+                    r.set_health(Health::Down);
+                    // Recorded by the failover path, which knows where the request went.
+                    return prev != Health::Down;
+                }
+                Observation::Probe { epoch, .. } if epoch != p.epoch => return false,
+                Observation::Probe { result, error, .. } => {
+                    match result {
+                        ProbeResult::Ok => {
+                            p.ok_streak += 1;
+                            p.fail_streak = 0;
+                            p.last_error = None;
+                        }
+                        ProbeResult::Failed => {
+                            p.fail_streak += 1;
+                            p.ok_streak = 0;
+                            p.last_error = error.clone();
+                        }
+                        ProbeResult::Inconclusive => {}
+                    }
+                    p.last_check_ms = Some(now_ms);
+                    let now = next(prev, result, p.ok_streak, p.fail_streak, self.rise, self.fall);
+                    r.set_health(now);
+                    (prev, now, error)
+                }
+            }
+        };
+        match (prev, now) {
+            (Health::Up | Health::Unknown, Health::Down) => {
+                self.events.record(EventKind::ReplicaDown, Some(&r.id), None, error.unwrap_or_default());
+                true
+            }
+            (Health::Down, Health::Up) => {
+                self.events.record(EventKind::ReplicaUp, Some(&r.id), None, "health checks pass again");
+                false
+            }
+            _ => false,
+        }
+    }
+}
+
 #[derive(Deserialize)]
 struct ModelList {
     data: Vec<ModelEntry>,
@@ -49,23 +131,25 @@ struct ModelEntry {
     id: String,
 }
 
-/// Runs forever on the current actix runtime.
-pub async fn run(gw: Arc<Gateway>) {
-    let cfg = gw.config.health.clone();
+/// The prober: runs forever on the current actix runtime. It only does I/O
+/// and reports; the tracker decides.
+pub async fn run(config: Arc<Config>, fleet: Arc<Fleet>, tracker: Arc<HealthTracker>, capacity: Arc<Capacity>) {
+    let cfg = config.health.clone();
     let client = awc::Client::builder()
-        .connector(crate::proxy::connector(Duration::from_millis(gw.config.timeouts.connect_ms)))
+        .connector(crate::proxy::connector(Duration::from_millis(config.timeouts.connect_ms)))
         .timeout(Duration::from_millis(cfg.timeout_ms))
         .finish();
     loop {
-        let fleet = gw.fleet.snapshot();
-        let probes = fleet.iter().map(|r| check(&gw, &client, r.clone()));
+        let snapshot = fleet.snapshot();
+        let probes = snapshot.iter().map(|r| check(&tracker, &capacity, &client, r.clone()));
         futures_util::future::join_all(probes).await;
         tokio::time::sleep(Duration::from_millis(cfg.interval_ms)).await;
     }
 }
 
-/// One probe of one replica, applied to its state.
-pub async fn check(gw: &Gateway, client: &awc::Client, r: Arc<Replica>) {
+/// One probe of one replica, reported to the tracker.
+pub async fn check(tracker: &HealthTracker, capacity: &Capacity, client: &awc::Client, r: Arc<Replica>) {
+    let epoch = tracker.epoch(&r);
     let spec = r.spec();
     let busy = r.inflight() > 0;
     let (mut result, mut error) = probe(client, &spec.url, spec.health_path(), busy).await;
@@ -82,38 +166,9 @@ pub async fn check(gw: &Gateway, client: &awc::Client, r: Arc<Replica>) {
         let kv = fetch_text(client, &format!("{}/metrics", spec.url))
             .await
             .and_then(|t| crate::capacity::kv_tokens_from_vllm_metrics(&t));
-        gw.capacity.set_metrics_kv(&r.id, kv);
+        capacity.set_metrics_kv(&r.id, kv);
     }
-    let (prev, now) = {
-        let mut p = r.probe.lock().expect("probe lock");
-        match result {
-            ProbeResult::Ok => {
-                p.ok_streak += 1;
-                p.fail_streak = 0;
-                p.last_error = None;
-            }
-            ProbeResult::Failed => {
-                p.fail_streak += 1;
-                p.ok_streak = 0;
-                p.last_error = error.clone();
-            }
-            ProbeResult::Inconclusive => {}
-        }
-        p.last_check_ms = Some(crate::clock::now_ms());
-        let prev = r.health();
-        let now = next(prev, result, p.ok_streak, p.fail_streak, gw.config.health.rise, gw.config.health.fall);
-        r.set_health(now);
-        (prev, now)
-    };
-    match (prev, now) {
-        (Health::Up | Health::Unknown, Health::Down) => {
-            gw.events.record(EventKind::ReplicaDown, Some(&r.id), None, error.unwrap_or_default());
-        }
-        (Health::Down, Health::Up) => {
-            gw.events.record(EventKind::ReplicaUp, Some(&r.id), None, "health checks pass again");
-        }
-        _ => {}
-    }
+    tracker.observe(&r, Observation::Probe { result, error, epoch }, crate::clock::now_ms());
 }
 
 async fn probe(client: &awc::Client, base: &str, path: &str, busy: bool) -> (ProbeResult, Option<String>) {
@@ -154,5 +209,28 @@ mod tests {
         assert_eq!(next(Health::Down, Ok, 1, 0, 2, 3), Health::Down);
         assert_eq!(next(Health::Down, Ok, 2, 0, 2, 3), Health::Up);
         assert_eq!(next(Health::Up, Inconclusive, 0, 9, 2, 3), Health::Up);
+    }
+
+    fn tracker() -> HealthTracker {
+        let store: Arc<dyn crate::store::Store> = Arc::new(crate::store::MemoryStore::default());
+        HealthTracker::new(1, 1, Arc::new(EventLog::new(100, store, Vec::new()).0))
+    }
+
+    #[test]
+    fn a_probe_that_started_before_a_connection_failure_cannot_bring_the_replica_back() {
+        let t = tracker();
+        let r = Replica::new(super::super::ReplicaSpec::new("a", "http://x"), super::super::AdminState::Active);
+        t.observe(&r, Observation::Probe { result: Ok, error: None, epoch: t.epoch(&r) }, 1);
+        assert_eq!(r.health(), Health::Up);
+        // A probe starts, then a request's connection fails, then the probe answers 200.
+        let stale = t.epoch(&r);
+        assert!(t.observe(&r, Observation::ConnectionFailed { error: "refused".into() }, 2));
+        assert!(!t.observe(&r, Observation::ConnectionFailed { error: "refused".into() }, 2), "one transition");
+        t.observe(&r, Observation::Probe { result: Ok, error: None, epoch: stale }, 3);
+        assert_eq!(r.health(), Health::Down, "the stale verdict was ignored");
+        // A probe that started after the failure counts (rise = 1 here).
+        t.observe(&r, Observation::Probe { result: Ok, error: None, epoch: t.epoch(&r) }, 4);
+        assert_eq!(r.health(), Health::Up);
+        assert_eq!(r.probe_state().last_check_ms, Some(4));
     }
 }

@@ -133,13 +133,16 @@ impl Health {
     }
 }
 
-/// Probe bookkeeping, only touched by the health checker and failovers.
+/// Health bookkeeping, written only by the `HealthTracker`.
 #[derive(Debug, Default, Clone)]
 pub struct ProbeState {
     pub ok_streak: u32,
     pub fail_streak: u32,
     pub last_check_ms: Option<u64>,
     pub last_error: Option<String>,
+    /// Bumped by each connection failure: a probe that started before it
+    /// carries an older epoch and its verdict is stale.
+    pub epoch: u64,
 }
 
 #[derive(Debug)]
@@ -150,9 +153,10 @@ pub struct Replica {
     health: AtomicU8,
     inflight: AtomicI64,
     large_inflight: AtomicI64,
-    served: AtomicU64,
+    attempts: AtomicU64,
     models: RwLock<Arc<Vec<String>>>,
-    pub probe: Mutex<ProbeState>,
+    /// Only `health::HealthTracker` locks this (with `health` changes under it).
+    probe: Mutex<ProbeState>,
 }
 
 impl Replica {
@@ -164,7 +168,7 @@ impl Replica {
             health: AtomicU8::new(Health::Unknown as u8),
             inflight: AtomicI64::new(0),
             large_inflight: AtomicI64::new(0),
-            served: AtomicU64::new(0),
+            attempts: AtomicU64::new(0),
             models: RwLock::new(Arc::new(Vec::new())),
             probe: Mutex::new(ProbeState::default()),
         }
@@ -190,9 +194,14 @@ impl Replica {
         Health::from_u8(self.health.load(Ordering::Acquire))
     }
 
-    /// Sets health; returns the previous value (callers log transitions once).
-    pub fn set_health(&self, h: Health) -> Health {
+    /// Only the health tracker sets health (under the probe lock).
+    fn set_health(&self, h: Health) -> Health {
         Health::from_u8(self.health.swap(h as u8, Ordering::AcqRel))
+    }
+
+    /// The health checker's bookkeeping, for views.
+    pub fn probe_state(&self) -> ProbeState {
+        self.probe.lock().expect("probe lock").clone()
     }
 
     /// Takes new traffic: active and not known to be down.
@@ -208,8 +217,9 @@ impl Replica {
         self.large_inflight.load(Ordering::Acquire)
     }
 
-    pub fn served(&self) -> u64 {
-        self.served.load(Ordering::Relaxed)
+    /// Attempts sent to this replica (a failed-over request counts on each replica it tried).
+    pub fn attempts(&self) -> u64 {
+        self.attempts.load(Ordering::Relaxed)
     }
 
     pub fn models(&self) -> Arc<Vec<String>> {
@@ -234,7 +244,7 @@ impl Replica {
         if large {
             self.large_inflight.fetch_add(1, Ordering::AcqRel);
         }
-        self.served.fetch_add(1, Ordering::Relaxed);
+        self.attempts.fetch_add(1, Ordering::Relaxed);
         InflightGuard { replica: self.clone(), large }
     }
 }

@@ -67,7 +67,6 @@ pub struct RequestShape {
     pub multi_unit: bool,
     /// Where a served request records its pin (None: never pinned).
     pub pin_at: Option<PrefixKey>,
-    pub stream: bool,
     /// Prompt content bytes (for the token estimate).
     pub prompt_bytes: usize,
 }
@@ -119,8 +118,6 @@ struct ChatBody<'a> {
     model: Option<Cow<'a, str>>,
     #[serde(borrow)]
     messages: Vec<Message<'a>>,
-    #[serde(default)]
-    stream: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -212,7 +209,6 @@ fn extract_chat(body: &[u8]) -> Result<RequestShape, ShapeError> {
         pin_at: boundaries.last().map(|b| b.key),
         multi_unit: boundaries.len() > 1,
         boundaries,
-        stream: parsed.stream.unwrap_or(false),
         prompt_bytes: bytes,
     })
 }
@@ -223,8 +219,6 @@ struct CompletionBody<'a> {
     model: Option<Cow<'a, str>>,
     #[serde(borrow)]
     prompt: Prompt<'a>,
-    #[serde(default)]
-    stream: Option<bool>,
 }
 
 /// A completions prompt: one string, one token array, or a batch (several
@@ -343,7 +337,6 @@ fn extract_completion(body: &[u8], blocks: IdentityBlocks) -> Result<RequestShap
         multi_unit: boundaries.len() > 1,
         pin_at,
         boundaries,
-        stream: parsed.stream.unwrap_or(false),
         prompt_bytes,
     })
 }

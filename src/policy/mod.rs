@@ -11,6 +11,7 @@
 pub mod identity;
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::RwLock;
 
 pub use identity::{Boundary, Endpoint, IdentityBlocks, PrefixKey, RequestShape, ShapeError};
 use xxhash_rust::xxh3::xxh3_128;
@@ -56,6 +57,41 @@ impl Mode {
             Ok(v) => v.parse().map(Some),
             Err(_) => Ok(None),
         }
+    }
+}
+
+/// The routing settings an operator can change at runtime.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct PolicySettings {
+    pub mode: Mode,
+    pub identity: IdentityBlocks,
+}
+
+impl PolicySettings {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.identity.block_bytes == 0 || self.identity.block_tokens == 0 {
+            return Err("identity block sizes must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+/// The settings in force: read by every request, replaced by the operator.
+#[derive(Debug)]
+pub struct CurrentPolicy(RwLock<PolicySettings>);
+
+impl CurrentPolicy {
+    pub fn new(settings: PolicySettings) -> CurrentPolicy {
+        CurrentPolicy(RwLock::new(settings))
+    }
+
+    pub fn get(&self) -> PolicySettings {
+        *self.0.read().expect("policy lock")
+    }
+
+    /// Replaces the settings; returns the previous ones.
+    pub fn replace(&self, next: PolicySettings) -> PolicySettings {
+        std::mem::replace(&mut *self.0.write().expect("policy lock"), next)
     }
 }
 
@@ -113,8 +149,6 @@ pub struct Decision {
     pub reason: RouteReason,
     /// The longest pinned prefix found, whether or not it was followed.
     pub matched: Option<PrefixMatch>,
-    /// For `Repinned`: the replica the pin pointed at.
-    pub moved_from: Option<String>,
 }
 
 /// The spread counter. Only spread picks advance it, so consecutive spread
@@ -128,25 +162,25 @@ impl SpreadCounter {
     }
 }
 
-/// Decides where a request goes. `pin_of` looks a prefix key up in the pin
-/// table; `None` when no candidate is routable.
-pub fn decide<R: AsRef<str>>(
+/// Decides where a request goes. `pinned` is the longest boundary of the
+/// request that has a pin, and the replica it names (the caller looks it up
+/// once, see `PinTable::lookup_longest`); it is ignored for requests without
+/// history. `None` when no candidate is routable.
+pub fn decide(
     mode: Mode,
     shape: &RequestShape,
     candidates: &[Candidate],
-    pin_of: impl Fn(PrefixKey) -> Option<R>,
+    pinned: Option<(PrefixMatch, &str)>,
     counter: &SpreadCounter,
 ) -> Option<Decision> {
     if !candidates.iter().any(|c| c.routable) {
         return None;
     }
-    // Longest match wins: walk the boundaries from the end. Looked up in
-    // every mode: the baselines do not follow pins, but the caller still
-    // needs to know which conversation a request continues.
-    let found =
-        if shape.multi_unit { shape.boundaries.iter().rev().find_map(|b| pin_of(b.key).map(|r| (b, r))) } else { None };
-    let matched = found.as_ref().map(|(b, _)| PrefixMatch { key: b.key, bytes: b.bytes });
-    let spread = |reason| Decision { replica: spread_pick(candidates, counter), reason, matched, moved_from: None };
+    // Known in every mode: the baselines do not follow pins, but the caller
+    // still needs to know which conversation a request continues.
+    let pinned = pinned.filter(|_| shape.multi_unit);
+    let matched = pinned.map(|(m, _)| m);
+    let spread = |reason| Decision { replica: spread_pick(candidates, counter), reason, matched };
     match mode {
         Mode::RoundRobin => Some(spread(RouteReason::RoundRobin)),
         Mode::Affinity => match shape.boundaries.first() {
@@ -154,18 +188,16 @@ pub fn decide<R: AsRef<str>>(
                 replica: rendezvous_pick(candidates, first.key),
                 reason: RouteReason::Affinity,
                 matched,
-                moved_from: None,
             }),
             None => Some(spread(RouteReason::Spread)),
         },
         Mode::Shape => {
-            let Some((_, pinned)) = &found else {
+            let Some((_, home)) = pinned else {
                 return Some(spread(RouteReason::Spread));
             };
-            let pinned = pinned.as_ref();
-            match candidates.iter().position(|c| c.routable && c.id == pinned) {
-                Some(i) => Some(Decision { replica: i, reason: RouteReason::Pinned, matched, moved_from: None }),
-                None => Some(Decision { moved_from: Some(pinned.to_owned()), ..spread(RouteReason::Repinned) }),
+            match candidates.iter().position(|c| c.routable && c.id == home) {
+                Some(i) => Some(Decision { replica: i, reason: RouteReason::Pinned, matched }),
+                None => Some(spread(RouteReason::Repinned)),
             }
         }
     }

@@ -30,13 +30,19 @@ impl Router {
         let shape = identity::extract(Endpoint::Chat, body.as_bytes(), IdentityBlocks::default()).unwrap();
         let candidates: Vec<Candidate> =
             self.ids.iter().zip(&self.down).map(|(id, down)| Candidate { id, routable: !down, spare: true }).collect();
-        let d = decide(self.mode, &shape, &candidates, |k| self.pins.get(&k).cloned(), &self.counter)?;
+        let pinned = longest(&shape, |k| self.pins.get(&k).cloned());
+        let d = decide(self.mode, &shape, &candidates, pinned.as_ref().map(|(m, r)| (*m, r.as_str())), &self.counter)?;
         let id = self.ids[d.replica];
         if let Some(key) = shape.pin_at {
             self.pins.insert(key, id.to_string());
         }
         Some((id, d.reason))
     }
+}
+
+/// The longest pinned boundary, as `PinTable::lookup_longest` finds it.
+fn longest<R: AsRef<str>>(shape: &RequestShape, pin_of: impl Fn(PrefixKey) -> Option<R>) -> Option<(PrefixMatch, R)> {
+    shape.boundaries.iter().rev().find_map(|b| pin_of(b.key).map(|r| (PrefixMatch { key: b.key, bytes: b.bytes }, r)))
 }
 
 fn single(i: usize) -> String {
@@ -129,10 +135,10 @@ fn spread_prefers_a_replica_with_a_free_slot_but_pins_do_not_move() {
     let counter = SpreadCounter::default();
     for i in 0..4 {
         let shape = identity::extract(Endpoint::Chat, single(i).as_bytes(), IdentityBlocks::default()).unwrap();
-        assert_eq!(decide(Mode::Shape, &shape, &candidates, |_| None::<String>, &counter).unwrap().replica, 1);
+        assert_eq!(decide(Mode::Shape, &shape, &candidates, None, &counter).unwrap().replica, 1);
     }
     let shape = identity::extract(Endpoint::Chat, conversation("q", 2).as_bytes(), IdentityBlocks::default()).unwrap();
-    let d = decide(Mode::Shape, &shape, &candidates, |_| Some("a"), &counter).unwrap();
+    let d = decide(Mode::Shape, &shape, &candidates, longest(&shape, |_| Some("a")), &counter).unwrap();
     assert_eq!((d.replica, d.reason), (0, RouteReason::Pinned));
 }
 
@@ -178,7 +184,7 @@ proptest! {
         let live = routable.iter().filter(|r| **r).count();
         let mut last = None;
         for _ in 0..n {
-            match decide(Mode::Shape, &shape, &candidates, |_| None::<String>, &counter) {
+            match decide(Mode::Shape, &shape, &candidates, None, &counter) {
                 None => prop_assert_eq!(live, 0),
                 Some(d) => {
                     prop_assert!(routable[d.replica]);
@@ -200,7 +206,8 @@ proptest! {
         let later = identity::extract(Endpoint::Chat, conversation("p", turns).as_bytes(), IdentityBlocks::default()).unwrap();
         let pin_key = first.pin_at.unwrap();
         let lookup = |k: PrefixKey| (k == pin_key).then(|| ids[pinned].clone());
-        let d = decide(Mode::Shape, &later, &candidates, lookup, &SpreadCounter::default());
+        let pinned_match = longest(&later, lookup);
+        let d = decide(Mode::Shape, &later, &candidates, pinned_match.as_ref().map(|(m, r)| (*m, r.as_str())), &SpreadCounter::default());
         match d {
             None => prop_assert!(routable.iter().all(|r| !r)),
             Some(d) if routable[pinned] => prop_assert_eq!((d.replica, d.reason), (pinned, RouteReason::Pinned)),

@@ -1,15 +1,20 @@
 //! Forwarding `/v1/*` to a replica: the only place that sends client traffic
-//! upstream. Flow: body read (bounded) -> shape extracted -> policy decides ->
-//! request forwarded byte-for-byte -> response streamed back -> outcome
-//! recorded (pins, counters, metrics, usage).
+//! upstream. A request's path, top to bottom:
+//! body read (bounded) -> shape extracted -> pin looked up once ->
+//! plan (`plan.rs`, pure) -> admission (large contexts) -> attempt
+//! (`attempt.rs`) -> response streamed back (`body.rs`), with every outcome
+//! reported to the one recorder (`outcome.rs`).
 //!
-//! Failover: a connection failure *before any response byte* marks the
-//! replica down at once and the same request is retried elsewhere (the
-//! OpenAI endpoints are stateless; a request that never reached an engine is
-//! safe to re-send). Once the response head arrived, nothing is retried.
+//! Failover: an attempt whose error is retry-safe (the connection never
+//! carried the request) marks the replica down at once and the same request
+//! is planned again without it. Once the response head arrived, nothing is
+//! retried.
 
+mod attempt;
 mod body;
 mod headers;
+pub mod outcome;
+pub mod plan;
 pub mod usage;
 
 use std::sync::Arc;
@@ -17,18 +22,16 @@ use std::time::{Duration, Instant};
 
 use actix_web::http::header::{self, HeaderValue};
 use actix_web::{web, HttpRequest, HttpResponse};
-use awc::error::SendRequestError;
 use futures_util::StreamExt;
 
 use crate::admission::{Admitted, Permit};
-use crate::capacity::{CapacityTracker, RunningTicket};
 use crate::error::ApiError;
-use crate::events::EventKind;
-use crate::fleet::{Health, InflightGuard, Replica};
-use crate::gateway::Gateway;
-use crate::metrics::{FailoverLabels, RequestLabels, ResultLabels, RouteLabels};
-use crate::policy::{self, Candidate, Endpoint, Mode, RouteReason};
-use body::{BodyEnd, BodyOutcome, GuardedBody};
+use crate::fleet::Replica;
+use crate::policy::{self, Endpoint, Mode, PrefixMatch, RouteReason};
+use crate::state::AppState;
+use body::GuardedBody;
+use outcome::{Outcome, OutcomeRecorder, Responded};
+use plan::PlanInput;
 use usage::UsageTap;
 
 pub const HEADER_REPLICA: &str = "x-prefixgate-replica";
@@ -60,8 +63,7 @@ pub fn connector(
 }
 
 impl Upstream {
-    pub fn new(gw: &Gateway) -> Upstream {
-        let t = &gw.config.timeouts;
+    pub fn new(t: &crate::config::Timeouts) -> Upstream {
         let connector = connector(Duration::from_millis(t.connect_ms))
             // No pool cap: a thousand concurrent streams is a normal day.
             .limit(0);
@@ -82,181 +84,106 @@ impl Upstream {
 pub async fn forward(
     req: HttpRequest,
     payload: web::Payload,
-    gw: web::Data<Gateway>,
+    state: web::Data<AppState>,
     upstream: web::Data<Upstream>,
+    recorder: web::Data<OutcomeRecorder>,
 ) -> Result<HttpResponse, ApiError> {
-    let body = read_body(payload, gw.config.limits.max_body_bytes).await?;
-    let settings = gw.policy();
-    let endpoint = Endpoint::from_path(req.path());
-    let shape = policy::identity::extract(endpoint, &body, settings.identity).map_err(|e| {
-        gw.metrics.rejected.get_or_create(&ResultLabels { result: "bad_request".into() }).inc();
+    let config = &state.config;
+    let body = read_body(payload, config.limits.max_body_bytes).await?;
+    let settings = state.policy.get();
+    let shape = policy::identity::extract(Endpoint::from_path(req.path()), &body, settings.identity).map_err(|e| {
+        recorder.rejected("bad_request");
         ApiError::BadRequest(e.0)
     })?;
     // The large/small decision uses the documented default ratio: it is
     // made before a replica (and its calibrated ratio) is chosen.
-    let large = crate::tokens::estimate_tokens(shape.prompt_bytes) >= gw.config.admission.large_context_tokens;
+    let large = crate::tokens::estimate_tokens(shape.prompt_bytes) >= config.admission.large_context_tokens;
+    let pinned = if shape.multi_unit {
+        state
+            .pins
+            .lookup_longest(&shape.boundaries)
+            .map(|(i, pin)| (PrefixMatch { key: shape.boundaries[i].key, bytes: shape.boundaries[i].bytes }, pin))
+    } else {
+        None
+    };
+    if settings.mode == Mode::Shape && shape.multi_unit {
+        recorder.pin_lookup(pinned.is_some());
+    }
 
     let mut tried: Vec<Arc<str>> = Vec::new();
     // The first replica this request failed over from, and whether this
     // request was the one that marked it down (one event per transition).
     let mut failed_from: Option<(Arc<str>, bool)> = None;
     loop {
-        let fleet = gw.fleet.snapshot();
-        if let Some(model) = shape.model.as_deref() {
-            if !fleet.is_empty() && !fleet.iter().any(|r| r.serves(model)) {
-                gw.metrics.rejected.get_or_create(&ResultLabels { result: "model_not_found".into() }).inc();
-                return Err(ApiError::ModelNotFound(model.to_string()));
-            }
-        }
-        let candidates: Vec<Candidate> = fleet
-            .iter()
-            .map(|r| Candidate {
-                id: &r.id,
-                routable: r.routable() && shape.model.as_deref().is_none_or(|m| r.serves(m)) && !tried.contains(&r.id),
-                spare: !large || gw.admission.has_free_slot(&r.id, r.spec().max_large_inflight),
-            })
-            .collect();
-        let Some(decision) = policy::decide(settings.mode, &shape, &candidates, |k| gw.pins.replica_of(k), &gw.spread)
-        else {
-            gw.metrics.rejected.get_or_create(&ResultLabels { result: "no_replica".into() }).inc();
-            for from in &tried {
-                let labels = FailoverLabels { from: from.to_string(), to: "none".into() };
-                gw.metrics.failovers.get_or_create(&labels).inc();
-            }
-            return Err(ApiError::NoReplica);
-        };
-        if settings.mode == Mode::Shape && shape.multi_unit && tried.is_empty() {
-            let result = if decision.matched.is_some() { "hit" } else { "miss" };
-            gw.metrics.pin_lookups.get_or_create(&ResultLabels { result: result.into() }).inc();
-        }
+        let fleet = state.fleet.snapshot();
+        let input = PlanInput { mode: settings.mode, shape: &shape, pinned: pinned.as_ref(), tried: &tried, large };
+        let has_slot = |r: &Replica| state.admission.has_free_slot(&r.id, r.spec().max_large_inflight);
+        let decision =
+            plan::plan(&input, &fleet, has_slot, &state.spread).map_err(|e| recorder.plan_failed(e, &tried))?;
         let replica = fleet[decision.replica].clone();
         let reason = if failed_from.is_some() { RouteReason::Failover } else { decision.reason };
         let started = Instant::now();
-        let permit = if large { Some(admit(&gw, &replica).await?) } else { None };
+        let permit = if large { Some(admit(&state, &recorder, &replica).await?) } else { None };
         let guard = replica.begin(large);
-        let est_tokens = gw.capacity.estimate(&replica.id, shape.prompt_bytes);
-        // The matched pin, read once: its family (for the working set) and
-        // its home (to tell a warm turn from a moved conversation).
-        let matched_pin = decision.matched.and_then(|m| gw.pins.get(m.key));
-        let family = matched_pin.as_ref().map(|p| p.family).or(shape.pin_at);
-        let ticket = CapacityTracker::begin(&gw.clone().into_inner(), &replica.id, family, est_tokens);
+        let est_tokens = state.calibration.estimate(&replica.id, shape.prompt_bytes);
+        let family = pinned.as_ref().map(|(_, p)| p.family).or(shape.pin_at);
+        let ticket = state.capacity.running.begin(&replica.id, family, est_tokens);
         let spec = replica.spec();
-        let request = headers::upstream_request(&upstream.0, &req, &spec, !gw.config.api_keys.is_empty());
-        match request.send_body(body.clone()).await {
+        match attempt::send(&upstream.0, &req, &spec, body.clone(), !config.api_keys.is_empty()).await {
             Ok(resp) => {
-                let ttfb = started.elapsed();
-                for from in &tried {
-                    let labels = FailoverLabels { from: from.to_string(), to: replica.id.to_string() };
-                    gw.metrics.failovers.get_or_create(&labels).inc();
-                }
-                if let Some((from, true)) = failed_from.take() {
-                    gw.events.record(
-                        EventKind::Failover,
-                        Some(&from),
-                        Some(&replica.id),
-                        "connection failed before any response byte; retried",
-                    );
-                }
-                let status = resp.status();
-                let mut predicted_cached = None;
-                if status.is_success() {
-                    if let Some(pin_at) = shape.pin_at {
-                        let parent = decision.matched.map(|m| m.key);
-                        match matched_pin.as_ref().map(|p| &*p.replica) {
-                            Some(home) if home == &*replica.id => {
-                                predicted_cached = decision.matched.map(|m| gw.capacity.estimate(&replica.id, m.bytes));
-                            }
-                            // The baselines move conversations on every turn by design;
-                            // history records the moves the shape policy had to make.
-                            Some(home) if matches!(reason, RouteReason::Repinned | RouteReason::Failover) => {
-                                gw.events.record(
-                                    EventKind::PinMoved,
-                                    Some(home),
-                                    Some(&replica.id),
-                                    format!("{} route", reason.as_str()),
-                                );
-                            }
-                            _ => {}
-                        }
-                        gw.pins.record(pin_at, &replica.id, parent, est_tokens, crate::clock::now_ms());
-                    }
-                }
-                let labels = RouteLabels { replica: replica.id.to_string(), route: reason.as_str().into() };
-                gw.metrics.upstream_ttfb.get_or_create(&labels).observe(ttfb.as_secs_f64());
-                let outcome = Outcome {
-                    gw: gw.into_inner(),
-                    replica: replica.clone(),
+                let predicted_cached = recorder.responded(&Responded {
+                    replica: &replica.id,
                     reason,
-                    status: status.as_u16(),
+                    success: resp.status().is_success(),
+                    ttfb: started.elapsed(),
+                    tried: &tried,
+                    failed_from: failed_from.as_ref(),
+                    pin_at: shape.pin_at,
+                    pinned: pinned.as_ref(),
+                    est_tokens,
+                });
+                let outcome = Outcome {
+                    recorder: recorder.into_inner(),
+                    replica,
+                    reason,
+                    status: resp.status().as_u16(),
                     started,
                     prompt_bytes: shape.prompt_bytes,
-                    _held: (guard, permit, ticket),
+                    held: (guard, permit, ticket),
                 };
-                return Ok(respond(resp, outcome, predicted_cached));
-            }
-            Err(e) if is_connection_failure(&e) => {
-                drop((guard, permit, ticket));
-                tracing::warn!(replica = %replica.id, "connection failed, failing over: {e}");
-                let transitioned = mark_down(&replica, &e.to_string());
-                tried.push(replica.id.clone());
-                failed_from.get_or_insert((replica.id.clone(), transitioned));
-            }
-            Err(SendRequestError::Timeout) => {
-                record_status(&gw, &replica, reason, "504");
-                return Err(ApiError::UpstreamTimeout);
+                let idle = Duration::from_millis(config.timeouts.idle_stream_ms);
+                return Ok(respond(resp, outcome, predicted_cached, idle));
             }
             Err(e) => {
-                record_status(&gw, &replica, reason, "502");
-                return Err(ApiError::Upstream(e.to_string()));
+                drop((guard, permit, ticket));
+                let took_down = recorder.attempt_failed(&replica, reason, &e);
+                if !e.retry_safe() {
+                    return Err(e.into_api_error());
+                }
+                tried.push(replica.id.clone());
+                failed_from.get_or_insert((replica.id.clone(), took_down));
             }
         }
     }
 }
 
 /// Waits for a large-context slot on `replica` (FIFO, bounded).
-async fn admit(gw: &web::Data<Gateway>, replica: &Arc<Replica>) -> Result<Permit, ApiError> {
+async fn admit(state: &AppState, recorder: &OutcomeRecorder, replica: &Arc<Replica>) -> Result<Permit, ApiError> {
     let r = replica.clone();
     let limit = Arc::new(move || r.spec().max_large_inflight);
-    let cfg = &gw.config.admission;
-    let labels = crate::metrics::replica_label(&replica.id);
-    match gw.admission.acquire(&replica.id, limit, Duration::from_millis(cfg.wait_ms), cfg.max_queue).await {
+    let cfg = &state.config.admission;
+    match state.admission.acquire(&replica.id, limit, Duration::from_millis(cfg.wait_ms), cfg.max_queue).await {
         Ok((permit, how)) => {
             if how == Admitted::AfterWaiting {
-                gw.metrics.admission_waits.get_or_create(&labels).inc();
+                recorder.admission_waited(&replica.id);
             }
             Ok(permit)
         }
         Err(e) => {
-            gw.metrics.admission_rejections.get_or_create(&labels).inc();
+            recorder.admission_rejected(&replica.id);
             Err(e)
         }
     }
-}
-
-/// Refused, reset or timed-out connections: the request never reached an engine.
-fn is_connection_failure(e: &SendRequestError) -> bool {
-    matches!(e, SendRequestError::Connect(_) | SendRequestError::Send(_))
-}
-
-/// Demotes a replica after a connection failure; the health checker brings it
-/// back after `rise` good probes. True when this call took it down.
-fn mark_down(replica: &Replica, why: &str) -> bool {
-    let was = replica.set_health(Health::Down);
-    let mut probe = replica.probe.lock().expect("probe lock");
-    probe.ok_streak = 0;
-    probe.last_error = Some(why.to_string());
-    was != Health::Down
-}
-
-fn record_status(gw: &Gateway, replica: &Replica, reason: RouteReason, status: &str) {
-    gw.metrics
-        .requests
-        .get_or_create(&RequestLabels {
-            replica: replica.id.to_string(),
-            route: reason.as_str().into(),
-            status: status.into(),
-        })
-        .inc();
 }
 
 async fn read_body(mut payload: web::Payload, limit: usize) -> Result<web::Bytes, ApiError> {
@@ -271,50 +198,13 @@ async fn read_body(mut payload: web::Payload, limit: usize) -> Result<web::Bytes
     Ok(buf.freeze())
 }
 
-/// Records the outcome when the body ends, however it ends.
-struct Outcome {
-    gw: Arc<Gateway>,
-    replica: Arc<Replica>,
-    reason: RouteReason,
-    status: u16,
-    started: Instant,
-    prompt_bytes: usize,
-    /// Released when the body ends, however it ends.
-    _held: (InflightGuard, Option<Permit>, RunningTicket),
-}
-
-impl BodyEnd for Outcome {
-    fn finish(&mut self, outcome: BodyOutcome, usage: Option<&UsageTap>) {
-        let m = &self.gw.metrics;
-        let route = self.reason.as_str().to_string();
-        let status = match outcome {
-            BodyOutcome::Complete => self.status.to_string(),
-            BodyOutcome::UpstreamFailed => "upstream_failed".into(),
-            BodyOutcome::IdleTimeout => "idle_timeout".into(),
-            BodyOutcome::ClientGone => "client_gone".into(),
-        };
-        let labels = RouteLabels { replica: self.replica.id.to_string(), route: route.clone() };
-        m.request_duration.get_or_create(&labels).observe(self.started.elapsed().as_secs_f64());
-        m.requests.get_or_create(&RequestLabels { replica: labels.replica.clone(), route, status }).inc();
-        if outcome == BodyOutcome::Complete && (200..300).contains(&self.status) {
-            let measured = usage.and_then(UsageTap::usage);
-            let result = if measured.is_some() { "measured" } else { "unmeasured" };
-            m.usage_measured.get_or_create(&ResultLabels { result: result.into() }).inc();
-            if let Some(u) = measured {
-                self.gw.capacity.calibrate(&self.replica.id, self.prompt_bytes, u.prompt_tokens);
-                m.prompt_tokens.get_or_create(&labels).inc_by(u.prompt_tokens);
-                m.cached_tokens.get_or_create(&labels).inc_by(u.cached_tokens.unwrap_or(0));
-            }
-        }
-    }
-}
-
 fn respond(
     resp: awc::ClientResponse<
         impl futures_util::Stream<Item = Result<web::Bytes, actix_web::error::PayloadError>> + Unpin + 'static,
     >,
     outcome: Outcome,
     predicted_cached: Option<u64>,
+    idle: Duration,
 ) -> HttpResponse {
     let status = resp.status();
     let mut out = HttpResponse::build(status);
@@ -329,7 +219,6 @@ fn respond(
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|ct| ct.starts_with("text/event-stream"));
-    let idle = Duration::from_millis(outcome.gw.config.timeouts.idle_stream_ms);
     let tap = status.is_success().then(|| UsageTap::new(sse));
     let expected =
         resp.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());

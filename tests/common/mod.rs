@@ -11,8 +11,8 @@ use std::time::Duration;
 use actix_web::dev::ServerHandle;
 use prefixgate::config::{Config, HealthConfig, Timeouts};
 use prefixgate::fleet::ReplicaSpec;
-use prefixgate::gateway::Gateway;
 use prefixgate::sim::{self, SimConfig, SimState};
+use prefixgate::state::AppState;
 use serde_json::{json, Value};
 
 pub struct Sim {
@@ -57,13 +57,13 @@ pub fn test_config(sims: &[&Sim]) -> Config {
         admin_listen: "127.0.0.1:0".parse().unwrap(),
         replicas: sims.iter().map(|s| ReplicaSpec::new(&s.id, &s.url)).collect(),
         health: HealthConfig { interval_ms: 100, timeout_ms: 1_000, rise: 1, fall: 1 },
-        timeouts: Timeouts { connect_ms: 500, response_head_ms: 30_000, idle_stream_ms: 30_000 },
+        timeouts: Timeouts { connect_ms: 500, response_head_ms: 30_000, idle_stream_ms: 30_000, ..Timeouts::default() },
         ..Config::default()
     }
 }
 
 pub struct Gw {
-    pub gw: Arc<Gateway>,
+    pub gw: Arc<AppState>,
     pub base: String,
     pub admin: String,
     running: Option<prefixgate::Running>,
@@ -76,9 +76,18 @@ impl Gw {
 }
 
 pub async fn start_gateway(config: Config) -> Gw {
-    let traffic = TcpListener::bind(config.listen).unwrap();
-    let admin = TcpListener::bind(config.admin_listen).unwrap();
-    let gw = Gateway::open(config).unwrap();
+    let state = AppState::open(config).unwrap();
+    start_state(state).await
+}
+
+/// Starts a gateway over a store the test provides (to make it fail, say).
+pub async fn start_gateway_with_store(config: Config, store: Arc<dyn prefixgate::store::Store>) -> Gw {
+    start_state(AppState::with_store(config, store).unwrap()).await
+}
+
+async fn start_state(gw: Arc<AppState>) -> Gw {
+    let traffic = TcpListener::bind(gw.config.listen).unwrap();
+    let admin = TcpListener::bind(gw.config.admin_listen).unwrap();
     let running = prefixgate::start(gw.clone(), traffic, admin).unwrap();
     let g = Gw {
         gw: gw.clone(),

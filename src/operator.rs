@@ -1,0 +1,256 @@
+//! Operator actions: every change an operator makes to the fleet, the pins
+//! or the policy goes through here, in one order: validate, persist, apply,
+//! record the event. Persisting first means a store failure answers 500 with
+//! nothing changed in memory, instead of a gateway that routes by a state it
+//! will forget at the next restart. Admin handlers only translate HTTP.
+//!
+//! Actions are serialized by one lock (they are rare), so two concurrent
+//! PATCHes cannot persist in one order and apply in the other.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::Deserialize;
+use utoipa::ToSchema;
+
+use crate::admission::Admission;
+use crate::capacity::Capacity;
+use crate::error::ApiError;
+use crate::events::{EventKind, EventLog};
+use crate::fleet::{normalize_url, AdminState, Fleet, Replica, ReplicaSpec};
+use crate::pins::PinTable;
+use crate::policy::{CurrentPolicy, PolicySettings, PrefixKey};
+use crate::store::{Store, StoreError, StoredReplica};
+
+/// Fields to change on a replica; absent fields keep their value.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(example = json!({"max_large_inflight": 2}))]
+pub struct ReplicaPatch {
+    pub url: Option<String>,
+    /// Sets the upstream API key (write-only).
+    pub api_key: Option<String>,
+    /// Removes the upstream API key.
+    #[serde(default)]
+    pub clear_api_key: bool,
+    pub health_path: Option<String>,
+    #[schema(minimum = 0)]
+    pub max_large_inflight: Option<u32>,
+    #[serde(default)]
+    pub clear_max_large_inflight: bool,
+    #[schema(minimum = 0)]
+    pub kv_tokens: Option<u64>,
+}
+
+impl ReplicaPatch {
+    fn apply_to(self, mut spec: ReplicaSpec) -> ReplicaSpec {
+        if let Some(url) = self.url {
+            spec.url = normalize_url(&url);
+        }
+        if self.clear_api_key {
+            spec.api_key = None;
+        }
+        if let Some(k) = self.api_key.filter(|k| !k.is_empty()) {
+            spec.api_key = Some(k);
+        }
+        if let Some(h) = self.health_path {
+            spec.health_path = Some(h);
+        }
+        if self.clear_max_large_inflight {
+            spec.max_large_inflight = None;
+        }
+        if let Some(m) = self.max_large_inflight {
+            spec.max_large_inflight = Some(m);
+        }
+        if let Some(k) = self.kv_tokens {
+            spec.kv_tokens = Some(k);
+        }
+        spec
+    }
+}
+
+pub struct Operator {
+    fleet: Arc<Fleet>,
+    pins: Arc<PinTable>,
+    events: Arc<EventLog>,
+    store: Arc<dyn Store>,
+    policy: Arc<CurrentPolicy>,
+    admission: Arc<Admission>,
+    capacity: Arc<Capacity>,
+    serial: Mutex<()>,
+}
+
+fn internal(e: StoreError) -> ApiError {
+    ApiError::Internal(e.to_string())
+}
+
+fn not_found(id: &str) -> ApiError {
+    ApiError::NotFound(format!("no replica with id '{id}'"))
+}
+
+impl Operator {
+    pub fn new(
+        fleet: Arc<Fleet>,
+        pins: Arc<PinTable>,
+        events: Arc<EventLog>,
+        store: Arc<dyn Store>,
+        policy: Arc<CurrentPolicy>,
+        admission: Arc<Admission>,
+        capacity: Arc<Capacity>,
+    ) -> Operator {
+        Operator { fleet, pins, events, store, policy, admission, capacity, serial: Mutex::new(()) }
+    }
+
+    fn serial(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.serial.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn replica(&self, id: &str) -> Result<Arc<Replica>, ApiError> {
+        self.fleet.get(id).ok_or_else(|| not_found(id))
+    }
+
+    pub fn set_policy(&self, next: PolicySettings) -> Result<PolicySettings, ApiError> {
+        next.validate().map_err(ApiError::Unprocessable)?;
+        let _serial = self.serial();
+        self.store.put_setting("policy", &serde_json::to_value(next).expect("serializable")).map_err(internal)?;
+        let prev = self.policy.replace(next);
+        if prev != next {
+            self.events.record(
+                EventKind::PolicyChanged,
+                None,
+                None,
+                format!(
+                    "mode {} -> {}, blocks {}B/{}t -> {}B/{}t",
+                    prev.mode.as_str(),
+                    next.mode.as_str(),
+                    prev.identity.block_bytes,
+                    prev.identity.block_tokens,
+                    next.identity.block_bytes,
+                    next.identity.block_tokens
+                ),
+            );
+        }
+        Ok(next)
+    }
+
+    pub fn add_replica(&self, spec: ReplicaSpec) -> Result<Arc<Replica>, ApiError> {
+        spec.validate().map_err(ApiError::Unprocessable)?;
+        let _serial = self.serial();
+        if self.fleet.get(&spec.id).is_some() {
+            return Err(ApiError::Conflict(format!("a replica with id '{}' already exists", spec.id)));
+        }
+        let stored = StoredReplica { spec, admin: AdminState::Active };
+        self.store.put_replica(&stored).map_err(internal)?;
+        let (id, url) = (stored.spec.id.clone(), stored.spec.url.clone());
+        self.fleet.add(Replica::new(stored.spec, stored.admin));
+        self.events.record(EventKind::ReplicaAdded, Some(&id), None, url);
+        self.replica(&id)
+    }
+
+    /// Merges `patch` into the replica's spec. A raised `max_large_inflight`
+    /// hands the new slots to requests already waiting.
+    pub fn update_replica(&self, id: &str, patch: ReplicaPatch) -> Result<Arc<Replica>, ApiError> {
+        let _serial = self.serial();
+        let r = self.replica(id)?;
+        let spec = patch.apply_to((*r.spec()).clone());
+        spec.validate().map_err(ApiError::Unprocessable)?;
+        self.store.put_replica(&StoredReplica { spec: spec.clone(), admin: r.admin() }).map_err(internal)?;
+        let (url, limit) = (spec.url.clone(), spec.max_large_inflight);
+        r.set_spec(spec);
+        self.admission.rebalance(&r.id, limit);
+        self.events.record(EventKind::ReplicaUpdated, Some(&r.id), None, url);
+        Ok(r)
+    }
+
+    pub fn remove_replica(&self, id: &str) -> Result<(), ApiError> {
+        let _serial = self.serial();
+        self.replica(id)?;
+        self.store.delete_replica(id).map_err(internal)?;
+        self.fleet.remove(id);
+        let pins = self.pins.remove_replica(id);
+        self.capacity.forget_replica(id);
+        self.events.record(EventKind::ReplicaRemoved, Some(id), None, format!("{pins} pin(s) dropped"));
+        Ok(())
+    }
+
+    pub fn drain(&self, id: &str) -> Result<Arc<Replica>, ApiError> {
+        self.set_admin(id, AdminState::Draining)
+    }
+
+    /// Undoes a drain. A disabled replica stays disabled: that takes `enable`.
+    pub fn resume(&self, id: &str) -> Result<Arc<Replica>, ApiError> {
+        if self.replica(id)?.admin() == AdminState::Disabled {
+            return Err(ApiError::Conflict(format!("replica '{id}' is disabled; use enable")));
+        }
+        self.set_admin(id, AdminState::Active)
+    }
+
+    pub fn disable(&self, id: &str) -> Result<Arc<Replica>, ApiError> {
+        self.set_admin(id, AdminState::Disabled)
+    }
+
+    pub fn enable(&self, id: &str) -> Result<Arc<Replica>, ApiError> {
+        self.set_admin(id, AdminState::Active)
+    }
+
+    /// Changes the operator's state of a replica and records the event.
+    pub fn set_admin(&self, id: &str, next: AdminState) -> Result<Arc<Replica>, ApiError> {
+        let _serial = self.serial();
+        let r = self.replica(id)?;
+        self.store.put_replica(&StoredReplica { spec: (*r.spec()).clone(), admin: next }).map_err(internal)?;
+        let prev = r.set_admin(next);
+        if prev != next {
+            let kind = match (prev, next) {
+                (_, AdminState::Draining) => EventKind::DrainStarted,
+                (_, AdminState::Disabled) => EventKind::Disabled,
+                (AdminState::Disabled, AdminState::Active) => EventKind::Enabled,
+                (_, AdminState::Active) => EventKind::Resumed,
+            };
+            self.events.record(kind, Some(id), None, format!("{} in flight", r.inflight()));
+        }
+        Ok(r)
+    }
+
+    /// Waits until a draining replica has nothing in flight.
+    pub async fn wait_drained(&self, r: &Replica, timeout: Duration) -> Result<(), ApiError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if r.admin() != AdminState::Draining {
+                return Err(ApiError::Conflict(format!("replica '{}' is no longer draining", r.id)));
+            }
+            if r.inflight() == 0 {
+                self.events.record(EventKind::DrainCompleted, Some(&r.id), None, "nothing in flight");
+                return Ok(());
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(ApiError::Timeout(format!(
+                    "replica '{}' still has {} request(s) in flight after {} s",
+                    r.id,
+                    r.inflight(),
+                    timeout.as_secs()
+                )));
+            }
+            // Polling at 50 ms is plenty for an operator script and costs nothing.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Deletes one pin (persisted by the flusher like any pin change).
+    pub fn delete_pin(&self, key: PrefixKey) -> Result<(), ApiError> {
+        let replica = self.pins.replica_of(key);
+        if !self.pins.remove(key) {
+            return Err(ApiError::NotFound(format!("no pin {key:032x}")));
+        }
+        self.events.record(EventKind::PinsDeleted, replica.as_deref(), None, format!("pin {key:032x} deleted"));
+        Ok(())
+    }
+
+    /// Deletes every pin a replica holds; returns how many.
+    pub fn delete_replica_pins(&self, id: &str) -> Result<usize, ApiError> {
+        self.replica(id)?;
+        let n = self.pins.remove_replica(id);
+        self.capacity.forget_replica(id);
+        self.events.record(EventKind::PinsDeleted, Some(id), None, format!("{n} pin(s) deleted"));
+        Ok(n)
+    }
+}

@@ -1,0 +1,209 @@
+//! The outcome recorder: the one writer of what a request leaves behind:
+//! pins, history events, metrics, token calibration, the working set and
+//! health observations. The request path calls it at each turning point
+//! (rejected, attempt failed, responded, body ended) and it decides what
+//! each means for every piece of state, so no two places write one thing.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::attempt::AttemptError;
+use super::body::{BodyEnd, BodyOutcome};
+use super::plan::PlanError;
+use super::usage::UsageTap;
+use crate::admission::Permit;
+use crate::capacity::{Capacity, RunningTicket};
+use crate::error::ApiError;
+use crate::events::{EventKind, EventLog};
+use crate::fleet::health::{HealthTracker, Observation};
+use crate::fleet::{InflightGuard, Replica};
+use crate::metrics::{FailoverLabels, Metrics, RequestLabels, ResultLabels, RouteLabels};
+use crate::pins::{Pin, PinTable};
+use crate::policy::{PrefixKey, PrefixMatch, RouteReason};
+use crate::state::AppState;
+use crate::tokens::Calibration;
+
+pub struct OutcomeRecorder {
+    pins: Arc<PinTable>,
+    events: Arc<EventLog>,
+    metrics: Arc<crate::metrics::Metrics>,
+    calibration: Arc<Calibration>,
+    capacity: Arc<Capacity>,
+    health: Arc<HealthTracker>,
+}
+
+/// A response head arrived: what the recorder needs to know about it.
+pub struct Responded<'a> {
+    pub replica: &'a Arc<str>,
+    pub reason: RouteReason,
+    pub success: bool,
+    pub ttfb: Duration,
+    /// Replicas this request failed on first, in order.
+    pub tried: &'a [Arc<str>],
+    /// The first replica failed over from, and whether this request took it down.
+    pub failed_from: Option<&'a (Arc<str>, bool)>,
+    /// Where the request's own pin goes (None: never pinned).
+    pub pin_at: Option<PrefixKey>,
+    /// The longest pinned prefix the request carried.
+    pub pinned: Option<&'a (PrefixMatch, Pin)>,
+    pub est_tokens: u64,
+}
+
+fn result(r: &str) -> ResultLabels {
+    ResultLabels { result: r.into() }
+}
+
+impl OutcomeRecorder {
+    pub fn new(s: &AppState) -> OutcomeRecorder {
+        OutcomeRecorder {
+            pins: s.pins.clone(),
+            events: s.events.clone(),
+            metrics: s.metrics.clone(),
+            calibration: s.calibration.clone(),
+            capacity: s.capacity.clone(),
+            health: s.health.clone(),
+        }
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// The gateway answered with an error of its own before any replica.
+    pub fn rejected(&self, why: &str) {
+        self.metrics.rejected.get_or_create(&result(why)).inc();
+    }
+
+    pub fn pin_lookup(&self, hit: bool) {
+        self.metrics.pin_lookups.get_or_create(&result(if hit { "hit" } else { "miss" })).inc();
+    }
+
+    pub fn admission_waited(&self, replica: &str) {
+        self.metrics.admission_waits.get_or_create(&crate::metrics::replica_label(replica)).inc();
+    }
+
+    pub fn admission_rejected(&self, replica: &str) {
+        self.metrics.admission_rejections.get_or_create(&crate::metrics::replica_label(replica)).inc();
+    }
+
+    /// No plan: the request ends here, after failing on `tried` (if anywhere).
+    pub fn plan_failed(&self, e: PlanError, tried: &[Arc<str>]) -> ApiError {
+        match e {
+            PlanError::ModelNotFound(model) => {
+                self.rejected("model_not_found");
+                ApiError::ModelNotFound(model)
+            }
+            PlanError::NoReplica => {
+                self.rejected("no_replica");
+                for from in tried {
+                    let labels = FailoverLabels { from: from.to_string(), to: "none".into() };
+                    self.metrics.failovers.get_or_create(&labels).inc();
+                }
+                ApiError::NoReplica
+            }
+        }
+    }
+
+    /// An attempt ended before a response head. A connection failure is a
+    /// health observation (the replica is down now); returns true when this
+    /// attempt took the replica down. Other failures end the request.
+    pub fn attempt_failed(&self, replica: &Replica, reason: RouteReason, e: &AttemptError) -> bool {
+        if e.retry_safe() {
+            tracing::warn!(replica = %replica.id, "connection failed, failing over: {}", e.message);
+            return self.health.observe(
+                replica,
+                Observation::ConnectionFailed { error: e.message.clone() },
+                crate::clock::now_ms(),
+            );
+        }
+        let labels = RequestLabels {
+            replica: replica.id.to_string(),
+            route: reason.as_str().into(),
+            status: e.status_label().into(),
+        };
+        self.metrics.requests.get_or_create(&labels).inc();
+        false
+    }
+
+    /// A response head arrived. Records failovers, the pin (for a success),
+    /// a moved conversation, and time to first byte. Returns the cached
+    /// tokens the route predicts (a warm turn on its own replica).
+    pub fn responded(&self, r: &Responded) -> Option<u64> {
+        for from in r.tried {
+            let labels = FailoverLabels { from: from.to_string(), to: r.replica.to_string() };
+            self.metrics.failovers.get_or_create(&labels).inc();
+        }
+        if let Some((from, true)) = r.failed_from {
+            self.events.record(
+                EventKind::Failover,
+                Some(from),
+                Some(r.replica),
+                "connection failed before any response byte; retried",
+            );
+        }
+        let labels = RouteLabels { replica: r.replica.to_string(), route: r.reason.as_str().into() };
+        self.metrics.upstream_ttfb.get_or_create(&labels).observe(r.ttfb.as_secs_f64());
+        let pin_at = r.pin_at.filter(|_| r.success)?;
+        let home = r.pinned.map(|(m, pin)| (m, &pin.replica));
+        let predicted = match home {
+            Some((m, home)) if home == r.replica => Some(self.calibration.estimate(r.replica, m.bytes)),
+            // The baselines move conversations on every turn by design;
+            // history records the moves the shape policy had to make.
+            Some((_, home)) if matches!(r.reason, RouteReason::Repinned | RouteReason::Failover) => {
+                let detail = format!("{} route", r.reason.as_str());
+                self.events.record(EventKind::PinMoved, Some(home), Some(r.replica), detail);
+                None
+            }
+            _ => None,
+        };
+        let now = crate::clock::now_ms();
+        let parent = r.pinned.map(|(m, _)| m.key);
+        let recorded = self.pins.record(pin_at, r.replica, parent, r.est_tokens, now);
+        if let Some(from) = &recorded.moved_from {
+            self.capacity.family_moved(recorded.family, from);
+        }
+        if recorded.turns >= 2 {
+            self.capacity.touch_family(r.replica, recorded.family, r.est_tokens, now);
+        }
+        predicted
+    }
+}
+
+/// Held by the response body; reports to the recorder when the body ends,
+/// however it ends, and releases the request's counters, admission slot and
+/// running ticket with it.
+pub struct Outcome {
+    pub recorder: Arc<OutcomeRecorder>,
+    pub replica: Arc<Replica>,
+    pub reason: RouteReason,
+    pub status: u16,
+    pub started: Instant,
+    pub prompt_bytes: usize,
+    pub held: (InflightGuard, Option<Permit>, RunningTicket),
+}
+
+impl BodyEnd for Outcome {
+    fn finish(&mut self, outcome: BodyOutcome, usage: Option<&UsageTap>) {
+        let m = &self.recorder.metrics;
+        let route = self.reason.as_str().to_string();
+        let status = match outcome {
+            BodyOutcome::Complete => self.status.to_string(),
+            BodyOutcome::UpstreamFailed => "upstream_failed".into(),
+            BodyOutcome::IdleTimeout => "idle_timeout".into(),
+            BodyOutcome::ClientGone => "client_gone".into(),
+        };
+        let labels = RouteLabels { replica: self.replica.id.to_string(), route: route.clone() };
+        m.request_duration.get_or_create(&labels).observe(self.started.elapsed().as_secs_f64());
+        m.requests.get_or_create(&RequestLabels { replica: labels.replica.clone(), route, status }).inc();
+        if outcome == BodyOutcome::Complete && (200..300).contains(&self.status) {
+            let measured = usage.and_then(UsageTap::usage);
+            let what = if measured.is_some() { "measured" } else { "unmeasured" };
+            m.usage_measured.get_or_create(&result(what)).inc();
+            if let Some(u) = measured {
+                self.recorder.calibration.calibrate(&self.replica.id, self.prompt_bytes, u.prompt_tokens);
+                m.prompt_tokens.get_or_create(&labels).inc_by(u.prompt_tokens);
+                m.cached_tokens.get_or_create(&labels).inc_by(u.cached_tokens.unwrap_or(0));
+            }
+        }
+    }
+}

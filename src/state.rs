@@ -1,0 +1,140 @@
+//! The application state: a bag of `Arc` handles, one per component, built
+//! once at startup. Components take only the handles they use (a running
+//! ticket holds the running-request registry, the health prober holds the
+//! fleet and the tracker), so dependencies point one way:
+//! HTTP (admin, proxy) -> domain (operator, fleet, pins, capacity, ...) -> store.
+
+use std::sync::Arc;
+
+use crate::access::Access;
+use crate::admission::Admission;
+use crate::capacity::Capacity;
+use crate::config::Config;
+use crate::events::{EventLog, EventWriter};
+use crate::fleet::health::HealthTracker;
+use crate::fleet::{AdminState, Fleet, Replica};
+use crate::metrics::Metrics;
+use crate::operator::Operator;
+use crate::pins::PinTable;
+use crate::policy::{CurrentPolicy, PolicySettings, SpreadCounter};
+use crate::store::{MemoryStore, SledStore, Store, StoreError, StoredReplica};
+use crate::tokens::Calibration;
+
+pub struct AppState {
+    pub config: Arc<Config>,
+    pub fleet: Arc<Fleet>,
+    pub pins: Arc<PinTable>,
+    pub events: Arc<EventLog>,
+    pub event_writer: Arc<EventWriter>,
+    pub store: Arc<dyn Store>,
+    pub metrics: Arc<Metrics>,
+    pub access: Arc<Access>,
+    pub admission: Arc<Admission>,
+    pub capacity: Arc<Capacity>,
+    pub calibration: Arc<Calibration>,
+    pub health: Arc<HealthTracker>,
+    pub policy: Arc<CurrentPolicy>,
+    pub spread: Arc<SpreadCounter>,
+    pub operator: Arc<Operator>,
+}
+
+impl AppState {
+    /// Opens the store (sled under `data_dir`, else memory), restores what
+    /// it holds, and seeds replicas from the config when the database is new.
+    ///
+    /// The rule: the config's replica list seeds an empty database only;
+    /// afterwards the database (changed through the admin API) is the source
+    /// of truth, and replicas in the config file are ignored with a warning.
+    pub fn open(config: Config) -> Result<Arc<AppState>, StoreError> {
+        let store: Arc<dyn Store> = match &config.data_dir {
+            Some(dir) => Arc::new(SledStore::open(dir)?),
+            None => Arc::new(MemoryStore::default()),
+        };
+        AppState::with_store(config, store)
+    }
+
+    pub fn with_store(config: Config, store: Arc<dyn Store>) -> Result<Arc<AppState>, StoreError> {
+        let fleet = Arc::new(Fleet::default());
+        let stored = store.replicas()?;
+        if store.is_new() {
+            for spec in &config.replicas {
+                let r = StoredReplica { spec: spec.clone(), admin: AdminState::Active };
+                store.put_replica(&r)?;
+                fleet.add(Replica::new(r.spec, r.admin));
+            }
+        } else {
+            if !config.replicas.is_empty() {
+                tracing::warn!(
+                    "the database already lists replicas; the {} replica(s) in the config are ignored \
+                     (manage replicas through the admin API)",
+                    config.replicas.len()
+                );
+            }
+            for r in stored {
+                fleet.add(Replica::new(r.spec, r.admin));
+            }
+        }
+        let policy = match store.setting("policy")? {
+            Some(v) => serde_json::from_value(v)
+                .map_err(|e| StoreError::Corrupt { tree: "settings", detail: e.to_string() })?,
+            None => PolicySettings { mode: config.policy, identity: config.identity },
+        };
+        let pins = Arc::new(PinTable::default());
+        pins.restore(store.pins()?);
+        let capacity = Arc::new(Capacity::new(config.capacity.working_set_window_secs));
+        let since = crate::clock::now_ms().saturating_sub(capacity.window_secs() * 1000);
+        capacity.seed(&pins.conversations_active_since(since));
+        let (events, event_writer) = EventLog::new(config.history.max_events, store.clone(), store.events()?);
+        let events = Arc::new(events);
+        let policy = Arc::new(CurrentPolicy::new(policy));
+        let admission = Arc::new(Admission::default());
+        let operator = Arc::new(Operator::new(
+            fleet.clone(),
+            pins.clone(),
+            events.clone(),
+            store.clone(),
+            policy.clone(),
+            admission.clone(),
+            capacity.clone(),
+        ));
+        Ok(Arc::new(AppState {
+            metrics: Arc::new(Metrics::new()),
+            access: Arc::new(Access::new(&config)),
+            health: Arc::new(HealthTracker::new(config.health.rise, config.health.fall, events.clone())),
+            calibration: Arc::default(),
+            spread: Arc::default(),
+            config: Arc::new(config),
+            fleet,
+            pins,
+            events,
+            event_writer: Arc::new(event_writer),
+            store,
+            admission,
+            capacity,
+            policy,
+            operator,
+        }))
+    }
+
+    /// Writes dirty pins and recorded events in one batch each and makes them
+    /// durable; called by the flusher and at shutdown. The explicit flush
+    /// matters: sled otherwise keeps writes in memory for up to 500 ms, and a
+    /// `kill -9` would lose pins older than our own flush interval.
+    pub fn flush_pins(&self) -> Result<usize, StoreError> {
+        let changes = self.pins.take_dirty();
+        let events = self.event_writer.flush()?;
+        if !changes.is_empty() {
+            self.store.write_pins(&changes)?;
+        }
+        if !changes.is_empty() || events > 0 {
+            self.store.flush()?;
+        }
+        Ok(changes.len())
+    }
+
+    /// Graceful shutdown's last step: everything to disk.
+    pub fn flush_all(&self) -> Result<(), StoreError> {
+        self.flush_pins()?;
+        self.store.flush()
+    }
+}
