@@ -26,6 +26,10 @@ pub enum ApiError {
     #[error("the replica failed: {0}")]
     Upstream(String),
     #[error("{0}")]
+    UnsupportedMediaType(String),
+    #[error("method {0} is not allowed here (see the Allow header)")]
+    MethodNotAllowed(String),
+    #[error("{0}")]
     Unauthorized(String),
     #[error("too many requests; retry after {} s", retry_after.as_secs().max(1))]
     RateLimited { retry_after: Duration },
@@ -67,6 +71,10 @@ impl ApiError {
             Overloaded { .. } => (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "admission_queue_full"),
             UpstreamTimeout => (StatusCode::GATEWAY_TIMEOUT, "upstream_error", "upstream_timeout"),
             Upstream(_) => (StatusCode::BAD_GATEWAY, "upstream_error", "upstream_failed"),
+            UnsupportedMediaType(_) => {
+                (StatusCode::UNSUPPORTED_MEDIA_TYPE, "invalid_request_error", "unsupported_media_type")
+            }
+            MethodNotAllowed(_) => (StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "method_not_allowed"),
             Unauthorized(_) => (StatusCode::UNAUTHORIZED, "authentication_error", "invalid_api_key"),
             RateLimited { .. } => (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", "rate_limited"),
             NotFound(_) => (StatusCode::NOT_FOUND, "invalid_request_error", "not_found"),

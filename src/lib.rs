@@ -15,6 +15,7 @@ pub mod config;
 pub mod error;
 pub mod events;
 pub mod fleet;
+pub mod json_int;
 pub mod metrics;
 pub mod operator;
 pub mod pins;

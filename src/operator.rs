@@ -17,7 +17,7 @@ use crate::admission::Admission;
 use crate::capacity::Capacity;
 use crate::error::ApiError;
 use crate::events::{EventKind, EventLog};
-use crate::fleet::{normalize_url, AdminState, Fleet, Replica, ReplicaSpec};
+use crate::fleet::{normalize_url, validate_url, AdminState, Fleet, Replica, ReplicaSpec};
 use crate::pins::PinTable;
 use crate::policy::{CurrentPolicy, PolicySettings, PrefixKey};
 use crate::store::{Store, StoreError, StoredReplica};
@@ -27,18 +27,25 @@ use crate::store::{Store, StoreError, StoredReplica};
 #[serde(deny_unknown_fields)]
 #[schema(example = json!({"max_large_inflight": 2}))]
 pub struct ReplicaPatch {
+    #[schema(
+        pattern = "^https?://(((25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])\\.){3}(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])|([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\\.)*[a-z]([a-z0-9-]{0,61}[a-z0-9])?)(:([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5]))?(/[A-Za-z0-9_~-]*)*$"
+    )]
     pub url: Option<String>,
-    /// Sets the upstream API key (write-only).
+    /// Sets the upstream API key (write-only; empty changes nothing).
+    #[schema(pattern = "^[!-~]{0,4096}$")]
     pub api_key: Option<String>,
     /// Removes the upstream API key.
     #[serde(default)]
     pub clear_api_key: bool,
+    #[schema(pattern = "^/[A-Za-z0-9_~/-]{0,255}$")]
     pub health_path: Option<String>,
-    #[schema(minimum = 0)]
+    #[serde(default, deserialize_with = "crate::json_int::opt_int32")]
+    #[schema(minimum = 0, maximum = 2147483647)]
     pub max_large_inflight: Option<u32>,
     #[serde(default)]
     pub clear_max_large_inflight: bool,
-    #[schema(minimum = 0)]
+    #[serde(default, deserialize_with = "crate::json_int::opt_int64")]
+    #[schema(minimum = 0, maximum = 9223372036854775807_i64)]
     pub kv_tokens: Option<u64>,
 }
 
@@ -150,6 +157,9 @@ impl Operator {
     /// Merges `patch` into the replica's spec. A raised `max_large_inflight`
     /// hands the new slots to requests already waiting.
     pub fn update_replica(&self, id: &str, patch: ReplicaPatch) -> Result<Arc<Replica>, ApiError> {
+        if let Some(url) = &patch.url {
+            validate_url(url).map_err(ApiError::Unprocessable)?;
+        }
         let _serial = self.serial();
         let r = self.replica(id)?;
         let spec = patch.apply_to((*r.spec()).clone());

@@ -15,16 +15,20 @@ pub fn routes(cfg: &mut ServiceConfig) {
 
 #[derive(Debug, Deserialize, IntoParams)]
 pub struct EventQuery {
-    /// Only this kind (e.g. `failover`).
-    pub kind: Option<String>,
+    /// Only this kind.
+    pub kind: Option<EventKind>,
     /// Only events naming this replica (as source or destination).
+    #[param(pattern = "^[a-z0-9_-]{1,64}$")]
     pub replica: Option<String>,
     /// Only events at or after this RFC 3339 time.
+    #[param(format = DateTime)]
     pub since: Option<String>,
-    /// Page size (default 100, at most 1000).
+    /// Page size (default 100).
+    #[param(minimum = 1, maximum = 1000)]
     pub limit: Option<usize>,
     /// `next_cursor` of the previous page.
-    pub cursor: Option<u64>,
+    #[param(minimum = 0)]
+    pub cursor: Option<i64>,
 }
 
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
@@ -37,15 +41,36 @@ pub struct EventPage {
 #[utoipa::path(tag = "events", params(EventQuery), responses((status = 200, body = EventPage), (status = 400, body = ErrorBody)))]
 #[get("/events")]
 async fn list(s: web::Data<AppState>, q: web::Query<EventQuery>) -> Result<web::Json<EventPage>, ApiError> {
-    let limit = q.limit.unwrap_or(100).clamp(1, 1000);
-    let kind = q.kind.as_deref().map(str::parse::<EventKind>).transpose().map_err(ApiError::BadRequest)?;
-    let since_ms = q
-        .since
-        .as_deref()
-        .map(|s| humantime::parse_rfc3339_weak(s).map(crate::clock::unix_ms))
-        .transpose()
-        .map_err(|e| ApiError::BadRequest(format!("since: {e} (expected RFC 3339)")))?;
-    let items = s.events.query(&EventFilter { kind, replica: q.replica.clone(), since_ms, before_id: q.cursor, limit });
+    let limit = super::page_limit(q.limit, 100)?;
+    if let Some(r) = &q.replica {
+        crate::fleet::validate_id(r).map_err(ApiError::BadRequest)?;
+    }
+    let since_ms = q.since.as_deref().map(parse_rfc3339).transpose()?;
+    let before_id = q
+        .cursor
+        .map(|c| u64::try_from(c).map_err(|_| ApiError::BadRequest("cursor: must be at least 0".into())))
+        .transpose()?;
+    let filter = EventFilter { kind: q.kind, replica: q.replica.clone(), since_ms, before_id, limit };
+    let items = s.events.query(&filter);
     let next_cursor = (items.len() == limit).then(|| items.last().map(|e| e.id)).flatten();
     Ok(web::Json(EventPage { items, next_cursor }))
+}
+
+/// An RFC 3339 timestamp (any offset) as milliseconds since the epoch;
+/// times before the epoch are the epoch.
+fn parse_rfc3339(s: &str) -> Result<u64, ApiError> {
+    let t = time::OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339)
+        .map_err(|e| ApiError::BadRequest(format!("since: {e} (expected an RFC 3339 time)")))?;
+    Ok(u64::try_from(t.unix_timestamp_nanos() / 1_000_000).unwrap_or(0))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn since_takes_any_rfc3339_offset() {
+        assert_eq!(super::parse_rfc3339("1970-01-01T00:00:01Z").unwrap(), 1000);
+        assert_eq!(super::parse_rfc3339("1970-01-01T01:00:01.5+01:00").unwrap(), 1500);
+        assert_eq!(super::parse_rfc3339("1960-01-01T00:00:00Z").unwrap(), 0);
+        assert!(super::parse_rfc3339("yesterday").is_err());
+    }
 }

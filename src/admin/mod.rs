@@ -51,6 +51,47 @@ impl Modify for BearerAuth {
     }
 }
 
+/// The answers any operation can give besides its own: 401 (bad or missing
+/// token) and 429 (rate limit or lockout) everywhere; 400 where a path,
+/// query or body is parsed; 413 and 415 where a JSON body is read. Declared
+/// once here so that no operation can forget them.
+struct CommonResponses;
+
+impl Modify for CommonResponses {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder};
+        let error = |what: &str| {
+            ResponseBuilder::new()
+                .description(what)
+                .content(
+                    "application/json",
+                    ContentBuilder::new().schema(Some(Ref::from_schema_name("ErrorBody"))).build(),
+                )
+                .build()
+        };
+        for item in openapi.paths.paths.values_mut() {
+            for op in
+                [&mut item.get, &mut item.put, &mut item.post, &mut item.delete, &mut item.patch].into_iter().flatten()
+            {
+                let has_params = op.parameters.as_ref().is_some_and(|p| !p.is_empty());
+                let has_body = op.request_body.is_some();
+                let mut add = |status: &str, what: &str| {
+                    op.responses.responses.entry(status.to_string()).or_insert_with(|| error(what).into());
+                };
+                add("401", "Missing or invalid admin token");
+                add("429", "Too many requests (rate limit, or locked out after failed logins); see Retry-After");
+                if has_params || has_body {
+                    add("400", "Malformed path, query or body");
+                }
+                if has_body {
+                    add("413", "Body larger than 64 KiB");
+                    add("415", "Body is not application/json");
+                }
+            }
+        }
+    }
+}
+
 fn api_scope() -> scope::Scope<
     impl actix_web::dev::ServiceFactory<
         actix_web::dev::ServiceRequest,
@@ -70,7 +111,9 @@ fn api_scope() -> scope::Scope<
 
 /// The OpenAPI document, as served at `/openapi.json` and committed under `openapi/`.
 pub fn openapi() -> utoipa::openapi::OpenApi {
-    let (_, api) = App::new().into_utoipa_app().openapi(ApiDoc::openapi()).service(api_scope()).split_for_parts();
+    let (_, mut api) = App::new().into_utoipa_app().openapi(ApiDoc::openapi()).service(api_scope()).split_for_parts();
+    // After the routes are in: the common answers go on every operation.
+    CommonResponses.modify(&mut api);
     api
 }
 
@@ -89,7 +132,7 @@ pub fn create_admin_app(
         InitError = (),
     >,
 > {
-    let (app, api) = App::new()
+    let (app, mut api) = App::new()
         .into_utoipa_app()
         .openapi(ApiDoc::openapi())
         .app_data(web::Data::from(state.access.clone()))
@@ -100,19 +143,66 @@ pub fn create_admin_app(
         .app_data(path_config())
         .service(api_scope())
         .split_for_parts();
+    CommonResponses.modify(&mut api);
     app.wrap(actix_web::middleware::from_fn(crate::access::guard_admin))
         .app_data(web::PayloadConfig::new(64 * 1024))
         .route("/metrics", web::get().to(metrics))
         .service(SwaggerUi::new("/swagger-ui/{_:.*}").url("/openapi.json", api))
         .configure(web_ui::routes)
-        .default_service(web::to(|| async { Err::<HttpResponse, _>(ApiError::NotFound("no such admin route".into())) }))
+        .default_service(web::to(no_route))
+}
+
+/// An unknown method on a known path is a 405 with `Allow` (what HTTP and
+/// contract testers expect); anything else a 404. The table of paths and
+/// methods is the OpenAPI document itself, so it cannot drift from the routes.
+async fn no_route(req: actix_web::HttpRequest) -> Result<HttpResponse, ApiError> {
+    use std::sync::LazyLock;
+    static ROUTES: LazyLock<Vec<(Vec<String>, Vec<&'static str>)>> = LazyLock::new(|| {
+        openapi()
+            .paths
+            .paths
+            .iter()
+            .map(|(path, item)| {
+                let methods = [
+                    ("GET", item.get.is_some()),
+                    ("PUT", item.put.is_some()),
+                    ("POST", item.post.is_some()),
+                    ("DELETE", item.delete.is_some()),
+                    ("PATCH", item.patch.is_some()),
+                ];
+                let allowed = methods.iter().filter(|(_, on)| *on).map(|(m, _)| *m).collect();
+                (path.split('/').map(str::to_string).collect(), allowed)
+            })
+            .collect()
+    });
+    let segments: Vec<&str> = req.path().split('/').collect();
+    let matches = |template: &[String]| {
+        template.len() == segments.len() && template.iter().zip(&segments).all(|(t, s)| t.starts_with('{') || t == s)
+    };
+    match ROUTES.iter().find(|(template, _)| matches(template)) {
+        Some((_, allowed)) => Ok(HttpResponse::MethodNotAllowed()
+            .insert_header((actix_web::http::header::ALLOW, allowed.join(", ")))
+            .json(ApiError::MethodNotAllowed(req.method().to_string()).body())),
+        None => Err(ApiError::NotFound("no such admin route".into())),
+    }
 }
 
 /// Bad JSON is a 400 in the one error shape, not actix's plain-text default.
 fn json_config() -> web::JsonConfig {
-    web::JsonConfig::default()
-        .limit(64 * 1024)
-        .error_handler(|e, _| ApiError::BadRequest(format!("invalid JSON body: {e}")).into())
+    const LIMIT: usize = 64 * 1024;
+    web::JsonConfig::default().limit(LIMIT).error_handler(|e, _| {
+        use actix_web::error::JsonPayloadError;
+        match e {
+            JsonPayloadError::OverflowKnownLength { .. } | JsonPayloadError::Overflow { .. } => {
+                ApiError::BodyTooLarge { limit: LIMIT }
+            }
+            JsonPayloadError::ContentType => {
+                ApiError::UnsupportedMediaType("the body must be JSON (Content-Type: application/json)".into())
+            }
+            e => ApiError::BadRequest(format!("invalid JSON body: {e}")),
+        }
+        .into()
+    })
 }
 
 fn query_config() -> web::QueryConfig {
@@ -129,7 +219,29 @@ async fn metrics(s: web::Data<AppState>) -> HttpResponse {
     HttpResponse::Ok().content_type("text/plain; version=0.0.4; charset=utf-8").body(s.metrics.encode())
 }
 
+/// A page size: `default` when absent, else 1 to 1000 (as documented).
+fn page_limit(limit: Option<usize>, default: usize) -> Result<usize, ApiError> {
+    match limit.unwrap_or(default) {
+        n @ 1..=1000 => Ok(n),
+        n => Err(ApiError::BadRequest(format!("limit: {n} is not between 1 and 1000"))),
+    }
+}
+
 /// Milliseconds since the epoch as an RFC 3339 timestamp.
 fn rfc3339(ms: u64) -> String {
     humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms)).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::fleet::patterns;
+
+    #[test]
+    fn the_documented_patterns_are_the_ones_the_server_enforces() {
+        let spec = super::openapi_json();
+        for p in [patterns::ID, patterns::URL, patterns::HEALTH_PATH, patterns::API_KEY] {
+            let quoted = serde_json::to_string(p).unwrap();
+            assert!(spec.contains(&format!("\"pattern\": {quoted}")), "{p} is not in the OpenAPI document");
+        }
+    }
 }

@@ -42,12 +42,16 @@ fn view(key: PrefixKey, p: &Pin) -> PinView {
 #[derive(Debug, Deserialize, IntoParams)]
 pub struct PinQuery {
     /// Only pins held by this replica.
+    #[param(pattern = "^[a-z0-9_-]{1,64}$")]
     pub replica: Option<String>,
     /// Only pins whose key starts with these hex digits.
+    #[param(pattern = "^[0-9a-fA-F]{0,32}$")]
     pub key_prefix: Option<String>,
     #[serde(default)]
-    pub offset: usize,
-    /// Page size (default 50, at most 1000).
+    #[param(minimum = 0)]
+    pub offset: i32,
+    /// Page size (default 50).
+    #[param(minimum = 1, maximum = 1000)]
     pub limit: Option<usize>,
 }
 
@@ -63,13 +67,17 @@ pub struct PinPage {
 #[utoipa::path(tag = "pins", params(PinQuery), responses((status = 200, body = PinPage), (status = 400, body = ErrorBody)))]
 #[get("/pins")]
 async fn list(s: web::Data<AppState>, q: web::Query<PinQuery>) -> Result<web::Json<PinPage>, ApiError> {
-    let limit = q.limit.unwrap_or(50).clamp(1, 1000);
+    let limit = super::page_limit(q.limit, 50)?;
     let prefix = q.key_prefix.as_deref().unwrap_or("").to_ascii_lowercase();
     if !prefix.chars().all(|c| c.is_ascii_hexdigit()) || prefix.len() > 32 {
         return Err(ApiError::BadRequest("key_prefix must be up to 32 hex digits".into()));
     }
-    let (total, items) = s.pins.page(q.replica.as_deref(), &prefix, q.offset, limit);
-    Ok(web::Json(PinPage { total, offset: q.offset, limit, items: items.iter().map(|(k, p)| view(*k, p)).collect() }))
+    if let Some(r) = &q.replica {
+        crate::fleet::validate_id(r).map_err(ApiError::BadRequest)?;
+    }
+    let offset = usize::try_from(q.offset).map_err(|_| ApiError::BadRequest("offset: must be at least 0".into()))?;
+    let (total, items) = s.pins.page(q.replica.as_deref(), &prefix, offset, limit);
+    Ok(web::Json(PinPage { total, offset, limit, items: items.iter().map(|(k, p)| view(*k, p)).collect() }))
 }
 
 fn parse_key(key: &str) -> Result<PrefixKey, ApiError> {
@@ -79,7 +87,7 @@ fn parse_key(key: &str) -> Result<PrefixKey, ApiError> {
     PrefixKey::from_str_radix(key, 16).map_err(|_| ApiError::BadRequest("a pin key is 32 hex digits".into()))
 }
 
-#[utoipa::path(tag = "pins", params(("key" = String, Path, description = "32 hex digits")),
+#[utoipa::path(tag = "pins", params(("key" = String, Path, description = "32 hex digits", pattern = "^[0-9a-fA-F]{32}$")),
     responses((status = 200, body = PinView), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
 #[get("/pins/{key}")]
 async fn get_one(s: web::Data<AppState>, key: web::Path<String>) -> Result<web::Json<PinView>, ApiError> {
@@ -88,7 +96,7 @@ async fn get_one(s: web::Data<AppState>, key: web::Path<String>) -> Result<web::
     Ok(web::Json(view(k, &pin)))
 }
 
-#[utoipa::path(tag = "pins", params(("key" = String, Path, description = "32 hex digits")),
+#[utoipa::path(tag = "pins", params(("key" = String, Path, description = "32 hex digits", pattern = "^[0-9a-fA-F]{32}$")),
     responses((status = 204, description = "deleted"), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
 #[delete("/pins/{key}")]
 async fn remove(operator: web::Data<Operator>, key: web::Path<String>) -> Result<HttpResponse, ApiError> {

@@ -107,7 +107,7 @@ async fn list(s: web::Data<AppState>) -> web::Json<Vec<ReplicaView>> {
     web::Json(s.fleet.snapshot().iter().map(|r| view_with_pins(&s, r, &counts)).collect())
 }
 
-#[utoipa::path(tag = "replicas", params(("id" = String, Path, description = "replica id")),
+#[utoipa::path(tag = "replicas", params(("id" = String, Path, description = "replica id", pattern = "^[a-z0-9_-]{1,64}$")),
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody)))]
 #[get("/replicas/{id}")]
 async fn get_one(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
@@ -120,11 +120,22 @@ async fn get_one(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::J
 #[serde(deny_unknown_fields)]
 #[schema(example = json!({"id": "gpu-2", "url": "http://10.0.0.7:8000", "max_large_inflight": 1, "kv_tokens": 122636}))]
 pub struct NewReplica {
+    #[schema(pattern = "^[a-z0-9_-]{1,64}$")]
     pub id: String,
+    #[schema(
+        pattern = "^https?://(((25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])\\.){3}(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])|([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\\.)*[a-z]([a-z0-9-]{0,61}[a-z0-9])?)(:([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5]))?(/[A-Za-z0-9_~-]*)*$"
+    )]
     pub url: String,
+    /// Upstream API key (write-only; empty means none).
+    #[schema(pattern = "^[!-~]{0,4096}$")]
     pub api_key: Option<String>,
+    #[schema(pattern = "^/[A-Za-z0-9_~/-]{0,255}$")]
     pub health_path: Option<String>,
+    #[serde(default, deserialize_with = "crate::json_int::opt_int32")]
+    #[schema(minimum = 0, maximum = 2147483647)]
     pub max_large_inflight: Option<u32>,
+    #[serde(default, deserialize_with = "crate::json_int::opt_int64")]
+    #[schema(minimum = 0, maximum = 9223372036854775807_i64)]
     pub kv_tokens: Option<u64>,
 }
 
@@ -133,6 +144,8 @@ pub struct NewReplica {
 #[post("/replicas")]
 async fn add(s: web::Data<AppState>, body: web::Json<NewReplica>) -> Result<HttpResponse, ApiError> {
     let b = body.into_inner();
+    // The documented format applies to what the client sent, before normalizing.
+    crate::fleet::validate_url(&b.url).map_err(ApiError::Unprocessable)?;
     let mut spec = ReplicaSpec::new(&b.id, &b.url);
     spec.api_key = b.api_key.filter(|k| !k.is_empty());
     spec.health_path = b.health_path;
@@ -142,7 +155,7 @@ async fn add(s: web::Data<AppState>, body: web::Json<NewReplica>) -> Result<Http
     Ok(HttpResponse::Created().json(view(&s, &r)))
 }
 
-#[utoipa::path(tag = "replicas", params(("id" = String, Path)), request_body = ReplicaPatch,
+#[utoipa::path(tag = "replicas", params(("id" = String, Path, description = "replica id", pattern = "^[a-z0-9_-]{1,64}$")), request_body = ReplicaPatch,
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody), (status = 422, body = ErrorBody)))]
 #[patch("/replicas/{id}")]
 async fn update(
@@ -154,7 +167,7 @@ async fn update(
     Ok(web::Json(view(&s, &r)))
 }
 
-#[utoipa::path(tag = "replicas", params(("id" = String, Path)),
+#[utoipa::path(tag = "replicas", params(("id" = String, Path, description = "replica id", pattern = "^[a-z0-9_-]{1,64}$")),
     responses((status = 204, description = "removed, with its pins"), (status = 404, body = ErrorBody)))]
 #[delete("/replicas/{id}")]
 async fn remove(operator: web::Data<Operator>, id: web::Path<String>) -> Result<HttpResponse, ApiError> {
@@ -167,11 +180,12 @@ pub struct DrainQuery {
     /// Return only when nothing is in flight any more.
     #[serde(default)]
     pub wait: bool,
-    /// Seconds to wait with `wait=true` (default 60).
+    /// Seconds to wait with `wait=true` (default 60, at most 3600).
+    #[param(minimum = 0, maximum = 3600)]
     pub timeout: Option<u64>,
 }
 
-#[utoipa::path(tag = "replicas", params(("id" = String, Path), DrainQuery),
+#[utoipa::path(tag = "replicas", params(("id" = String, Path, description = "replica id", pattern = "^[a-z0-9_-]{1,64}$"), DrainQuery),
     description = "Stops new requests (pinned conversations are re-pinned elsewhere); in-flight requests finish. \
                    With `wait=true` answers once nothing is in flight: 504 at the timeout, 409 if resumed meanwhile.",
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 504, body = ErrorBody)))]
@@ -181,14 +195,18 @@ async fn drain(
     id: web::Path<String>,
     q: web::Query<DrainQuery>,
 ) -> Result<web::Json<ReplicaView>, ApiError> {
+    let timeout = q.timeout.unwrap_or(60);
+    if timeout > 3600 {
+        return Err(ApiError::BadRequest("timeout: at most 3600 seconds".into()));
+    }
     let r = s.operator.drain(checked_id(&id)?)?;
     if q.wait {
-        s.operator.wait_drained(&r, Duration::from_secs(q.timeout.unwrap_or(60).min(3600))).await?;
+        s.operator.wait_drained(&r, Duration::from_secs(timeout)).await?;
     }
     Ok(web::Json(view(&s, &r)))
 }
 
-#[utoipa::path(tag = "replicas", params(("id" = String, Path)), description = "Undoes a drain.",
+#[utoipa::path(tag = "replicas", params(("id" = String, Path, description = "replica id", pattern = "^[a-z0-9_-]{1,64}$")), description = "Undoes a drain.",
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 #[post("/replicas/{id}/resume")]
 async fn resume(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
@@ -196,7 +214,7 @@ async fn resume(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::Js
     Ok(web::Json(view(&s, &r)))
 }
 
-#[utoipa::path(tag = "replicas", params(("id" = String, Path)), description = "Demotes a replica by hand; sticky until enable.",
+#[utoipa::path(tag = "replicas", params(("id" = String, Path, description = "replica id", pattern = "^[a-z0-9_-]{1,64}$")), description = "Demotes a replica by hand; sticky until enable.",
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody)))]
 #[post("/replicas/{id}/disable")]
 async fn disable(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
@@ -204,7 +222,7 @@ async fn disable(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::J
     Ok(web::Json(view(&s, &r)))
 }
 
-#[utoipa::path(tag = "replicas", params(("id" = String, Path)),
+#[utoipa::path(tag = "replicas", params(("id" = String, Path, description = "replica id", pattern = "^[a-z0-9_-]{1,64}$")),
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody)))]
 #[post("/replicas/{id}/enable")]
 async fn enable(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
@@ -217,7 +235,7 @@ pub struct Removed {
     pub removed: usize,
 }
 
-#[utoipa::path(tag = "pins", params(("id" = String, Path)), description = "Deletes every pin held by the replica.",
+#[utoipa::path(tag = "pins", params(("id" = String, Path, description = "replica id", pattern = "^[a-z0-9_-]{1,64}$")), description = "Deletes every pin held by the replica.",
     responses((status = 200, body = Removed), (status = 404, body = ErrorBody)))]
 #[delete("/replicas/{id}/pins")]
 async fn remove_pins(operator: web::Data<Operator>, id: web::Path<String>) -> Result<web::Json<Removed>, ApiError> {

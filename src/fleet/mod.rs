@@ -33,6 +33,35 @@ pub struct ReplicaSpec {
     pub kv_tokens: Option<u64>,
 }
 
+/// The wire formats the admin API documents (`openapi/admin.json` carries
+/// these exact strings; a test checks they match) and the server enforces,
+/// so a contract tester and the server agree on every input.
+pub mod patterns {
+    /// A replica id: a slug.
+    pub const ID: &str = "^[a-z0-9_-]{1,64}$";
+    /// A replica URL: http(s), a lowercase host name or a dotted IPv4
+    /// address, an optional port, an optional plain path.
+    pub const URL: &str = concat!(
+        "^https?://(",
+        "((25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])\\.){3}(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])",
+        "|([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\\.)*[a-z]([a-z0-9-]{0,61}[a-z0-9])?",
+        ")(:([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5]))?",
+        "(/[A-Za-z0-9_~-]*)*$"
+    );
+    /// A health probe path (no dots: no `..` tricks).
+    pub const HEALTH_PATH: &str = "^/[A-Za-z0-9_~/-]{0,255}$";
+    /// An upstream API key: visible ASCII (it goes into a header); empty means none.
+    pub const API_KEY: &str = "^[!-~]{0,4096}$";
+
+    pub fn matches(pattern: &'static str, value: &str) -> bool {
+        use std::collections::HashMap;
+        use std::sync::{LazyLock, Mutex};
+        static COMPILED: LazyLock<Mutex<HashMap<&'static str, regex::Regex>>> = LazyLock::new(Mutex::default);
+        let mut compiled = COMPILED.lock().expect("pattern cache");
+        compiled.entry(pattern).or_insert_with(|| regex::Regex::new(pattern).expect("valid pattern")).is_match(value)
+    }
+}
+
 impl ReplicaSpec {
     pub fn new(id: &str, url: &str) -> ReplicaSpec {
         ReplicaSpec {
@@ -49,8 +78,16 @@ impl ReplicaSpec {
         validate_id(&self.id)?;
         validate_url(&self.url)?;
         if let Some(p) = &self.health_path {
-            if !p.starts_with('/') || p.contains("..") || p.chars().any(|c| c.is_whitespace() || c.is_control()) {
-                return Err(format!("health_path: '{p}' must be an absolute path like /health"));
+            if !patterns::matches(patterns::HEALTH_PATH, p) {
+                return Err(format!(
+                    "health_path: '{}' must be an absolute path like /health (letters, digits, '_', '~', '-', '/')",
+                    p.escape_debug()
+                ));
+            }
+        }
+        if let Some(k) = &self.api_key {
+            if !patterns::matches(patterns::API_KEY, k) {
+                return Err("api_key: must be visible ASCII characters, at most 4096".into());
             }
         }
         Ok(())
@@ -72,8 +109,15 @@ pub fn validate_id(id: &str) -> Result<(), String> {
     }
 }
 
-/// Only plain http(s) URLs with a host: no `file:`, no credentials, no query.
+/// Only plain http(s) URLs with a host: no `file:`, no credentials, no
+/// query; and in the documented format (`patterns::URL`).
 pub fn validate_url(raw: &str) -> Result<(), String> {
+    if !patterns::matches(patterns::URL, raw) {
+        return Err(format!(
+            "url: '{}' is not an http(s) URL with a lowercase host name or IPv4 address, optional port and plain path",
+            raw.escape_debug()
+        ));
+    }
     let url = url::Url::parse(raw).map_err(|e| format!("url: '{raw}' is not a valid URL ({e})"))?;
     if !matches!(url.scheme(), "http" | "https") {
         return Err(format!("url: scheme '{}' is not allowed (http or https only)", url.scheme()));
@@ -317,6 +361,21 @@ mod tests {
             assert!(validate_id(bad).is_err(), "{bad}");
         }
         assert_eq!(normalize_url("http://x:1/v1/"), "http://x:1");
+        for bad in ["http://X", "http://a:65536", "http://4294967296", " http://x", "http://x/a.b"] {
+            assert!(validate_url(bad).is_err(), "{bad}");
+        }
+    }
+
+    proptest::proptest! {
+        /// The documented pattern promises a URL the server accepts: every
+        /// string it matches passes the full validation (the url crate too).
+        #[test]
+        fn every_url_matching_the_documented_pattern_is_accepted(
+            url in proptest::string::string_regex(patterns::URL.trim_start_matches('^').trim_end_matches('$')).unwrap()
+        ) {
+            proptest::prop_assert!(validate_url(&url).is_ok(), "{url}");
+            proptest::prop_assert!(validate_url(&normalize_url(&url)).is_ok(), "{url}");
+        }
     }
 
     #[test]

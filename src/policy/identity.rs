@@ -37,8 +37,12 @@ pub type PrefixKey = u128;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
 pub struct IdentityBlocks {
     /// Bytes per identity block of a `/v1/completions` string prompt.
+    #[serde(deserialize_with = "crate::json_int::usize")]
+    #[schema(minimum = 1, maximum = 1073741824)]
     pub block_bytes: usize,
     /// Token ids per identity block of a `/v1/completions` token-array prompt.
+    #[serde(deserialize_with = "crate::json_int::usize")]
+    #[schema(minimum = 1, maximum = 1073741824)]
     pub block_tokens: usize,
 }
 

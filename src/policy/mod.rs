@@ -69,8 +69,10 @@ pub struct PolicySettings {
 
 impl PolicySettings {
     pub fn validate(&self) -> Result<(), String> {
-        if self.identity.block_bytes == 0 || self.identity.block_tokens == 0 {
-            return Err("identity block sizes must be at least 1".into());
+        const MAX: usize = 1 << 30;
+        let sizes = [self.identity.block_bytes, self.identity.block_tokens];
+        if sizes.iter().any(|n| !(1..=MAX).contains(n)) {
+            return Err(format!("identity block sizes must be between 1 and {MAX}"));
         }
         Ok(())
     }

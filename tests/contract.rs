@@ -1,0 +1,49 @@
+//! The served OpenAPI document is an exact contract: schemathesis (every
+//! operation, all checks) runs against the live admin API and must find
+//! nothing. `.ci/run` installs schemathesis into a virtual environment;
+//! outside CI, a machine without it skips this test with a message.
+
+mod common;
+
+use common::*;
+
+/// The schemathesis executable: `$SCHEMATHESIS_BIN`, else on PATH.
+fn schemathesis() -> Option<String> {
+    let candidate = std::env::var("SCHEMATHESIS_BIN").unwrap_or_else(|_| "schemathesis".into());
+    let found = std::process::Command::new(&candidate).arg("--version").output().is_ok_and(|o| o.status.success());
+    found.then_some(candidate)
+}
+
+#[actix_web::test]
+async fn schemathesis_finds_no_contract_violation_in_the_admin_api() {
+    let Some(st) = schemathesis() else {
+        assert!(std::env::var("CI").is_err(), "CI must install schemathesis (see .ci/run)");
+        eprintln!("skipped: schemathesis is not installed (pip install schemathesis)");
+        return;
+    };
+    let a = start_sim("a", fast_sim()).await;
+    let mut config = test_config(&[&a]);
+    config.admin_token = Some("contract-token".into());
+    // Thousands of requests in seconds, many without the token on purpose
+    // (the ignored_auth check): the limits are raised for this test only.
+    config.rate_limits.admin_rps = 0;
+    config.rate_limits.admin_auth_failures_per_minute = 0;
+    let gw = start_gateway(config).await;
+    let out = tokio::process::Command::new(st)
+        .args(["run", &format!("{}/openapi.json", gw.admin)])
+        .args(["--header", "Authorization: Bearer contract-token"])
+        .args(["--checks", "all", "--max-examples", "50", "--workers", "2", "--seed", "1"])
+        .env("NO_COLOR", "1")
+        .env("SCHEMATHESIS_HOOKS", "")
+        .output()
+        .await
+        .expect("schemathesis runs");
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "schemathesis found contract violations:\n{report}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(report.contains("passed") && !report.contains("failed"), "{report}");
+    gw.stop().await;
+}
