@@ -1,5 +1,6 @@
 //! Size of one million pins: in memory (the routing table) and on disk
-//! (sled, the schema-2 binary layout). Run: `cargo run --release --example pin_sizes`.
+//! (sled, the schema-2 binary layout), and how long a restart takes to load
+//! them. Run: `cargo run --release --example pin_sizes`.
 
 use std::sync::Arc;
 
@@ -61,6 +62,18 @@ fn main() {
         dir_size(&dir) as f64 / 1048576.0,
         dir_size(&dir) as f64 / N as f64,
         N as f64 / secs
+    );
+    drop(store);
+
+    // Startup: open the database and load every pin into a fresh table.
+    let started = std::time::Instant::now();
+    let store = SledStore::open(&dir).expect("reopen sled");
+    let restored = PinTable::default();
+    restored.restore(store.pins().expect("read pins"));
+    println!(
+        "startup load: {} persisted pins read and restored in {:.2} s",
+        restored.len(),
+        started.elapsed().as_secs_f64()
     );
     drop(store);
     let _ = std::fs::remove_dir_all(&dir);
