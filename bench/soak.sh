@@ -5,9 +5,13 @@
 # latency percentiles. Loopback only; stops by itself. Not run in CI (the
 # short version is `cargo test --test reliability a_short_load_run`).
 # Usage: CONC=1000 DURATION=180 bench/soak.sh
+# With DATA_DIR=/some/dir the gateway persists (sled): pins and events are
+# written behind the requests, as in production.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-CONC=${CONC:-1000}; DURATION=${DURATION:-180}
+CONC=${CONC:-1000}; DURATION=${DURATION:-180}; DATA_DIR=${DATA_DIR:-}
+persist=()
+if [ -n "$DATA_DIR" ]; then rm -rf "$DATA_DIR"; persist=(--data-dir "$DATA_DIR"); fi
 ulimit -n 65536 2>/dev/null || true
 cargo build --release -q || exit 1
 bin=target/release/prefixgate
@@ -16,7 +20,7 @@ trap 'kill $(jobs -p) 2>/dev/null' EXIT
 $bin sim-replica --port 18501 --decode-tps 10 >/dev/null 2>&1 &
 $bin sim-replica --port 18502 --decode-tps 10 >/dev/null 2>&1 &
 $bin serve --listen 127.0.0.1:18510 --admin-listen 127.0.0.1:18520 \
-  --replica a=http://127.0.0.1:18501 --replica b=http://127.0.0.1:18502 >/dev/null 2>&1 &
+  --replica a=http://127.0.0.1:18501 --replica b=http://127.0.0.1:18502 "${persist[@]}" >/dev/null 2>&1 &
 gw=$!
 sleep 2
 lua=$(mktemp)
@@ -37,3 +41,7 @@ wrk -t2 -c"$CONC" -d"${DURATION}s" --timeout 30s --latency -s "$lua" http://127.
 sleep 3
 echo "after: $(sample)"
 curl -s 127.0.0.1:18520/metrics | grep -E '^prefixgate_requests_total' 
+if [ -n "$DATA_DIR" ]; then
+  kill -TERM $gw; wait $gw 2>/dev/null
+  echo "persisted: $(du -sk "$DATA_DIR" | cut -f1) KiB in $DATA_DIR"
+fi

@@ -76,15 +76,16 @@ impl ReplicaPatch {
     }
 }
 
+/// The handles operator actions change, and the lock that serializes them.
 pub struct Operator {
-    fleet: Arc<Fleet>,
-    pins: Arc<PinTable>,
-    events: Arc<EventLog>,
-    store: Arc<dyn Store>,
-    policy: Arc<CurrentPolicy>,
-    admission: Arc<Admission>,
-    capacity: Arc<Capacity>,
-    serial: Mutex<()>,
+    pub(crate) fleet: Arc<Fleet>,
+    pub(crate) pins: Arc<PinTable>,
+    pub(crate) events: Arc<EventLog>,
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) policy: Arc<CurrentPolicy>,
+    pub(crate) admission: Arc<Admission>,
+    pub(crate) capacity: Arc<Capacity>,
+    pub(crate) serial: Mutex<()>,
 }
 
 fn internal(e: StoreError) -> ApiError {
@@ -96,18 +97,6 @@ fn not_found(id: &str) -> ApiError {
 }
 
 impl Operator {
-    pub fn new(
-        fleet: Arc<Fleet>,
-        pins: Arc<PinTable>,
-        events: Arc<EventLog>,
-        store: Arc<dyn Store>,
-        policy: Arc<CurrentPolicy>,
-        admission: Arc<Admission>,
-        capacity: Arc<Capacity>,
-    ) -> Operator {
-        Operator { fleet, pins, events, store, policy, admission, capacity, serial: Mutex::new(()) }
-    }
-
     fn serial(&self) -> std::sync::MutexGuard<'_, ()> {
         self.serial.lock().unwrap_or_else(|e| e.into_inner())
     }

@@ -88,15 +88,16 @@ impl AppState {
         let events = Arc::new(events);
         let policy = Arc::new(CurrentPolicy::new(policy));
         let admission = Arc::new(Admission::default());
-        let operator = Arc::new(Operator::new(
-            fleet.clone(),
-            pins.clone(),
-            events.clone(),
-            store.clone(),
-            policy.clone(),
-            admission.clone(),
-            capacity.clone(),
-        ));
+        let operator = Arc::new(Operator {
+            fleet: fleet.clone(),
+            pins: pins.clone(),
+            events: events.clone(),
+            store: store.clone(),
+            policy: policy.clone(),
+            admission: admission.clone(),
+            capacity: capacity.clone(),
+            serial: Default::default(),
+        });
         Ok(Arc::new(AppState {
             metrics: Arc::new(Metrics::new()),
             access: Arc::new(Access::new(&config)),
