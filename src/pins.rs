@@ -182,14 +182,14 @@ impl PinTable {
         }
     }
 
-    fn to_slot(&self, p: &Pin) -> Slot {
+    fn to_slot_with(&self, p: &Pin, replica: ReplicaIdx) -> Slot {
         Slot {
             family: p.family,
             created_ms: p.created_ms,
             last_used_ms: p.last_used_ms,
             est_tokens: tokens32(p.est_tokens),
             turns: p.turns,
-            replica: self.replicas.intern(&p.replica),
+            replica,
         }
     }
 
@@ -265,8 +265,14 @@ impl PinTable {
 
     /// Loads persisted pins at startup (not marked dirty).
     pub fn restore(&self, pins: impl IntoIterator<Item = (PrefixKey, Pin)>) {
+        // A million pins name a handful of replicas: intern each name once.
+        let mut names: HashMap<Arc<str>, ReplicaIdx> = HashMap::new();
         for (key, pin) in pins {
-            let slot = self.to_slot(&pin);
+            let idx = match names.get(&pin.replica) {
+                Some(i) => *i,
+                None => *names.entry(pin.replica.clone()).or_insert_with(|| self.replicas.intern(&pin.replica)),
+            };
+            let slot = self.to_slot_with(&pin, idx);
             let mut shard = self.shard(key).write().expect("pins lock");
             if let Some(old) = shard.map.insert(key, slot) {
                 shard.uncount(old.replica);

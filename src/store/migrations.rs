@@ -6,7 +6,7 @@
 
 use serde::Deserialize;
 
-use super::{encode_pin, StoreError};
+use super::{encode_pin, merge_page, page_of, StoreError};
 use crate::pins::Pin;
 
 pub struct Migration {
@@ -22,10 +22,11 @@ pub const MIGRATIONS: &[Migration] = &[
         file: "0002_compact_pins.toml",
         text: include_str!("../../migrations/0002_compact_pins.toml"),
     },
+    Migration { version: 3, file: "0003_pin_pages.toml", text: include_str!("../../migrations/0003_pin_pages.toml") },
 ];
 
 /// The schema this build writes.
-pub const SCHEMA_VERSION: u64 = 2;
+pub const SCHEMA_VERSION: u64 = 3;
 
 pub const TREES: &[&str] = &["replicas", "pins", "events", "settings"];
 
@@ -111,6 +112,32 @@ fn apply(db: &sled::Db, op: &str) -> Result<(), StoreError> {
                 }
             }
             pins.apply_batch(batch)?;
+            Ok(())
+        }
+        "pins_into_pages" => {
+            let pins = db.open_tree("pins")?;
+            let pages = db.open_tree("pin_pages")?;
+            let mut by_page: std::collections::BTreeMap<[u8; 2], Vec<crate::pins::PinChange>> = Default::default();
+            for item in pins.iter() {
+                let (k, v) = item?;
+                let key = u128::from_be_bytes(
+                    k.as_ref()
+                        .try_into()
+                        .map_err(|_| StoreError::Corrupt { tree: "pins", detail: "key is not 16 bytes".into() })?,
+                );
+                let pin = super::decode_pin(&v).map_err(|detail| StoreError::Corrupt { tree: "pins", detail })?;
+                by_page.entry(page_of(key)).or_default().push((key, Some(pin)));
+            }
+            let mut batch = sled::Batch::default();
+            for (page, changes) in &by_page {
+                let current = pages.get(page)?.map(|v| v.to_vec()).unwrap_or_default();
+                let merged = merge_page(&current, &changes.iter().collect::<Vec<_>>())
+                    .map_err(|detail| StoreError::Corrupt { tree: "pin_pages", detail })?;
+                batch.insert(&page[..], merged);
+            }
+            pages.apply_batch(batch)?;
+            pages.flush()?;
+            pins.clear()?;
             Ok(())
         }
         other => Err(StoreError::Backend(format!("unknown migration operation '{other}'"))),

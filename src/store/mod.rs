@@ -91,9 +91,67 @@ pub fn decode_pin(b: &[u8]) -> Result<Pin, String> {
     })
 }
 
+/// Pins are persisted in pages (schema 3): the page of a key is its top 16
+/// bits, and a page value is a run of records
+/// `[key u128 BE][len u16 LE][encode_pin bytes]`.
+pub fn page_of(key: PrefixKey) -> [u8; 2] {
+    ((key >> 112) as u16).to_be_bytes()
+}
+
+/// A page's records, in order, with each pin still encoded.
+pub fn decode_page(b: &[u8]) -> Result<Vec<(PrefixKey, &[u8])>, String> {
+    let mut out = Vec::new();
+    let mut rest = b;
+    while !rest.is_empty() {
+        if rest.len() < 18 {
+            return Err(format!("truncated pin page record ({} bytes left)", rest.len()));
+        }
+        let key = u128::from_be_bytes(rest[..16].try_into().expect("16 bytes"));
+        let len = u16::from_le_bytes(rest[16..18].try_into().expect("2 bytes")) as usize;
+        let record = rest.get(18..18 + len).ok_or("truncated pin record")?;
+        out.push((key, record));
+        rest = &rest[18 + len..];
+    }
+    Ok(out)
+}
+
+/// Applies `changes` (all of one page) to the page's current bytes.
+pub fn merge_page(current: &[u8], changes: &[&PinChange]) -> Result<Vec<u8>, String> {
+    let mut records: std::collections::BTreeMap<PrefixKey, Vec<u8>> =
+        decode_page(current)?.into_iter().map(|(k, v)| (k, v.to_vec())).collect();
+    for (key, pin) in changes {
+        match pin {
+            Some(p) => records.insert(*key, encode_pin(p)),
+            None => records.remove(key),
+        };
+    }
+    let mut out = Vec::with_capacity(records.values().map(|v| v.len() + 18).sum());
+    for (key, v) in records {
+        out.extend_from_slice(&key.to_be_bytes());
+        out.extend_from_slice(&(v.len() as u16).to_le_bytes());
+        out.extend_from_slice(&v);
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pages_keep_the_last_change_of_each_key() {
+        let pin = |t| Pin { replica: "r".into(), created_ms: 1, last_used_ms: 2, turns: t, est_tokens: 3, family: 4 };
+        let (a, b) = ((7u128 << 112) | 1, (7u128 << 112) | 2);
+        assert_eq!(page_of(a), page_of(b));
+        let c1: Vec<PinChange> = vec![(a, Some(pin(1))), (b, Some(pin(2)))];
+        let page = merge_page(&[], &c1.iter().collect::<Vec<_>>()).unwrap();
+        let c2: Vec<PinChange> = vec![(a, None), (b, Some(pin(5)))];
+        let page = merge_page(&page, &c2.iter().collect::<Vec<_>>()).unwrap();
+        let decoded: Vec<(u128, Pin)> =
+            decode_page(&page).unwrap().into_iter().map(|(k, v)| (k, decode_pin(v).unwrap())).collect();
+        assert_eq!(decoded, vec![(b, pin(5))]);
+        assert!(decode_page(&page[..page.len() - 1]).is_err());
+    }
 
     #[test]
     fn pins_round_trip_through_the_binary_layout() {

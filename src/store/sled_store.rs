@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use super::{decode_pin, encode_pin, migrations, Store, StoreError, StoredReplica};
+use super::{decode_page, decode_pin, merge_page, migrations, page_of, Store, StoreError, StoredReplica};
 use crate::events::Event;
 use crate::pins::{Pin, PinChange};
 use crate::policy::PrefixKey;
@@ -25,7 +25,7 @@ impl SledStore {
         migrations::run(&db)?;
         Ok(SledStore {
             replicas: db.open_tree("replicas")?,
-            pins: db.open_tree("pins")?,
+            pins: db.open_tree("pin_pages")?,
             events: db.open_tree("events")?,
             settings: db.open_tree("settings")?,
             db,
@@ -70,22 +70,31 @@ impl Store for SledStore {
     }
 
     fn pins(&self) -> Result<Vec<(PrefixKey, Pin)>, StoreError> {
-        self.pins
-            .iter()
-            .map(|item| {
-                let (k, v) = item?;
-                let key: [u8; 16] = k.as_ref().try_into().map_err(|_| corrupt("pins")("key is not 16 bytes".into()))?;
-                Ok((u128::from_be_bytes(key), decode_pin(&v).map_err(corrupt("pins"))?))
-            })
-            .collect()
+        let mut out = Vec::new();
+        for item in self.pins.iter() {
+            let (_, page) = item?;
+            for (key, record) in decode_page(&page).map_err(corrupt("pin_pages"))? {
+                out.push((key, decode_pin(record).map_err(corrupt("pin_pages"))?));
+            }
+        }
+        Ok(out)
     }
 
+    /// One read-modify-write per touched page, all in one atomic batch.
+    /// Only the flusher writes pins, so no two merges of a page race.
     fn write_pins(&self, changes: &[PinChange]) -> Result<(), StoreError> {
+        let mut by_page: std::collections::BTreeMap<[u8; 2], Vec<&PinChange>> = Default::default();
+        for change in changes {
+            by_page.entry(page_of(change.0)).or_default().push(change);
+        }
         let mut batch = sled::Batch::default();
-        for (key, pin) in changes {
-            match pin {
-                Some(p) => batch.insert(&key.to_be_bytes(), encode_pin(p)),
-                None => batch.remove(&key.to_be_bytes()),
+        for (page, changes) in by_page {
+            let current = self.pins.get(page)?;
+            let merged = merge_page(current.as_deref().unwrap_or(&[]), &changes).map_err(corrupt("pin_pages"))?;
+            if merged.is_empty() {
+                batch.remove(&page[..]);
+            } else {
+                batch.insert(&page[..], merged);
             }
         }
         self.pins.apply_batch(batch)?;
@@ -154,7 +163,11 @@ mod tests {
         }
         let store = SledStore::open(dir.path()).unwrap();
         assert!(!store.is_new());
-        assert_eq!(store.pins().unwrap(), vec![(7, pin)]);
+        assert_eq!(store.pins().unwrap(), vec![(7, pin.clone())]);
+        assert!(store.db.open_tree("pins").unwrap().is_empty(), "moved into pages");
+        // Changes after the migration land in the pages.
+        store.write_pins(&[(7, None), (8, Some(pin.clone()))]).unwrap();
+        assert_eq!(store.pins().unwrap(), vec![(8, pin)]);
         assert_eq!(migrations::read_version(&store.db).unwrap(), migrations::SCHEMA_VERSION);
     }
 
