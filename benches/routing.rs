@@ -47,10 +47,18 @@ fn decision(c: &mut Criterion) {
     let pins = PinTable::default();
     let (r0, r1): (Arc<str>, Arc<str>) = (Arc::from("r0"), Arc::from("r1"));
     pins.restore((0..1_000_000u128).map(|k| {
-        let pin = Pin { replica: r1.clone(), created_ms: 0, last_used_ms: 0, turns: 1, est_tokens: 1, family: k };
+        let pin = Pin {
+            replica: r1.clone(),
+            created_ms: 0,
+            last_used_ms: 0,
+            turns: 1,
+            est_tokens: 1,
+            family: k,
+            origin: Default::default(),
+        };
         (k.wrapping_mul(0x9E37_79B9_7F4A_7C15), pin)
     }));
-    pins.record(shape.boundaries[shape.boundaries.len() - 3].key, &r0, None, 1, 1);
+    pins.record(shape.boundaries[shape.boundaries.len() - 3].key, &r0, None, 1, 1, Default::default());
     let ids = ["r0", "r1", "r2", "r3"];
     let candidates: Vec<Candidate> = ids.iter().map(|id| Candidate { id, routable: true, spare: true }).collect();
     let counter = SpreadCounter::default();
@@ -59,7 +67,7 @@ fn decision(c: &mut Criterion) {
         let pinned = found
             .as_ref()
             .map(|(i, p)| (PrefixMatch { key: s.boundaries[*i].key, bytes: s.boundaries[*i].bytes }, &*p.replica));
-        policy::decide(Mode::Shape, s, &candidates, pinned, &counter).unwrap()
+        policy::decide(Mode::Shape, s, &candidates, pinned, None, &counter).unwrap()
     };
     c.bench_function("decide_pinned_400KB", |b| b.iter(|| route(black_box(&shape))));
     c.bench_function("extract_and_decide_400KB", |b| {
@@ -75,7 +83,7 @@ fn decision(c: &mut Criterion) {
         b.iter(|| {
             n = (n + 1) % 1_000_000;
             let key = (1u128 << 100) + n;
-            pins.record(black_box(key), &r0, Some(key - 1), 1_000, 2)
+            pins.record(black_box(key), &r0, Some(key - 1), 1_000, 2, Default::default())
         })
     });
 }

@@ -37,7 +37,7 @@ fn main() {
     let table = PinTable::default();
     for k in 0..N {
         let key = k.wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835);
-        table.record(key, &replicas[(k % 4) as usize], None, 90_000, 1_700_000_000_000 + k as u64);
+        table.record(key, &replicas[(k % 4) as usize], None, 90_000, 1_700_000_000_000 + k as u64, Default::default());
     }
     // The write-behind queue is emptied by the flusher every 200 ms; the
     // table is what stays. Measured with the queue taken and handed over.

@@ -32,6 +32,7 @@ fn main() {
             turns: 1,
             est_tokens: 2_000,
             family: key,
+            origin: Default::default(),
         };
         batch.push((key, Some(pin)));
         if batch.len() == 10_000 {

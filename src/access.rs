@@ -151,19 +151,22 @@ fn bearer(req: &ServiceRequest) -> Option<&str> {
 }
 
 /// Middleware for the traffic listener (`/v1` only; `/healthz` stays open).
+/// Refusals come back in the error shape of the API the client speaks.
 pub async fn guard_traffic(
     req: ServiceRequest,
-    next: Next<impl MessageBody>,
+    next: Next<impl MessageBody + 'static>,
 ) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
     if req.path().starts_with("/v1") {
         let access = req.app_data::<web::Data<Access>>().expect("access data").clone();
         if let Err(e) = access.check_client(&req) {
             let metrics = req.app_data::<web::Data<Metrics>>().expect("metrics data");
             metrics.rejected.get_or_create(&crate::metrics::ResultLabels { result: "client_access".into() }).inc();
-            return Err(e.into());
+            let dialect = crate::proxy::dialect_of(crate::policy::Endpoint::from_path(req.path()));
+            let response = e.response_for(dialect);
+            return Ok(req.into_response(response).map_into_right_body());
         }
     }
-    next.call(req).await
+    Ok(next.call(req).await?.map_into_left_body())
 }
 
 /// Middleware for the admin listener (`/admin/v1` only: metrics, docs and UI are open).

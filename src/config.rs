@@ -40,7 +40,17 @@ pub struct Config {
     pub rate_limits: RateLimits,
     pub admission: AdmissionConfig,
     pub capacity: CapacityConfig,
+    pub sessions: SessionConfig,
     pub replicas: Vec<ReplicaSpec>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SessionConfig {
+    /// More request headers that name a conversation, tried after the
+    /// built-in ones (`x-session-id`, `session-id`, `session_id`,
+    /// `x-claude-code-session-id`, `x-session-affinity`). Lowercase.
+    pub headers: Vec<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -147,6 +157,7 @@ impl Default for Config {
             rate_limits: RateLimits::default(),
             admission: AdmissionConfig::default(),
             capacity: CapacityConfig::default(),
+            sessions: SessionConfig::default(),
             replicas: Vec::new(),
         }
     }
@@ -212,8 +223,18 @@ impl Default for AdmissionConfig {
 const NOT_CONFIG: &[&str] = &["LOG", "BENCH_API_KEY", "REQUIRE_BROWSER", "UPDATE_SCREENSHOTS"];
 
 /// Top-level keys whose value is a table (for the env mapping).
-const SECTIONS: &[&str] =
-    &["identity", "timeouts", "health", "limits", "pins", "history", "rate_limits", "admission", "capacity"];
+const SECTIONS: &[&str] = &[
+    "identity",
+    "timeouts",
+    "health",
+    "limits",
+    "pins",
+    "history",
+    "rate_limits",
+    "admission",
+    "capacity",
+    "sessions",
+];
 
 /// Keys renamed since operators wrote their config files: (old section, new
 /// section, key). The old spelling still works, with a warning.
@@ -286,6 +307,11 @@ impl Config {
         }
         if self.timeouts.shutdown_grace_secs == 0 {
             return Err("timeouts.shutdown_grace_secs must be greater than 0".into());
+        }
+        if let Some(h) =
+            self.sessions.headers.iter().find(|h| h.is_empty() || h.chars().any(|c| c.is_ascii_uppercase()))
+        {
+            return Err(format!("sessions.headers: '{h}' must be a non-empty lowercase header name"));
         }
         if self.pins.flush_interval_ms == 0 {
             return Err("pins.flush_interval_ms must be greater than 0".into());

@@ -21,6 +21,9 @@ pub enum ApiError {
     NoReplica,
     #[error("{message}")]
     Overloaded { message: String, retry_after: Duration },
+    /// A stored response lives on one replica, and that replica cannot serve it now.
+    #[error("response '{id}' is stored on replica '{replica}', which {why}; it cannot be served by another replica")]
+    StoredResponseUnavailable { id: String, replica: String, why: String, gone: bool },
     #[error("the replica did not answer in time")]
     UpstreamTimeout,
     #[error("the replica failed: {0}")]
@@ -69,6 +72,12 @@ impl ApiError {
             ModelNotFound(_) => (StatusCode::NOT_FOUND, "invalid_request_error", "model_not_found"),
             NoReplica => (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "no_routable_replica"),
             Overloaded { .. } => (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "admission_queue_full"),
+            StoredResponseUnavailable { gone: true, .. } => {
+                (StatusCode::NOT_FOUND, "invalid_request_error", "response_replica_removed")
+            }
+            StoredResponseUnavailable { gone: false, .. } => {
+                (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "response_replica_unavailable")
+            }
             UpstreamTimeout => (StatusCode::GATEWAY_TIMEOUT, "upstream_error", "upstream_timeout"),
             Upstream(_) => (StatusCode::BAD_GATEWAY, "upstream_error", "upstream_failed"),
             UnsupportedMediaType(_) => {
@@ -87,7 +96,9 @@ impl ApiError {
 
     fn retry_after(&self) -> Option<Duration> {
         match self {
-            ApiError::NoReplica => Some(Duration::from_secs(1)),
+            ApiError::NoReplica | ApiError::StoredResponseUnavailable { gone: false, .. } => {
+                Some(Duration::from_secs(1))
+            }
             ApiError::Overloaded { retry_after, .. } | ApiError::RateLimited { retry_after } => Some(*retry_after),
             _ => None,
         }
@@ -96,6 +107,51 @@ impl ApiError {
     pub fn body(&self) -> ErrorBody {
         let (_, kind, code) = self.parts();
         ErrorBody { error: ErrorDetail { message: self.to_string(), kind: kind.into(), code: Some(code.into()) } }
+    }
+}
+
+/// Anthropic's error envelope: `{"type":"error","error":{"type","message"}}`.
+#[derive(Debug, Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct AnthropicErrorBody {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub error: AnthropicErrorDetail,
+}
+
+#[derive(Debug, Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct AnthropicErrorDetail {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub message: String,
+}
+
+impl ApiError {
+    /// The error as Anthropic's API would phrase it (their `type` follows the status).
+    pub fn anthropic_body(&self) -> AnthropicErrorBody {
+        let kind = match self.parts().0.as_u16() {
+            400 | 405 | 415 | 422 => "invalid_request_error",
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 | 529 => "overloaded_error",
+            _ => "api_error",
+        };
+        AnthropicErrorBody {
+            kind: "error".into(),
+            error: AnthropicErrorDetail { kind: kind.into(), message: self.to_string() },
+        }
+    }
+
+    /// The response in the error shape of the API the client speaks.
+    pub fn response_for(&self, dialect: crate::policy::Dialect) -> HttpResponse {
+        let mut res = self.error_response();
+        if dialect == crate::policy::Dialect::Messages {
+            let body = serde_json::to_vec(&self.anthropic_body()).expect("serializable");
+            res = res.set_body(actix_web::body::BoxBody::new(body));
+        }
+        res
     }
 }
 

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use serde::{Deserialize, Serialize};
 
-use crate::policy::{Boundary, PrefixKey};
+use crate::policy::{Boundary, Dialect, PrefixKey};
 
 const SHARDS: usize = 64;
 
@@ -40,6 +40,65 @@ pub struct Pin {
     /// The key of the conversation's first pin: all turns of one
     /// conversation share it (the working-set estimate counts families).
     pub family: PrefixKey,
+    /// What wrote this pin: which API, and which kind of key.
+    pub origin: PinOrigin,
+}
+
+/// Which kind of key a pin is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum PinSource {
+    /// A prompt prefix (the hash chain).
+    #[default]
+    Prefix,
+    /// The body's `prompt_cache_key`.
+    PromptCacheKey,
+    /// A session header (`x-session-id`, Claude Code's, Codex's, ...).
+    SessionHeader,
+    /// A stored response's id (Responses API).
+    Response,
+}
+
+impl PinSource {
+    pub fn to_u8(self) -> u8 {
+        self as u8
+    }
+
+    pub fn from_u8(v: u8) -> PinSource {
+        match v {
+            1 => PinSource::PromptCacheKey,
+            2 => PinSource::SessionHeader,
+            3 => PinSource::Response,
+            _ => PinSource::Prefix,
+        }
+    }
+}
+
+/// The API that wrote a pin and the kind of key it is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PinOrigin {
+    pub dialect: Dialect,
+    pub source: PinSource,
+}
+
+pub fn dialect_to_u8(d: Dialect) -> u8 {
+    match d {
+        Dialect::Chat => 0,
+        Dialect::Completions => 1,
+        Dialect::Responses => 2,
+        Dialect::Messages => 3,
+        Dialect::Other => 4,
+    }
+}
+
+pub fn dialect_from_u8(v: u8) -> Dialect {
+    match v {
+        1 => Dialect::Completions,
+        2 => Dialect::Responses,
+        3 => Dialect::Messages,
+        4 => Dialect::Other,
+        _ => Dialect::Chat,
+    }
 }
 
 /// A change waiting to be persisted: `None` means deleted.
@@ -57,6 +116,9 @@ struct Slot {
     est_tokens: u32,
     turns: u32,
     replica: ReplicaIdx,
+    /// `dialect_to_u8` and `PinSource::to_u8`: two bytes that fit in the padding.
+    dialect: u8,
+    source: u8,
 }
 
 #[derive(Default)]
@@ -179,6 +241,7 @@ impl PinTable {
             turns: s.turns,
             est_tokens: u64::from(s.est_tokens),
             family: s.family,
+            origin: PinOrigin { dialect: dialect_from_u8(s.dialect), source: PinSource::from_u8(s.source) },
         }
     }
 
@@ -190,6 +253,8 @@ impl PinTable {
             est_tokens: tokens32(p.est_tokens),
             turns: p.turns,
             replica,
+            dialect: dialect_to_u8(p.origin.dialect),
+            source: p.origin.source.to_u8(),
         }
     }
 
@@ -225,7 +290,9 @@ impl PinTable {
         parent: Option<PrefixKey>,
         est_tokens: u64,
         now_ms: u64,
+        origin: PinOrigin,
     ) -> Recorded {
+        let (dialect, source) = (dialect_to_u8(origin.dialect), origin.source.to_u8());
         let idx = self.replicas.intern(replica);
         let mut moved_from = None;
         // Parent and child may share a shard: take one lock at a time.
@@ -257,6 +324,8 @@ impl PinTable {
                 est_tokens: tokens32(est_tokens),
                 turns: parent_info.map_or(1, |(t, _)| t.saturating_add(1)),
                 replica: idx,
+                dialect,
+                source,
             },
         };
         shard.insert(key, slot);
@@ -394,10 +463,10 @@ mod tests {
     #[test]
     fn turns_carry_over_and_a_move_updates_the_parent() {
         let t = PinTable::default();
-        t.record(1, &id("a"), None, 10, 100);
-        t.record(2, &id("a"), Some(1), 20, 200);
+        t.record(1, &id("a"), None, 10, 100, PinOrigin::default());
+        t.record(2, &id("a"), Some(1), 20, 200, PinOrigin::default());
         assert_eq!(t.get(2).unwrap().turns, 2);
-        let r = t.record(3, &id("b"), Some(2), 30, 300);
+        let r = t.record(3, &id("b"), Some(2), 30, 300, PinOrigin::default());
         assert_eq!(r.moved_from.as_deref(), Some("a"));
         assert_eq!(&*t.get(2).unwrap().replica, "b");
         assert_eq!(t.get(3).unwrap().turns, 3);
@@ -412,7 +481,7 @@ mod tests {
         // Keys 0..10 land in ten different shards; the cap is per shard, so
         // test it within one shard: keys k * SHARDS share shard 0.
         for k in 0..10u128 {
-            t.record(k * SHARDS as u128, &id("a"), None, 1, k as u64 * 10);
+            t.record(k * SHARDS as u128, &id("a"), None, 1, k as u64 * 10, PinOrigin::default());
         }
         t.take_dirty();
         assert_eq!(t.prune(100, 55, usize::MAX), 5); // last used 0..=40 are idle for more than 55 ms
@@ -426,10 +495,10 @@ mod tests {
     #[test]
     fn removing_a_replica_removes_only_its_pins_and_counts_follow() {
         let t = PinTable::default();
-        t.record(1, &id("a"), None, 1, 1);
-        t.record(2, &id("b"), None, 1, 1);
-        t.record(3, &id("a"), None, 1, 1);
-        t.record(3, &id("b"), None, 1, 2); // moved: counted once, on b
+        t.record(1, &id("a"), None, 1, 1, PinOrigin::default());
+        t.record(2, &id("b"), None, 1, 1, PinOrigin::default());
+        t.record(3, &id("a"), None, 1, 1, PinOrigin::default());
+        t.record(3, &id("b"), None, 1, 2, PinOrigin::default()); // moved: counted once, on b
         assert_eq!(t.count_by_replica().get("a"), Some(&1));
         assert_eq!(t.count_by_replica().get("b"), Some(&2));
         assert_eq!(t.remove_replica("a"), 1);
@@ -442,8 +511,8 @@ mod tests {
     fn lookup_longest_finds_the_last_pinned_boundary() {
         let t = PinTable::default();
         let b = |key| Boundary { key, bytes: 0 };
-        t.record(11, &id("a"), None, 1, 1);
-        t.record(13, &id("b"), None, 1, 1);
+        t.record(11, &id("a"), None, 1, 1, PinOrigin::default());
+        t.record(13, &id("b"), None, 1, 1, PinOrigin::default());
         let (i, pin) = t.lookup_longest(&[b(10), b(11), b(12), b(13), b(14)]).unwrap();
         assert_eq!((i, &*pin.replica), (3, "b"));
         assert!(t.lookup_longest(&[b(1), b(2)]).is_none());
@@ -452,7 +521,16 @@ mod tests {
     #[test]
     fn restored_pins_round_trip_and_are_not_dirty() {
         let t = PinTable::default();
-        let p = Pin { replica: id("gpu-1"), created_ms: 5, last_used_ms: 9, turns: 4, est_tokens: 90_000, family: 77 };
+        let origin = PinOrigin { dialect: Dialect::Messages, source: PinSource::SessionHeader };
+        let p = Pin {
+            replica: id("gpu-1"),
+            created_ms: 5,
+            last_used_ms: 9,
+            turns: 4,
+            est_tokens: 90_000,
+            family: 77,
+            origin,
+        };
         t.restore([(42, p.clone())]);
         assert_eq!(t.get(42), Some(p));
         assert!(t.take_dirty().is_empty());

@@ -26,6 +26,11 @@ pub struct PinView {
     pub last_used: String,
     pub turns: u32,
     pub est_tokens: u64,
+    /// The API the conversation speaks.
+    pub dialect: crate::policy::Dialect,
+    /// Which kind of key this pin is: a prompt prefix, a `prompt_cache_key`,
+    /// a session header, or a stored response's id.
+    pub pinned_by: crate::pins::PinSource,
 }
 
 fn view(key: PrefixKey, p: &Pin) -> PinView {
@@ -36,6 +41,8 @@ fn view(key: PrefixKey, p: &Pin) -> PinView {
         last_used: rfc3339(p.last_used_ms),
         turns: p.turns,
         est_tokens: p.est_tokens,
+        dialect: p.origin.dialect,
+        pinned_by: p.origin.source,
     }
 }
 

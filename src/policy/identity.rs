@@ -60,9 +60,40 @@ pub struct Boundary {
     pub bytes: usize,
 }
 
+/// The API a request speaks: it decides the identity rules, how usage and
+/// the end of a stream are read, and the shape of error bodies.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Dialect {
+    /// OpenAI `/v1/chat/completions`.
+    #[default]
+    Chat,
+    /// OpenAI `/v1/completions`.
+    Completions,
+    /// OpenAI Responses, `/v1/responses` (Codex-style agents).
+    Responses,
+    /// Anthropic Messages, `/v1/messages` (Claude-Code-style agents).
+    Messages,
+    /// Anything else under `/v1`.
+    Other,
+}
+
+impl Dialect {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Dialect::Chat => "chat",
+            Dialect::Completions => "completions",
+            Dialect::Responses => "responses",
+            Dialect::Messages => "messages",
+            Dialect::Other => "other",
+        }
+    }
+}
+
 /// What the router needs to know about a request, and nothing more.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RequestShape {
+    pub dialect: Dialect,
     pub model: Option<String>,
     /// Boundaries in prompt order; empty when the request has no prompt identity.
     pub boundaries: Vec<Boundary>,
@@ -73,6 +104,10 @@ pub struct RequestShape {
     pub pin_at: Option<PrefixKey>,
     /// Prompt content bytes (for the token estimate).
     pub prompt_bytes: usize,
+    /// The client's own name for the conversation: `prompt_cache_key`.
+    pub cache_key: Option<String>,
+    /// Responses API: the stored response this request continues.
+    pub previous_response: Option<String>,
 }
 
 /// Input the router cannot route; becomes a 400 with this message.
@@ -90,6 +125,8 @@ impl fmt::Display for ShapeError {
 pub enum Endpoint {
     Chat,
     Completions,
+    Responses,
+    Messages,
     /// Any other `/v1/*` path: only the model is read, never required.
     Other,
 }
@@ -99,6 +136,8 @@ impl Endpoint {
         match path.trim_end_matches('/') {
             "/v1/chat/completions" => Endpoint::Chat,
             "/v1/completions" => Endpoint::Completions,
+            "/v1/responses" => Endpoint::Responses,
+            "/v1/messages" => Endpoint::Messages,
             _ => Endpoint::Other,
         }
     }
@@ -108,11 +147,13 @@ pub fn extract(endpoint: Endpoint, body: &[u8], blocks: IdentityBlocks) -> Resul
     match endpoint {
         Endpoint::Chat => extract_chat(body),
         Endpoint::Completions => extract_completion(body, blocks),
+        Endpoint::Responses => super::agents::extract_responses(body),
+        Endpoint::Messages => super::agents::extract_messages(body),
         Endpoint::Other => Ok(extract_other(body)),
     }
 }
 
-fn json_error(e: serde_json::Error) -> ShapeError {
+pub(super) fn json_error(e: serde_json::Error) -> ShapeError {
     ShapeError(format!("invalid JSON body: {e}"))
 }
 
@@ -122,6 +163,10 @@ struct ChatBody<'a> {
     model: Option<Cow<'a, str>>,
     #[serde(borrow)]
     messages: Vec<Message<'a>>,
+    #[serde(borrow, default)]
+    prompt_cache_key: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    cache_salt: Option<Cow<'a, str>>,
 }
 
 #[derive(Deserialize)]
@@ -178,7 +223,7 @@ fn extract_chat(body: &[u8]) -> Result<RequestShape, ShapeError> {
     if parsed.messages.is_empty() {
         return Err(ShapeError("'messages' must contain at least one message".into()));
     }
-    let mut chain = Chain::new(parsed.model.as_deref());
+    let mut chain = Chain::first_link(parsed.model.as_deref(), parsed.cache_salt.as_deref(), &[]);
     let mut boundaries = Vec::with_capacity(parsed.messages.len());
     let mut bytes = 0usize;
     for m in &parsed.messages {
@@ -209,11 +254,14 @@ fn extract_chat(body: &[u8]) -> Result<RequestShape, ShapeError> {
         boundaries.push(Boundary { key: chain.close(h), bytes });
     }
     Ok(RequestShape {
+        dialect: Dialect::Chat,
         model: parsed.model.map(Cow::into_owned),
         pin_at: boundaries.last().map(|b| b.key),
         multi_unit: boundaries.len() > 1,
         boundaries,
         prompt_bytes: bytes,
+        cache_key: parsed.prompt_cache_key.map(Cow::into_owned),
+        previous_response: None,
     })
 }
 
@@ -223,6 +271,10 @@ struct CompletionBody<'a> {
     model: Option<Cow<'a, str>>,
     #[serde(borrow)]
     prompt: Prompt<'a>,
+    #[serde(borrow, default)]
+    prompt_cache_key: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    cache_salt: Option<Cow<'a, str>>,
 }
 
 /// A completions prompt: one string, one token array, or a batch (several
@@ -300,7 +352,7 @@ impl<'de> Deserialize<'de> for PromptItem {
 
 fn extract_completion(body: &[u8], blocks: IdentityBlocks) -> Result<RequestShape, ShapeError> {
     let parsed: CompletionBody = serde_json::from_slice(body).map_err(json_error)?;
-    let mut chain = Chain::new(parsed.model.as_deref());
+    let mut chain = Chain::first_link(parsed.model.as_deref(), parsed.cache_salt.as_deref(), &[]);
     let mut boundaries = Vec::new();
     let (prompt_bytes, full_blocks) = match &parsed.prompt {
         Prompt::Text(text) => {
@@ -337,11 +389,14 @@ fn extract_completion(body: &[u8], blocks: IdentityBlocks) -> Result<RequestShap
         n => Some(boundaries[n - 1].key),
     };
     Ok(RequestShape {
+        dialect: Dialect::Completions,
         model: parsed.model.map(Cow::into_owned),
         multi_unit: boundaries.len() > 1,
         pin_at,
         boundaries,
         prompt_bytes,
+        cache_key: parsed.prompt_cache_key.map(Cow::into_owned),
+        previous_response: None,
     })
 }
 
@@ -355,29 +410,41 @@ struct OtherBody<'a> {
 /// object that names one; the body is forwarded whatever it is.
 fn extract_other(body: &[u8]) -> RequestShape {
     let model = serde_json::from_slice::<OtherBody>(body).ok().and_then(|b| b.model.map(Cow::into_owned));
-    RequestShape { model, ..RequestShape::default() }
+    RequestShape { dialect: Dialect::Other, model, ..RequestShape::default() }
 }
 
 /// The running hash chain.
-struct Chain {
+pub(super) struct Chain {
     prev: PrefixKey,
 }
 
 impl Chain {
-    fn new(model: Option<&str>) -> Chain {
+    /// The chain's first link: the model, then what the engine caches ahead
+    /// of the first message: vLLM's `cache_salt` (requests with different
+    /// salts never share cache), and a dialect's instructions, system prompt
+    /// and tools (tagged values). With none of these it is exactly the
+    /// original `h0 = xxh3(tag ++ field(model))`, so persisted keys hold.
+    pub(super) fn first_link(model: Option<&str>, salt: Option<&str>, extra: &[(u8, &Value, &[&str])]) -> Chain {
         let mut h = Xxh3::new();
         h.update(b"prefixgate/v1\0");
         field(&mut h, b'm', model.unwrap_or("").as_bytes());
+        if let Some(salt) = salt {
+            field(&mut h, b'z', salt.as_bytes());
+        }
+        for (tag, v, skip) in extra {
+            h.update(&[*tag]);
+            canonical_value_skipping(&mut h, v, skip);
+        }
         Chain { prev: h.digest128() }
     }
 
-    fn unit(&self) -> Xxh3 {
+    pub(super) fn unit(&self) -> Xxh3 {
         let mut h = Xxh3::new();
         h.update(&self.prev.to_le_bytes());
         h
     }
 
-    fn close(&mut self, h: Xxh3) -> PrefixKey {
+    pub(super) fn close(&mut self, h: Xxh3) -> PrefixKey {
         self.prev = h.digest128();
         self.prev
     }
@@ -385,7 +452,7 @@ impl Chain {
 
 /// A tagged, length-prefixed field: no two different field sequences hash
 /// the same byte stream.
-fn field(h: &mut Xxh3, tag: u8, bytes: &[u8]) {
+pub(super) fn field(h: &mut Xxh3, tag: u8, bytes: &[u8]) {
     h.update(&[tag]);
     h.update(&(bytes.len() as u64).to_le_bytes());
     h.update(bytes);
@@ -394,6 +461,14 @@ fn field(h: &mut Xxh3, tag: u8, bytes: &[u8]) {
 /// Hashes a JSON value independently of formatting and key order; returns the
 /// content bytes it saw (for the token estimate).
 fn canonical_value(h: &mut Xxh3, v: &Value) -> usize {
+    canonical_value_skipping(h, v, &[])
+}
+
+/// `canonical_value`, ignoring object keys in `skip` at every depth: fields a
+/// client changes between turns without changing the prompt (Anthropic's
+/// `cache_control` markers move to the newest message each turn; Responses
+/// items carry server ids some clients strip when they send them back).
+pub(super) fn canonical_value_skipping(h: &mut Xxh3, v: &Value, skip: &[&str]) -> usize {
     match v {
         Value::Null => {
             h.update(b"N");
@@ -415,17 +490,17 @@ fn canonical_value(h: &mut Xxh3, v: &Value) -> usize {
         Value::Array(items) => {
             h.update(b"[");
             h.update(&(items.len() as u64).to_le_bytes());
-            items.iter().map(|i| canonical_value(h, i)).sum()
+            items.iter().map(|i| canonical_value_skipping(h, i, skip)).sum()
         }
         Value::Object(map) => {
-            let mut keys: Vec<&String> = map.keys().collect();
+            let mut keys: Vec<&String> = map.keys().filter(|k| !skip.contains(&k.as_str())).collect();
             keys.sort_unstable();
             h.update(b"{");
             h.update(&(keys.len() as u64).to_le_bytes());
             let mut n = 0;
             for k in keys {
                 field(h, b'k', k.as_bytes());
-                n += canonical_value(h, &map[k]);
+                n += canonical_value_skipping(h, &map[k], skip);
             }
             n
         }

@@ -8,12 +8,14 @@
 //! so cold prefills run on all cards at once. A hash would send every member
 //! of a batch that shares a system prompt to one card.
 
+mod agents;
 pub mod identity;
+pub mod sessions;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::RwLock;
 
-pub use identity::{Boundary, Endpoint, IdentityBlocks, PrefixKey, RequestShape, ShapeError};
+pub use identity::{Boundary, Dialect, Endpoint, IdentityBlocks, PrefixKey, RequestShape, ShapeError};
 use xxhash_rust::xxh3::xxh3_128;
 
 /// Routing mode. `roundrobin` and `affinity` are the comparison baselines.
@@ -109,6 +111,10 @@ pub enum RouteReason {
     Repinned,
     /// The chosen replica refused the connection: retried elsewhere.
     Failover,
+    /// No prefix evidence; the conversation's session key named its replica.
+    Session,
+    /// `previous_response_id` (or a stored response's path): only its replica can serve it.
+    Response,
 }
 
 impl RouteReason {
@@ -120,6 +126,8 @@ impl RouteReason {
             RouteReason::Affinity => "affinity",
             RouteReason::Repinned => "repinned",
             RouteReason::Failover => "failover",
+            RouteReason::Session => "session",
+            RouteReason::Response => "response",
         }
     }
 }
@@ -167,12 +175,15 @@ impl SpreadCounter {
 /// Decides where a request goes. `pinned` is the longest boundary of the
 /// request that has a pin, and the replica it names (the caller looks it up
 /// once, see `PinTable::lookup_longest`); it is ignored for requests without
-/// history. `None` when no candidate is routable.
+/// history. `named` is the replica the request's session key points at
+/// (`sessions.rs`): it decides only when no prefix matched. `None` when no
+/// candidate is routable.
 pub fn decide(
     mode: Mode,
     shape: &RequestShape,
     candidates: &[Candidate],
     pinned: Option<(PrefixMatch, &str)>,
+    named: Option<&str>,
     counter: &SpreadCounter,
 ) -> Option<Decision> {
     if !candidates.iter().any(|c| c.routable) {
@@ -194,11 +205,13 @@ pub fn decide(
             None => Some(spread(RouteReason::Spread)),
         },
         Mode::Shape => {
-            let Some((_, home)) = pinned else {
-                return Some(spread(RouteReason::Spread));
+            let (home, reason) = match (pinned, named) {
+                (Some((_, home)), _) => (home, RouteReason::Pinned),
+                (None, Some(home)) => (home, RouteReason::Session),
+                (None, None) => return Some(spread(RouteReason::Spread)),
             };
             match candidates.iter().position(|c| c.routable && c.id == home) {
-                Some(i) => Some(Decision { replica: i, reason: RouteReason::Pinned, matched }),
+                Some(i) => Some(Decision { replica: i, reason, matched }),
                 None => Some(spread(RouteReason::Repinned)),
             }
         }

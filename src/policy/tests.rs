@@ -31,7 +31,14 @@ impl Router {
         let candidates: Vec<Candidate> =
             self.ids.iter().zip(&self.down).map(|(id, down)| Candidate { id, routable: !down, spare: true }).collect();
         let pinned = longest(&shape, |k| self.pins.get(&k).cloned());
-        let d = decide(self.mode, &shape, &candidates, pinned.as_ref().map(|(m, r)| (*m, r.as_str())), &self.counter)?;
+        let d = decide(
+            self.mode,
+            &shape,
+            &candidates,
+            pinned.as_ref().map(|(m, r)| (*m, r.as_str())),
+            None,
+            &self.counter,
+        )?;
         let id = self.ids[d.replica];
         if let Some(key) = shape.pin_at {
             self.pins.insert(key, id.to_string());
@@ -135,10 +142,10 @@ fn spread_prefers_a_replica_with_a_free_slot_but_pins_do_not_move() {
     let counter = SpreadCounter::default();
     for i in 0..4 {
         let shape = identity::extract(Endpoint::Chat, single(i).as_bytes(), IdentityBlocks::default()).unwrap();
-        assert_eq!(decide(Mode::Shape, &shape, &candidates, None, &counter).unwrap().replica, 1);
+        assert_eq!(decide(Mode::Shape, &shape, &candidates, None, None, &counter).unwrap().replica, 1);
     }
     let shape = identity::extract(Endpoint::Chat, conversation("q", 2).as_bytes(), IdentityBlocks::default()).unwrap();
-    let d = decide(Mode::Shape, &shape, &candidates, longest(&shape, |_| Some("a")), &counter).unwrap();
+    let d = decide(Mode::Shape, &shape, &candidates, longest(&shape, |_| Some("a")), None, &counter).unwrap();
     assert_eq!((d.replica, d.reason), (0, RouteReason::Pinned));
 }
 
@@ -184,7 +191,7 @@ proptest! {
         let live = routable.iter().filter(|r| **r).count();
         let mut last = None;
         for _ in 0..n {
-            match decide(Mode::Shape, &shape, &candidates, None, &counter) {
+            match decide(Mode::Shape, &shape, &candidates, None, None, &counter) {
                 None => prop_assert_eq!(live, 0),
                 Some(d) => {
                     prop_assert!(routable[d.replica]);
@@ -207,7 +214,7 @@ proptest! {
         let pin_key = first.pin_at.unwrap();
         let lookup = |k: PrefixKey| (k == pin_key).then(|| ids[pinned].clone());
         let pinned_match = longest(&later, lookup);
-        let d = decide(Mode::Shape, &later, &candidates, pinned_match.as_ref().map(|(m, r)| (*m, r.as_str())), &SpreadCounter::default());
+        let d = decide(Mode::Shape, &later, &candidates, pinned_match.as_ref().map(|(m, r)| (*m, r.as_str())), None, &SpreadCounter::default());
         match d {
             None => prop_assert!(routable.iter().all(|r| !r)),
             Some(d) if routable[pinned] => prop_assert_eq!((d.replica, d.reason), (pinned, RouteReason::Pinned)),
@@ -217,4 +224,29 @@ proptest! {
             }
         }
     }
+}
+
+#[test]
+fn a_session_key_decides_only_without_prefix_evidence() {
+    let ids = ["a", "b"];
+    let candidates: Vec<Candidate> = ids.iter().map(|id| Candidate { id, routable: true, spare: true }).collect();
+    let counter = SpreadCounter::default();
+    // A compacted history (no pinned prefix) follows its session.
+    let shape = identity::extract(Endpoint::Chat, single(1).as_bytes(), IdentityBlocks::default()).unwrap();
+    for _ in 0..3 {
+        let d = decide(Mode::Shape, &shape, &candidates, None, Some("b"), &counter).unwrap();
+        assert_eq!((d.replica, d.reason), (1, RouteReason::Session));
+    }
+    // A prefix match wins over the session key.
+    let shape = identity::extract(Endpoint::Chat, conversation("q", 2).as_bytes(), IdentityBlocks::default()).unwrap();
+    let d = decide(Mode::Shape, &shape, &candidates, longest(&shape, |_| Some("a")), Some("b"), &counter).unwrap();
+    assert_eq!((d.replica, d.reason), (0, RouteReason::Pinned));
+    // The session's replica gone: spread, and the session moves.
+    let gone =
+        [Candidate { id: "a", routable: true, spare: true }, Candidate { id: "b", routable: false, spare: true }];
+    let d = decide(Mode::Shape, &shape, &gone, None, Some("b"), &counter).unwrap();
+    assert_eq!((d.replica, d.reason), (0, RouteReason::Repinned));
+    // The baselines ignore keys.
+    let d = decide(Mode::RoundRobin, &shape, &candidates, None, Some("b"), &counter).unwrap();
+    assert_eq!(d.reason, RouteReason::RoundRobin);
 }

@@ -16,6 +16,7 @@ use futures_util::Stream;
 use tokio::time::{Instant, Sleep};
 
 use super::usage::UsageTap;
+use crate::policy::Dialect;
 
 /// What ends with the body: the guard, and the outcome recorder.
 pub trait BodyEnd {
@@ -42,16 +43,14 @@ pub struct GuardedBody<S, E: BodyEnd> {
     /// The upstream's Content-Length, and the bytes seen so far.
     expected: Option<u64>,
     seen: u64,
-    /// The last bytes of the body (to find an SSE stream's `data: [DONE]`).
-    tail: Vec<u8>,
 }
 
-/// Why truncation needs detecting here: awc ends a chunked body cleanly when
-/// the upstream connection closes between two chunks, so a crashed engine
-/// looks like a finished response. A body shorter than its Content-Length,
-/// or an SSE stream that ends without OpenAI's `data: [DONE]` terminator
-/// (vLLM, SGLang, llama.cpp and OpenAI all send it), is a failed upstream.
-const DONE: &[u8] = b"data: [DONE]";
+// Why truncation needs detecting here: awc ends a chunked body cleanly when
+// the upstream connection closes between two chunks, so a crashed engine
+// looks like a finished response. A body shorter than its Content-Length,
+// or a stream that does not end the way its API ends streams (OpenAI's
+// `data: [DONE]`, the Responses API's `response.completed`, Anthropic's
+// `message_stop`: see `UsageTap::stream_completed`) is a failed upstream.
 
 impl<S, E: BodyEnd> GuardedBody<S, E> {
     pub fn new(inner: S, idle: Duration, sse: bool, expected: Option<u64>, tap: Option<UsageTap>, end: E) -> Self {
@@ -65,44 +64,53 @@ impl<S, E: BodyEnd> GuardedBody<S, E> {
             done: false,
             expected,
             seen: 0,
-            tail: Vec::new(),
         }
     }
 
     fn truncated(&self) -> bool {
         let short = self.expected.is_some_and(|n| self.seen < n);
-        let unterminated = self.sse && !self.tail.trim_ascii_end().ends_with(DONE);
+        let unterminated = self.sse && !self.tap.as_ref().is_some_and(UsageTap::stream_completed);
         short || unterminated
-    }
-
-    fn remember_tail(&mut self, chunk: &[u8]) {
-        const KEEP: usize = 32;
-        if chunk.len() >= KEEP {
-            self.tail.clear();
-            self.tail.extend_from_slice(&chunk[chunk.len() - KEEP..]);
-        } else {
-            self.tail.extend_from_slice(chunk);
-            let excess = self.tail.len().saturating_sub(KEEP);
-            self.tail.drain(..excess);
-        }
     }
 
     fn finish(&mut self, outcome: BodyOutcome) {
         if let Some(mut end) = self.end.take() {
+            if let Some(tap) = self.tap.as_mut() {
+                tap.finish();
+            }
             end.finish(outcome, self.tap.as_ref());
         }
     }
 
-    /// How a failure reaches the client: an SSE error event (the OpenAI SDKs
-    /// raise it) then a clean end, or for plain bodies an aborted response.
+    /// How a failure reaches the client: an SSE error event in its API's
+    /// own form (the SDKs raise it) then a clean end, or for plain bodies an
+    /// aborted response.
     fn fail(&mut self, outcome: BodyOutcome, message: &str) -> Poll<Option<Result<Bytes, PayloadError>>> {
         self.finish(outcome);
         self.done = true;
         if self.sse {
-            let event = serde_json::json!({"error": {"message": message, "type": "upstream_error", "code": "upstream_stream_failed"}});
-            Poll::Ready(Some(Ok(Bytes::from(format!("data: {event}\n\n")))))
+            let dialect = self.tap.as_ref().map_or(Dialect::Chat, UsageTap::dialect);
+            Poll::Ready(Some(Ok(Bytes::from(sse_error(dialect, message)))))
         } else {
             Poll::Ready(Some(Err(PayloadError::Io(std::io::Error::other(message.to_string())))))
+        }
+    }
+}
+
+/// A stream's error event as each API writes it.
+fn sse_error(dialect: Dialect, message: &str) -> String {
+    match dialect {
+        Dialect::Messages => {
+            let e = serde_json::json!({"type": "error", "error": {"type": "api_error", "message": message}});
+            format!("event: error\ndata: {e}\n\n")
+        }
+        Dialect::Responses => {
+            let e = serde_json::json!({"type": "error", "code": "upstream_stream_failed", "message": message, "param": null});
+            format!("event: error\ndata: {e}\n\n")
+        }
+        _ => {
+            let e = serde_json::json!({"error": {"message": message, "type": "upstream_error", "code": "upstream_stream_failed"}});
+            format!("data: {e}\n\n")
         }
     }
 }
@@ -123,9 +131,6 @@ where
                 let deadline = Instant::now() + self.idle;
                 self.timer.as_mut().reset(deadline);
                 self.seen += chunk.len() as u64;
-                if self.sse {
-                    self.remember_tail(&chunk);
-                }
                 if let Some(tap) = self.tap.as_mut() {
                     tap.observe(&chunk);
                 }

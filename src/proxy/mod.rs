@@ -27,7 +27,7 @@ use futures_util::StreamExt;
 use crate::admission::{Admitted, Permit};
 use crate::error::ApiError;
 use crate::fleet::Replica;
-use crate::policy::{self, Endpoint, Mode, PrefixMatch, RouteReason};
+use crate::policy::{self, sessions, Dialect, Endpoint, Mode, PrefixMatch, RouteReason};
 use crate::state::AppState;
 use body::GuardedBody;
 use outcome::{Outcome, OutcomeRecorder, Responded};
@@ -80,9 +80,41 @@ impl Upstream {
     }
 }
 
-/// `POST|GET /v1/{tail}`: everything under /v1 except `GET /v1/models`.
+/// `POST|GET|DELETE /v1/{tail}`: everything under /v1 except `GET /v1/models`.
+/// Errors come back in the shape of the API the client speaks.
 pub async fn forward(
     req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<AppState>,
+    upstream: web::Data<Upstream>,
+    recorder: web::Data<OutcomeRecorder>,
+) -> HttpResponse {
+    let endpoint = Endpoint::from_path(req.path());
+    match forward_request(&req, endpoint, payload, state, upstream, recorder).await {
+        Ok(resp) => resp,
+        Err(e) => e.response_for(dialect_of(endpoint)),
+    }
+}
+
+pub fn dialect_of(endpoint: Endpoint) -> Dialect {
+    match endpoint {
+        Endpoint::Chat => Dialect::Chat,
+        Endpoint::Completions => Dialect::Completions,
+        Endpoint::Responses => Dialect::Responses,
+        Endpoint::Messages => Dialect::Messages,
+        Endpoint::Other => Dialect::Other,
+    }
+}
+
+/// `/v1/responses/{id}` and everything below it name a stored response.
+fn stored_response_in_path(path: &str) -> Option<&str> {
+    let id = path.strip_prefix("/v1/responses/")?.split('/').next()?;
+    (!id.is_empty()).then_some(id)
+}
+
+async fn forward_request(
+    req: &HttpRequest,
+    endpoint: Endpoint,
     payload: web::Payload,
     state: web::Data<AppState>,
     upstream: web::Data<Upstream>,
@@ -91,10 +123,19 @@ pub async fn forward(
     let config = &state.config;
     let body = read_body(payload, config.limits.max_body_bytes).await?;
     let settings = state.policy.get();
-    let shape = policy::identity::extract(Endpoint::from_path(req.path()), &body, settings.identity).map_err(|e| {
+    let bad_request = |e: policy::ShapeError| {
         recorder.rejected("bad_request");
         ApiError::BadRequest(e.0)
-    })?;
+    };
+    let mut shape = policy::identity::extract(endpoint, &body, settings.identity).map_err(bad_request)?;
+    // Responses from other paths (GET /v1/responses/{id}, ...) still speak their API.
+    if stored_response_in_path(req.path()).is_some() {
+        shape.dialect = Dialect::Responses;
+    }
+    let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok());
+    let session =
+        sessions::session_key(shape.model.as_deref(), shape.cache_key.as_deref(), header, &config.sessions.headers)
+            .map_err(bad_request)?;
     // The large/small decision uses the documented default ratio: it is
     // made before a replica (and its calibrated ratio) is chosen.
     let large = crate::tokens::estimate_tokens(shape.prompt_bytes) >= config.admission.large_context_tokens;
@@ -106,6 +147,11 @@ pub async fn forward(
     } else {
         None
     };
+    let named = session.and_then(|s| state.pins.replica_of(s.key));
+    // A stored response nobody recorded is forwarded like anything else:
+    // the engine that does not know it answers for itself.
+    let stored_id = shape.previous_response.as_deref().or(stored_response_in_path(req.path()));
+    let stored = stored_id.and_then(|id| state.pins.replica_of(sessions::response_key(id)).map(|home| (id, home)));
     if settings.mode == Mode::Shape && shape.multi_unit {
         recorder.pin_lookup(pinned.is_some());
     }
@@ -116,7 +162,15 @@ pub async fn forward(
     let mut failed_from: Option<(Arc<str>, bool)> = None;
     loop {
         let fleet = state.fleet.snapshot();
-        let input = PlanInput { mode: settings.mode, shape: &shape, pinned: pinned.as_ref(), tried: &tried, large };
+        let input = PlanInput {
+            mode: settings.mode,
+            shape: &shape,
+            pinned: pinned.as_ref(),
+            named: named.as_deref(),
+            stored: stored.as_ref().map(|(id, home)| (*id, &**home)),
+            tried: &tried,
+            large,
+        };
         let has_slot = |r: &Replica| state.admission.has_free_slot(&r.id, r.spec().max_large_inflight);
         let decision =
             plan::plan(&input, &fleet, has_slot, &state.spread).map_err(|e| recorder.plan_failed(e, &tried))?;
@@ -129,7 +183,7 @@ pub async fn forward(
         let family = pinned.as_ref().map(|(_, p)| p.family).or(shape.pin_at);
         let ticket = state.capacity.running.begin(&replica.id, family, est_tokens);
         let spec = replica.spec();
-        match attempt::send(&upstream.0, &req, &spec, body.clone(), !config.api_keys.is_empty()).await {
+        match attempt::send(&upstream.0, req, &spec, body.clone(), !config.api_keys.is_empty()).await {
             Ok(resp) => {
                 let predicted_cached = recorder.responded(&Responded {
                     replica: &replica.id,
@@ -140,6 +194,8 @@ pub async fn forward(
                     failed_from: failed_from.as_ref(),
                     pin_at: shape.pin_at,
                     pinned: pinned.as_ref(),
+                    session,
+                    dialect: shape.dialect,
                     est_tokens,
                 });
                 let outcome = Outcome {
@@ -152,7 +208,7 @@ pub async fn forward(
                     held: (guard, permit, ticket),
                 };
                 let idle = Duration::from_millis(config.timeouts.idle_stream_ms);
-                return Ok(respond(resp, outcome, predicted_cached, idle));
+                return Ok(respond(resp, outcome, predicted_cached, idle, shape.dialect));
             }
             Err(e) => {
                 drop((guard, permit, ticket));
@@ -205,6 +261,7 @@ fn respond(
     outcome: Outcome,
     predicted_cached: Option<u64>,
     idle: Duration,
+    dialect: Dialect,
 ) -> HttpResponse {
     let status = resp.status();
     let mut out = HttpResponse::build(status);
@@ -219,7 +276,7 @@ fn respond(
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|ct| ct.starts_with("text/event-stream"));
-    let tap = status.is_success().then(|| UsageTap::new(sse));
+    let tap = status.is_success().then(|| UsageTap::new(dialect, sse));
     let expected =
         resp.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
     // An SSE error reply (non-2xx) carries no [DONE]: only check successful streams.

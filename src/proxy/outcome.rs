@@ -18,8 +18,9 @@ use crate::events::{EventKind, EventLog};
 use crate::fleet::health::{HealthTracker, Observation};
 use crate::fleet::{InflightGuard, Replica};
 use crate::metrics::{FailoverLabels, Metrics, RequestLabels, ResultLabels, RouteLabels};
-use crate::pins::{Pin, PinTable};
-use crate::policy::{PrefixKey, PrefixMatch, RouteReason};
+use crate::pins::{Pin, PinOrigin, PinSource, PinTable};
+use crate::policy::sessions::{response_key, KeyKind, SessionKey};
+use crate::policy::{Dialect, PrefixKey, PrefixMatch, RouteReason};
 use crate::state::AppState;
 use crate::tokens::Calibration;
 
@@ -46,6 +47,9 @@ pub struct Responded<'a> {
     pub pin_at: Option<PrefixKey>,
     /// The longest pinned prefix the request carried.
     pub pinned: Option<&'a (PrefixMatch, Pin)>,
+    /// The conversation's explicit name, if it has one.
+    pub session: Option<SessionKey>,
+    pub dialect: Dialect,
     pub est_tokens: u64,
 }
 
@@ -92,6 +96,10 @@ impl OutcomeRecorder {
             PlanError::ModelNotFound(model) => {
                 self.rejected("model_not_found");
                 ApiError::ModelNotFound(model)
+            }
+            PlanError::StoredResponse { id, replica, why, gone } => {
+                self.rejected("stored_response_unavailable");
+                ApiError::StoredResponseUnavailable { id, replica, why: why.to_string(), gone }
             }
             PlanError::NoReplica => {
                 self.rejected("no_replica");
@@ -143,7 +151,19 @@ impl OutcomeRecorder {
         }
         let labels = RouteLabels { replica: r.replica.to_string(), route: r.reason.as_str().into() };
         self.metrics.upstream_ttfb.get_or_create(&labels).observe(r.ttfb.as_secs_f64());
-        let pin_at = r.pin_at.filter(|_| r.success)?;
+        if !r.success {
+            return None;
+        }
+        let now = crate::clock::now_ms();
+        if let Some(s) = r.session {
+            // The session lives where its latest turn went.
+            let source = match s.kind {
+                KeyKind::PromptCacheKey => PinSource::PromptCacheKey,
+                KeyKind::SessionHeader => PinSource::SessionHeader,
+            };
+            self.pins.record(s.key, r.replica, None, r.est_tokens, now, PinOrigin { dialect: r.dialect, source });
+        }
+        let pin_at = r.pin_at?;
         let home = r.pinned.map(|(m, pin)| (m, &pin.replica));
         let predicted = match home {
             Some((m, home)) if home == r.replica => Some(self.calibration.estimate(r.replica, m.bytes)),
@@ -156,9 +176,9 @@ impl OutcomeRecorder {
             }
             _ => None,
         };
-        let now = crate::clock::now_ms();
         let parent = r.pinned.map(|(m, _)| m.key);
-        let recorded = self.pins.record(pin_at, r.replica, parent, r.est_tokens, now);
+        let origin = PinOrigin { dialect: r.dialect, source: PinSource::Prefix };
+        let recorded = self.pins.record(pin_at, r.replica, parent, r.est_tokens, now, origin);
         if let Some(from) = &recorded.moved_from {
             self.capacity.family_moved(recorded.family, from);
         }
@@ -166,6 +186,15 @@ impl OutcomeRecorder {
             self.capacity.touch_family(r.replica, recorded.family, r.est_tokens, now);
         }
         predicted
+    }
+}
+
+impl OutcomeRecorder {
+    /// A response the replica stored (Responses API): follow-ups naming it
+    /// must come back here. Persisted like any pin.
+    pub fn stored_response(&self, id: &str, replica: &Arc<str>) {
+        let origin = PinOrigin { dialect: Dialect::Responses, source: PinSource::Response };
+        self.pins.record(response_key(id), replica, None, 0, crate::clock::now_ms(), origin);
     }
 }
 
@@ -196,6 +225,9 @@ impl BodyEnd for Outcome {
         m.request_duration.get_or_create(&labels).observe(self.started.elapsed().as_secs_f64());
         m.requests.get_or_create(&RequestLabels { replica: labels.replica.clone(), route, status }).inc();
         if outcome == BodyOutcome::Complete && (200..300).contains(&self.status) {
+            if let Some(id) = usage.and_then(UsageTap::response_id) {
+                self.recorder.stored_response(id, &self.replica.id);
+            }
             let measured = usage.and_then(UsageTap::usage);
             let what = if measured.is_some() { "measured" } else { "unmeasured" };
             m.usage_measured.get_or_create(&result(what)).inc();

@@ -14,6 +14,8 @@ pub enum PlanError {
     ModelNotFound(String),
     /// Nothing routable is left (all down, draining, or already tried).
     NoReplica,
+    /// The request names a stored response whose replica cannot serve it.
+    StoredResponse { id: String, replica: String, why: &'static str, gone: bool },
 }
 
 /// What a plan needs to know about the request besides its shape.
@@ -22,6 +24,11 @@ pub struct PlanInput<'a> {
     pub shape: &'a RequestShape,
     /// The longest pinned prefix of the request, looked up once per request.
     pub pinned: Option<&'a (PrefixMatch, Pin)>,
+    /// The replica the request's session key points at.
+    pub named: Option<&'a str>,
+    /// A stored response the request names (`previous_response_id` or the
+    /// path), and the replica that holds it: the only one that can serve it.
+    pub stored: Option<(&'a str, &'a str)>,
     /// Replicas this request already failed on.
     pub tried: &'a [Arc<str>],
     /// True when the request counts against `max_large_inflight`; then
@@ -35,6 +42,9 @@ pub fn plan(
     has_free_slot: impl Fn(&Replica) -> bool,
     counter: &SpreadCounter,
 ) -> Result<Decision, PlanError> {
+    if let Some((id, home)) = input.stored {
+        return stored_response(id, home, fleet, input.tried);
+    }
     let model = input.shape.model.as_deref();
     if let Some(m) = model {
         if !fleet.is_empty() && !fleet.iter().any(|r| r.serves(m)) {
@@ -50,5 +60,27 @@ pub fn plan(
         })
         .collect();
     let pinned = input.pinned.map(|(m, pin)| (*m, &*pin.replica));
-    policy::decide(input.mode, input.shape, &candidates, pinned, counter).ok_or(PlanError::NoReplica)
+    policy::decide(input.mode, input.shape, &candidates, pinned, input.named, counter).ok_or(PlanError::NoReplica)
+}
+
+/// A stored response goes to its replica or nowhere: it exists only there.
+/// Draining does not stop it (the drain completes when such follow-ups stop);
+/// disabled, down, removed or refusing connections does, with a clear error.
+fn stored_response(id: &str, home: &str, fleet: &[Arc<Replica>], tried: &[Arc<str>]) -> Result<Decision, PlanError> {
+    let unavailable =
+        |why, gone| PlanError::StoredResponse { id: id.to_string(), replica: home.to_string(), why, gone };
+    let Some(i) = fleet.iter().position(|r| &*r.id == home) else {
+        return Err(unavailable("has been removed from the fleet", true));
+    };
+    let r = &fleet[i];
+    if tried.iter().any(|t| &**t == home) {
+        return Err(unavailable("refused the connection", false));
+    }
+    if r.admin() == crate::fleet::AdminState::Disabled {
+        return Err(unavailable("is disabled by an operator", false));
+    }
+    if r.health() == crate::fleet::Health::Down {
+        return Err(unavailable("is down (failing health checks)", false));
+    }
+    Ok(Decision { replica: i, reason: crate::policy::RouteReason::Response, matched: None })
 }

@@ -1,13 +1,31 @@
-//! Reads `usage` from a response as it passes, without buffering it and
-//! without touching the client's request: a non-streaming JSON body is kept
-//! (up to a cap) only to parse its usage at the end; a streaming body is
-//! scanned line by line for the chunk that carries usage (present when the
-//! client asked for `stream_options.include_usage`).
+//! Watches a response as it passes, without buffering a stream and without
+//! touching the bytes: the usage each dialect reports (route receipts), the
+//! id of a stored response (Responses API), and whether a stream ended the
+//! way its API ends streams (a cut stream is a failed upstream).
+//!
+//! A non-streaming JSON body is kept (up to a cap) only to parse it at the
+//! end; a stream is scanned line by line, and only the few events that carry
+//! what we need are parsed.
+//!
+//! Where each dialect puts things:
+//! - chat/completions: `usage.prompt_tokens`, `usage.prompt_tokens_details.cached_tokens`
+//!   (streams: the chunk with `usage`, when `stream_options.include_usage`);
+//!   streams end with `data: [DONE]`.
+//! - Responses: `usage.input_tokens`, `usage.input_tokens_details.cached_tokens`
+//!   (streams: in `response.completed`'s `response.usage`); the id in `id`
+//!   (streams: `response.created`'s `response.id`); streams end with
+//!   `response.completed`, `response.incomplete` or `response.failed`.
+//! - Messages: `usage.input_tokens` excludes cached tokens, so the prompt is
+//!   `input_tokens + cache_read_input_tokens + cache_creation_input_tokens`
+//!   and the cached part `cache_read_input_tokens` (streams: `message_start`'s
+//!   `message.usage`); streams end with `message_stop`.
 
 use bytes::Bytes;
 use serde::Deserialize;
 
-/// Largest non-streaming body kept for usage parsing; bigger ones are unmeasured.
+use crate::policy::Dialect;
+
+/// Largest non-streaming body kept for parsing; bigger ones are unmeasured.
 const MAX_KEPT: usize = 4 * 1024 * 1024;
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -16,33 +34,83 @@ pub struct Usage {
     pub cached_tokens: Option<u64>,
 }
 
-#[derive(Deserialize)]
-struct WithUsage {
-    usage: Option<RawUsage>,
+#[derive(Deserialize, Default)]
+struct Details {
+    cached_tokens: Option<u64>,
 }
 
 #[derive(Deserialize)]
 struct RawUsage {
     prompt_tokens: Option<u64>,
     prompt_tokens_details: Option<Details>,
+    input_tokens: Option<u64>,
+    input_tokens_details: Option<Details>,
+    cache_read_input_tokens: Option<u64>,
+    cache_creation_input_tokens: Option<u64>,
+}
+
+impl RawUsage {
+    fn read(self, dialect: Dialect) -> Option<Usage> {
+        match dialect {
+            Dialect::Messages => {
+                let read = self.cache_read_input_tokens.unwrap_or(0);
+                Some(Usage {
+                    prompt_tokens: self.input_tokens? + read + self.cache_creation_input_tokens.unwrap_or(0),
+                    cached_tokens: self.cache_read_input_tokens,
+                })
+            }
+            Dialect::Responses => Some(Usage {
+                prompt_tokens: self.input_tokens.or(self.prompt_tokens)?,
+                cached_tokens: self.input_tokens_details.and_then(|d| d.cached_tokens),
+            }),
+            _ => Some(Usage {
+                prompt_tokens: self.prompt_tokens.or(self.input_tokens)?,
+                cached_tokens: self.prompt_tokens_details.and_then(|d| d.cached_tokens),
+            }),
+        }
+    }
 }
 
 #[derive(Deserialize)]
-struct Details {
-    cached_tokens: Option<u64>,
+struct Inner {
+    id: Option<String>,
+    usage: Option<RawUsage>,
+}
+
+/// Any of the places a dialect puts usage and ids, top level or one down.
+#[derive(Deserialize)]
+struct Envelope {
+    id: Option<String>,
+    usage: Option<RawUsage>,
+    response: Option<Inner>,
+    message: Option<Inner>,
 }
 
 pub struct UsageTap {
+    dialect: Dialect,
     sse: bool,
     /// Non-streaming: the body so far. Streaming: the current partial line.
     buf: Vec<u8>,
     overflow: bool,
     found: Option<Usage>,
+    response_id: Option<String>,
+    /// The last event type seen (from `event:` lines or a data object's `type`).
+    last_event: Option<String>,
+    saw_done: bool,
 }
 
 impl UsageTap {
-    pub fn new(sse: bool) -> UsageTap {
-        UsageTap { sse, buf: Vec::new(), overflow: false, found: None }
+    pub fn new(dialect: Dialect, sse: bool) -> UsageTap {
+        UsageTap {
+            dialect,
+            sse,
+            buf: Vec::new(),
+            overflow: false,
+            found: None,
+            response_id: None,
+            last_event: None,
+            saw_done: false,
+        }
     }
 
     pub fn observe(&mut self, chunk: &Bytes) {
@@ -74,61 +142,164 @@ impl UsageTap {
     }
 
     fn line(&mut self, line: &[u8]) {
-        let Some(data) = line.strip_prefix(b"data:") else {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        if let Some(name) = line.strip_prefix(b"event:") {
+            self.last_event = Some(String::from_utf8_lossy(name.trim_ascii()).into_owned());
+            return;
+        }
+        let Some(data) = line.strip_prefix(b"data:").map(<[u8]>::trim_ascii) else {
             return;
         };
-        // Cheap filter: only chunks that mention usage are parsed.
-        if memchr_usage(data) {
-            if let Some(u) = parse(data) {
-                self.found = Some(u);
-            }
+        if data == b"[DONE]" {
+            self.saw_done = true;
+            return;
+        }
+        if let Some(t) = leading_type(data) {
+            self.last_event = Some(t.to_string());
+        }
+        // Cheap filters: only events that can carry usage or the id are parsed.
+        let wants_id = self.dialect == Dialect::Responses && self.response_id.is_none() && contains(data, b"\"id\"");
+        if contains(data, b"\"usage\"") || wants_id {
+            self.take(data);
         }
     }
 
-    /// The usage seen, if any (call at the end of the body).
+    /// Reads usage and the response id from one JSON document.
+    fn take(&mut self, json: &[u8]) {
+        let Ok(e) = serde_json::from_slice::<Envelope>(json) else { return };
+        let (inner_id, inner_usage) = match (e.response, e.message) {
+            (Some(i), _) | (None, Some(i)) => (i.id, i.usage),
+            (None, None) => (None, None),
+        };
+        if let Some(u) = e.usage.or(inner_usage).and_then(|u| u.read(self.dialect)) {
+            self.found = Some(u);
+        }
+        if self.dialect == Dialect::Responses && self.response_id.is_none() {
+            self.response_id = inner_id.or(e.id).filter(|id| !id.is_empty());
+        }
+    }
+
+    pub fn dialect(&self) -> Dialect {
+        self.dialect
+    }
+
+    /// Call once, when the body has ended.
+    pub fn finish(&mut self) {
+        if !self.sse && !self.overflow {
+            let body = std::mem::take(&mut self.buf);
+            self.take(body.trim_ascii());
+        }
+    }
+
+    /// The usage seen, if any (after `finish`).
     pub fn usage(&self) -> Option<Usage> {
-        if self.sse {
-            self.found
-        } else if self.overflow {
-            None
-        } else {
-            parse(&self.buf)
+        self.found
+    }
+
+    /// The id of the response this body carried (Responses API).
+    pub fn response_id(&self) -> Option<&str> {
+        self.response_id.as_deref()
+    }
+
+    /// For a stream: did it end the way its API ends streams?
+    pub fn stream_completed(&self) -> bool {
+        let last = self.last_event.as_deref();
+        match self.dialect {
+            Dialect::Responses => {
+                matches!(last, Some("response.completed" | "response.incomplete" | "response.failed" | "error"))
+            }
+            Dialect::Messages => matches!(last, Some("message_stop" | "error")),
+            _ => self.saw_done,
         }
     }
 }
 
-fn memchr_usage(data: &[u8]) -> bool {
-    data.windows(7).any(|w| w == b"\"usage\"")
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
 }
 
-fn parse(json: &[u8]) -> Option<Usage> {
-    let u = serde_json::from_slice::<WithUsage>(json.trim_ascii()).ok()?.usage?;
-    Some(Usage {
-        prompt_tokens: u.prompt_tokens?,
-        cached_tokens: u.prompt_tokens_details.and_then(|d| d.cached_tokens),
-    })
+/// The `type` of a data object that starts with it (`{"type":"x",...}`),
+/// as the Responses and Messages APIs write their events.
+fn leading_type(data: &[u8]) -> Option<&str> {
+    let rest = data.strip_prefix(b"{\"type\":")?.trim_ascii_start().strip_prefix(b"\"")?;
+    let end = rest.iter().position(|b| *b == b'"')?;
+    std::str::from_utf8(&rest[..end]).ok()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn tap(dialect: Dialect, sse: bool, chunks: &[&[u8]]) -> UsageTap {
+        let mut t = UsageTap::new(dialect, sse);
+        for c in chunks {
+            t.observe(&Bytes::copy_from_slice(c));
+        }
+        t.finish();
+        t
+    }
+
     #[test]
     fn finds_usage_in_a_json_body_split_across_chunks() {
-        let mut tap = UsageTap::new(false);
-        tap.observe(&Bytes::from_static(br#"{"id":"x","usage":{"prompt_tokens":10,"#));
-        tap.observe(&Bytes::from_static(br#""prompt_tokens_details":{"cached_tokens":8}}}"#));
-        assert_eq!(tap.usage(), Some(Usage { prompt_tokens: 10, cached_tokens: Some(8) }));
+        let t = tap(
+            Dialect::Chat,
+            false,
+            &[br#"{"id":"x","usage":{"prompt_tokens":10,"#, br#""prompt_tokens_details":{"cached_tokens":8}}}"#],
+        );
+        assert_eq!(t.usage(), Some(Usage { prompt_tokens: 10, cached_tokens: Some(8) }));
+        assert_eq!(t.response_id(), None, "only the Responses API has stored responses");
     }
 
     #[test]
     fn finds_usage_in_an_sse_stream_with_lines_split_across_chunks() {
-        let mut tap = UsageTap::new(true);
-        tap.observe(&Bytes::from_static(b"data: {\"choices\":[]}\n\ndata: {\"choices\":[],\"us"));
-        tap.observe(&Bytes::from_static(b"age\":{\"prompt_tokens\":5}}\n\ndata: [DONE]\n\n"));
-        assert_eq!(tap.usage(), Some(Usage { prompt_tokens: 5, cached_tokens: None }));
-        let mut none = UsageTap::new(true);
-        none.observe(&Bytes::from_static(b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n"));
+        let t = tap(
+            Dialect::Chat,
+            true,
+            &[
+                b"data: {\"choices\":[]}\n\ndata: {\"choices\":[],\"us",
+                b"age\":{\"prompt_tokens\":5}}\n\ndata: [DONE]\n\n",
+            ],
+        );
+        assert_eq!(t.usage(), Some(Usage { prompt_tokens: 5, cached_tokens: None }));
+        assert!(t.stream_completed());
+        let none = tap(Dialect::Chat, true, &[b"data: {\"choices\":[]}\n\n"]);
         assert_eq!(none.usage(), None);
+        assert!(!none.stream_completed(), "no [DONE]: cut");
+    }
+
+    #[test]
+    fn responses_bodies_and_streams_give_usage_id_and_their_end() {
+        let body = br#"{"id":"resp_1","object":"response","usage":{"input_tokens":100,"input_tokens_details":{"cached_tokens":64},"output_tokens":5}}"#;
+        let t = tap(Dialect::Responses, false, &[body]);
+        assert_eq!(t.usage(), Some(Usage { prompt_tokens: 100, cached_tokens: Some(64) }));
+        assert_eq!(t.response_id(), Some("resp_1"));
+        let stream: &[&[u8]] = &[
+            b"event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_2\",\"status\":\"in_progress\"}}\n\n",
+            b"event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"hi\"}\n\n",
+            b"event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"resp_2\",\"usage\":{\"input_tokens\":7,\"input_tokens_details\":{\"cached_tokens\":0}}}}\n\n",
+        ];
+        let t = tap(Dialect::Responses, true, stream);
+        assert_eq!((t.response_id(), t.usage().map(|u| u.prompt_tokens)), (Some("resp_2"), Some(7)));
+        assert!(t.stream_completed());
+        assert!(!tap(Dialect::Responses, true, &stream[..2]).stream_completed());
+    }
+
+    #[test]
+    fn messages_usage_counts_cache_reads_into_the_prompt() {
+        let stream: &[&[u8]] = &[
+            b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"usage\":{\"input_tokens\":10,\"cache_read_input_tokens\":90,\"cache_creation_input_tokens\":0,\"output_tokens\":1}}}\n\n",
+            b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"x\"}}\n\n",
+            b"event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":3}}\n\n",
+            b"event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
+        ];
+        let t = tap(Dialect::Messages, true, stream);
+        assert_eq!(t.usage(), Some(Usage { prompt_tokens: 100, cached_tokens: Some(90) }));
+        assert!(t.stream_completed());
+        assert!(!tap(Dialect::Messages, true, &stream[..3]).stream_completed());
+        let body = br#"{"type":"message","usage":{"input_tokens":5,"cache_read_input_tokens":20,"output_tokens":2}}"#;
+        assert_eq!(
+            tap(Dialect::Messages, false, &[body]).usage(),
+            Some(Usage { prompt_tokens: 25, cached_tokens: Some(20) })
+        );
     }
 }

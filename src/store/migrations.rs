@@ -107,6 +107,7 @@ fn apply(db: &sled::Db, op: &str) -> Result<(), StoreError> {
                         est_tokens: old.est_tokens,
                         // Schema 1 had no families: each pin starts its own.
                         family: key,
+                        origin: Default::default(),
                     };
                     batch.insert(k, encode_pin(&pin));
                 }

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::events::Event;
 use crate::fleet::{AdminState, ReplicaSpec};
-use crate::pins::{Pin, PinChange};
+use crate::pins::{Pin, PinChange, PinOrigin, PinSource};
 use crate::policy::PrefixKey;
 
 #[derive(Debug, thiserror::Error)]
@@ -61,26 +61,34 @@ pub trait Store: Send + Sync {
     fn flush(&self) -> Result<(), StoreError>;
 }
 
-/// Pin wire layout (schema 2), little endian:
-/// `[1u8 version][created_ms u64][last_used_ms u64][turns u32][est_tokens u64][family u128][replica id utf-8...]`
+/// Pin record layout, little endian:
+/// `[version u8][created_ms u64][last_used_ms u64][turns u32][est_tokens u64][family u128]`
+/// then, in version 2, `[dialect u8][source u8]`, then `[replica id utf-8...]`.
+/// Version 1 records (no origin) still decode, as chat prefix pins.
 pub fn encode_pin(p: &Pin) -> Vec<u8> {
-    let mut v = Vec::with_capacity(45 + p.replica.len());
-    v.push(1u8);
+    let mut v = Vec::with_capacity(47 + p.replica.len());
+    v.push(2u8);
     v.extend_from_slice(&p.created_ms.to_le_bytes());
     v.extend_from_slice(&p.last_used_ms.to_le_bytes());
     v.extend_from_slice(&p.turns.to_le_bytes());
     v.extend_from_slice(&p.est_tokens.to_le_bytes());
     v.extend_from_slice(&p.family.to_le_bytes());
+    v.push(crate::pins::dialect_to_u8(p.origin.dialect));
+    v.push(p.origin.source.to_u8());
     v.extend_from_slice(p.replica.as_bytes());
     v
 }
 
 pub fn decode_pin(b: &[u8]) -> Result<Pin, String> {
-    if b.len() < 45 || b[0] != 1 {
-        return Err(format!("bad pin record ({} bytes)", b.len()));
-    }
+    let (origin, name_at) = match b.first() {
+        Some(1) if b.len() >= 45 => (PinOrigin::default(), 45),
+        Some(2) if b.len() >= 47 => {
+            (PinOrigin { dialect: crate::pins::dialect_from_u8(b[45]), source: PinSource::from_u8(b[46]) }, 47)
+        }
+        _ => return Err(format!("bad pin record ({} bytes)", b.len())),
+    };
     let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
-    let replica = std::str::from_utf8(&b[45..]).map_err(|e| format!("pin replica id: {e}"))?;
+    let replica = std::str::from_utf8(&b[name_at..]).map_err(|e| format!("pin replica id: {e}"))?;
     Ok(Pin {
         created_ms: u64_at(1),
         last_used_ms: u64_at(9),
@@ -88,6 +96,7 @@ pub fn decode_pin(b: &[u8]) -> Result<Pin, String> {
         est_tokens: u64_at(21),
         family: u128::from_le_bytes(b[29..45].try_into().expect("16 bytes")),
         replica: replica.into(),
+        origin,
     })
 }
 
@@ -140,7 +149,15 @@ mod tests {
 
     #[test]
     fn pages_keep_the_last_change_of_each_key() {
-        let pin = |t| Pin { replica: "r".into(), created_ms: 1, last_used_ms: 2, turns: t, est_tokens: 3, family: 4 };
+        let pin = |t| Pin {
+            replica: "r".into(),
+            created_ms: 1,
+            last_used_ms: 2,
+            turns: t,
+            est_tokens: 3,
+            family: 4,
+            origin: PinOrigin::default(),
+        };
         let (a, b) = ((7u128 << 112) | 1, (7u128 << 112) | 2);
         assert_eq!(page_of(a), page_of(b));
         let c1: Vec<PinChange> = vec![(a, Some(pin(1))), (b, Some(pin(2)))];
@@ -162,8 +179,14 @@ mod tests {
             turns: 7,
             est_tokens: 90_000,
             family: 3 << 100,
+            origin: PinOrigin { dialect: crate::policy::Dialect::Responses, source: PinSource::Response },
         };
         assert_eq!(decode_pin(&encode_pin(&p)).unwrap(), p);
+        // A version-1 record (before origins) reads as a chat prefix pin.
+        let mut v1 = encode_pin(&p);
+        v1[0] = 1;
+        v1.drain(45..47);
+        assert_eq!(decode_pin(&v1).unwrap(), Pin { origin: PinOrigin::default(), ..p.clone() });
         assert!(decode_pin(b"{\"json\":1}").is_err());
         assert!(decode_pin(&[]).is_err());
     }

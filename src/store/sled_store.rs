@@ -149,7 +149,15 @@ mod tests {
     #[test]
     fn a_schema_1_database_is_migrated_and_its_pins_load() {
         let dir = tempfile::tempdir().unwrap();
-        let pin = Pin { replica: "a".into(), created_ms: 5, last_used_ms: 6, turns: 2, est_tokens: 100, family: 7 };
+        let pin = Pin {
+            replica: "a".into(),
+            created_ms: 5,
+            last_used_ms: 6,
+            turns: 2,
+            est_tokens: 100,
+            family: 7,
+            origin: Default::default(),
+        };
         {
             // What the first schema wrote: version 1 and JSON pins.
             let db = sled::Config::new().path(dir.path().join("db")).open().unwrap();
