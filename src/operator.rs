@@ -166,7 +166,7 @@ impl Operator {
         self.replica(id)?;
         self.store.delete_replica(id).map_err(internal)?;
         self.fleet.remove(id);
-        let pins = self.pins.remove_replica(id);
+        let pins = self.pins.remove_replica_pins(id, true);
         self.capacity.forget_replica(id);
         self.events.record(EventKind::ReplicaRemoved, Some(id), None, format!("{pins} pin(s) dropped"));
         Ok(())

@@ -356,8 +356,24 @@ impl PinTable {
 
     /// Removes every pin of `replica`; returns how many.
     pub fn remove_replica(&self, replica: &str) -> usize {
+        self.remove_replica_pins(replica, false)
+    }
+
+    /// Removes the pins of `replica`, but with `keep_stored_responses` not
+    /// the ids of responses it stored: a follow-up naming one must hear that
+    /// its replica is gone, not be sent to another that never had it. Those
+    /// expire with the pin TTL.
+    pub fn remove_replica_pins(&self, replica: &str, keep_stored_responses: bool) -> usize {
         let Some(idx) = self.replicas.find(replica) else { return 0 };
-        self.shards.iter().map(|s| s.write().expect("pins lock").retain(|_, slot| slot.replica != idx)).sum()
+        let response = PinSource::Response.to_u8();
+        self.shards
+            .iter()
+            .map(|s| {
+                s.write()
+                    .expect("pins lock")
+                    .retain(|_, slot| slot.replica != idx || (keep_stored_responses && slot.source == response))
+            })
+            .sum()
     }
 
     /// Forgets pins idle for longer than `ttl_ms`, then the least recently

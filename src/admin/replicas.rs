@@ -168,7 +168,7 @@ async fn update(
 }
 
 #[utoipa::path(tag = "replicas", params(("id" = String, Path, description = "replica id", pattern = "^[a-z0-9_-]{1,64}$")),
-    responses((status = 204, description = "removed, with its pins"), (status = 404, body = ErrorBody)))]
+    responses((status = 204, description = "removed, with its pins (ids of responses it stored are kept until they expire, so a follow-up hears its replica is gone)"), (status = 404, body = ErrorBody)))]
 #[delete("/replicas/{id}")]
 async fn remove(operator: web::Data<Operator>, id: web::Path<String>) -> Result<HttpResponse, ApiError> {
     operator.remove_replica(checked_id(&id)?)?;

@@ -13,6 +13,7 @@
 //! assert cache hits by count, not by timing. `x-sim-prefill-ms` carries the
 //! simulated (unscaled) prefill time of the response.
 
+mod agents;
 pub mod kv;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -77,6 +78,8 @@ pub struct SimState {
     pub cancelled: AtomicU64,
     /// Generation requests received (valid or not).
     pub received: AtomicU64,
+    /// Responses API: responses stored by this process (as vLLM keeps them).
+    responses: Mutex<std::collections::HashMap<String, agents::StoredResponse>>,
 }
 
 impl SimState {
@@ -95,6 +98,7 @@ impl SimState {
             next_id: AtomicU64::new(1),
             cancelled: AtomicU64::new(0),
             received: AtomicU64::new(0),
+            responses: Mutex::default(),
         })
     }
 
@@ -127,6 +131,7 @@ pub fn serve(listener: std::net::TcpListener, state: Arc<SimState>) -> std::io::
             .route("/v1/models", web::get().to(models))
             .route("/v1/chat/completions", web::post().to(chat))
             .route("/v1/completions", web::post().to(completions))
+            .configure(agents::routes)
     })
     .workers(1)
     .tcp_nodelay(true)
@@ -249,7 +254,7 @@ async fn completions(s: web::Data<SimState>, body: web::Bytes) -> HttpResponse {
 
 /// One running sequence: its KV reservation is released when it drops,
 /// including when the client disconnects mid-stream.
-struct Sequence {
+pub(crate) struct Sequence {
     state: Arc<SimState>,
     chain: Vec<u128>,
     private: usize,
@@ -263,7 +268,7 @@ impl Drop for Sequence {
     }
 }
 
-struct Prefilled {
+pub(crate) struct Prefilled {
     seq: Sequence,
     prompt_tokens: u64,
     cached_tokens: u64,
@@ -285,7 +290,7 @@ fn block_chain(prompt: &[u8]) -> Vec<u128> {
 }
 
 /// Waits for KV and the prefill lane, then "prefills" the uncached tokens.
-async fn prefill(s: &Arc<SimState>, prompt: &[u8], max_tokens: u64) -> Result<Prefilled, HttpResponse> {
+pub(crate) async fn prefill(s: &Arc<SimState>, prompt: &[u8], max_tokens: u64) -> Result<Prefilled, HttpResponse> {
     let prompt_tokens = crate::tokens::estimate_tokens(prompt.len()).max(1);
     let chain = block_chain(prompt);
     let partial = usize::from(!prompt.len().is_multiple_of(BYTES_PER_BLOCK));
@@ -322,7 +327,7 @@ async fn prefill(s: &Arc<SimState>, prompt: &[u8], max_tokens: u64) -> Result<Pr
     Ok(Prefilled { seq, prompt_tokens, cached_tokens, prefill_ms: prefill_secs * 1000.0 })
 }
 
-const WORDS: &[&str] = &["the", " cache", " is", " warm", " and", " the", " prefix", " holds", ","];
+pub(crate) const WORDS: &[&str] = &["the", " cache", " is", " warm", " and", " the", " prefix", " holds", ","];
 
 fn usage(p: &Prefilled, completion: u64) -> Value {
     json!({
@@ -419,7 +424,7 @@ fn sse(v: &Value) -> web::Bytes {
 }
 
 /// What the generator sends to the response body.
-enum Frame {
+pub(crate) enum Frame {
     Chunk(web::Bytes),
     End,
 }
@@ -427,7 +432,7 @@ enum Frame {
 /// The response body of a stream. If the generator vanishes without `End`
 /// (the engine "crashed": its runtime stopped), the body fails, so the
 /// connection is cut mid-response as a real crash would cut it.
-fn tokio_stream_from(
+pub(crate) fn tokio_stream_from(
     mut rx: tokio::sync::mpsc::Receiver<Frame>,
 ) -> impl futures_util::Stream<Item = Result<web::Bytes, std::io::Error>> {
     let mut ended = false;
