@@ -1,0 +1,48 @@
+//! Issue 10 with the real clients: the official `openai` and `anthropic`
+//! Python SDKs drive the gateway (tests/sdk/agents.py) as Codex-style and
+//! Claude-Code-style agents do. `.ci/run` installs both into a virtual
+//! environment and points `SDK_PYTHON` at its interpreter; outside CI, a
+//! machine without them skips with a message.
+
+mod common;
+
+use common::*;
+
+/// A Python with both SDKs: `$SDK_PYTHON`, else `python3` if it has them.
+fn sdk_python() -> Option<String> {
+    let candidate = std::env::var("SDK_PYTHON").unwrap_or_else(|_| "python3".into());
+    let ok = std::process::Command::new(&candidate)
+        .args(["-c", "import openai, anthropic"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    ok.then_some(candidate)
+}
+
+#[actix_web::test]
+async fn the_official_openai_and_anthropic_sdks_see_warm_pinned_turns_and_spread_one_shots() {
+    let Some(python) = sdk_python() else {
+        assert!(std::env::var("CI").is_err(), "CI must install the openai and anthropic SDKs (see .ci/run)");
+        eprintln!("skipped: no python with the openai and anthropic packages (set SDK_PYTHON)");
+        return;
+    };
+    let (a, b) = (start_sim("a", fast_sim()).await, start_sim("b", fast_sim()).await);
+    let gw = start_gateway(test_config(&[&a, &b])).await;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/sdk/agents.py");
+    let out = tokio::process::Command::new(python)
+        .arg(script)
+        .env("BASE_URL", &gw.base)
+        .env("SALT", format!("{}", std::process::id()))
+        .output()
+        .await
+        .expect("python runs");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "SDK checks failed:\n{stdout}\n{stderr}");
+    assert!(stdout.contains("all SDK checks passed"), "{stdout}");
+    // The receipts the SDKs saw reached the gateway's metrics as well.
+    let mut resp = client().get(format!("{}/metrics", gw.admin)).send().await.unwrap();
+    let metrics = String::from_utf8(resp.body().limit(1 << 22).await.unwrap().to_vec()).unwrap();
+    assert!(metrics
+        .lines()
+        .any(|l| l.starts_with("prefixgate_cached_tokens_total{") && l.contains("route=\"response\"")));
+    gw.stop().await;
+}
