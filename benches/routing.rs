@@ -28,6 +28,61 @@ fn chat_body(bytes: usize) -> Vec<u8> {
         .unwrap()
 }
 
+/// The same conversation as a Responses API body (Codex-style: messages,
+/// function calls and their outputs as input items, instructions, tools).
+fn responses_body(bytes: usize) -> Vec<u8> {
+    let mut input = Vec::new();
+    let mut i = 0;
+    while serde_json::to_vec(&input).unwrap().len() < bytes {
+        let text = format!(
+            "Turn {i}: here is a file\n```rust\nfn main() {{ println!(\"{i}\"); }}\n```\n{}",
+            "lorem ipsum dolor sit amet ".repeat(60)
+        );
+        input.push(match i % 3 {
+            0 => serde_json::json!({"role": "user", "content": text}),
+            1 => serde_json::json!({"type": "message", "id": format!("msg_{i}"), "status": "completed", "role": "assistant", "content": [{"type": "output_text", "text": text, "annotations": []}]}),
+            _ => serde_json::json!({"type": "function_call_output", "call_id": format!("call_{i}"), "output": text}),
+        });
+        i += 1;
+    }
+    serde_json::to_vec(&serde_json::json!({"model": "m", "instructions": "You are a coding agent.", "tools": [{"type": "function", "name": "shell", "parameters": {"type": "object"}}], "input": input, "stream": true})).unwrap()
+}
+
+/// The same conversation as an Anthropic Messages body (Claude-Code-style:
+/// content blocks, tool use and results, cache_control on the newest).
+fn messages_body(bytes: usize) -> Vec<u8> {
+    let mut messages = Vec::new();
+    let mut i = 0;
+    while serde_json::to_vec(&messages).unwrap().len() < bytes {
+        let text = format!(
+            "Turn {i}: here is a file\n```rust\nfn main() {{ println!(\"{i}\"); }}\n```\n{}",
+            "lorem ipsum dolor sit amet ".repeat(60)
+        );
+        messages.push(if i % 2 == 0 {
+            serde_json::json!({"role": "user", "content": [{"type": "tool_result", "tool_use_id": format!("t{i}"), "content": text}]})
+        } else {
+            serde_json::json!({"role": "assistant", "content": [{"type": "text", "text": text}, {"type": "tool_use", "id": format!("t{i}"), "name": "bash", "input": {"cmd": "ls"}}]})
+        });
+        i += 1;
+    }
+    serde_json::to_vec(&serde_json::json!({"model": "m", "system": [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}], "messages": messages, "max_tokens": 256, "stream": true})).unwrap()
+}
+
+fn dialects(c: &mut Criterion) {
+    let mut group = c.benchmark_group("shape_extraction_400KB");
+    for (name, endpoint, body) in [
+        ("chat", Endpoint::Chat, chat_body(400 * 1024)),
+        ("responses", Endpoint::Responses, responses_body(400 * 1024)),
+        ("messages", Endpoint::Messages, messages_body(400 * 1024)),
+    ] {
+        group.throughput(Throughput::Bytes(body.len() as u64));
+        group.bench_with_input(BenchmarkId::from_parameter(name), &body, |b, body| {
+            b.iter(|| policy::identity::extract(endpoint, black_box(body), IdentityBlocks::default()).unwrap())
+        });
+    }
+    group.finish();
+}
+
 fn extraction(c: &mut Criterion) {
     let mut group = c.benchmark_group("shape_extraction");
     for kib in [4usize, 100, 400] {
@@ -88,5 +143,5 @@ fn decision(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, extraction, decision);
+criterion_group!(benches, extraction, dialects, decision);
 criterion_main!(benches);

@@ -1,6 +1,8 @@
-//! One streamed chat request, timed: time to first *content* chunk (not the
+//! One streamed request, timed: time to first *content* chunk (not the
 //! response head, which some servers send before prefill), the route the
-//! gateway reported, and the usage the server reported.
+//! gateway reported, and the usage the server reported. Speaks chat
+//! completions, the Responses API and Anthropic Messages, from one
+//! chat-style history (`role`, `content` text).
 
 use std::time::{Duration, Instant};
 
@@ -10,17 +12,96 @@ use serde_json::{json, Value};
 use super::Common;
 use super::Sample;
 
+/// The API a benchmark client speaks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Api {
+    /// `/v1/chat/completions`
+    #[default]
+    Chat,
+    /// `/v1/responses` (the whole history as input items, `store: false`)
+    Responses,
+    /// `/v1/messages` (Anthropic)
+    Messages,
+}
+
+fn request_body(api: Api, common: &Common, messages: &[Value]) -> (&'static str, Value) {
+    match api {
+        Api::Chat => (
+            "/v1/chat/completions",
+            json!({"model": common.model, "messages": messages, "stream": true,
+                   "stream_options": {"include_usage": true}, "max_tokens": common.max_tokens}),
+        ),
+        Api::Responses => {
+            let input: Vec<Value> = messages
+                .iter()
+                .map(|m| match m["role"].as_str() {
+                    Some("assistant") => json!({"type": "message", "role": "assistant",
+                        "content": [{"type": "output_text", "text": m["content"], "annotations": []}]}),
+                    _ => json!({"role": m["role"], "content": m["content"]}),
+                })
+                .collect();
+            (
+                "/v1/responses",
+                json!({"model": common.model, "input": input, "stream": true, "store": false,
+                       "max_output_tokens": common.max_tokens}),
+            )
+        }
+        Api::Messages => (
+            "/v1/messages",
+            json!({"model": common.model, "messages": messages, "stream": true, "max_tokens": common.max_tokens}),
+        ),
+    }
+}
+
+/// Reads one event of a stream: content text, and usage when it carries it.
+fn read_event(api: Api, v: &Value, sample: &mut Sample) -> Option<String> {
+    match api {
+        Api::Chat => {
+            if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
+                sample.prompt_tokens = u["prompt_tokens"].as_u64();
+                sample.cached_tokens = u["prompt_tokens_details"]["cached_tokens"].as_u64();
+            }
+            v["choices"][0]["delta"]["content"].as_str().map(str::to_string)
+        }
+        Api::Responses => match v["type"].as_str() {
+            Some("response.output_text.delta") => v["delta"].as_str().map(str::to_string),
+            Some("response.completed") => {
+                let u = &v["response"]["usage"];
+                sample.prompt_tokens = u["input_tokens"].as_u64();
+                sample.cached_tokens = u["input_tokens_details"]["cached_tokens"].as_u64();
+                None
+            }
+            _ => None,
+        },
+        Api::Messages => match v["type"].as_str() {
+            Some("content_block_delta") => v["delta"]["text"].as_str().map(str::to_string),
+            Some("message_start") => {
+                let u = &v["message"]["usage"];
+                let read = u["cache_read_input_tokens"].as_u64();
+                let created = u["cache_creation_input_tokens"].as_u64().unwrap_or(0);
+                sample.prompt_tokens = u["input_tokens"].as_u64().map(|n| n + read.unwrap_or(0) + created);
+                sample.cached_tokens = read;
+                None
+            }
+            _ => None,
+        },
+    }
+}
+
 pub async fn stream_chat(c: &awc::Client, common: &Common, messages: &[Value]) -> Result<(Sample, String), String> {
-    let body = json!({
-        "model": common.model,
-        "messages": messages,
-        "stream": true,
-        "stream_options": {"include_usage": true},
-        "max_tokens": common.max_tokens,
-    });
+    stream_turn(c, common, Api::Chat, messages).await
+}
+
+pub async fn stream_turn(
+    c: &awc::Client,
+    common: &Common,
+    api: Api,
+    messages: &[Value],
+) -> Result<(Sample, String), String> {
+    let (path, body) = request_body(api, common, messages);
     let started = Instant::now();
-    let mut req =
-        c.post(format!("{}/v1/chat/completions", common.base_url)).timeout(Duration::from_secs(common.timeout));
+    let mut req = c.post(format!("{}{path}", common.base_url)).timeout(Duration::from_secs(common.timeout));
     if let Some(k) = &common.api_key {
         req = req.insert_header(("authorization", format!("Bearer {k}")));
     }
@@ -41,18 +122,14 @@ pub async fn stream_chat(c: &awc::Client, common: &Common, messages: &[Value]) -
             let line: Vec<u8> = buf.drain(..=nl).collect();
             let Some(data) = line.strip_prefix(b"data: ") else { continue };
             let Ok(v) = serde_json::from_slice::<Value>(data.trim_ascii()) else { continue };
-            if let Some(text) = v["choices"][0]["delta"]["content"].as_str() {
+            if let Some(text) = read_event(api, &v, &mut sample) {
                 if sample.ttft_ms.is_none() {
                     sample.ttft_ms = Some(started.elapsed().as_secs_f64() * 1000.0);
                 }
-                answer.push_str(text);
+                answer.push_str(&text);
             }
             if let Some(ms) = v["prefill_ms"].as_f64() {
                 sample.sim_prefill_ms.get_or_insert(ms);
-            }
-            if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
-                sample.prompt_tokens = u["prompt_tokens"].as_u64();
-                sample.cached_tokens = u["prompt_tokens_details"]["cached_tokens"].as_u64();
             }
         }
     }

@@ -70,6 +70,9 @@ pub enum Workload {
         /// New user text per turn, in estimated tokens.
         #[arg(long, default_value_t = 200)]
         turn_tokens: usize,
+        /// The API the loop speaks.
+        #[arg(long, value_enum, default_value_t = client::Api::Chat)]
+        api: client::Api,
     },
     /// N distinct single-turn prompts sent at once.
     Burst {

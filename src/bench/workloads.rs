@@ -6,7 +6,7 @@ use std::time::Instant;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
 
-use super::client::stream_chat;
+use super::client::{stream_chat, stream_turn};
 use super::{Common, Report, Sample, Workload};
 
 /// About `tokens` estimated tokens (4 bytes each) of text, unique to `tag`.
@@ -60,9 +60,9 @@ fn client() -> awc::Client {
 pub async fn run(w: &Workload) -> Result<Report, String> {
     let started = Instant::now();
     let mut report = match w {
-        Workload::AgentLoop { common, families, turns, context_tokens, turn_tokens } => {
+        Workload::AgentLoop { common, families, turns, context_tokens, turn_tokens, api } => {
             let salt = salt(common);
-            let settings = json!({"families": families, "turns": turns, "context_tokens": context_tokens, "turn_tokens": turn_tokens, "max_tokens": common.max_tokens, "salt": salt});
+            let settings = json!({"families": families, "turns": turns, "context_tokens": context_tokens, "turn_tokens": turn_tokens, "max_tokens": common.max_tokens, "salt": salt, "api": api});
             let mut report = new_report("agent-loop", common, settings);
             let pb = bar(families * turns, "turns");
             let runs = (0..*families).map(|f| {
@@ -72,7 +72,7 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
                     let mut messages = vec![json!({"role": "user", "content": format!("[run {salt}] family {f}\n{}", filler(&format!("ctx{f}"), *context_tokens))})];
                     let mut samples = Vec::new();
                     for turn in 0..*turns {
-                        let sample = match stream_chat(&c, common, &messages).await {
+                        let sample = match stream_turn(&c, common, *api, &messages).await {
                             Ok((s, answer)) => {
                                 messages.push(json!({"role": "assistant", "content": answer}));
                                 s
