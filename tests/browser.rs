@@ -243,6 +243,12 @@ async fn the_admin_ui_steers_the_fleet_in_a_real_browser() {
     ))
     .await;
     page.wait_for("the pin row", &format!("!!document.querySelector('#pin-table tr[data-key=\"{key}\"]') && document.querySelectorAll('#pin-table tbody tr').length === 1")).await;
+    // The row says which API and which kind of key pinned the conversation.
+    page.wait_for(
+        "the pin's API and key kind",
+        &format!("(() => {{ const t = document.querySelector('#pin-table tr[data-key=\"{key}\"]').textContent; return t.includes('chat') && t.includes('prefix'); }})()"),
+    )
+    .await;
     page.screenshot("pins").await;
 
     // Resume b, stop a: the next request fails over, and history shows it.

@@ -163,7 +163,8 @@ async function loadPins() {
   const page = await call("GET", `${api}/pins?${params}`);
   const body = $("#pin-table tbody");
   body.replaceChildren(...page.items.map((p) => el("tr", { "data-key": p.key },
-    el("td", { class: "key" }, p.key), el("td", {}, p.replica), el("td", {}, p.turns), el("td", {}, fmtTokens(p.est_tokens)),
+    el("td", { class: "key" }, p.key), el("td", {}, p.replica), el("td", {}, p.dialect),
+    el("td", {}, p.pinned_by.replaceAll("_", " ")), el("td", {}, p.turns), el("td", {}, fmtTokens(p.est_tokens)),
     el("td", {}, new Date(p.last_used).toLocaleTimeString()),
     el("td", {}, el("button", { type: "button", class: "danger", onclick: async () => {
       if (!window.confirm(`Delete pin ${p.key.slice(0, 8)}…?`)) return;
