@@ -122,6 +122,14 @@ pub(super) fn extract_responses(body: &[u8]) -> Result<RequestShape, ShapeError>
         None | Some(Value::Null) => {}
         Some(_) => return Err(ShapeError("'input' must be a string or an array of input items".into())),
     }
+    if b.previous_response_id.is_some() {
+        // The body carries only the new items; the prefix lives in the stored
+        // response. Hashing the new items alone would name a prefix that does
+        // not exist (and two conversations that both say "continue" would
+        // share it), so such a request has no prompt identity: its stored
+        // response routes it.
+        boundaries.clear();
+    }
     let instructions_bytes = b.instructions.as_ref().and_then(Value::as_str).map_or(0, str::len);
     Ok(shape(
         Dialect::Responses,
@@ -210,11 +218,13 @@ mod tests {
 
     #[test]
     fn responses_keys_previous_id_and_string_input() {
-        let s = responses(r#"{"model":"m","input":"hello","previous_response_id":"resp_9","prompt_cache_key":"k1"}"#);
-        assert_eq!(s.previous_response.as_deref(), Some("resp_9"));
+        let s = responses(r#"{"model":"m","input":"hello","prompt_cache_key":"k1"}"#);
         assert_eq!(s.cache_key.as_deref(), Some("k1"));
         assert_eq!(s.boundaries.len(), 1);
         assert!(!s.multi_unit);
+        let follow = responses(r#"{"model":"m","input":[{"role":"user","content":"a"},{"role":"user","content":"b"}],"previous_response_id":"resp_9"}"#);
+        assert_eq!(follow.previous_response.as_deref(), Some("resp_9"));
+        assert_eq!((follow.pin_at, follow.multi_unit), (None, false), "the prefix is in the stored response, not the body");
         let salted = responses(r#"{"model":"m","input":"hello","cache_salt":"tenant-2"}"#);
         assert_ne!(salted.pin_at, s.pin_at, "different salts never share cache");
         assert!(extract(Endpoint::Responses, br#"{"input":5}"#, IdentityBlocks::default()).is_err());
