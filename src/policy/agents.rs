@@ -222,9 +222,15 @@ mod tests {
         assert_eq!(s.cache_key.as_deref(), Some("k1"));
         assert_eq!(s.boundaries.len(), 1);
         assert!(!s.multi_unit);
-        let follow = responses(r#"{"model":"m","input":[{"role":"user","content":"a"},{"role":"user","content":"b"}],"previous_response_id":"resp_9"}"#);
+        let follow = responses(
+            r#"{"model":"m","input":[{"role":"user","content":"a"},{"role":"user","content":"b"}],"previous_response_id":"resp_9"}"#,
+        );
         assert_eq!(follow.previous_response.as_deref(), Some("resp_9"));
-        assert_eq!((follow.pin_at, follow.multi_unit), (None, false), "the prefix is in the stored response, not the body");
+        assert_eq!(
+            (follow.pin_at, follow.multi_unit),
+            (None, false),
+            "the prefix is in the stored response, not the body"
+        );
         let salted = responses(r#"{"model":"m","input":"hello","cache_salt":"tenant-2"}"#);
         assert_ne!(salted.pin_at, s.pin_at, "different salts never share cache");
         assert!(extract(Endpoint::Responses, br#"{"input":5}"#, IdentityBlocks::default()).is_err());
