@@ -41,7 +41,18 @@ pub struct Config {
     pub admission: AdmissionConfig,
     pub capacity: CapacityConfig,
     pub sessions: SessionConfig,
+    pub store: StoreConfig,
     pub replicas: Vec<ReplicaSpec>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreConfig {
+    /// A shared store for several gateway instances: `redis://[:password@]host:port/db`
+    /// or `redis+unix:///path/to/socket`. Unset: sled under `data_dir` (or memory).
+    pub url: Option<String>,
+    /// This instance's name in the shared store (default: hostname and process id).
+    pub instance: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -158,6 +169,7 @@ impl Default for Config {
             admission: AdmissionConfig::default(),
             capacity: CapacityConfig::default(),
             sessions: SessionConfig::default(),
+            store: StoreConfig::default(),
             replicas: Vec::new(),
         }
     }
@@ -234,6 +246,7 @@ const SECTIONS: &[&str] = &[
     "admission",
     "capacity",
     "sessions",
+    "store",
 ];
 
 /// Keys renamed since operators wrote their config files: (old section, new
@@ -312,6 +325,11 @@ impl Config {
             self.sessions.headers.iter().find(|h| h.is_empty() || h.chars().any(|c| c.is_ascii_uppercase()))
         {
             return Err(format!("sessions.headers: '{h}' must be a non-empty lowercase header name"));
+        }
+        if let Some(url) = &self.store.url {
+            if !(url.starts_with("redis://") || url.starts_with("redis+unix://") || url.starts_with("rediss://")) {
+                return Err(format!("store.url: '{url}' is not a redis:// or redis+unix:// URL"));
+            }
         }
         if self.pins.flush_interval_ms == 0 {
             return Err("pins.flush_interval_ms must be greater than 0".into());

@@ -38,6 +38,10 @@ pub enum EventKind {
     PinsDeleted,
     CapacityWarning,
     CapacityCleared,
+    /// The (shared) store stopped answering; routing goes on from memory.
+    StoreUnreachable,
+    /// The store answers again; queued writes went through.
+    StoreReachable,
 }
 
 impl std::str::FromStr for EventKind {
@@ -63,11 +67,14 @@ pub struct Event {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub to_replica: Option<String>,
     pub detail: String,
+    /// The gateway instance that recorded it (several instances sharing a store).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance: Option<String>,
 }
 
 impl EventKind {
     /// Every kind, in the order the API documents them.
-    pub const ALL: [EventKind; 16] = [
+    pub const ALL: [EventKind; 18] = [
         EventKind::Failover,
         EventKind::ReplicaDown,
         EventKind::ReplicaUp,
@@ -84,6 +91,8 @@ impl EventKind {
         EventKind::PinsDeleted,
         EventKind::CapacityWarning,
         EventKind::CapacityCleared,
+        EventKind::StoreUnreachable,
+        EventKind::StoreReachable,
     ];
 }
 
@@ -96,21 +105,34 @@ pub struct EventLog {
     ring: RwLock<VecDeque<Event>>,
     cap: usize,
     to_store: mpsc::UnboundedSender<Pending>,
+    /// With a shared store: this instance's name (on each event) and its
+    /// share of the id space (see `next_id`).
+    instance: Option<(String, u64)>,
 }
 
 /// The receiving end: writes recorded events to the store in batches.
 pub struct EventWriter {
     rx: Mutex<mpsc::UnboundedReceiver<Pending>>,
+    /// An event whose write failed: written first next time.
+    retry: Mutex<VecDeque<Pending>>,
     store: Arc<dyn Store>,
 }
 
 impl EventWriter {
-    /// Writes everything recorded so far; returns how many events.
+    /// Writes everything recorded so far; returns how many events. A failed
+    /// write keeps the event for the next call.
     pub fn flush(&self) -> Result<usize, crate::store::StoreError> {
-        let mut rx = self.rx.lock().expect("event writer lock");
+        let mut retry = self.retry.lock().expect("event writer lock");
+        {
+            let mut rx = self.rx.lock().expect("event writer lock");
+            while let Ok(p) = rx.try_recv() {
+                retry.push_back(p);
+            }
+        }
         let mut n = 0;
-        while let Ok((event, dropped)) = rx.try_recv() {
-            self.store.append_event(&event, dropped)?;
+        while let Some((event, dropped)) = retry.front() {
+            self.store.append_event(event, *dropped)?;
+            retry.pop_front();
             n += 1;
         }
         Ok(n)
@@ -136,8 +158,59 @@ impl EventLog {
             ring.pop_front();
         }
         let (tx, rx) = mpsc::unbounded_channel();
-        let log = EventLog { next_id: AtomicU64::new(next), ring: RwLock::new(ring), cap: cap.max(1), to_store: tx };
-        (log, EventWriter { rx: Mutex::new(rx), store })
+        let instance =
+            store.instance().map(|name| (name.to_string(), xxhash_rust::xxh3::xxh3_64(name.as_bytes()) & 31));
+        let log = EventLog {
+            next_id: AtomicU64::new(next),
+            ring: RwLock::new(ring),
+            cap: cap.max(1),
+            to_store: tx,
+            instance,
+        };
+        (log, EventWriter { rx: Mutex::new(rx), retry: Mutex::default(), store })
+    }
+
+    /// The next event id. With one instance, a counter. With several sharing
+    /// a store, ids must not collide and must still grow with time across
+    /// instances: `unix_ms << 11 | instance_tag << 6 | n`, at most 64 per
+    /// millisecond per instance (more borrow the next millisecond), under
+    /// 2^53 so JavaScript reads them exactly. Two instances whose names
+    /// hash to the same 5-bit tag could collide within one millisecond.
+    fn next_id(&self, now_ms: u64) -> u64 {
+        match &self.instance {
+            None => self.next_id.fetch_add(1, Ordering::AcqRel),
+            Some((_, tag)) => {
+                let floor = (now_ms << 11) | (tag << 6);
+                let mut cur = self.next_id.load(Ordering::Acquire);
+                loop {
+                    let ours = (cur >> 6) & 31 == *tag;
+                    let next = if cur >= floor && ours && (cur & 63) < 63 {
+                        cur + 1 // the next in this millisecond's run
+                    } else {
+                        // Our slot in this millisecond, or in the one after the last id seen.
+                        floor.max((((cur >> 11) + 1) << 11) | (tag << 6))
+                    };
+                    match self.next_id.compare_exchange(cur, next, Ordering::AcqRel, Ordering::Acquire) {
+                        Ok(_) => return next,
+                        Err(actual) => cur = actual,
+                    }
+                }
+            }
+        }
+    }
+
+    /// An event another instance recorded (already in the shared store).
+    pub fn insert_remote(&self, event: Event) {
+        let mut ring = self.ring.write().expect("events lock");
+        // Keep the ring in id order: remote events may arrive a little late.
+        let at = ring.iter().rposition(|e| e.id < event.id).map_or(0, |i| i + 1);
+        if ring.get(at).is_some_and(|e| e.id == event.id) {
+            return;
+        }
+        ring.insert(at, event);
+        while ring.len() > self.cap {
+            ring.pop_front();
+        }
     }
 
     pub fn record(
@@ -149,7 +222,8 @@ impl EventLog {
     ) -> Event {
         let now = std::time::SystemTime::now();
         let event = Event {
-            id: self.next_id.fetch_add(1, Ordering::AcqRel),
+            id: self.next_id(crate::clock::unix_ms(now)),
+            instance: self.instance.as_ref().map(|(name, _)| name.clone()),
             at: humantime::format_rfc3339_millis(now).to_string(),
             at_ms: crate::clock::unix_ms(now),
             kind,
@@ -190,5 +264,26 @@ impl EventLog {
 
     pub fn count(&self, kind: EventKind) -> usize {
         self.ring.read().expect("events lock").iter().filter(|e| e.kind == kind).count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_store_ids_grow_with_time_and_never_repeat() {
+        let (mut log, _w) = EventLog::new(10, Arc::new(crate::store::MemoryStore::default()), Vec::new());
+        log.instance = Some(("gw-1".into(), 5));
+        let mut last = 0;
+        for i in 0..200u64 {
+            // 200 ids within two milliseconds: runs of 64 borrow later milliseconds.
+            let id = log.next_id(1_000 + i / 100);
+            assert!(id > last, "{id} after {last}");
+            assert_eq!((id >> 6) & 31, 5, "the instance's tag");
+            last = id;
+        }
+        assert!(log.next_id(5_000) >= 5_000 << 11, "a later millisecond starts a later run");
+        assert!(last < 1 << 53);
     }
 }

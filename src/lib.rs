@@ -21,6 +21,7 @@ pub mod operator;
 pub mod pins;
 pub mod policy;
 pub mod proxy;
+pub mod shared;
 pub mod sim;
 pub mod state;
 pub mod store;
@@ -101,7 +102,7 @@ pub fn start(state: Arc<AppState>, traffic: TcpListener, admin: TcpListener) -> 
     .disable_signals()
     .listen(admin)?
     .run();
-    let background = spawn_background(&state);
+    let background = spawn_background(&state, admin_addr);
     let (traffic, admin) = (traffic_server.handle(), admin_server.handle());
     // Servers run only while polled: spawn them on this system.
     let servers = vec![actix_web::rt::spawn(traffic_server), actix_web::rt::spawn(admin_server)];
@@ -110,7 +111,7 @@ pub fn start(state: Arc<AppState>, traffic: TcpListener, admin: TcpListener) -> 
 
 /// Health checks; the pin and event flusher; capacity evaluation, pin
 /// pruning and rate-limiter pruning. Each task holds only the handles it uses.
-fn spawn_background(state: &Arc<AppState>) -> Vec<actix_web::rt::task::JoinHandle<()>> {
+fn spawn_background(state: &Arc<AppState>, admin_addr: SocketAddr) -> Vec<actix_web::rt::task::JoinHandle<()>> {
     let health = actix_web::rt::spawn(fleet::health::run(
         state.config.clone(),
         state.fleet.clone(),
@@ -120,12 +121,17 @@ fn spawn_background(state: &Arc<AppState>) -> Vec<actix_web::rt::task::JoinHandl
     let flush_every = Duration::from_millis(state.config.pins.flush_interval_ms);
     let flusher = actix_web::rt::spawn({
         let state = state.clone();
+        let admin_url = Some(format!("http://{admin_addr}"));
         async move {
             loop {
                 tokio::time::sleep(flush_every).await;
-                // fsync off the runtime thread.
-                let state = state.clone();
-                match tokio::task::spawn_blocking(move || state.flush_pins()).await {
+                // fsync (or a network round trip to a shared store) off the runtime thread.
+                let (state, admin_url) = (state.clone(), admin_url.clone());
+                let flushed = tokio::task::spawn_blocking(move || {
+                    state.heartbeat(admin_url);
+                    state.flush_pins()
+                });
+                match flushed.await {
                     Ok(Err(e)) => tracing::error!("pin flush failed (will retry): {e}"),
                     Err(e) => tracing::error!("pin flusher panicked: {e}"),
                     Ok(Ok(_)) => {}
@@ -192,10 +198,12 @@ pub fn create_traffic_app(
         }))
 }
 
-async fn healthz(fleet: web::Data<Fleet>) -> HttpResponse {
-    let routable = fleet.snapshot().iter().filter(|r| r.routable()).count();
-    let body =
-        serde_json::json!({"status": if routable > 0 { "ok" } else { "degraded" }, "routable_replicas": routable});
+/// 200 while any replica is routable. An unreachable shared store does not
+/// make the gateway unhealthy (it routes from memory), but it is reported.
+async fn healthz(state: web::Data<AppState>) -> HttpResponse {
+    let routable = state.fleet.snapshot().iter().filter(|r| r.routable()).count();
+    let store = if state.store_up.load(std::sync::atomic::Ordering::Acquire) { "ok" } else { "unreachable" };
+    let body = serde_json::json!({"status": if routable > 0 { "ok" } else { "degraded" }, "routable_replicas": routable, "store": store});
     if routable > 0 {
         HttpResponse::Ok().json(body)
     } else {

@@ -45,8 +45,23 @@ enum Command {
     },
     /// Print the admin API's OpenAPI document.
     Openapi,
+    /// Work on a store offline (stop the gateways first).
+    #[command(subcommand)]
+    Store(StoreCommand),
     /// Measure any OpenAI-compatible server: agent loops, bursts, cache probes.
     Bench(prefixgate::bench::BenchArgs),
+}
+
+#[derive(Subcommand)]
+enum StoreCommand {
+    /// Copy replicas, pins, history and the policy from one store to another:
+    /// `sled:DIR` (or a directory), `redis://host:port/db`, `redis+unix:///socket`.
+    Copy {
+        #[arg(long)]
+        from: String,
+        #[arg(long)]
+        to: String,
+    },
 }
 
 #[derive(clap::Args)]
@@ -63,6 +78,9 @@ struct ServeArgs {
     /// Directory for the sled database (pins, replicas, history).
     #[arg(long)]
     data_dir: Option<PathBuf>,
+    /// A store shared by several gateway instances: redis://[:password@]host:port/db.
+    #[arg(long)]
+    store: Option<String>,
     /// A replica as ID=URL (repeatable); seeds an empty database.
     #[arg(long = "replica", value_parser = parse_replica_flag)]
     replicas: Vec<ReplicaSpec>,
@@ -85,6 +103,7 @@ fn main() -> std::process::ExitCode {
         Command::SimReplica { port, host, sim } => sim_replica(&host, port, sim),
         Command::Demo { port, admin_port, time_scale } => demo(port, admin_port, time_scale),
         Command::Bench(args) => prefixgate::bench::run(args),
+        Command::Store(StoreCommand::Copy { from, to }) => store_copy(&from, &to),
         Command::Openapi => {
             print!("{}", prefixgate::admin::openapi_json());
             Ok(())
@@ -109,6 +128,9 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     }
     if let Some(d) = args.data_dir {
         config.data_dir = Some(d);
+    }
+    if let Some(url) = args.store {
+        config.store.url = Some(url);
     }
     if !args.replicas.is_empty() {
         config.replicas = args.replicas;
@@ -195,4 +217,17 @@ fn demo(port: u16, admin_port: u16, time_scale: f64) -> Result<(), String> {
         replicas.iter().map(|r| format!("{}={}", r.id, r.url)).collect::<Vec<_>>().join(", ")
     );
     run_gateway(config, Some(banner))
+}
+
+/// `prefixgate store copy`: everything a gateway persists, from one store to another.
+fn store_copy(from: &str, to: &str) -> Result<(), String> {
+    let name = format!("store-copy-{}", std::process::id());
+    let src = prefixgate::store::open_url(from, &name).map_err(|e| format!("--from {from}: {e}"))?;
+    let dst = prefixgate::store::open_url(to, &name).map_err(|e| format!("--to {to}: {e}"))?;
+    let copied = prefixgate::store::copy(src.as_ref(), dst.as_ref()).map_err(|e| e.to_string())?;
+    println!(
+        "copied {} replica(s), {} pin(s), {} event(s), {} setting(s) from {from} to {to}",
+        copied.replicas, copied.pins, copied.events, copied.settings
+    );
+    Ok(())
 }

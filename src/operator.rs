@@ -22,6 +22,9 @@ use crate::pins::PinTable;
 use crate::policy::{CurrentPolicy, PolicySettings, PrefixKey};
 use crate::store::{Store, StoreError, StoredReplica};
 
+/// A heartbeat older than this is a dead instance (beats come every flush interval).
+pub const INSTANCE_TIMEOUT_MS: u64 = 2_000;
+
 /// Fields to change on a replica; absent fields keep their value.
 #[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -210,14 +213,39 @@ impl Operator {
         Ok(r)
     }
 
-    /// Waits until a draining replica has nothing in flight.
+    /// Requests other live gateway instances have in flight on `replica`,
+    /// from their heartbeats (a shared store; zero otherwise). A beat older
+    /// than `INSTANCE_TIMEOUT_MS` is a dead instance and counts for nothing.
+    /// A live instance whose last beat predates `since_ms` has not reported
+    /// since the drain began (a request it started just before would not be
+    /// in that beat yet): it counts as busy until it does.
+    async fn inflight_elsewhere(&self, replica: &str, since_ms: u64) -> i64 {
+        let Some(me) = self.store.instance().map(str::to_string) else { return 0 };
+        let store = self.store.clone();
+        let beats = tokio::task::spawn_blocking(move || store.instances()).await;
+        let now = crate::clock::now_ms();
+        match beats {
+            Ok(Ok(beats)) => beats
+                .iter()
+                .filter(|b| b.instance != me && now.saturating_sub(b.at_ms) <= INSTANCE_TIMEOUT_MS)
+                .map(|b| if b.at_ms < since_ms { 1 } else { b.inflight.get(replica).copied().unwrap_or(0) })
+                .sum(),
+            // Unknown is not zero: keep waiting until the store answers.
+            _ => 1,
+        }
+    }
+
+    /// Waits until a draining replica has nothing in flight, on this
+    /// instance and (with a shared store) on every live instance.
     pub async fn wait_drained(&self, r: &Replica, timeout: Duration) -> Result<(), ApiError> {
         let deadline = tokio::time::Instant::now() + timeout;
+        // Beats must postdate the drain by a pub/sub hop to count (see `inflight_elsewhere`).
+        let since_ms = crate::clock::now_ms() + 100;
         loop {
             if r.admin() != AdminState::Draining {
                 return Err(ApiError::Conflict(format!("replica '{}' is no longer draining", r.id)));
             }
-            if r.inflight() == 0 {
+            if r.inflight() == 0 && self.inflight_elsewhere(&r.id, since_ms).await == 0 {
                 self.events.record(EventKind::DrainCompleted, Some(&r.id), None, "nothing in flight");
                 return Ok(());
             }

@@ -332,6 +332,29 @@ impl PinTable {
         Recorded { turns: slot.turns, family: slot.family, moved_from }
     }
 
+    /// Applies pins another gateway instance wrote (or deleted: `None`); not
+    /// marked dirty, since they are in the shared store already.
+    pub fn apply_remote(&self, changes: impl IntoIterator<Item = (PrefixKey, Option<Pin>)>) {
+        for (key, pin) in changes {
+            match pin {
+                Some(pin) => self.restore([(key, pin)]),
+                None => {
+                    let mut shard = self.shard(key).write().expect("pins lock");
+                    if let Some(old) = shard.map.remove(&key) {
+                        shard.uncount(old.replica);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Marks keys dirty again after a flush that failed, so the next one retries them.
+    pub fn mark_dirty(&self, keys: impl IntoIterator<Item = PrefixKey>) {
+        for key in keys {
+            self.shard(key).write().expect("pins lock").dirty.insert(key);
+        }
+    }
+
     /// Loads persisted pins at startup (not marked dirty).
     pub fn restore(&self, pins: impl IntoIterator<Item = (PrefixKey, Pin)>) {
         // A million pins name a handful of replicas: intern each name once.

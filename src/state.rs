@@ -36,6 +36,17 @@ pub struct AppState {
     pub policy: Arc<CurrentPolicy>,
     pub spread: Arc<SpreadCounter>,
     pub operator: Arc<Operator>,
+    /// False while the last write to the store failed (a shared store that is
+    /// unreachable): routing goes on from memory, writes are retried.
+    pub store_up: std::sync::atomic::AtomicBool,
+}
+
+/// This instance's name in a shared store: configured, else host and process id.
+fn instance_name(config: &Config) -> String {
+    config.store.instance.clone().unwrap_or_else(|| {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_else(|_| "gateway".into());
+        format!("{}-{}", host.trim(), std::process::id())
+    })
 }
 
 impl AppState {
@@ -46,9 +57,10 @@ impl AppState {
     /// afterwards the database (changed through the admin API) is the source
     /// of truth, and replicas in the config file are ignored with a warning.
     pub fn open(config: Config) -> Result<Arc<AppState>, StoreError> {
-        let store: Arc<dyn Store> = match &config.data_dir {
-            Some(dir) => Arc::new(SledStore::open(dir)?),
-            None => Arc::new(MemoryStore::default()),
+        let store: Arc<dyn Store> = match (&config.store.url, &config.data_dir) {
+            (Some(url), _) => crate::store::open_url(url, &instance_name(&config))?,
+            (None, Some(dir)) => Arc::new(SledStore::open(dir)?),
+            (None, None) => Arc::new(MemoryStore::default()),
         };
         AppState::with_store(config, store)
     }
@@ -98,6 +110,18 @@ impl AppState {
             capacity: capacity.clone(),
             serial: Default::default(),
         });
+        let follower = Arc::new(crate::shared::Follower {
+            fleet: Arc::downgrade(&fleet),
+            pins: Arc::downgrade(&pins),
+            events: Arc::downgrade(&events),
+            policy: Arc::downgrade(&policy),
+            admission: Arc::downgrade(&admission),
+            store: Arc::downgrade(&store),
+            // Re-read once the listener runs: another instance may have
+            // changed something between our reads above and the subscription.
+            resync: std::sync::atomic::AtomicBool::new(store.instance().is_some()),
+        });
+        crate::shared::follow(follower, store.as_ref())?;
         Ok(Arc::new(AppState {
             metrics: Arc::new(Metrics::new()),
             access: Arc::new(Access::new(&config)),
@@ -114,6 +138,7 @@ impl AppState {
             capacity,
             policy,
             operator,
+            store_up: std::sync::atomic::AtomicBool::new(true),
         }))
     }
 
@@ -121,16 +146,61 @@ impl AppState {
     /// durable; called by the flusher and at shutdown. The explicit flush
     /// matters: sled otherwise keeps writes in memory for up to 500 ms, and a
     /// `kill -9` would lose pins older than our own flush interval.
+    ///
+    /// A failed write leaves its pins dirty and its events queued, so the
+    /// next flush retries them: pins written while a shared store was down
+    /// reach it once it is back.
     pub fn flush_pins(&self) -> Result<usize, StoreError> {
         let changes = self.pins.take_dirty();
+        let written = self.write_changes(&changes);
+        if written.is_err() {
+            self.pins.mark_dirty(changes.iter().map(|(k, _)| *k));
+        }
+        self.note_store(written.as_ref().err());
+        written
+    }
+
+    fn write_changes(&self, changes: &[crate::pins::PinChange]) -> Result<usize, StoreError> {
         let events = self.event_writer.flush()?;
         if !changes.is_empty() {
-            self.store.write_pins(&changes)?;
+            self.store.write_pins(changes)?;
         }
         if !changes.is_empty() || events > 0 {
             self.store.flush()?;
         }
         Ok(changes.len())
+    }
+
+    /// Records the store's reachability: one event and one log line per transition.
+    pub fn note_store(&self, error: Option<&StoreError>) {
+        use std::sync::atomic::Ordering;
+        let up = error.is_none();
+        if self.store_up.swap(up, Ordering::AcqRel) != up {
+            match error {
+                Some(e) => {
+                    tracing::error!("the store is unreachable ({e}); routing goes on from memory, writes are retried");
+                    self.events.record(crate::events::EventKind::StoreUnreachable, None, None, e.to_string());
+                }
+                None => {
+                    tracing::info!("the store is reachable again; queued writes went through");
+                    self.events.record(crate::events::EventKind::StoreReachable, None, None, "queued writes flushed");
+                }
+            }
+        }
+    }
+
+    /// This instance's heartbeat in a shared store (no-op otherwise).
+    pub fn heartbeat(&self, admin_url: Option<String>) {
+        let Some(instance) = self.store.instance() else { return };
+        let inflight = self.fleet.snapshot().iter().map(|r| (r.id.to_string(), r.inflight())).collect();
+        let beat = crate::store::InstanceBeat {
+            instance: instance.to_string(),
+            at_ms: crate::clock::now_ms(),
+            inflight,
+            admin_url,
+        };
+        let result = self.store.heartbeat(&beat);
+        self.note_store(result.as_ref().err());
     }
 
     /// Graceful shutdown's last step: everything to disk.

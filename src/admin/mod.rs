@@ -5,6 +5,7 @@
 
 mod capacity;
 mod events;
+mod instances;
 mod pins;
 mod policy;
 mod replicas;
@@ -34,7 +35,8 @@ use crate::state::AppState;
         (name = "pins", description = "Conversation pins: which replica holds which prefix"),
         (name = "events", description = "History: failovers, pin moves, drains, health changes"),
         (name = "policy", description = "The routing mode and identity block sizes"),
-        (name = "capacity", description = "KV working set against capacity")
+        (name = "capacity", description = "KV working set against capacity"),
+        (name = "instances", description = "Gateway instances sharing the fleet (a shared store)")
     )
 )]
 struct ApiDoc;
@@ -107,6 +109,7 @@ fn api_scope() -> scope::Scope<
         .configure(events::routes)
         .configure(policy::routes)
         .configure(capacity::routes)
+        .configure(instances::routes)
 }
 
 /// The OpenAPI document, as served at `/openapi.json` and committed under `openapi/`.

@@ -4,10 +4,12 @@
 
 mod memory;
 mod migrations;
+mod redis_store;
 mod sled_store;
 
 pub use memory::MemoryStore;
 pub use migrations::{Migration, MIGRATIONS, SCHEMA_VERSION};
+pub use redis_store::RedisStore;
 pub use sled_store::SledStore;
 
 use serde::{Deserialize, Serialize};
@@ -43,6 +45,39 @@ pub struct StoredReplica {
     pub admin: AdminState,
 }
 
+/// A change one gateway instance made to shared state, as the others hear of
+/// it (only a shared store announces changes).
+// Externally tagged on purpose: serde's internally tagged enums buffer their
+// content, and that buffer cannot hold the u128 in a pin.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Change {
+    /// Pins written or deleted (`None`), keys as 32 hex digits.
+    Pins { pins: Vec<(String, Option<Pin>)> },
+    /// A replica was added, changed or removed: read it again.
+    Replica { id: String },
+    /// A setting changed (the routing policy): read it again.
+    Setting { name: String },
+    /// An event another instance recorded.
+    Event { event: Event },
+    /// Never sent: the listener lost its connection and may have missed changes.
+    Lost,
+    /// Never sent: the listener is idle (a chance to notice nobody listens).
+    Tick,
+}
+
+/// One gateway instance's heartbeat in a shared store.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct InstanceBeat {
+    pub instance: String,
+    /// When this beat was written (milliseconds since the epoch).
+    pub at_ms: u64,
+    /// Requests this instance has in flight, per replica.
+    pub inflight: std::collections::BTreeMap<String, i64>,
+    /// Where its admin API listens.
+    pub admin_url: Option<String>,
+}
+
 pub trait Store: Send + Sync {
     /// True when the database was created by this process (config seeds it).
     fn is_new(&self) -> bool;
@@ -59,6 +94,74 @@ pub trait Store: Send + Sync {
     fn put_setting(&self, key: &str, value: &serde_json::Value) -> Result<(), StoreError>;
     /// Makes everything written so far durable.
     fn flush(&self) -> Result<(), StoreError>;
+
+    /// This instance's name, when the store is shared between instances.
+    fn instance(&self) -> Option<&str> {
+        None
+    }
+    /// Records this instance's heartbeat (shared stores only).
+    fn heartbeat(&self, _beat: &InstanceBeat) -> Result<(), StoreError> {
+        Ok(())
+    }
+    /// Every instance's last heartbeat (shared stores only).
+    fn instances(&self) -> Result<Vec<InstanceBeat>, StoreError> {
+        Ok(Vec::new())
+    }
+    /// Calls `on_change` with every change other instances make, until it
+    /// returns false (shared stores only; others never call it).
+    fn subscribe(&self, _on_change: Box<dyn Fn(Change) -> bool + Send>) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+/// What `copy` moved.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Copied {
+    pub replicas: usize,
+    pub pins: usize,
+    pub events: usize,
+    pub settings: usize,
+}
+
+/// Copies everything a gateway persists from `src` to `dst` (replicas,
+/// pins, events, the policy), then makes it durable. Existing records with
+/// the same keys are overwritten; others in `dst` are left alone.
+pub fn copy(src: &dyn Store, dst: &dyn Store) -> Result<Copied, StoreError> {
+    let mut copied = Copied::default();
+    for r in src.replicas()? {
+        dst.put_replica(&r)?;
+        copied.replicas += 1;
+    }
+    let pins: Vec<PinChange> = src.pins()?.into_iter().map(|(k, p)| (k, Some(p))).collect();
+    for batch in pins.chunks(10_000) {
+        dst.write_pins(batch)?;
+    }
+    copied.pins = pins.len();
+    for e in src.events()? {
+        dst.append_event(&e, None)?;
+        copied.events += 1;
+    }
+    for name in ["policy"] {
+        if let Some(v) = src.setting(name)? {
+            dst.put_setting(name, &v)?;
+            copied.settings += 1;
+        }
+    }
+    dst.flush()?;
+    Ok(copied)
+}
+
+/// Opens the store a URL names: `sled:DIR` (or a plain directory path),
+/// `memory:`, or `redis://...` / `redis+unix://...` as `instance`.
+pub fn open_url(url: &str, instance: &str) -> Result<std::sync::Arc<dyn Store>, StoreError> {
+    if url.starts_with("redis://") || url.starts_with("redis+unix://") || url.starts_with("rediss://") {
+        return Ok(std::sync::Arc::new(RedisStore::open(url, instance)?));
+    }
+    if url == "memory:" {
+        return Ok(std::sync::Arc::new(MemoryStore::default()));
+    }
+    let dir = url.strip_prefix("sled:").unwrap_or(url);
+    Ok(std::sync::Arc::new(SledStore::open(std::path::Path::new(dir))?))
 }
 
 /// Pin record layout, little endian:

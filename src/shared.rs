@@ -1,0 +1,141 @@
+//! Several gateway instances, one fleet: what this instance does with the
+//! changes the others announce through a shared store (`store/redis_store.rs`).
+//! Each instance routes from its own in-memory copy; this keeps the copy in
+//! step: pins written elsewhere are added to the local table, a replica added,
+//! changed (drained, disabled, its limits) or removed elsewhere is re-read, a
+//! policy switch is re-read, and other instances' events join the history.
+//!
+//! Consistency: read-your-writes on one instance (its own copy is changed
+//! first); another instance sees a pin within the writer's
+//! `pins.flush_interval_ms` plus one pub/sub hop, and an operator action
+//! within one pub/sub hop (a few milliseconds on a LAN). If the listener
+//! loses its connection it may miss changes, so it re-reads the replicas, the
+//! policy and every pin once it is back.
+//!
+//! The listener holds only weak references: when the gateway is dropped, it stops.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+
+use crate::admission::Admission;
+use crate::events::EventLog;
+use crate::fleet::{Fleet, Replica};
+use crate::pins::PinTable;
+use crate::policy::{CurrentPolicy, PolicySettings};
+use crate::store::{Change, Store, StoreError};
+
+/// What applying changes needs: the local copies, and the store to re-read.
+pub struct Follower {
+    pub fleet: Weak<Fleet>,
+    pub pins: Weak<PinTable>,
+    pub events: Weak<EventLog>,
+    pub policy: Weak<CurrentPolicy>,
+    pub admission: Weak<Admission>,
+    pub store: Weak<dyn Store>,
+    /// Set when the listener lost its connection: re-read everything.
+    pub resync: AtomicBool,
+}
+
+impl Follower {
+    /// Applies one change; false once the gateway is gone (the listener stops).
+    pub fn apply(&self, change: Change) -> bool {
+        let (Some(fleet), Some(pins), Some(events), Some(policy), Some(admission), Some(store)) = (
+            self.fleet.upgrade(),
+            self.pins.upgrade(),
+            self.events.upgrade(),
+            self.policy.upgrade(),
+            self.admission.upgrade(),
+            self.store.upgrade(),
+        ) else {
+            return false;
+        };
+        let result = match change {
+            Change::Pins { pins: changes } => {
+                pins.apply_remote(
+                    changes.into_iter().filter_map(|(k, p)| Some((u128::from_str_radix(&k, 16).ok()?, p))),
+                );
+                Ok(())
+            }
+            Change::Replica { id } => reload_replica(&fleet, &pins, &admission, store.as_ref(), &id),
+            Change::Setting { name } if name == "policy" => reload_policy(&policy, store.as_ref()),
+            Change::Setting { .. } => Ok(()),
+            Change::Event { event } => {
+                events.insert_remote(event);
+                Ok(())
+            }
+            Change::Lost => {
+                self.resync.store(true, Ordering::Release);
+                Ok(())
+            }
+            Change::Tick if self.resync.swap(false, Ordering::AcqRel) => {
+                resync(&fleet, &pins, &admission, &policy, store.as_ref())
+            }
+            Change::Tick => Ok(()),
+        };
+        if let Err(e) = result {
+            tracing::warn!("could not apply a change from another instance ({e}); re-reading everything soon");
+            self.resync.store(true, Ordering::Release);
+        }
+        true
+    }
+}
+
+fn reload_replica(
+    fleet: &Fleet,
+    pins: &PinTable,
+    admission: &Admission,
+    store: &dyn Store,
+    id: &str,
+) -> Result<(), StoreError> {
+    let stored = store.replicas()?.into_iter().find(|r| r.spec.id == id);
+    match (stored, fleet.get(id)) {
+        (Some(s), Some(r)) => {
+            let limit = s.spec.max_large_inflight;
+            r.set_spec(s.spec);
+            r.set_admin(s.admin);
+            admission.rebalance(&r.id, limit);
+        }
+        (Some(s), None) => {
+            fleet.add(Replica::new(s.spec, s.admin));
+        }
+        (None, Some(_)) => {
+            fleet.remove(id);
+            pins.remove_replica_pins(id, true);
+        }
+        (None, None) => {}
+    }
+    Ok(())
+}
+
+fn reload_policy(policy: &CurrentPolicy, store: &dyn Store) -> Result<(), StoreError> {
+    if let Some(v) = store.setting("policy")? {
+        let next: PolicySettings =
+            serde_json::from_value(v).map_err(|e| StoreError::Corrupt { tree: "settings", detail: e.to_string() })?;
+        policy.replace(next);
+    }
+    Ok(())
+}
+
+fn resync(
+    fleet: &Fleet,
+    pins: &PinTable,
+    admission: &Admission,
+    policy: &CurrentPolicy,
+    store: &dyn Store,
+) -> Result<(), StoreError> {
+    let stored = store.replicas()?;
+    let ids: Vec<String> =
+        stored.iter().map(|r| r.spec.id.clone()).chain(fleet.snapshot().iter().map(|r| r.id.to_string())).collect();
+    for id in ids {
+        reload_replica(fleet, pins, admission, store, &id)?;
+    }
+    reload_policy(policy, store)?;
+    pins.apply_remote(store.pins()?.into_iter().map(|(k, p)| (k, Some(p))));
+    tracing::info!("re-read the shared state after a lost connection");
+    Ok(())
+}
+
+/// Starts following the other instances (no-op for a store that is not shared).
+pub fn follow(follower: Arc<Follower>, store: &dyn Store) -> Result<(), StoreError> {
+    store.subscribe(Box::new(move |change| follower.apply(change)))
+}

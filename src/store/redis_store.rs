@@ -1,0 +1,260 @@
+//! The shared store: Redis, for several gateway instances in front of one
+//! fleet. Every instance keeps its own in-memory copy of pins and fleet state
+//! and routes from it; this store is where they meet:
+//!
+//! - writes go here first (operator actions) or behind the requests in
+//!   batches (pins, events), exactly as with sled;
+//! - every write is announced on the pub/sub channel `{prefix}:changes`, and
+//!   each instance applies the others' changes to its own copy (`shared.rs`),
+//!   so a pin written by instance A is found by instance B within A's flush
+//!   interval plus one pub/sub hop, and a drain issued on any instance stops
+//!   new traffic on all of them;
+//! - each instance writes a heartbeat (`{prefix}:instances`) with its
+//!   in-flight requests per replica, so `drain?wait=true` can wait for the
+//!   whole fleet and the admin API can list live instances.
+//!
+//! Layout: `{prefix}:meta` (hash: schema), `{prefix}:replicas` (hash: id ->
+//! JSON), `{prefix}:pins` (hash: 16-byte key -> pin record, the same layout
+//! as sled), `{prefix}:events` (sorted set by id), `{prefix}:settings`
+//! (hash: name -> JSON), `{prefix}:instances` (hash: name -> JSON beat).
+//!
+//! Every command runs with a read/write timeout (`TIMEOUT`) on a connection
+//! that is re-made after any error: a slow or dead Redis fails the flusher's
+//! batch (which is retried) and never a client request, which does not
+//! touch this store at all.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use redis::{Commands, Connection};
+use serde::{Deserialize, Serialize};
+
+use super::{decode_pin, encode_pin, Change, InstanceBeat, Store, StoreError, StoredReplica};
+use crate::events::Event;
+use crate::pins::{Pin, PinChange};
+use crate::policy::PrefixKey;
+
+/// Longest a single Redis command may take before it counts as a failure.
+const TIMEOUT: Duration = Duration::from_millis(500);
+
+/// Key namespace in the Redis database.
+const PREFIX: &str = "prefixgate";
+
+pub struct RedisStore {
+    client: redis::Client,
+    conn: Mutex<Option<Connection>>,
+    instance: String,
+    new: bool,
+}
+
+impl From<redis::RedisError> for StoreError {
+    fn from(e: redis::RedisError) -> Self {
+        StoreError::Backend(format!("redis: {e}"))
+    }
+}
+
+fn key(k: &str) -> String {
+    format!("{PREFIX}:{k}")
+}
+
+/// What goes over the channel: a change and who made it.
+#[derive(Serialize, Deserialize)]
+struct Envelope {
+    from: String,
+    change: Change,
+}
+
+impl RedisStore {
+    /// Connects to `url` (`redis://[:password@]host:port/db`, or
+    /// `redis+unix:///path/to/socket`) as instance `instance`.
+    pub fn open(url: &str, instance: &str) -> Result<RedisStore, StoreError> {
+        let client = redis::Client::open(url).map_err(|e| StoreError::Backend(format!("store url: {e}")))?;
+        let store = RedisStore { client, conn: Mutex::new(None), instance: instance.to_string(), new: false };
+        let created: bool =
+            store.run(|c| redis::cmd("HSETNX").arg(key("meta")).arg("schema").arg(super::SCHEMA_VERSION).query(c))?;
+        let found: u64 = store.run(|c| c.hget(key("meta"), "schema"))?;
+        if found > super::SCHEMA_VERSION {
+            return Err(StoreError::TooNew { found, supported: super::SCHEMA_VERSION });
+        }
+        Ok(RedisStore { new: created, ..store })
+    }
+
+    fn connect(&self) -> Result<Connection, StoreError> {
+        let c = self.client.get_connection_with_timeout(TIMEOUT)?;
+        c.set_read_timeout(Some(TIMEOUT))?;
+        c.set_write_timeout(Some(TIMEOUT))?;
+        Ok(c)
+    }
+
+    /// Runs `f` on the connection, making one if needed; a failed command
+    /// drops the connection so the next call starts clean.
+    fn run<T>(&self, f: impl FnOnce(&mut Connection) -> redis::RedisResult<T>) -> Result<T, StoreError> {
+        let mut slot = self.conn.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.is_none() {
+            *slot = Some(self.connect()?);
+        }
+        let result = f(slot.as_mut().expect("connected"));
+        if result.is_err() {
+            *slot = None;
+        }
+        Ok(result?)
+    }
+
+    fn announce(&self, change: Change) -> Result<(), StoreError> {
+        let msg = serde_json::to_string(&Envelope { from: self.instance.clone(), change }).expect("serializable");
+        self.run(|c| c.publish::<_, _, ()>(key("changes"), msg))
+    }
+}
+
+fn corrupt(tree: &'static str) -> impl Fn(String) -> StoreError {
+    move |detail| StoreError::Corrupt { tree, detail }
+}
+
+impl Store for RedisStore {
+    fn is_new(&self) -> bool {
+        self.new
+    }
+
+    fn replicas(&self) -> Result<Vec<StoredReplica>, StoreError> {
+        let all: Vec<(String, String)> = self.run(|c| c.hgetall(key("replicas")))?;
+        all.iter().map(|(_, v)| serde_json::from_str(v).map_err(|e| corrupt("replicas")(e.to_string()))).collect()
+    }
+
+    fn put_replica(&self, r: &StoredReplica) -> Result<(), StoreError> {
+        let v = serde_json::to_string(r).map_err(|e| StoreError::Backend(e.to_string()))?;
+        self.run(|c| c.hset::<_, _, _, ()>(key("replicas"), &r.spec.id, v))?;
+        self.announce(Change::Replica { id: r.spec.id.clone() })
+    }
+
+    fn delete_replica(&self, id: &str) -> Result<(), StoreError> {
+        self.run(|c| c.hdel::<_, _, ()>(key("replicas"), id))?;
+        self.announce(Change::Replica { id: id.to_string() })
+    }
+
+    fn pins(&self) -> Result<Vec<(PrefixKey, Pin)>, StoreError> {
+        let all: Vec<(Vec<u8>, Vec<u8>)> = self.run(|c| c.hgetall(key("pins")))?;
+        all.iter()
+            .map(|(k, v)| {
+                let k: [u8; 16] = k.as_slice().try_into().map_err(|_| corrupt("pins")("key is not 16 bytes".into()))?;
+                Ok((u128::from_be_bytes(k), decode_pin(v).map_err(corrupt("pins"))?))
+            })
+            .collect()
+    }
+
+    /// One transaction per batch, then one announcement of the whole batch.
+    fn write_pins(&self, changes: &[PinChange]) -> Result<(), StoreError> {
+        if changes.is_empty() {
+            return Ok(());
+        }
+        let mut pipe = redis::pipe();
+        pipe.atomic();
+        for (k, pin) in changes {
+            match pin {
+                Some(p) => pipe.hset(key("pins"), k.to_be_bytes().to_vec(), encode_pin(p)).ignore(),
+                None => pipe.hdel(key("pins"), k.to_be_bytes().to_vec()).ignore(),
+            };
+        }
+        self.run(|c| pipe.query::<()>(c))?;
+        let pins = changes.iter().map(|(k, p)| (format!("{k:032x}"), p.clone())).collect();
+        self.announce(Change::Pins { pins })
+    }
+
+    fn append_event(&self, e: &Event, dropped_up_to: Option<u64>) -> Result<(), StoreError> {
+        let v = serde_json::to_string(e).map_err(|e| StoreError::Backend(e.to_string()))?;
+        let mut pipe = redis::pipe();
+        pipe.zadd(key("events"), v, e.id).ignore();
+        if let Some(upto) = dropped_up_to {
+            pipe.zrembyscore(key("events"), "-inf", upto).ignore();
+        }
+        self.run(|c| pipe.query::<()>(c))?;
+        self.announce(Change::Event { event: e.clone() })
+    }
+
+    fn events(&self) -> Result<Vec<Event>, StoreError> {
+        let all: Vec<String> = self.run(|c| c.zrange(key("events"), 0, -1))?;
+        all.iter().map(|v| serde_json::from_str(v).map_err(|e| corrupt("events")(e.to_string()))).collect()
+    }
+
+    fn setting(&self, name: &str) -> Result<Option<serde_json::Value>, StoreError> {
+        let v: Option<String> = self.run(|c| c.hget(key("settings"), name))?;
+        v.map(|v| serde_json::from_str(&v).map_err(|e| corrupt("settings")(e.to_string()))).transpose()
+    }
+
+    fn put_setting(&self, name: &str, value: &serde_json::Value) -> Result<(), StoreError> {
+        self.run(|c| c.hset::<_, _, _, ()>(key("settings"), name, value.to_string()))?;
+        self.announce(Change::Setting { name: name.to_string() })
+    }
+
+    /// Redis persists on its own terms (RDB/AOF, configured on the server).
+    fn flush(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    fn instance(&self) -> Option<&str> {
+        Some(&self.instance)
+    }
+
+    fn heartbeat(&self, beat: &InstanceBeat) -> Result<(), StoreError> {
+        let v = serde_json::to_string(beat).expect("serializable");
+        self.run(|c| c.hset::<_, _, _, ()>(key("instances"), &beat.instance, v))
+    }
+
+    fn instances(&self) -> Result<Vec<InstanceBeat>, StoreError> {
+        let all: Vec<(String, String)> = self.run(|c| c.hgetall(key("instances")))?;
+        Ok(all.iter().filter_map(|(_, v)| serde_json::from_str(v).ok()).collect())
+    }
+
+    /// Listens on the changes channel on a thread of its own (reconnecting
+    /// after errors, with a short pause) and hands other instances' changes
+    /// to `on_change` until it returns false.
+    fn subscribe(&self, on_change: Box<dyn Fn(Change) -> bool + Send>) -> Result<(), StoreError> {
+        let client = self.client.clone();
+        let me = self.instance.clone();
+        std::thread::Builder::new()
+            .name("prefixgate-store-changes".into())
+            .spawn(move || loop {
+                let listened = (|| -> redis::RedisResult<bool> {
+                    let mut conn = client.get_connection_with_timeout(TIMEOUT)?;
+                    let mut pubsub = conn.as_pubsub();
+                    pubsub.subscribe(key("changes"))?;
+                    // Wake up now and then to notice that nobody listens any more.
+                    pubsub.set_read_timeout(Some(Duration::from_millis(500)))?;
+                    loop {
+                        let msg = match pubsub.get_message() {
+                            Ok(m) => m,
+                            Err(e) if e.is_timeout() => {
+                                if !on_change(Change::Tick) {
+                                    return Ok(false);
+                                }
+                                continue;
+                            }
+                            Err(e) => return Err(e),
+                        };
+                        let payload: String = msg.get_payload()?;
+                        match serde_json::from_str::<Envelope>(&payload) {
+                            Ok(env) if env.from == me => {}
+                            Ok(env) => {
+                                if !on_change(env.change) {
+                                    return Ok(false);
+                                }
+                            }
+                            Err(e) => tracing::warn!("ignoring a malformed change notice: {e}"),
+                        }
+                    }
+                })();
+                match listened {
+                    Ok(false) => return,
+                    Ok(true) => {}
+                    Err(e) => {
+                        if !on_change(Change::Lost) {
+                            return;
+                        }
+                        tracing::debug!("store change listener: {e}; reconnecting");
+                        std::thread::sleep(Duration::from_millis(200));
+                    }
+                }
+            })
+            .map_err(|e| StoreError::Backend(format!("cannot start the change listener: {e}")))?;
+        Ok(())
+    }
+}
