@@ -16,6 +16,7 @@ pub mod error;
 pub mod events;
 pub mod fleet;
 pub mod json_int;
+pub mod leases;
 pub mod metrics;
 pub mod operator;
 pub mod pins;

@@ -36,6 +36,8 @@ pub struct AppState {
     pub policy: Arc<CurrentPolicy>,
     pub spread: Arc<SpreadCounter>,
     pub operator: Arc<Operator>,
+    /// Fleet-wide large-context leases this instance holds (a shared store).
+    pub leases: Arc<crate::leases::Leases>,
     /// False while the last write to the store failed (a shared store that is
     /// unreachable): routing goes on from memory, writes are retried.
     pub store_up: std::sync::atomic::AtomicBool,
@@ -138,6 +140,7 @@ impl AppState {
             capacity,
             policy,
             operator,
+            leases: Arc::default(),
             store_up: std::sync::atomic::AtomicBool::new(true),
         }))
     }
@@ -199,7 +202,10 @@ impl AppState {
             inflight,
             admin_url,
         };
-        let result = self.store.heartbeat(&beat);
+        let result = self
+            .store
+            .heartbeat(&beat)
+            .and_then(|()| self.store.renew_leases(&self.leases.held(), crate::leases::LEASE_TTL_MS));
         self.note_store(result.as_ref().err());
     }
 

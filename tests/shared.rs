@@ -328,3 +328,118 @@ fn store_copy_moves_everything_from_sled_to_redis_and_back() {
     assert_eq!(a.events().unwrap(), b.events().unwrap());
     assert_eq!(a.setting("policy").unwrap(), b.setting("policy").unwrap());
 }
+
+fn large_stream(tag: &str) -> serde_json::Value {
+    chat_body(&[("user", &text(tag, 40_000))], json!({"stream": true, "max_tokens": 10}))
+}
+
+#[actix_web::test]
+async fn max_large_inflight_holds_for_the_whole_fleet_of_gateways() {
+    let Some(redis) = Redis::start() else { return };
+    let a = start_sim("a", slow_decoder(20.0)).await;
+    let mut gws = Vec::new();
+    for i in 0..3 {
+        let mut c = shared_config(&[&a], &redis, &format!("gw{i}"));
+        c.replicas[0].max_large_inflight = Some(1);
+        c.admission.wait_ms = 30_000;
+        gws.push(start_gateway(c).await);
+    }
+    let requests: Vec<_> = (0..6)
+        .map(|i| {
+            let url = format!("{}/v1/chat/completions", gws[i % 3].base);
+            actix_web::rt::spawn(async move {
+                let mut resp = client().post(&url).send_json(&large_stream(&format!("large {i}"))).await.unwrap();
+                let status = resp.status().as_u16();
+                while resp.next().await.is_some() {}
+                status
+            })
+        })
+        .collect();
+    // The card's own count of running sequences, sampled while they run.
+    let mut most = 0;
+    while !requests.iter().all(|r| r.is_finished()) {
+        most = most.max(a.state.running());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    for r in requests {
+        assert_eq!(r.await.unwrap(), 200);
+    }
+    assert_eq!(most, 1, "never more than one large request on the card, whatever instance sent it");
+    for gw in gws {
+        gw.stop().await;
+    }
+}
+
+/// A gateway process with a shared store, to be killed without warning.
+struct Proc {
+    child: Child,
+    base: String,
+    admin: String,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn_shared_gateway(redis: &Redis, name: &str, sim: &Sim) -> Proc {
+    use std::io::BufRead;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_prefixgate"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--store", &redis.url])
+        .args(["--replica", &format!("{}={}", sim.id, sim.url)])
+        .env("PREFIXGATE_STORE_INSTANCE", name)
+        .env("PREFIXGATE_PINS_FLUSH_INTERVAL_MS", "100")
+        .env("PREFIXGATE_HEALTH_INTERVAL_MS", "200")
+        .env("PREFIXGATE_ADMISSION_WAIT_MS", "30000")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let field = |n: &str| line.split_whitespace().find_map(|w| w.strip_prefix(n)).unwrap_or_default().to_string();
+    Proc { base: field("traffic="), admin: field("admin="), child }
+}
+
+#[actix_web::test]
+async fn the_slot_of_a_killed_gateway_comes_back_when_its_lease_expires() {
+    let Some(redis) = Redis::start() else { return };
+    let a = start_sim("a", slow_decoder(10.0)).await;
+    let mut p1 = spawn_shared_gateway(&redis, "p1", &a);
+    let p2 = spawn_shared_gateway(&redis, "p2", &a);
+    // Set the limit on one instance; the other hears of it.
+    let (s, _) =
+        admin("PATCH", &format!("{}/admin/v1/replicas/a", p1.admin), None, Some(json!({"max_large_inflight": 1})))
+            .await;
+    assert_eq!(s, 200);
+    let deadline = Instant::now() + PROPAGATION;
+    loop {
+        let (_, r) = admin("GET", &format!("{}/admin/v1/replicas/a", p2.admin), None, None).await;
+        if r["max_large_inflight"] == 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the limit did not reach p2");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // p1 holds the card's only large slot with a long stream, then dies.
+    let body = chat_body(&[("user", &text("holder", 40_000))], json!({"stream": true, "max_tokens": 200}));
+    let mut holder = client().post(format!("{}/v1/chat/completions", p1.base)).send_json(&body).await.unwrap();
+    assert_eq!(holder.status(), 200);
+    let _ = holder.next().await;
+    p1.child.kill().unwrap(); // SIGKILL: no release, no flush
+    let _ = p1.child.wait();
+    let killed = Instant::now();
+    // p2's large request waits for the lease to expire, then runs.
+    let mut resp =
+        client().post(format!("{}/v1/chat/completions", p2.base)).send_json(&large_stream("after")).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let _ = resp.next().await;
+    let waited = killed.elapsed();
+    assert!(waited >= Duration::from_millis(2_000), "the dead instance's lease held the slot for a while ({waited:?})");
+    assert!(
+        waited <= Duration::from_millis(prefixgate::leases::LEASE_TTL_MS + 2_000),
+        "and gave it back within the lease time ({waited:?})"
+    );
+}

@@ -223,23 +223,43 @@ async fn forward_request(
     }
 }
 
-/// Waits for a large-context slot on `replica` (FIFO, bounded).
-async fn admit(state: &AppState, recorder: &OutcomeRecorder, replica: &Arc<Replica>) -> Result<Permit, ApiError> {
+/// A large request's slots: its place in this instance's queue, and (with a
+/// shared store) its fleet-wide lease. Both are released when dropped.
+type LargeSlot = (Permit, Option<crate::leases::FleetLease>);
+
+/// Waits for a large-context slot on `replica`: this instance's FIFO queue
+/// first, then the fleet-wide lease, all within `admission.wait_ms`.
+async fn admit(state: &AppState, recorder: &OutcomeRecorder, replica: &Arc<Replica>) -> Result<LargeSlot, ApiError> {
     let r = replica.clone();
     let limit = Arc::new(move || r.spec().max_large_inflight);
     let cfg = &state.config.admission;
-    match state.admission.acquire(&replica.id, limit, Duration::from_millis(cfg.wait_ms), cfg.max_queue).await {
-        Ok((permit, how)) => {
-            if how == Admitted::AfterWaiting {
+    let started = tokio::time::Instant::now();
+    let wait = Duration::from_millis(cfg.wait_ms);
+    let local = state.admission.acquire(&replica.id, limit, wait, cfg.max_queue).await;
+    let fleet = match (&local, replica.spec().max_large_inflight) {
+        (Ok(_), Some(n)) => {
+            let left = wait.saturating_sub(started.elapsed());
+            state.leases.acquire(&state.store, &replica.id, n, left).await.map(|lease| (lease, lease_waited(started)))
+        }
+        _ => Ok((None, false)),
+    };
+    match (local, fleet) {
+        (Ok((permit, how)), Ok((lease, waited))) => {
+            if how == Admitted::AfterWaiting || waited {
                 recorder.admission_waited(&replica.id);
             }
-            Ok(permit)
+            Ok((permit, lease))
         }
-        Err(e) => {
+        (Err(e), _) | (_, Err(e)) => {
             recorder.admission_rejected(&replica.id);
             Err(e)
         }
     }
+}
+
+/// A lease that took longer than one quick round trip had to wait for a slot.
+fn lease_waited(started: tokio::time::Instant) -> bool {
+    started.elapsed() > Duration::from_millis(50)
 }
 
 async fn read_body(mut payload: web::Payload, limit: usize) -> Result<web::Bytes, ApiError> {

@@ -208,7 +208,7 @@ pub struct Outcome {
     pub status: u16,
     pub started: Instant,
     pub prompt_bytes: usize,
-    pub held: (InflightGuard, Option<Permit>, RunningTicket),
+    pub held: (InflightGuard, Option<(Permit, Option<crate::leases::FleetLease>)>, RunningTicket),
 }
 
 impl BodyEnd for Outcome {

@@ -107,6 +107,20 @@ pub trait Store: Send + Sync {
     fn instances(&self) -> Result<Vec<InstanceBeat>, StoreError> {
         Ok(Vec::new())
     }
+    /// Takes one of `limit` fleet-wide large-context slots on `replica` as
+    /// `lease` for `ttl_ms` (shared stores; an embedded store has one
+    /// instance, whose own admission queue is the whole story).
+    fn try_lease(&self, _replica: &str, _lease: &str, _limit: u32, _ttl_ms: u64) -> Result<bool, StoreError> {
+        Ok(true)
+    }
+    /// Gives a slot back.
+    fn release_lease(&self, _replica: &str, _lease: &str) -> Result<(), StoreError> {
+        Ok(())
+    }
+    /// Extends the leases this instance holds by `ttl_ms` from now.
+    fn renew_leases(&self, _leases: &[(String, String)], _ttl_ms: u64) -> Result<(), StoreError> {
+        Ok(())
+    }
     /// Calls `on_change` with every change other instances make, until it
     /// returns false (shared stores only; others never call it).
     fn subscribe(&self, _on_change: Box<dyn Fn(Change) -> bool + Send>) -> Result<(), StoreError> {

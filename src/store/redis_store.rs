@@ -204,6 +204,44 @@ impl Store for RedisStore {
         Ok(all.iter().filter_map(|(_, v)| serde_json::from_str(v).ok()).collect())
     }
 
+    /// One atomic script: forget expired leases, then take one if fewer than
+    /// `limit` are held. A lease is a sorted-set member scored by its expiry,
+    /// so an instance that dies without releasing gives its slots back when
+    /// its leases expire (it stops renewing them).
+    fn try_lease(&self, replica: &str, lease: &str, limit: u32, ttl_ms: u64) -> Result<bool, StoreError> {
+        let script = redis::Script::new(
+            r"local now = tonumber(ARGV[1])
+              redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+              if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[2]) then
+                redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[4])
+                return 1
+              end
+              return 0",
+        );
+        let now = crate::clock::now_ms();
+        let took: i64 = self.run(|c| {
+            script.key(key(&format!("leases:{replica}"))).arg(now).arg(limit).arg(ttl_ms).arg(lease).invoke(c)
+        })?;
+        Ok(took == 1)
+    }
+
+    fn release_lease(&self, replica: &str, lease: &str) -> Result<(), StoreError> {
+        self.run(|c| c.zrem::<_, _, ()>(key(&format!("leases:{replica}")), lease))
+    }
+
+    fn renew_leases(&self, leases: &[(String, String)], ttl_ms: u64) -> Result<(), StoreError> {
+        if leases.is_empty() {
+            return Ok(());
+        }
+        let until = crate::clock::now_ms() + ttl_ms;
+        let mut pipe = redis::pipe();
+        for (replica, lease) in leases {
+            // XX: renew only what is still ours (an expired lease stays gone).
+            pipe.cmd("ZADD").arg(key(&format!("leases:{replica}"))).arg("XX").arg(until).arg(lease).ignore();
+        }
+        self.run(|c| pipe.query::<()>(c))
+    }
+
     /// Listens on the changes channel on a thread of its own (reconnecting
     /// after errors, with a short pause) and hands other instances' changes
     /// to `on_change` until it returns false.
