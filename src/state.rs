@@ -129,7 +129,9 @@ impl AppState {
             access: Arc::new(Access::new(&config)),
             health: Arc::new(HealthTracker::new(config.health.rise, config.health.fall, events.clone())),
             calibration: Arc::default(),
-            spread: Arc::default(),
+            spread: Arc::new(SpreadCounter::starting_at(
+                store.instance().map_or(0, |name| xxhash_rust::xxh3::xxh3_64(name.as_bytes())),
+            )),
             config: Arc::new(config),
             fleet,
             pins,

@@ -218,6 +218,11 @@ async fn the_admin_ui_steers_the_fleet_in_a_real_browser() {
     page.wait_for("the refusal", "document.querySelector('#login-error').textContent.includes('refused')").await;
     page.eval(&sign_in("ui-token")).await;
     page.wait_for("two replicas", "document.querySelectorAll('#replicas tbody tr').length === 2").await;
+    page.wait_for(
+        "the instance line",
+        "document.querySelector('#instances').textContent.includes('One gateway instance')",
+    )
+    .await;
     page.wait_for("health shown", "[...document.querySelectorAll('.badge.health')].every(b => b.textContent === 'up')")
         .await;
     page.screenshot("fleet").await;

@@ -191,6 +191,17 @@ async function loadEvents() {
     [e.replica, e.to_replica].filter(Boolean).join(" → "), e.detail ? ` — ${e.detail}` : "")));
 }
 
+// Gateway instances sharing this fleet (a shared store); alone, one line says so.
+async function loadInstances() {
+  const list = await call("GET", `${api}/instances`);
+  const alive = list.filter((i) => i.alive);
+  const names = alive.map((i) => (i.this ? `${i.instance} (this one)` : i.instance));
+  $("#instances").textContent = list.length === 1 && list[0].instance === "this"
+    ? "One gateway instance (embedded store)."
+    : `Gateway instances alive: ${alive.length} — ${names.join(", ")}` +
+      (list.length > alive.length ? ` (${list.length - alive.length} gone quiet)` : "");
+}
+
 async function refresh() {
   try {
     const [replicas, capacity, policy] = await Promise.all([
@@ -203,7 +214,7 @@ async function refresh() {
     if (document.activeElement !== $("#policy-mode")) $("#policy-mode").value = policy.mode;
     renderReplicas(replicas, capacity);
     renderCapacity(capacity);
-    await Promise.all([loadPins(), loadEvents()]);
+    await Promise.all([loadPins(), loadEvents(), loadInstances()]);
   } catch (e) {
     if (e instanceof AuthError) {
       const hadToken = !!sessionStorage.getItem("prefixgate-token");

@@ -27,6 +27,9 @@ pub struct BenchArgs {
 #[derive(Debug, Clone, Args)]
 pub struct Common {
     /// Base URL of the server under test, e.g. http://127.0.0.1:8080 (without /v1).
+    /// Several, comma-separated (gateway instances sharing a store): the
+    /// agent loop sends each turn to the next one, so no two consecutive
+    /// turns of a family reach the same instance.
     #[arg(long, default_value = "http://127.0.0.1:8080")]
     pub base_url: String,
     #[arg(long, default_value = "sim-model")]
@@ -52,6 +55,15 @@ pub struct Common {
     /// Per-request timeout in seconds.
     #[arg(long, default_value_t = 600)]
     pub timeout: u64,
+}
+
+impl Common {
+    /// The base URL for turn `turn` of family `family` (rotating over a list).
+    pub fn base_for(&self, family: usize, turn: usize) -> Common {
+        let urls: Vec<&str> = self.base_url.split(',').map(str::trim).filter(|u| !u.is_empty()).collect();
+        let url = urls.get((family + turn) % urls.len().max(1)).copied().unwrap_or(&self.base_url);
+        Common { base_url: url.to_string(), ..self.clone() }
+    }
 }
 
 #[derive(Debug, Subcommand)]

@@ -72,7 +72,7 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
                     let mut messages = vec![json!({"role": "user", "content": format!("[run {salt}] family {f}\n{}", filler(&format!("ctx{f}"), *context_tokens))})];
                     let mut samples = Vec::new();
                     for turn in 0..*turns {
-                        let sample = match stream_turn(&c, common, *api, &messages).await {
+                        let sample = match stream_turn(&c, &common.base_for(f, turn), *api, &messages).await {
                             Ok((s, answer)) => {
                                 messages.push(json!({"role": "assistant", "content": answer}));
                                 s

@@ -167,6 +167,13 @@ pub struct Decision {
 pub struct SpreadCounter(AtomicU64);
 
 impl SpreadCounter {
+    /// A counter starting at `n`. Gateway instances sharing a fleet start at
+    /// different points (a hash of their name), so their first spread picks
+    /// do not all land on the same replica.
+    pub fn starting_at(n: u64) -> SpreadCounter {
+        SpreadCounter(AtomicU64::new(n))
+    }
+
     pub fn next(&self) -> u64 {
         self.0.fetch_add(1, Ordering::Relaxed)
     }
