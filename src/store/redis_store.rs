@@ -65,9 +65,13 @@ struct Envelope {
 }
 
 impl RedisStore {
-    /// Connects to `url` (`redis://[:password@]host:port/db`, or
-    /// `redis+unix:///path/to/socket`) as instance `instance`.
+    /// Connects to `url` (`redis://[:password@]host:port/db`,
+    /// `rediss://...` for TLS, or `redis+unix:///path/to/socket`) as
+    /// instance `instance`.
     pub fn open(url: &str, instance: &str) -> Result<RedisStore, StoreError> {
+        // rediss:// uses rustls; its crypto provider is chosen once per process
+        // (an error here only means another part of the process chose first).
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let client = redis::Client::open(url).map_err(|e| StoreError::Backend(format!("store url: {e}")))?;
         let store = RedisStore { client, conn: Mutex::new(None), instance: instance.to_string(), new: false };
         let created: bool =
