@@ -64,6 +64,18 @@ impl RunningRequests {
     fn snapshot(&self) -> Vec<(Arc<str>, RunningRequest)> {
         self.map.lock().expect("lock").values().cloned().collect()
     }
+
+    /// Requests running now per replica: (count, estimated tokens), for this
+    /// instance's heartbeat.
+    pub fn totals(&self) -> std::collections::BTreeMap<String, (u64, u64)> {
+        let mut out = std::collections::BTreeMap::new();
+        for (replica, q) in self.map.lock().expect("lock").values() {
+            let e: &mut (u64, u64) = out.entry(replica.to_string()).or_default();
+            e.0 += 1;
+            e.1 += q.tokens;
+        }
+        out
+    }
 }
 
 /// A family's largest context on one replica, and when it was last served.
@@ -84,6 +96,9 @@ struct Warnings {
 
 pub struct Capacity {
     pub running: Arc<RunningRequests>,
+    /// Requests other gateway instances run, per replica: (count, tokens),
+    /// from their heartbeats (a shared store), so the verdict covers the fleet.
+    elsewhere: Mutex<HashMap<String, (u64, u64)>>,
     window_ms: u64,
     families: Mutex<HashMap<(Arc<str>, PrefixKey), FamilyUse>>,
     metrics_kv: Mutex<HashMap<Arc<str>, u64>>,
@@ -101,6 +116,7 @@ impl Capacity {
     pub fn new(window_secs: u64) -> Capacity {
         Capacity {
             running: Arc::default(),
+            elsewhere: Mutex::default(),
             window_ms: window_secs.saturating_mul(1000),
             families: Mutex::default(),
             metrics_kv: Mutex::default(),
@@ -130,6 +146,11 @@ impl Capacity {
         }
         e.tokens = e.tokens.max(tokens);
         e.last_used_ms = e.last_used_ms.max(now_ms);
+    }
+
+    /// What the other live instances run now (from their heartbeats).
+    pub fn set_running_elsewhere(&self, totals: HashMap<String, (u64, u64)>) {
+        *self.elsewhere.lock().expect("lock") = totals;
     }
 
     /// The conversation left `replica` (its pin moved): it no longer lives there.
@@ -166,7 +187,13 @@ impl Capacity {
             .filter(|(_, u)| u.last_used_ms >= since)
             .map(|((r, f), u)| (r.clone(), *f, u.tokens))
             .collect();
-        let running = self.running.snapshot();
+        let mut running = self.running.snapshot();
+        for (replica, (count, tokens)) in self.elsewhere.lock().expect("lock").iter() {
+            // Another instance's requests: counted, their tokens spread evenly (no families known).
+            let each = tokens / (*count).max(1);
+            let id: Arc<str> = Arc::from(replica.as_str());
+            running.extend((0..*count).map(|_| (id.clone(), RunningRequest { family: None, tokens: each })));
+        }
         let metrics_kv = self.metrics_kv.lock().expect("lock").clone();
         let fleet = fleet.snapshot();
         let specs: Vec<_> = fleet.iter().map(|r| (r.id.clone(), r.spec())).collect();

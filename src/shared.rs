@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 
 use crate::admission::Admission;
+use crate::capacity::Capacity;
 use crate::events::EventLog;
 use crate::fleet::{Fleet, Replica};
 use crate::pins::PinTable;
@@ -31,6 +32,7 @@ pub struct Follower {
     pub events: Weak<EventLog>,
     pub policy: Weak<CurrentPolicy>,
     pub admission: Weak<Admission>,
+    pub capacity: Weak<Capacity>,
     pub store: Weak<dyn Store>,
     /// Set when the listener lost its connection: re-read everything.
     pub resync: AtomicBool,
@@ -39,18 +41,26 @@ pub struct Follower {
 impl Follower {
     /// Applies one change; false once the gateway is gone (the listener stops).
     pub fn apply(&self, change: Change) -> bool {
-        let (Some(fleet), Some(pins), Some(events), Some(policy), Some(admission), Some(store)) = (
+        let (Some(fleet), Some(pins), Some(events), Some(policy), Some(admission), Some(capacity), Some(store)) = (
             self.fleet.upgrade(),
             self.pins.upgrade(),
             self.events.upgrade(),
             self.policy.upgrade(),
             self.admission.upgrade(),
+            self.capacity.upgrade(),
             self.store.upgrade(),
         ) else {
             return false;
         };
         let result = match change {
             Change::Pins { pins: changes } => {
+                // Conversations that came back on another instance are part of
+                // the fleet's working set here too.
+                for p in changes.iter().filter_map(|(_, p)| p.as_ref()) {
+                    if p.turns >= 2 && p.origin.source == crate::pins::PinSource::Prefix {
+                        capacity.touch_family(&p.replica, p.family, p.est_tokens, p.last_used_ms);
+                    }
+                }
                 pins.apply_remote(
                     changes.into_iter().filter_map(|(k, p)| Some((u128::from_str_radix(&k, 16).ok()?, p))),
                 );

@@ -118,6 +118,7 @@ impl AppState {
             events: Arc::downgrade(&events),
             policy: Arc::downgrade(&policy),
             admission: Arc::downgrade(&admission),
+            capacity: Arc::downgrade(&capacity),
             store: Arc::downgrade(&store),
             // Re-read once the listener runs: another instance may have
             // changed something between our reads above and the subscription.
@@ -198,16 +199,33 @@ impl AppState {
     pub fn heartbeat(&self, admin_url: Option<String>) {
         let Some(instance) = self.store.instance() else { return };
         let inflight = self.fleet.snapshot().iter().map(|r| (r.id.to_string(), r.inflight())).collect();
+        let now = crate::clock::now_ms();
         let beat = crate::store::InstanceBeat {
             instance: instance.to_string(),
-            at_ms: crate::clock::now_ms(),
+            at_ms: now,
             inflight,
             admin_url,
+            running: self.capacity.running.totals(),
         };
         let result = self
             .store
             .heartbeat(&beat)
-            .and_then(|()| self.store.renew_leases(&self.leases.held(), crate::leases::LEASE_TTL_MS));
+            .and_then(|()| self.store.renew_leases(&self.leases.held(), crate::leases::LEASE_TTL_MS))
+            .and_then(|()| self.store.instances());
+        // The capacity verdict covers the fleet: what the other live instances run counts too.
+        if let Ok(beats) = &result {
+            let mut elsewhere: std::collections::HashMap<String, (u64, u64)> = Default::default();
+            for b in beats.iter().filter(|b| {
+                b.instance != instance && now.saturating_sub(b.at_ms) <= crate::operator::INSTANCE_TIMEOUT_MS
+            }) {
+                for (replica, (count, tokens)) in &b.running {
+                    let e = elsewhere.entry(replica.clone()).or_default();
+                    e.0 += count;
+                    e.1 += tokens;
+                }
+            }
+            self.capacity.set_running_elsewhere(elsewhere);
+        }
         self.note_store(result.as_ref().err());
     }
 

@@ -443,3 +443,34 @@ async fn the_slot_of_a_killed_gateway_comes_back_when_its_lease_expires() {
         "and gave it back within the lease time ({waited:?})"
     );
 }
+
+#[actix_web::test]
+async fn the_capacity_verdict_on_any_instance_covers_the_whole_fleet() {
+    let Some(redis) = Redis::start() else { return };
+    let a = start_sim("a", prefixgate::sim::SimConfig { kv_tokens: 20_000, ..slow_decoder(10.0) }).await;
+    let gws = instances(&[&a], &redis, 2).await;
+    // A returning conversation and a long-running request, both on instance 1.
+    let ctx = text("fleet verdict", 6_000);
+    chat(&gws[1], &[("user", &ctx)]).await;
+    chat(&gws[1], &[("user", &ctx), ("assistant", "ok"), ("user", "more")]).await;
+    let body = chat_body(&[("user", &text("running elsewhere", 16_000))], json!({"stream": true, "max_tokens": 100}));
+    let mut running = client().post(format!("{}/v1/chat/completions", gws[1].base)).send_json(&body).await.unwrap();
+    let _ = running.next().await;
+    // Instance 0 has served nothing, yet its verdict sees both.
+    let url = format!("{}/admin/v1/capacity", gws[0].admin);
+    let deadline = Instant::now() + PROPAGATION * 2;
+    loop {
+        let (_, report) = admin("GET", &url, None, None).await;
+        let r = &report["replicas"][0];
+        if r["running_requests"] == 1 && r["families_active"] == 1 && report["verdict"] == "over_capacity" {
+            assert!(r["working_set_tokens"].as_u64().unwrap() > 20_000, "{report}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "instance 0 never saw instance 1's load: {report}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(running);
+    for gw in gws {
+        gw.stop().await;
+    }
+}

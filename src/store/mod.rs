@@ -76,6 +76,9 @@ pub struct InstanceBeat {
     pub inflight: std::collections::BTreeMap<String, i64>,
     /// Where its admin API listens.
     pub admin_url: Option<String>,
+    /// Requests it runs now, per replica: (count, estimated prompt tokens).
+    #[serde(default)]
+    pub running: std::collections::BTreeMap<String, (u64, u64)>,
 }
 
 pub trait Store: Send + Sync {
