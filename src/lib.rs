@@ -128,10 +128,7 @@ fn spawn_background(state: &Arc<AppState>, admin_addr: SocketAddr) -> Vec<actix_
                 tokio::time::sleep(flush_every).await;
                 // fsync (or a network round trip to a shared store) off the runtime thread.
                 let (state, admin_url) = (state.clone(), admin_url.clone());
-                let flushed = tokio::task::spawn_blocking(move || {
-                    state.heartbeat(admin_url);
-                    state.flush_pins()
-                });
+                let flushed = tokio::task::spawn_blocking(move || state.sync_with_store(admin_url));
                 match flushed.await {
                     Ok(Err(e)) => tracing::error!("pin flush failed (will retry): {e}"),
                     Err(e) => tracing::error!("pin flusher panicked: {e}"),

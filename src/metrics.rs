@@ -79,6 +79,8 @@ pub struct Metrics {
     pub kv_capacity_tokens: Family<ReplicaLabels, Gauge>,
     pub bytes_per_token: Family<ReplicaLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     pub capacity_warning: Family<ReplicaLabels, Gauge>,
+    /// 1 while the store answers (a shared store that is unreachable: 0).
+    pub store_up: Gauge,
 }
 
 /// Every metric name as it appears in the exposition (the README lists these).
@@ -103,6 +105,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "prefixgate_kv_capacity_tokens",
     "prefixgate_bytes_per_token",
     "prefixgate_capacity_warning",
+    "prefixgate_store_up",
 ];
 
 impl Metrics {
@@ -129,6 +132,7 @@ impl Metrics {
             kv_capacity_tokens: Family::default(),
             bytes_per_token: Family::default(),
             capacity_warning: Family::default(),
+            store_up: Gauge::default(),
             registry: Registry::default(),
         };
         // Registration clones the families (they share state through Arcs).
@@ -219,6 +223,11 @@ impl Metrics {
             "prefixgate_capacity_warning",
             "1 when the working set exceeds KV capacity",
             m.capacity_warning.clone(),
+        );
+        registry.register(
+            "prefixgate_store_up",
+            "1 while the store answers; 0 while a shared store is unreachable (routing goes on from memory)",
+            m.store_up.clone(),
         );
         Metrics { registry, ..m }
     }

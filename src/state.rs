@@ -162,8 +162,16 @@ impl AppState {
         if written.is_err() {
             self.pins.mark_dirty(changes.iter().map(|(k, _)| *k));
         }
-        self.note_store(written.as_ref().err());
         written
+    }
+
+    /// The flusher's tick: the heartbeat (shared stores), then the batch of
+    /// pins and events; the store counts as reachable again only once both
+    /// went through, so "reachable" means the queued writes are in.
+    pub fn sync_with_store(&self, admin_url: Option<String>) -> Result<usize, StoreError> {
+        let result = self.heartbeat(admin_url).and_then(|()| self.flush_pins());
+        self.note_store(result.as_ref().err());
+        result
     }
 
     fn write_changes(&self, changes: &[crate::pins::PinChange]) -> Result<usize, StoreError> {
@@ -196,8 +204,8 @@ impl AppState {
     }
 
     /// This instance's heartbeat in a shared store (no-op otherwise).
-    pub fn heartbeat(&self, admin_url: Option<String>) {
-        let Some(instance) = self.store.instance() else { return };
+    fn heartbeat(&self, admin_url: Option<String>) -> Result<(), StoreError> {
+        let Some(instance) = self.store.instance() else { return Ok(()) };
         let inflight = self.fleet.snapshot().iter().map(|r| (r.id.to_string(), r.inflight())).collect();
         let now = crate::clock::now_ms();
         let beat = crate::store::InstanceBeat {
@@ -226,7 +234,7 @@ impl AppState {
             }
             self.capacity.set_running_elsewhere(elsewhere);
         }
-        self.note_store(result.as_ref().err());
+        result.map(|_| ())
     }
 
     /// Graceful shutdown's last step: everything to disk.

@@ -242,6 +242,9 @@ async fn redis_going_away_costs_no_request_and_pins_written_meanwhile_reach_it_a
     .await;
     let (_, health) = admin("GET", &format!("{}/healthz", gw.base), None, None).await;
     assert_eq!((health["status"].as_str(), health["store"].as_str()), (Some("ok"), Some("unreachable")));
+    let mut scrape = client().get(format!("{}/metrics", gw.admin)).send().await.unwrap();
+    let metrics = String::from_utf8(scrape.body().limit(1 << 22).await.unwrap().to_vec()).unwrap();
+    assert!(metrics.lines().any(|l| l == "prefixgate_store_up 0"), "{metrics}");
     redis.restart();
     wait_until("back", Duration::from_secs(10), || gw.gw.store_up.load(std::sync::atomic::Ordering::Acquire)).await;
     let kinds = [prefixgate::events::EventKind::StoreUnreachable, prefixgate::events::EventKind::StoreReachable];

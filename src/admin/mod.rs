@@ -219,6 +219,7 @@ fn path_config() -> web::PathConfig {
 async fn metrics(s: web::Data<AppState>) -> HttpResponse {
     let report = s.capacity.report(&s.fleet, &s.calibration, crate::clock::now_ms());
     s.metrics.refresh_gauges(&s.fleet, &s.pins, &s.admission, &s.calibration, &report);
+    s.metrics.store_up.set(i64::from(s.store_up.load(std::sync::atomic::Ordering::Acquire)));
     HttpResponse::Ok().content_type("text/plain; version=0.0.4; charset=utf-8").body(s.metrics.encode())
 }
 
