@@ -327,8 +327,10 @@ impl Config {
             return Err(format!("sessions.headers: '{h}' must be a non-empty lowercase header name"));
         }
         if let Some(url) = &self.store.url {
-            if !(url.starts_with("redis://") || url.starts_with("redis+unix://") || url.starts_with("rediss://")) {
-                return Err(format!("store.url: '{url}' is not a redis:// or redis+unix:// URL"));
+            if !["redis://", "rediss://", "redis+unix://", "redis+sentinel://"].iter().any(|s| url.starts_with(s)) {
+                return Err(format!(
+                    "store.url: '{url}' is not a redis://, rediss://, redis+unix:// or redis+sentinel:// URL"
+                ));
             }
         }
         if self.pins.flush_interval_ms == 0 {

@@ -171,7 +171,7 @@ pub fn copy(src: &dyn Store, dst: &dyn Store) -> Result<Copied, StoreError> {
 /// Opens the store a URL names: `sled:DIR` (or a plain directory path),
 /// `memory:`, or `redis://...` / `redis+unix://...` as `instance`.
 pub fn open_url(url: &str, instance: &str) -> Result<std::sync::Arc<dyn Store>, StoreError> {
-    if url.starts_with("redis://") || url.starts_with("redis+unix://") || url.starts_with("rediss://") {
+    if ["redis://", "rediss://", "redis+unix://", "redis+sentinel://"].iter().any(|s| url.starts_with(s)) {
         return Ok(std::sync::Arc::new(RedisStore::open(url, instance)?));
     }
     if url == "memory:" {

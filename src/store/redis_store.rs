@@ -41,7 +41,7 @@ const TIMEOUT: Duration = Duration::from_millis(500);
 const PREFIX: &str = "prefixgate";
 
 pub struct RedisStore {
-    client: redis::Client,
+    source: Source,
     conn: Mutex<Option<Connection>>,
     instance: String,
     new: bool,
@@ -57,6 +57,52 @@ fn key(k: &str) -> String {
     format!("{PREFIX}:{k}")
 }
 
+/// Where connections go: one server, or whichever server the Sentinels
+/// name as the master now (asked again at every reconnect, so a failover
+/// is followed).
+#[derive(Clone)]
+enum Source {
+    Direct(redis::Client),
+    Sentinel { nodes: Vec<String>, service: String, node: redis::sentinel::SentinelNodeConnectionInfo },
+}
+
+impl Source {
+    /// `redis+sentinel://[:password@]host:port[,host:port...]/service[/db]`
+    /// (the password is the master's), else any URL the redis crate takes.
+    fn parse(url: &str) -> Result<Source, StoreError> {
+        let bad = |why: &str| StoreError::Backend(format!("store url: {why}"));
+        let Some(rest) = url.strip_prefix("redis+sentinel://") else {
+            return redis::Client::open(url).map(Source::Direct).map_err(|e| bad(&e.to_string()));
+        };
+        let (password, rest) = match rest.split_once('@') {
+            Some((auth, rest)) => (auth.rsplit_once(':').map(|(_, p)| p.to_string()), rest),
+            None => (None, rest),
+        };
+        let (hosts, path) = rest.split_once('/').ok_or_else(|| bad("a sentinel URL needs /service"))?;
+        let mut path = path.split('/');
+        let service = path.next().filter(|s| !s.is_empty()).ok_or_else(|| bad("a sentinel URL needs /service"))?;
+        let db: i64 = path.next().map_or(Ok(0), str::parse).map_err(|_| bad("the database must be a number"))?;
+        let mut info = redis::RedisConnectionInfo::default().set_db(db);
+        if let Some(p) = password {
+            info = info.set_password(p);
+        }
+        Ok(Source::Sentinel {
+            nodes: hosts.split(',').map(|h| format!("redis://{h}")).collect(),
+            service: service.to_string(),
+            node: redis::sentinel::SentinelNodeConnectionInfo::default().set_redis_connection_info(info),
+        })
+    }
+
+    fn client(&self) -> redis::RedisResult<redis::Client> {
+        match self {
+            Source::Direct(c) => Ok(c.clone()),
+            Source::Sentinel { nodes, service, node } => {
+                redis::sentinel::Sentinel::build(nodes.clone())?.master_for(service, Some(node))
+            }
+        }
+    }
+}
+
 /// What goes over the channel: a change and who made it.
 #[derive(Serialize, Deserialize)]
 struct Envelope {
@@ -65,15 +111,16 @@ struct Envelope {
 }
 
 impl RedisStore {
-    /// Connects to `url` (`redis://[:password@]host:port/db`,
-    /// `rediss://...` for TLS, or `redis+unix:///path/to/socket`) as
-    /// instance `instance`.
+    /// Connects to `url` (`redis://[:password@]host:port/db`, `rediss://...`
+    /// for TLS, `redis+unix:///path/to/socket`, or
+    /// `redis+sentinel://host:port,host:port/service` for a Sentinel-managed
+    /// primary) as instance `instance`.
     pub fn open(url: &str, instance: &str) -> Result<RedisStore, StoreError> {
         // rediss:// uses rustls; its crypto provider is chosen once per process
         // (an error here only means another part of the process chose first).
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let client = redis::Client::open(url).map_err(|e| StoreError::Backend(format!("store url: {e}")))?;
-        let store = RedisStore { client, conn: Mutex::new(None), instance: instance.to_string(), new: false };
+        let source = Source::parse(url)?;
+        let store = RedisStore { source, conn: Mutex::new(None), instance: instance.to_string(), new: false };
         let created: bool =
             store.run(|c| redis::cmd("HSETNX").arg(key("meta")).arg("schema").arg(super::SCHEMA_VERSION).query(c))?;
         let found: u64 = store.run(|c| c.hget(key("meta"), "schema"))?;
@@ -84,7 +131,7 @@ impl RedisStore {
     }
 
     fn connect(&self) -> Result<Connection, StoreError> {
-        let c = self.client.get_connection_with_timeout(TIMEOUT)?;
+        let c = self.source.client()?.get_connection_with_timeout(TIMEOUT)?;
         c.set_read_timeout(Some(TIMEOUT))?;
         c.set_write_timeout(Some(TIMEOUT))?;
         Ok(c)
@@ -250,13 +297,13 @@ impl Store for RedisStore {
     /// after errors, with a short pause) and hands other instances' changes
     /// to `on_change` until it returns false.
     fn subscribe(&self, on_change: Box<dyn Fn(Change) -> bool + Send>) -> Result<(), StoreError> {
-        let client = self.client.clone();
+        let source = self.source.clone();
         let me = self.instance.clone();
         std::thread::Builder::new()
             .name("prefixgate-store-changes".into())
             .spawn(move || loop {
                 let listened = (|| -> redis::RedisResult<bool> {
-                    let mut conn = client.get_connection_with_timeout(TIMEOUT)?;
+                    let mut conn = source.client()?.get_connection_with_timeout(TIMEOUT)?;
                     let mut pubsub = conn.as_pubsub();
                     pubsub.subscribe(key("changes"))?;
                     // Wake up now and then to notice that nobody listens any more.
@@ -298,5 +345,26 @@ impl Store for RedisStore {
             })
             .map_err(|e| StoreError::Backend(format!("cannot start the change listener: {e}")))?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sentinel_urls_name_their_nodes_service_password_and_database() {
+        match Source::parse("redis+sentinel://:pw@10.0.0.1:26379,10.0.0.2:26379/mymaster/2").unwrap() {
+            Source::Sentinel { nodes, service, node } => {
+                assert_eq!(nodes, ["redis://10.0.0.1:26379", "redis://10.0.0.2:26379"]);
+                assert_eq!(service, "mymaster");
+                let debug = format!("{node:?}");
+                assert!(debug.contains("db: 2"), "{debug}");
+            }
+            Source::Direct(_) => panic!("a sentinel URL"),
+        }
+        assert!(Source::parse("redis+sentinel://10.0.0.1:26379").is_err(), "no service");
+        assert!(Source::parse("redis+sentinel://10.0.0.1:26379/m/x").is_err(), "bad db");
+        assert!(matches!(Source::parse("redis://127.0.0.1:6379/0").unwrap(), Source::Direct(_)));
     }
 }
