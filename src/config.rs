@@ -17,45 +17,63 @@ use serde::{Deserialize, Serialize};
 use crate::fleet::ReplicaSpec;
 use crate::policy::{IdentityBlocks, Mode};
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     /// Client traffic listener (`/v1`, `/healthz`).
+    #[schema(value_type = String)]
     pub listen: SocketAddr,
     /// Admin listener (admin API, metrics, Swagger UI, web UI).
+    #[schema(value_type = String)]
     pub admin_listen: SocketAddr,
     /// Where the sled database lives. Unset: in-memory only (nothing survives a restart).
+    #[schema(value_type = Option<String>)]
     pub data_dir: Option<PathBuf>,
+    /// Routing mode: shape, roundrobin or affinity.
+    #[schema(inline)]
     pub policy: Mode,
     /// Bearer token for the admin API. Required when `admin_listen` is not loopback.
     pub admin_token: Option<String>,
     /// Client API keys accepted on `/v1` (empty: no key required).
     pub api_keys: Vec<String>,
+    #[schema(inline)]
     pub identity: IdentityBlocks,
+    #[schema(inline)]
     pub timeouts: Timeouts,
+    #[schema(inline)]
     pub health: HealthConfig,
+    #[schema(inline)]
     pub limits: Limits,
+    #[schema(inline)]
     pub pins: PinConfig,
+    #[schema(inline)]
     pub history: HistoryConfig,
+    #[schema(inline)]
     pub rate_limits: RateLimits,
+    #[schema(inline)]
     pub admission: AdmissionConfig,
+    #[schema(inline)]
     pub capacity: CapacityConfig,
+    #[schema(inline)]
     pub sessions: SessionConfig,
+    #[schema(inline)]
     pub store: StoreConfig,
+    /// Replicas as `ID=URL` (repeatable); they seed an empty database only.
     pub replicas: Vec<ReplicaSpec>,
 }
 
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct StoreConfig {
-    /// A shared store for several gateway instances: `redis://[:password@]host:port/db`
-    /// or `redis+unix:///path/to/socket`. Unset: sled under `data_dir` (or memory).
+    /// A store shared by several gateway instances: `redis://[:password@]host:port/db`,
+    /// `rediss://...` (TLS), `redis+unix:///path`, or `redis+sentinel://host:port,.../service`.
+    /// Unset: sled under `data_dir` (or memory).
     pub url: Option<String>,
     /// This instance's name in the shared store (default: hostname and process id).
     pub instance: Option<String>,
 }
 
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct SessionConfig {
     /// More request headers that name a conversation, tried after the
@@ -64,7 +82,7 @@ pub struct SessionConfig {
     pub headers: Vec<String>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Timeouts {
     /// TCP connect to a replica. Short: a refused or silent replica fails over fast.
@@ -80,10 +98,12 @@ pub struct Timeouts {
     pub shutdown_grace_secs: u64,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct HealthConfig {
+    /// How often every replica is probed.
     pub interval_ms: u64,
+    /// A probe with no answer within this is a failure (unless the replica is busy).
     pub timeout_ms: u64,
     /// Consecutive successes before a down replica is up again.
     pub rise: u32,
@@ -91,7 +111,7 @@ pub struct HealthConfig {
     pub fall: u32,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Limits {
     /// Largest request body accepted (a 90k-token context is ~400 KB).
@@ -100,7 +120,7 @@ pub struct Limits {
     pub header_timeout_ms: u64,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct PinConfig {
     /// A pin unused for this long is forgotten (the replica has evicted it anyway).
@@ -111,28 +131,30 @@ pub struct PinConfig {
     pub flush_interval_ms: u64,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct HistoryConfig {
     /// Most events kept in history; the oldest go first.
     pub max_events: usize,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct RateLimits {
     /// Requests per second per client on `/v1` (0: off).
     pub client_rps: u32,
+    /// Requests a client may send at once above its rate.
     pub client_burst: u32,
     /// Failed admin authentications per minute per IP before 429.
     pub admin_auth_failures_per_minute: u32,
     /// Requests per second per IP on the admin API (0: off).
     pub admin_rps: u32,
     /// Peers whose `X-Forwarded-For` is believed.
+    #[schema(value_type = Vec<String>)]
     pub trusted_proxies: Vec<std::net::IpAddr>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct AdmissionConfig {
     /// Requests estimated at or above this many prompt tokens are "large".
@@ -143,7 +165,7 @@ pub struct AdmissionConfig {
     pub max_queue: usize,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct CapacityConfig {
     /// Families active within this window count toward a replica's working set.
@@ -229,10 +251,11 @@ impl Default for AdmissionConfig {
     }
 }
 
-/// `PREFIXGATE_*` variables that are not config keys (logging, tools, tests).
+/// `PREFIXGATE_*` variables that are not config keys: the log filter and
+/// the bench tool's API key.
 /// Any other unknown `PREFIXGATE_*` variable is an error: a typo must not
 /// silently leave a setting at its default.
-const NOT_CONFIG: &[&str] = &["LOG", "BENCH_API_KEY", "REQUIRE_BROWSER", "UPDATE_SCREENSHOTS"];
+const NOT_CONFIG: &[&str] = &["LOG", "BENCH_API_KEY"];
 
 /// Top-level keys whose value is a table (for the env mapping).
 const SECTIONS: &[&str] = &[
@@ -272,8 +295,13 @@ fn migrate_renamed_keys(table: &mut toml::Table) -> Vec<String> {
 }
 
 impl Config {
-    /// Reads `path` (if any), then overlays `PREFIXGATE_*` variables from `env`.
-    pub fn load(path: Option<&Path>, env: impl Iterator<Item = (String, String)>) -> Result<Config, String> {
+    /// Reads `path` (if any), then overlays `PREFIXGATE_*` variables from
+    /// `env`, then `overrides` (dotted key, value: the command line).
+    pub fn load(
+        path: Option<&Path>,
+        env: impl Iterator<Item = (String, String)>,
+        overrides: &[(String, String)],
+    ) -> Result<Config, String> {
         let mut table = match path {
             Some(p) => {
                 let text =
@@ -290,6 +318,9 @@ impl Config {
                 continue;
             }
             apply_env(&mut table, &key.to_ascii_lowercase(), &value).map_err(|e| format!("{name}: {e}"))?;
+        }
+        for (key, value) in overrides {
+            apply_key(&mut table, key, value).map_err(|e| format!("{key}: {e}"))?;
         }
         for w in migrate_renamed_keys(&mut table) {
             tracing::warn!("{w}");
@@ -347,7 +378,25 @@ impl Config {
     }
 }
 
+/// `PREFIXGATE_TIMEOUTS_CONNECT_MS` (lowercased, prefix off) as the dotted
+/// key `timeouts.connect_ms`: a section name, then the key.
+fn env_key_to_dotted(key: &str) -> String {
+    SECTIONS
+        .iter()
+        .find_map(|section| {
+            key.strip_prefix(section).and_then(|k| k.strip_prefix('_')).map(|sub| format!("{section}.{sub}"))
+        })
+        .unwrap_or_else(|| key.to_string())
+}
+
 fn apply_env(table: &mut toml::Table, key: &str, value: &str) -> Result<(), String> {
+    apply_key(table, &env_key_to_dotted(key), value)
+}
+
+/// Sets `section.key` (or a top-level `key`) to `value`, read as a TOML
+/// value; `replicas` takes `ID=URL[,ID=URL...]`. The one way a key is set
+/// from outside the file: environment variables and `--set` both come here.
+pub fn apply_key(table: &mut toml::Table, key: &str, value: &str) -> Result<(), String> {
     if key == "replicas" {
         let list = value
             .split(',')
@@ -358,17 +407,18 @@ fn apply_env(table: &mut toml::Table, key: &str, value: &str) -> Result<(), Stri
         return Ok(());
     }
     let value = parse_env_value(value);
-    for section in SECTIONS {
-        if let Some(sub) = key.strip_prefix(section).and_then(|k| k.strip_prefix('_')) {
+    match key.split_once('.') {
+        Some((section, sub)) => {
             let entry = table.entry(section.to_string()).or_insert_with(|| toml::Value::Table(Default::default()));
             let toml::Value::Table(t) = entry else {
                 return Err(format!("config key '{section}' is not a table"));
             };
             t.insert(sub.to_string(), value);
-            return Ok(());
+        }
+        None => {
+            table.insert(key.to_string(), value);
         }
     }
-    table.insert(key.to_string(), value);
     Ok(())
 }
 
@@ -409,8 +459,9 @@ mod tests {
                 ("PREFIXGATE_TIMEOUTS_IDLE_STREAM_MS", "77"),
                 ("PREFIXGATE_REPLICAS", "a=http://127.0.0.1:1,b=http://127.0.0.1:2/"),
                 ("OTHER", "x"),
-                ("PREFIXGATE_REQUIRE_BROWSER", "1"),
+                ("PREFIXGATE_LOG", "debug"),
             ]),
+            &[],
         )
         .unwrap();
         assert_eq!(c.policy, Mode::RoundRobin);
@@ -421,13 +472,13 @@ mod tests {
 
     #[test]
     fn invalid_config_names_the_key() {
-        let err = Config::load(None, env(&[("PREFIXGATE_POLICY", "fastest")])).unwrap_err();
+        let err = Config::load(None, env(&[("PREFIXGATE_POLICY", "fastest")]), &[]).unwrap_err();
         assert!(err.contains("policy") || err.contains("fastest"), "{err}");
-        let err = Config::load(None, env(&[("PREFIXGATE_TIMEOUTS_CONECT_MS", "1")])).unwrap_err();
+        let err = Config::load(None, env(&[("PREFIXGATE_TIMEOUTS_CONECT_MS", "1")]), &[]).unwrap_err();
         assert!(err.contains("conect_ms"), "{err}");
-        let err = Config::load(None, env(&[("PREFIXGATE_REPLICAS", "a=ftp://x")])).unwrap_err();
+        let err = Config::load(None, env(&[("PREFIXGATE_REPLICAS", "a=ftp://x")]), &[]).unwrap_err();
         assert!(err.contains("PREFIXGATE_REPLICAS"), "{err}");
-        let err = Config::load(None, env(&[("PREFIXGATE_ADMIN_LISTEN", "0.0.0.0:9090")])).unwrap_err();
+        let err = Config::load(None, env(&[("PREFIXGATE_ADMIN_LISTEN", "0.0.0.0:9090")]), &[]).unwrap_err();
         assert!(err.contains("admin_listen") && err.contains("admin_token"), "{err}");
     }
 
@@ -436,9 +487,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("c.toml");
         std::fs::write(&path, "[pins]\nmax_events = 7\n[admission]\nworking_set_window_secs = 9\n").unwrap();
-        let c = Config::load(Some(&path), std::iter::empty()).unwrap();
+        let c = Config::load(Some(&path), std::iter::empty(), &[]).unwrap();
         assert_eq!((c.history.max_events, c.capacity.working_set_window_secs), (7, 9));
-        let c = Config::load(Some(&path), env(&[("PREFIXGATE_HISTORY_MAX_EVENTS", "11")])).unwrap();
+        let c = Config::load(Some(&path), env(&[("PREFIXGATE_HISTORY_MAX_EVENTS", "11")]), &[]).unwrap();
         assert_eq!(c.history.max_events, 11);
         let mut t: toml::Table = "[pins]\nmax_events = 1".parse().unwrap();
         assert_eq!(
@@ -450,7 +501,7 @@ mod tests {
     #[test]
     fn the_example_config_is_valid() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("prefixgate.example.toml");
-        let c = Config::load(Some(&path), std::iter::empty()).unwrap();
+        let c = Config::load(Some(&path), std::iter::empty(), &[]).unwrap();
         assert!(!c.replicas.is_empty());
     }
 }

@@ -12,6 +12,7 @@ pub mod bench;
 pub mod capacity;
 pub mod clock;
 pub mod config;
+pub mod config_flags;
 pub mod error;
 pub mod events;
 pub mod fleet;

@@ -1,12 +1,11 @@
 //! The command line: parse, then call into the library.
 
 use std::net::{SocketAddr, TcpListener};
-use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
-use prefixgate::config::{parse_replica_flag, Config};
+use prefixgate::config::Config;
+use prefixgate::config_flags::ServeArgs;
 use prefixgate::fleet::ReplicaSpec;
-use prefixgate::policy::Mode;
 use prefixgate::sim::{self, SimConfig, SimState};
 use prefixgate::state::AppState;
 
@@ -20,6 +19,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the gateway in front of real replicas (vLLM, SGLang, llama.cpp server, ...).
+    /// Every config key can be set here; `serve --help` lists them all.
     Serve(ServeArgs),
     /// Run one simulated replica (an OpenAI-compatible engine model).
     SimReplica {
@@ -64,31 +64,6 @@ enum StoreCommand {
     },
 }
 
-#[derive(clap::Args)]
-struct ServeArgs {
-    /// TOML config file (see prefixgate.example.toml).
-    #[arg(long)]
-    config: Option<PathBuf>,
-    /// Traffic listener [default: 0.0.0.0:8080].
-    #[arg(long)]
-    listen: Option<SocketAddr>,
-    /// Admin listener [default: 127.0.0.1:9090].
-    #[arg(long)]
-    admin_listen: Option<SocketAddr>,
-    /// Directory for the sled database (pins, replicas, history).
-    #[arg(long)]
-    data_dir: Option<PathBuf>,
-    /// A store shared by several gateway instances: redis://[:password@]host:port/db.
-    #[arg(long)]
-    store: Option<String>,
-    /// A replica as ID=URL (repeatable); seeds an empty database.
-    #[arg(long = "replica", value_parser = parse_replica_flag)]
-    replicas: Vec<ReplicaSpec>,
-    /// Routing mode: shape, roundrobin or affinity.
-    #[arg(long)]
-    policy: Option<Mode>,
-}
-
 fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -119,26 +94,7 @@ fn main() -> std::process::ExitCode {
 }
 
 fn serve(args: ServeArgs) -> Result<(), String> {
-    let mut config = Config::load(args.config.as_deref(), std::env::vars())?;
-    if let Some(l) = args.listen {
-        config.listen = l;
-    }
-    if let Some(l) = args.admin_listen {
-        config.admin_listen = l;
-    }
-    if let Some(d) = args.data_dir {
-        config.data_dir = Some(d);
-    }
-    if let Some(url) = args.store {
-        config.store.url = Some(url);
-    }
-    if !args.replicas.is_empty() {
-        config.replicas = args.replicas;
-    }
-    if let Some(p) = args.policy {
-        config.policy = p;
-    }
-    config.validate()?;
+    let config = Config::load(args.config.as_deref(), std::env::vars(), &args.overrides)?;
     run_gateway(config, None)
 }
 

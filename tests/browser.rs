@@ -2,10 +2,10 @@
 //! DevTools protocol: sign in (wrong token first), see the fleet, drain a
 //! replica with a click, find a pin, see a failover in the history, narrow
 //! width, no console errors. Screenshots land in `target/screenshots/`
-//! (and `docs/fleet.png` with `PREFIXGATE_UPDATE_SCREENSHOTS=1`).
+//! (and `docs/fleet.png` with `UPDATE_SCREENSHOTS=1`).
 //!
-//! Without Chromium the test says it was skipped; with
-//! `PREFIXGATE_REQUIRE_BROWSER` set (as `.ci/run` does) a missing browser fails.
+//! Without Chromium the test says it was skipped; in CI (`CI` set, as
+//! `.ci/run` does) a missing browser fails.
 
 mod common;
 
@@ -176,7 +176,7 @@ impl Cdp {
         let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/target/screenshots");
         std::fs::create_dir_all(dir).unwrap();
         std::fs::write(format!("{dir}/{name}.png"), &png).unwrap();
-        if name == "fleet" && std::env::var_os("PREFIXGATE_UPDATE_SCREENSHOTS").is_some() {
+        if name == "fleet" && std::env::var_os("UPDATE_SCREENSHOTS").is_some() {
             std::fs::write(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/fleet.png"), &png).unwrap();
         }
     }
@@ -185,10 +185,7 @@ impl Cdp {
 #[actix_web::test]
 async fn the_admin_ui_steers_the_fleet_in_a_real_browser() {
     let Some(bin) = chromium() else {
-        assert!(
-            std::env::var_os("PREFIXGATE_REQUIRE_BROWSER").is_none(),
-            "Chromium is required here but not installed"
-        );
+        assert!(std::env::var_os("CI").is_none(), "Chromium is required here but not installed");
         eprintln!("SKIPPED: the browser test needs Chromium (apt-get install -y chromium)");
         return;
     };
