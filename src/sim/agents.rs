@@ -10,7 +10,7 @@ use actix_web::{web, HttpResponse};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::{prefill, tokio_stream_from, Frame, Prefilled, SimState, WORDS};
+use super::{prefill, prefill_and_decode, sse_response, Frame, Prefilled, SimState, WORDS};
 
 pub(super) fn routes(cfg: &mut web::ServiceConfig) {
     cfg.route("/v1/responses", web::post().to(create_response))
@@ -180,12 +180,10 @@ async fn create_response(s: web::Data<SimState>, body: web::Bytes) -> HttpRespon
     };
     let per_token = s.scaled(1.0 / s.cfg.decode_tps);
     if !r.stream {
-        let p = match prefill(&s, &prompt, max_tokens).await {
+        let p = match prefill_and_decode(&s, &prompt, max_tokens).await {
             Ok(p) => p,
             Err(resp) => return resp,
         };
-        tokio::time::sleep(per_token * max_tokens as u32).await;
-        s.generated.fetch_add(max_tokens, Ordering::Relaxed);
         let body = response("completed", vec![item], usage(&p));
         keep(&body);
         return HttpResponse::Ok().json(body);
@@ -257,10 +255,7 @@ async fn create_response(s: web::Data<SimState>, body: web::Bytes) -> HttpRespon
         drop(p.seq);
         let _ = tx.send(Frame::End).await;
     });
-    HttpResponse::Ok()
-        .content_type("text/event-stream")
-        .insert_header(("cache-control", "no-cache"))
-        .streaming(tokio_stream_from(rx))
+    sse_response(rx)
 }
 
 fn not_found(id: &str) -> HttpResponse {
@@ -341,7 +336,7 @@ async fn messages(s: web::Data<SimState>, body: web::Bytes) -> HttpResponse {
     let s = s.into_inner();
     let per_token = s.scaled(1.0 / s.cfg.decode_tps);
     if !r.stream {
-        let p = match prefill(&s, &prompt, max_tokens).await {
+        let p = match prefill_and_decode(&s, &prompt, max_tokens).await {
             Ok(p) => p,
             Err(_) => {
                 return anthropic_error(
@@ -351,8 +346,6 @@ async fn messages(s: web::Data<SimState>, body: web::Bytes) -> HttpResponse {
                 )
             }
         };
-        tokio::time::sleep(per_token * max_tokens as u32).await;
-        s.generated.fetch_add(max_tokens, Ordering::Relaxed);
         let body =
             message(json!([{"type": "text", "text": text_of(max_tokens)}]), json!("max_tokens"), usage(&p, max_tokens));
         return HttpResponse::Ok().json(body);
@@ -397,10 +390,7 @@ async fn messages(s: web::Data<SimState>, body: web::Bytes) -> HttpResponse {
         drop(p.seq);
         let _ = tx.send(Frame::End).await;
     });
-    HttpResponse::Ok()
-        .content_type("text/event-stream")
-        .insert_header(("cache-control", "no-cache"))
-        .streaming(tokio_stream_from(rx))
+    sse_response(rx)
 }
 
 #[cfg(test)]

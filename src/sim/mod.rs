@@ -327,6 +327,28 @@ pub(crate) async fn prefill(s: &Arc<SimState>, prompt: &[u8], max_tokens: u64) -
     Ok(Prefilled { seq, prompt_tokens, cached_tokens, prefill_ms: prefill_secs * 1000.0 })
 }
 
+/// The non-streaming path: prefill, then decode all `max_tokens` at the
+/// card's speed. The KV stays held until the caller drops the result.
+pub(crate) async fn prefill_and_decode(
+    s: &Arc<SimState>,
+    prompt: &[u8],
+    max_tokens: u64,
+) -> Result<Prefilled, HttpResponse> {
+    let p = prefill(s, prompt, max_tokens).await?;
+    tokio::time::sleep(s.scaled(1.0 / s.cfg.decode_tps) * max_tokens as u32).await;
+    s.generated.fetch_add(max_tokens, Ordering::Relaxed);
+    Ok(p)
+}
+
+/// A stream's response: headers at once (as real SSE servers send them),
+/// then whatever the generator sends.
+pub(crate) fn sse_response(rx: tokio::sync::mpsc::Receiver<Frame>) -> HttpResponse {
+    HttpResponse::Ok()
+        .content_type("text/event-stream")
+        .insert_header(("cache-control", "no-cache"))
+        .streaming(tokio_stream_from(rx))
+}
+
 pub(crate) const WORDS: &[&str] = &["the", " cache", " is", " warm", " and", " the", " prefix", " holds", ","];
 
 fn usage(p: &Prefilled, completion: u64) -> Value {
@@ -345,12 +367,10 @@ async fn generate(s: Arc<SimState>, params: GenParams, prompt: Vec<u8>, chat: bo
     let created = crate::clock::now_ms() / 1000;
     let per_token = s.scaled(1.0 / s.cfg.decode_tps);
     if !params.stream {
-        let p = match prefill(&s, &prompt, max_tokens).await {
+        let p = match prefill_and_decode(&s, &prompt, max_tokens).await {
             Ok(p) => p,
             Err(resp) => return resp,
         };
-        tokio::time::sleep(per_token * max_tokens as u32).await;
-        s.generated.fetch_add(max_tokens, Ordering::Relaxed);
         let text: String = (0..max_tokens as usize).map(|i| WORDS[i % WORDS.len()]).collect();
         let choice = if chat {
             json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"})
@@ -413,10 +433,7 @@ async fn generate(s: Arc<SimState>, params: GenParams, prompt: Vec<u8>, chat: bo
         }
         let _ = tx.send(Frame::End).await;
     });
-    HttpResponse::Ok()
-        .content_type("text/event-stream")
-        .insert_header(("cache-control", "no-cache"))
-        .streaming(tokio_stream_from(rx))
+    sse_response(rx)
 }
 
 fn sse(v: &Value) -> web::Bytes {
