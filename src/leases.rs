@@ -61,16 +61,18 @@ impl Leases {
     }
 
     /// Takes a fleet-wide slot on `replica` (limit `limit`), waiting up to
-    /// `wait`. `None` when the store is not shared, or could not be reached
-    /// in time (the local limit then applies alone).
+    /// `wait`; says whether it had to wait. No lease when the store is not
+    /// shared, or could not be reached in time (the local limit then
+    /// applies alone).
     pub async fn acquire(
         self: &Arc<Self>,
         store: &Arc<dyn Store>,
         replica: &str,
         limit: u32,
         wait: Duration,
-    ) -> Result<Option<FleetLease>, ApiError> {
-        let Some(instance) = store.instance() else { return Ok(None) };
+    ) -> Result<(Option<FleetLease>, bool), ApiError> {
+        let Some(instance) = store.instance() else { return Ok((None, false)) };
+        let mut waited = false;
         let id = format!("{instance}:{}", self.next.fetch_add(1, Ordering::Relaxed));
         let deadline = tokio::time::Instant::now() + wait;
         loop {
@@ -86,7 +88,8 @@ impl Leases {
                 Ok(Ok(Ok(true))) => {
                     self.held.lock().expect("leases lock").insert(id.clone(), replica.to_string());
                     let leases = self.clone();
-                    return Ok(Some(FleetLease { store: store.clone(), leases, replica: replica.to_string(), id }));
+                    let lease = FleetLease { store: store.clone(), leases, replica: replica.to_string(), id };
+                    return Ok((Some(lease), waited));
                 }
                 Ok(Ok(Ok(false))) => {}
                 unreachable => {
@@ -100,7 +103,7 @@ impl Leases {
                             Ok(Ok(Ok(_))) => unreachable!("handled above"),
                         }
                     );
-                    return Ok(None);
+                    return Ok((None, waited));
                 }
             }
             if tokio::time::Instant::now() + RETRY_EVERY >= deadline {
@@ -111,6 +114,7 @@ impl Leases {
                     retry_after: (wait / 2).max(Duration::from_secs(1)),
                 });
             }
+            waited = true;
             tokio::time::sleep(RETRY_EVERY).await;
         }
     }

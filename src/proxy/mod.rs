@@ -239,7 +239,7 @@ async fn admit(state: &AppState, recorder: &OutcomeRecorder, replica: &Arc<Repli
     let fleet = match (&local, replica.spec().max_large_inflight) {
         (Ok(_), Some(n)) => {
             let left = wait.saturating_sub(started.elapsed());
-            state.leases.acquire(&state.store, &replica.id, n, left).await.map(|lease| (lease, lease_waited(started)))
+            state.leases.acquire(&state.store, &replica.id, n, left).await
         }
         _ => Ok((None, false)),
     };
@@ -255,11 +255,6 @@ async fn admit(state: &AppState, recorder: &OutcomeRecorder, replica: &Arc<Repli
             Err(e)
         }
     }
-}
-
-/// A lease that took longer than one quick round trip had to wait for a slot.
-fn lease_waited(started: tokio::time::Instant) -> bool {
-    started.elapsed() > Duration::from_millis(50)
 }
 
 async fn read_body(mut payload: web::Payload, limit: usize) -> Result<web::Bytes, ApiError> {
