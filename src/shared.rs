@@ -75,13 +75,20 @@ impl Follower {
             }
             Change::Lost => {
                 self.resync.store(true, Ordering::Release);
-                Ok(())
-            }
-            Change::Tick if self.resync.swap(false, Ordering::AcqRel) => {
-                resync(&fleet, &pins, &admission, &policy, store.as_ref())
+                return true;
             }
             Change::Tick => Ok(()),
         };
+        // After a lost connection (or at start), re-read everything: on the
+        // next message or idle tick, whichever comes first (a busy fleet
+        // may never leave the listener idle).
+        let result = result.and_then(|()| {
+            if self.resync.swap(false, Ordering::AcqRel) {
+                resync(&fleet, &pins, &admission, &policy, store.as_ref())
+            } else {
+                Ok(())
+            }
+        });
         if let Err(e) = result {
             tracing::warn!("could not apply a change from another instance ({e}); re-reading everything soon");
             self.resync.store(true, Ordering::Release);

@@ -225,7 +225,7 @@ async fn a_drain_on_one_instance_reaches_the_others_and_waits_for_all_of_their_r
 async fn redis_going_away_costs_no_request_and_pins_written_meanwhile_reach_it_after() {
     let Some(mut redis) = Redis::start() else { return };
     let (a, b) = (start_sim("a", fast_sim()).await, start_sim("b", fast_sim()).await);
-    let gws = instances(&[&a, &b], &redis, 1).await;
+    let gws = instances(&[&a, &b], &redis, 2).await;
     let gw = &gws[0];
     assert_eq!(chat(gw, &[("user", "before")]).await.status, 200);
     redis.kill();
@@ -262,6 +262,9 @@ async fn redis_going_away_costs_no_request_and_pins_written_meanwhile_reach_it_a
         .pin_at
         .unwrap();
         assert!(stored.contains(&key), "the pin of '{text}' reached Redis");
+        // The other instance, whose listener lost its connection too, catches up.
+        wait_until("the other instance caught up", Duration::from_secs(5), || gws[1].gw.pins.replica_of(key).is_some())
+            .await;
     }
     for gw in gws {
         gw.stop().await;
