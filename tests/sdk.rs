@@ -8,21 +8,10 @@ mod common;
 
 use common::*;
 
-/// A Python with both SDKs: `$SDK_PYTHON`, else `python3` if it has them.
-fn sdk_python() -> Option<String> {
-    let candidate = std::env::var("SDK_PYTHON").unwrap_or_else(|_| "python3".into());
-    let ok = std::process::Command::new(&candidate)
-        .args(["-c", "import openai, anthropic"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    ok.then_some(candidate)
-}
-
 #[actix_web::test]
 async fn the_official_openai_and_anthropic_sdks_see_warm_pinned_turns_and_spread_one_shots() {
-    let Some(python) = sdk_python() else {
-        assert!(std::env::var("CI").is_err(), "CI must install the openai and anthropic SDKs (see .ci/run)");
-        eprintln!("skipped: no python with the openai and anthropic packages (set SDK_PYTHON)");
+    let Some(python) = runnable("SDK_PYTHON", "python3", &["-c", "import openai, anthropic"]) else {
+        require("the openai and anthropic SDKs", false, "pip install openai anthropic; set SDK_PYTHON");
         return;
     };
     let (a, b) = (start_sim("a", fast_sim()).await, start_sim("b", fast_sim()).await);

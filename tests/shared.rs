@@ -39,14 +39,10 @@ impl Redis {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn();
-        let child = match child {
-            Ok(c) => c,
-            Err(_) => {
-                assert!(std::env::var("CI").is_err(), "CI must install redis-server (see .ci/run)");
-                eprintln!("skipped: redis-server is not installed (apt-get install -y redis-server)");
-                return None;
-            }
-        };
+        if !require("redis-server", child.is_ok(), "apt-get install -y redis-server") {
+            return None;
+        }
+        let child = child.expect("checked");
         let deadline = Instant::now() + Duration::from_secs(10);
         while !socket.exists() {
             assert!(Instant::now() < deadline, "redis-server did not start");

@@ -79,15 +79,18 @@ fn shape(
     }
 }
 
+/// The tagged first-link values a request carries (absent ones are left out,
+/// so a request without them keeps the plain first link).
+fn present<'v>(
+    fields: &[(u8, &'v Option<Value>)],
+    skip: &'static [&'static str],
+) -> Vec<(u8, &'v Value, &'static [&'static str])> {
+    fields.iter().filter_map(|(tag, v)| v.as_ref().map(|v| (*tag, v, skip))).collect()
+}
+
 pub(super) fn extract_responses(body: &[u8]) -> Result<RequestShape, ShapeError> {
     let b: ResponsesBody = serde_json::from_slice(body).map_err(json_error)?;
-    let mut extra: Vec<(u8, &Value, &[&str])> = Vec::new();
-    if let Some(i) = &b.instructions {
-        extra.push((b'i', i, RESPONSES_SKIP));
-    }
-    if let Some(t) = &b.tools {
-        extra.push((b't', t, RESPONSES_SKIP));
-    }
+    let extra = present(&[(b'i', &b.instructions), (b't', &b.tools)], RESPONSES_SKIP);
     let mut chain = Chain::first_link(b.model.as_deref(), b.cache_salt.as_deref(), &extra);
     let mut boundaries = Vec::new();
     let mut bytes = 0usize;
@@ -159,13 +162,7 @@ pub(super) fn extract_messages(body: &[u8]) -> Result<RequestShape, ShapeError> 
     if b.messages.is_empty() {
         return Err(ShapeError("'messages' must contain at least one message".into()));
     }
-    let mut extra: Vec<(u8, &Value, &[&str])> = Vec::new();
-    if let Some(s) = &b.system {
-        extra.push((b's', s, MESSAGES_SKIP));
-    }
-    if let Some(t) = &b.tools {
-        extra.push((b't', t, MESSAGES_SKIP));
-    }
+    let extra = present(&[(b's', &b.system), (b't', &b.tools)], MESSAGES_SKIP);
     let mut chain = Chain::first_link(b.model.as_deref(), b.cache_salt.as_deref(), &extra);
     let mut boundaries = Vec::with_capacity(b.messages.len());
     let mut bytes = b.system.as_ref().and_then(Value::as_str).map_or(0, str::len);

@@ -180,3 +180,21 @@ pub fn text(tag: &str, tokens: usize) -> String {
     }
     s
 }
+
+/// A real component a test needs (a browser, Redis, a Python tool): true
+/// when present. Missing, the test is skipped with a message, except in CI
+/// (`CI` set, as `.ci/run` does), where a missing component is a failure.
+pub fn require(what: &str, present: bool, install: &str) -> bool {
+    if !present {
+        assert!(std::env::var_os("CI").is_none(), "CI must install {what} (see .ci/run)");
+        eprintln!("skipped: {what} is not installed ({install})");
+    }
+    present
+}
+
+/// `$var` if set, else `default`, when running it with `args` succeeds.
+pub fn runnable(var: &str, default: &str, args: &[&str]) -> Option<String> {
+    let program = std::env::var(var).unwrap_or_else(|_| default.to_string());
+    let ok = std::process::Command::new(&program).args(args).output().is_ok_and(|o| o.status.success());
+    ok.then_some(program)
+}
