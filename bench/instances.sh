@@ -14,7 +14,7 @@ $bin sim-replica --port 18801 --time-scale "$TIME_SCALE" >/dev/null 2>&1 &
 $bin sim-replica --port 18802 --time-scale "$TIME_SCALE" >/dev/null 2>&1 &
 for n in 1 2 4; do
   redis-server --port 0 --unixsocket "$tmp/r$n.sock" --save "" --appendonly no >/dev/null 2>&1 &
-  until [ -S "$tmp/r$n.sock" ]; do sleep 0.1; done
+  until redis-cli -s "$tmp/r$n.sock" ping >/dev/null 2>&1; do sleep 0.1; done
   urls=()
   for i in $(seq 1 "$n"); do
     port=$((18810 + 10 * n + i))

@@ -17,7 +17,7 @@ reps="--replica a=http://127.0.0.1:18101 --replica b=http://127.0.0.1:18102"
 $bin serve --listen 127.0.0.1:18111 --admin-listen 127.0.0.1:18121 --data-dir "$tmp/db" $reps >/dev/null 2>&1 &
 $bin serve --listen 127.0.0.1:18112 --admin-listen 127.0.0.1:18122 $reps >/dev/null 2>&1 &
 redis-server --port 0 --unixsocket "$tmp/redis.sock" --save "" --appendonly no >/dev/null 2>&1 &
-until [ -S "$tmp/redis.sock" ]; do sleep 0.1; done
+until redis-cli -s "$tmp/redis.sock" ping >/dev/null 2>&1; do sleep 0.1; done
 $bin serve --listen 127.0.0.1:18113 --admin-listen 127.0.0.1:18123 --store "redis+unix://$tmp/redis.sock" $reps >/dev/null 2>&1 &
 sleep 2
 cat > "$tmp/post.lua" <<'LUA'

@@ -23,6 +23,15 @@ struct Redis {
     _dir: tempfile::TempDir,
 }
 
+/// True once the server at `socket` answers PING (the socket file appears
+/// at bind(), a moment before the server listens on it).
+fn answers(socket: &std::path::Path) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::os::unix::net::UnixStream::connect(socket) else { return false };
+    let mut buf = [0u8; 7];
+    s.write_all(b"PING\r\n").is_ok() && s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
+}
+
 impl Redis {
     fn start() -> Option<Redis> {
         let dir = tempfile::tempdir().unwrap();
@@ -44,7 +53,7 @@ impl Redis {
         }
         let child = child.expect("checked");
         let deadline = Instant::now() + Duration::from_secs(10);
-        while !socket.exists() {
+        while !answers(&socket) {
             assert!(Instant::now() < deadline, "redis-server did not start");
             std::thread::sleep(Duration::from_millis(10));
         }
@@ -70,7 +79,7 @@ impl Redis {
             .unwrap();
         self.child = child;
         let deadline = Instant::now() + Duration::from_secs(10);
-        while !self.socket.exists() {
+        while !answers(&self.socket) {
             assert!(Instant::now() < deadline, "redis-server did not restart");
             std::thread::sleep(Duration::from_millis(10));
         }
