@@ -148,7 +148,7 @@ fn resync(
     }
     reload_policy(policy, store)?;
     pins.apply_remote(store.pins()?.into_iter().map(|(k, p)| (k, Some(p))));
-    tracing::info!("re-read the shared state after a lost connection");
+    tracing::info!("re-read the shared state (at start, or after the listener lost its connection)");
     Ok(())
 }
 

@@ -167,7 +167,9 @@ impl Store for RedisStore {
     }
 
     fn replicas(&self) -> Result<Vec<StoredReplica>, StoreError> {
-        let all: Vec<(String, String)> = self.run(|c| c.hgetall(key("replicas")))?;
+        let mut all: Vec<(String, String)> = self.run(|c| c.hgetall(key("replicas")))?;
+        // A hash has no order; every instance lists the fleet the same way.
+        all.sort();
         all.iter().map(|(_, v)| serde_json::from_str(v).map_err(|e| corrupt("replicas")(e.to_string()))).collect()
     }
 
