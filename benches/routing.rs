@@ -17,15 +17,20 @@ fn chat_body(bytes: usize) -> Vec<u8> {
     let mut i = 0;
     while serde_json::to_vec(&messages).unwrap().len() < bytes {
         let role = if i % 2 == 0 { "user" } else { "assistant" };
-        let content = format!(
-            "Turn {i}: here is a file\n```rust\nfn main() {{ println!(\"{i}\"); }}\n```\n{}",
-            "lorem ipsum dolor sit amet ".repeat(60)
-        );
+        let content = turn_text(i);
         messages.push(serde_json::json!({"role": role, "content": content}));
         i += 1;
     }
     serde_json::to_vec(&serde_json::json!({"model": "m", "messages": messages, "stream": true, "max_tokens": 256}))
         .unwrap()
+}
+
+/// One turn's text: code with escapes (newlines, quotes) and prose.
+fn turn_text(i: usize) -> String {
+    format!(
+        "Turn {i}: here is a file\n```rust\nfn main() {{ println!(\"{i}\"); }}\n```\n{}",
+        "lorem ipsum dolor sit amet ".repeat(60)
+    )
 }
 
 /// The same conversation as a Responses API body (Codex-style: messages,
@@ -34,10 +39,7 @@ fn responses_body(bytes: usize) -> Vec<u8> {
     let mut input = Vec::new();
     let mut i = 0;
     while serde_json::to_vec(&input).unwrap().len() < bytes {
-        let text = format!(
-            "Turn {i}: here is a file\n```rust\nfn main() {{ println!(\"{i}\"); }}\n```\n{}",
-            "lorem ipsum dolor sit amet ".repeat(60)
-        );
+        let text = turn_text(i);
         input.push(match i % 3 {
             0 => serde_json::json!({"role": "user", "content": text}),
             1 => serde_json::json!({"type": "message", "id": format!("msg_{i}"), "status": "completed", "role": "assistant", "content": [{"type": "output_text", "text": text, "annotations": []}]}),
@@ -54,10 +56,7 @@ fn messages_body(bytes: usize) -> Vec<u8> {
     let mut messages = Vec::new();
     let mut i = 0;
     while serde_json::to_vec(&messages).unwrap().len() < bytes {
-        let text = format!(
-            "Turn {i}: here is a file\n```rust\nfn main() {{ println!(\"{i}\"); }}\n```\n{}",
-            "lorem ipsum dolor sit amet ".repeat(60)
-        );
+        let text = turn_text(i);
         messages.push(if i % 2 == 0 {
             serde_json::json!({"role": "user", "content": [{"type": "tool_result", "tool_use_id": format!("t{i}"), "content": text}]})
         } else {

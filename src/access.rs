@@ -161,7 +161,7 @@ pub async fn guard_traffic(
         if let Err(e) = access.check_client(&req) {
             let metrics = req.app_data::<web::Data<Metrics>>().expect("metrics data");
             metrics.rejected.get_or_create(&crate::metrics::ResultLabels { result: "client_access".into() }).inc();
-            let dialect = crate::proxy::dialect_of(crate::policy::Endpoint::from_path(req.path()));
+            let dialect = crate::policy::Endpoint::from_path(req.path()).dialect();
             let response = e.response_for(dialect);
             return Ok(req.into_response(response).map_into_right_body());
         }

@@ -20,7 +20,7 @@
 //! without sleeping.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, RwLock};
 
 use serde::{Deserialize, Serialize};
 
@@ -171,14 +171,19 @@ impl Shard {
 #[derive(Default)]
 struct Interner {
     names: RwLock<Vec<Arc<str>>>,
-    index: Mutex<HashMap<Arc<str>, ReplicaIdx>>,
+    index: RwLock<HashMap<Arc<str>, ReplicaIdx>>,
 }
 
 impl Interner {
+    /// Every pin write asks for its replica's index: a read lock, shared by
+    /// all requests; the write lock only for a name seen for the first time.
     fn intern(&self, name: &Arc<str>) -> ReplicaIdx {
-        let mut index = self.index.lock().expect("interner lock");
+        if let Some(i) = self.find(name) {
+            return i;
+        }
+        let mut index = self.index.write().expect("interner lock");
         if let Some(i) = index.get(name) {
-            return *i;
+            return *i; // interned between our two locks
         }
         let mut names = self.names.write().expect("interner lock");
         let i = ReplicaIdx::try_from(names.len()).expect("at most 65,536 replica names per process");
@@ -188,7 +193,7 @@ impl Interner {
     }
 
     fn find(&self, name: &str) -> Option<ReplicaIdx> {
-        self.index.lock().expect("interner lock").get(name).copied()
+        self.index.read().expect("interner lock").get(name).copied()
     }
 
     fn name(&self, i: ReplicaIdx) -> Arc<str> {

@@ -83,11 +83,6 @@ async fn scrape(gw: &Gw) -> String {
     String::from_utf8(resp.body().limit(16 << 20).await.unwrap().to_vec()).unwrap()
 }
 
-/// A streaming large request (about 40k estimated tokens) that has not been answered yet.
-fn large_body(tag: &str) -> Value {
-    chat_body(&[("user", &text(tag, 40_000))], json!({"stream": true, "max_tokens": 200}))
-}
-
 #[actix_web::test]
 async fn admission_queues_in_order_rejects_past_the_bounds_and_never_leaks_a_slot() {
     // Decode is slow so the first large stream holds its slot until we let go.
@@ -100,7 +95,7 @@ async fn admission_queues_in_order_rejects_past_the_bounds_and_never_leaks_a_slo
     let url = format!("{}/v1/chat/completions", gw.base);
     let replica = gw.gw.fleet.get("a").unwrap();
 
-    let mut first = client().post(&url).send_json(&large_body("first")).await.unwrap();
+    let mut first = client().post(&url).send_json(&large_stream("first", 200)).await.unwrap();
     assert_eq!(first.status(), 200);
     let _ = first.next().await.unwrap().unwrap();
     assert_eq!(gw.gw.admission.in_use("a"), 1);
@@ -108,14 +103,14 @@ async fn admission_queues_in_order_rejects_past_the_bounds_and_never_leaks_a_slo
     // Two more wait in line; a third is over the queue bound.
     let (u2, u3) = (url.clone(), url.clone());
     let second = actix_web::rt::spawn(async move {
-        client().post(&u2).send_json(&large_body("second")).await.map(|r| r.status().as_u16())
+        client().post(&u2).send_json(&large_stream("second", 200)).await.map(|r| r.status().as_u16())
     });
     wait_until("second queued", Duration::from_secs(5), || gw.gw.admission.queued("a") == 1).await;
     let third = actix_web::rt::spawn(async move {
-        client().post(&u3).send_json(&large_body("third")).await.map(|r| r.status().as_u16())
+        client().post(&u3).send_json(&large_stream("third", 200)).await.map(|r| r.status().as_u16())
     });
     wait_until("third queued", Duration::from_secs(5), || gw.gw.admission.queued("a") == 2).await;
-    let mut over = client().post(&url).send_json(&large_body("over")).await.unwrap();
+    let mut over = client().post(&url).send_json(&large_stream("over", 200)).await.unwrap();
     assert_eq!(over.status(), 503);
     assert!(over.headers().get("retry-after").is_some());
     let v: Value = over.json().await.unwrap();
@@ -160,7 +155,7 @@ async fn a_pinned_large_continuation_waits_for_its_own_replica_and_a_timeout_is_
     // Occupy the home replica's only large slot (a spread pick prefers the free one, so retry until it lands home).
     let mut holder = None;
     for i in 0..4 {
-        let resp = client().post(&url).send_json(&large_body(&format!("holder {i}"))).await.unwrap();
+        let resp = client().post(&url).send_json(&large_stream(&format!("holder {i}"), 200)).await.unwrap();
         if resp.headers().get("x-prefixgate-replica").unwrap() == home.as_str() {
             holder = Some(resp);
             break;

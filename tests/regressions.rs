@@ -156,10 +156,6 @@ async fn get_capacity_reports_without_recording_anything() {
     assert_eq!(state.events.count(EventKind::CapacityWarning), 2, "one for the replica, one for the fleet");
 }
 
-fn large_stream(tag: &str) -> Value {
-    chat_body(&[("user", &text(tag, 40_000))], json!({"stream": true, "max_tokens": 200}))
-}
-
 #[actix_web::test]
 async fn raising_max_large_inflight_wakes_a_waiting_request_at_once() {
     let a = start_sim("a", slow_decoder(20.0)).await;
@@ -168,12 +164,12 @@ async fn raising_max_large_inflight_wakes_a_waiting_request_at_once() {
     config.admission.wait_ms = 60_000;
     let gw = start_gateway(config).await;
     let url = format!("{}/v1/chat/completions", gw.base);
-    let mut holder = client().post(&url).send_json(&large_stream("holder")).await.unwrap();
+    let mut holder = client().post(&url).send_json(&large_stream("holder", 200)).await.unwrap();
     assert_eq!(holder.status(), 200);
     let _ = holder.next().await;
     let waiting = actix_web::rt::spawn({
         let url = url.clone();
-        async move { client().post(&url).send_json(&large_stream("waiter")).await.map(|r| r.status().as_u16()) }
+        async move { client().post(&url).send_json(&large_stream("waiter", 200)).await.map(|r| r.status().as_u16()) }
     });
     wait_until("queued", Duration::from_secs(5), || gw.gw.admission.queued("a") == 1).await;
     let (s, _) =

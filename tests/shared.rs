@@ -340,10 +340,6 @@ fn store_copy_moves_everything_from_sled_to_redis_and_back() {
     assert_eq!(a.setting("policy").unwrap(), b.setting("policy").unwrap());
 }
 
-fn large_stream(tag: &str) -> serde_json::Value {
-    chat_body(&[("user", &text(tag, 40_000))], json!({"stream": true, "max_tokens": 10}))
-}
-
 #[actix_web::test]
 async fn max_large_inflight_holds_for_the_whole_fleet_of_gateways() {
     let Some(redis) = Redis::start() else { return };
@@ -359,7 +355,7 @@ async fn max_large_inflight_holds_for_the_whole_fleet_of_gateways() {
         .map(|i| {
             let url = format!("{}/v1/chat/completions", gws[i % 3].base);
             actix_web::rt::spawn(async move {
-                let mut resp = client().post(&url).send_json(&large_stream(&format!("large {i}"))).await.unwrap();
+                let mut resp = client().post(&url).send_json(&large_stream(&format!("large {i}"), 10)).await.unwrap();
                 let status = resp.status().as_u16();
                 while resp.next().await.is_some() {}
                 status
@@ -444,7 +440,7 @@ async fn the_slot_of_a_killed_gateway_comes_back_when_its_lease_expires() {
     let killed = Instant::now();
     // p2's large request waits for the lease to expire, then runs.
     let mut resp =
-        client().post(format!("{}/v1/chat/completions", p2.base)).send_json(&large_stream("after")).await.unwrap();
+        client().post(format!("{}/v1/chat/completions", p2.base)).send_json(&large_stream("after", 10)).await.unwrap();
     assert_eq!(resp.status(), 200);
     let _ = resp.next().await;
     let waited = killed.elapsed();

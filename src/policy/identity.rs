@@ -141,6 +141,17 @@ impl Endpoint {
             _ => Endpoint::Other,
         }
     }
+
+    /// The API a path speaks (the shape of its errors, among other things).
+    pub fn dialect(self) -> Dialect {
+        match self {
+            Endpoint::Chat => Dialect::Chat,
+            Endpoint::Completions => Dialect::Completions,
+            Endpoint::Responses => Dialect::Responses,
+            Endpoint::Messages => Dialect::Messages,
+            Endpoint::Other => Dialect::Other,
+        }
+    }
 }
 
 pub fn extract(endpoint: Endpoint, body: &[u8], blocks: IdentityBlocks) -> Result<RequestShape, ShapeError> {

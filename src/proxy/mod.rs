@@ -92,17 +92,7 @@ pub async fn forward(
     let endpoint = Endpoint::from_path(req.path());
     match forward_request(&req, endpoint, payload, state, upstream, recorder).await {
         Ok(resp) => resp,
-        Err(e) => e.response_for(dialect_of(endpoint)),
-    }
-}
-
-pub fn dialect_of(endpoint: Endpoint) -> Dialect {
-    match endpoint {
-        Endpoint::Chat => Dialect::Chat,
-        Endpoint::Completions => Dialect::Completions,
-        Endpoint::Responses => Dialect::Responses,
-        Endpoint::Messages => Dialect::Messages,
-        Endpoint::Other => Dialect::Other,
+        Err(e) => e.response_for(endpoint.dialect()),
     }
 }
 
@@ -128,8 +118,9 @@ async fn forward_request(
         ApiError::BadRequest(e.0)
     };
     let mut shape = policy::identity::extract(endpoint, &body, settings.identity).map_err(bad_request)?;
+    let stored_in_path = stored_response_in_path(req.path());
     // Responses from other paths (GET /v1/responses/{id}, ...) still speak their API.
-    if stored_response_in_path(req.path()).is_some() {
+    if stored_in_path.is_some() {
         shape.dialect = Dialect::Responses;
     }
     let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok());
@@ -150,7 +141,7 @@ async fn forward_request(
     let named = session.and_then(|s| state.pins.replica_of(s.key));
     // A stored response nobody recorded is forwarded like anything else:
     // the engine that does not know it answers for itself.
-    let stored_id = shape.previous_response.as_deref().or(stored_response_in_path(req.path()));
+    let stored_id = shape.previous_response.as_deref().or(stored_in_path);
     let stored = stored_id.and_then(|id| state.pins.replica_of(sessions::response_key(id)).map(|home| (id, home)));
     if settings.mode == Mode::Shape && shape.multi_unit {
         recorder.pin_lookup(pinned.is_some());

@@ -198,3 +198,9 @@ pub fn runnable(var: &str, default: &str, args: &[&str]) -> Option<String> {
     let ok = std::process::Command::new(&program).args(args).output().is_ok_and(|o| o.status.success());
     ok.then_some(program)
 }
+
+/// A streamed request of about 40k estimated tokens (over the default
+/// large-context threshold) that decodes `max_tokens` tokens.
+pub fn large_stream(tag: &str, max_tokens: u64) -> Value {
+    chat_body(&[("user", &text(tag, 40_000))], json!({"stream": true, "max_tokens": max_tokens}))
+}
