@@ -360,6 +360,16 @@ impl PinTable {
         }
     }
 
+    /// Marks every pin dirty: the next flush rewrites the whole table (to a
+    /// shared store that lost its data).
+    pub fn mark_all_dirty(&self) {
+        for shard in &self.shards {
+            let mut shard = shard.write().expect("pins lock");
+            let keys: Vec<PrefixKey> = shard.map.keys().copied().collect();
+            shard.dirty.extend(keys);
+        }
+    }
+
     /// Loads persisted pins at startup (not marked dirty).
     pub fn restore(&self, pins: impl IntoIterator<Item = (PrefixKey, Pin)>) {
         // A million pins name a handful of replicas: intern each name once.

@@ -141,6 +141,18 @@ fn resync(
     store: &dyn Store,
 ) -> Result<(), StoreError> {
     let stored = store.replicas()?;
+    if stored.is_empty() && !fleet.snapshot().is_empty() {
+        // The store came back empty (a Redis restarted without persistence):
+        // its loss is not an operator removing every replica. Put this
+        // instance's state back instead; the flusher rewrites every pin.
+        tracing::warn!("the shared store came back empty; restoring it from this instance's state");
+        for r in fleet.snapshot().iter() {
+            store.put_replica(&crate::store::StoredReplica { spec: (*r.spec()).clone(), admin: r.admin() })?;
+        }
+        store.put_setting("policy", &serde_json::to_value(policy.get()).expect("serializable"))?;
+        pins.mark_all_dirty();
+        return Ok(());
+    }
     let ids: Vec<String> =
         stored.iter().map(|r| r.spec.id.clone()).chain(fleet.snapshot().iter().map(|r| r.id.to_string())).collect();
     for id in ids {

@@ -268,9 +268,17 @@ async fn redis_going_away_costs_no_request_and_pins_written_meanwhile_reach_it_a
         .unwrap();
         assert!(stored.contains(&key), "the pin of '{text}' reached Redis");
         // The other instance, whose listener lost its connection too, catches up.
-        wait_until("the other instance caught up", Duration::from_secs(5), || gws[1].gw.pins.replica_of(key).is_some())
-            .await;
+        wait_until("the other instance caught up", Duration::from_secs(10), || {
+            gws[1].gw.pins.replica_of(key).is_some()
+        })
+        .await;
     }
+    // The restarted Redis lost the fleet too: an instance put it back, nobody lost a replica.
+    wait_until("the fleet restored in Redis", Duration::from_secs(10), || {
+        reader.replicas().is_ok_and(|r| r.len() == 2)
+    })
+    .await;
+    assert!(gws.iter().all(|g| g.gw.fleet.snapshot().len() == 2));
     for gw in gws {
         gw.stop().await;
     }
