@@ -157,10 +157,11 @@ pub async fn guard_traffic(
     next: Next<impl MessageBody + 'static>,
 ) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
     if req.path().starts_with("/v1") {
-        let access = req.app_data::<web::Data<Access>>().expect("access data").clone();
-        if let Err(e) = access.check_client(&req) {
+        // Borrowed, not cloned: a clone writes to the shared reference count.
+        let refused = req.app_data::<web::Data<Access>>().expect("access data").check_client(&req).err();
+        if let Some(e) = refused {
             let metrics = req.app_data::<web::Data<Metrics>>().expect("metrics data");
-            metrics.rejected.get_or_create(&crate::metrics::ResultLabels { result: "client_access".into() }).inc();
+            metrics.rejected.get_or_create(&crate::metrics::ResultLabels { result: "client_access" }).inc();
             let dialect = crate::policy::Endpoint::from_path(req.path()).dialect();
             let response = e.response_for(dialect);
             return Ok(req.into_response(response).map_into_right_body());

@@ -7,7 +7,13 @@
 //! locks beyond the label map); gauges that mirror fleet state are set at
 //! scrape time from the fleet itself, so they cannot disagree with it.
 
-use prometheus_client::encoding::EncodeLabelSet;
+use std::borrow::Cow;
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -20,17 +26,42 @@ use crate::fleet::Fleet;
 use crate::pins::PinTable;
 use crate::tokens::Calibration;
 
+// Label values on the request path are shared replica names and static
+// strings: a label set costs no allocation per request.
+
+/// A replica name as a label value: shares the fleet's `Arc<str>`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+pub struct Name(pub Arc<str>);
+
+impl EncodeLabelValue for Name {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        EncodeLabelValue::encode(&&*self.0, encoder)
+    }
+}
+
+impl From<&Arc<str>> for Name {
+    fn from(name: &Arc<str>) -> Name {
+        Name(name.clone())
+    }
+}
+
+impl From<&str> for Name {
+    fn from(name: &str) -> Name {
+        Name(name.into())
+    }
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
-    pub replica: String,
-    pub route: String,
-    pub status: String,
+    pub replica: Name,
+    pub route: &'static str,
+    pub status: Cow<'static, str>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RouteLabels {
-    pub replica: String,
-    pub route: String,
+    pub replica: Name,
+    pub route: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -40,13 +71,28 @@ pub struct ReplicaLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct FailoverLabels {
-    pub from: String,
-    pub to: String,
+    pub from: Name,
+    pub to: Name,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResultLabels {
-    pub result: String,
+    pub result: &'static str,
+}
+
+/// An HTTP status as a label value; the usual ones without an allocation.
+pub fn status_label(status: u16) -> Cow<'static, str> {
+    match status {
+        200 => Cow::Borrowed("200"),
+        400 => Cow::Borrowed("400"),
+        404 => Cow::Borrowed("404"),
+        429 => Cow::Borrowed("429"),
+        500 => Cow::Borrowed("500"),
+        502 => Cow::Borrowed("502"),
+        503 => Cow::Borrowed("503"),
+        504 => Cow::Borrowed("504"),
+        other => Cow::Owned(other.to_string()),
+    }
 }
 
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
@@ -293,6 +339,127 @@ impl Default for Metrics {
     }
 }
 
+/// The request-path metrics of one label set (replica, route).
+pub struct RouteMetrics {
+    pub upstream_ttfb: Histogram,
+    pub request_duration: Histogram,
+    pub prompt_tokens: Counter,
+    pub cached_tokens: Counter,
+}
+
+/// One worker's handles on the request-path metrics. A family guards its
+/// label map with a lock that every reader writes to (the reader count), so
+/// two workers looking up the same label set bounce that cache line between
+/// cores on every request. A worker keeps its own map of handles instead
+/// (clones share the family's atomics, so the exposition is unchanged).
+/// Counters and histograms are never removed from their families: a cached
+/// handle cannot go stale.
+pub struct WorkerMetrics {
+    shared: Arc<Metrics>,
+    /// Keyed by the replica name's address and the route: finding a
+    /// request's handles clones no shared `Arc` (each clone would be a write
+    /// to a cache line both workers use). The entry keeps its name alive, so
+    /// the address cannot be reused by another name while it is cached.
+    routes: RefCell<HashMap<RouteKey, Kept<Rc<RouteMetrics>>>>,
+    requests: RefCell<HashMap<RequestKey, Kept<Counter>>>,
+    pub measured: Counter,
+    pub unmeasured: Counter,
+    pub pin_hits: Counter,
+    pub pin_misses: Counter,
+}
+
+/// (replica name's address, route)
+type RouteKey = (usize, &'static str);
+/// (replica name's address, route, status)
+type RequestKey = (usize, &'static str, Cow<'static, str>);
+/// A cached handle, with the name whose address its key holds.
+type Kept<T> = (Arc<str>, T);
+
+fn address(name: &Arc<str>) -> usize {
+    Arc::as_ptr(name).cast::<u8>() as usize
+}
+
+impl WorkerMetrics {
+    pub fn new(shared: Arc<Metrics>) -> WorkerMetrics {
+        let result =
+            |family: &Family<ResultLabels, Counter>, r| family.get_or_create(&ResultLabels { result: r }).clone();
+        WorkerMetrics {
+            measured: result(&shared.usage_measured, "measured"),
+            unmeasured: result(&shared.usage_measured, "unmeasured"),
+            pin_hits: result(&shared.pin_lookups, "hit"),
+            pin_misses: result(&shared.pin_lookups, "miss"),
+            routes: RefCell::default(),
+            requests: RefCell::default(),
+            shared,
+        }
+    }
+
+    pub fn shared(&self) -> &Metrics {
+        &self.shared
+    }
+
+    pub fn route(&self, replica: &Arc<str>, route: &'static str) -> Rc<RouteMetrics> {
+        let key = (address(replica), route);
+        if let Some((_, m)) = self.routes.borrow().get(&key) {
+            return m.clone();
+        }
+        let labels = RouteLabels { replica: replica.into(), route };
+        let s = &self.shared;
+        let m = Rc::new(RouteMetrics {
+            upstream_ttfb: s.upstream_ttfb.get_or_create(&labels).clone(),
+            request_duration: s.request_duration.get_or_create(&labels).clone(),
+            prompt_tokens: s.prompt_tokens.get_or_create(&labels).clone(),
+            cached_tokens: s.cached_tokens.get_or_create(&labels).clone(),
+        });
+        self.routes.borrow_mut().insert(key, (replica.clone(), m.clone()));
+        m
+    }
+
+    /// Counts one request in `prefixgate_requests_total`.
+    pub fn count_request(&self, replica: &Arc<str>, route: &'static str, status: Cow<'static, str>) {
+        let key = (address(replica), route, status);
+        if let Some((_, c)) = self.requests.borrow().get(&key) {
+            c.inc();
+            return;
+        }
+        let labels = RequestLabels { replica: replica.into(), route, status: key.2.clone() };
+        let c = self.shared.requests.get_or_create(&labels).clone();
+        c.inc();
+        self.requests.borrow_mut().insert(key, (replica.clone(), c));
+    }
+}
+
 pub fn replica_label(id: &str) -> ReplicaLabels {
     ReplicaLabels { replica: id.to_string() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn workers_count_into_the_same_series_whatever_name_instance_they_hold() {
+        let shared = Arc::new(Metrics::new());
+        let (w1, w2) = (WorkerMetrics::new(shared.clone()), WorkerMetrics::new(shared.clone()));
+        let a: Arc<str> = Arc::from("gpu-a");
+        // The same name in another allocation (a replica removed and added again).
+        let a_again: Arc<str> = Arc::from("gpu-a");
+        w1.count_request(&a, "spread", status_label(200));
+        w1.count_request(&a, "spread", status_label(200));
+        w2.count_request(&a_again, "spread", status_label(200));
+        w2.count_request(&a_again, "spread", status_label(599));
+        w1.route(&a, "spread").prompt_tokens.inc_by(5);
+        w2.route(&a_again, "spread").prompt_tokens.inc_by(7);
+        w1.measured.inc();
+        w2.measured.inc();
+        let text = shared.encode();
+        let line = |prefix: &str| text.lines().find(|l| l.starts_with(prefix)).map(str::to_string);
+        assert_eq!(
+            line(r#"prefixgate_requests_total{replica="gpu-a",route="spread",status="200"}"#).as_deref(),
+            Some(r#"prefixgate_requests_total{replica="gpu-a",route="spread",status="200"} 3"#)
+        );
+        assert!(line(r#"prefixgate_requests_total{replica="gpu-a",route="spread",status="599"} 1"#).is_some());
+        assert!(line(r#"prefixgate_prompt_tokens_total{replica="gpu-a",route="spread"} 12"#).is_some(), "{text}");
+        assert!(line(r#"prefixgate_usage_measured_total{result="measured"} 2"#).is_some(), "{text}");
+    }
 }

@@ -17,7 +17,7 @@ use crate::error::ApiError;
 use crate::events::{EventKind, EventLog};
 use crate::fleet::health::{HealthTracker, Observation};
 use crate::fleet::{InflightGuard, Replica};
-use crate::metrics::{FailoverLabels, Metrics, RequestLabels, ResultLabels, RouteLabels};
+use crate::metrics::{FailoverLabels, Metrics, ResultLabels, WorkerMetrics};
 use crate::pins::{Pin, PinOrigin, PinSource, PinTable};
 use crate::policy::sessions::{response_key, KeyKind, SessionKey};
 use crate::policy::{Dialect, PrefixKey, PrefixMatch, RouteReason};
@@ -27,7 +27,8 @@ use crate::tokens::Calibration;
 pub struct OutcomeRecorder {
     pins: Arc<PinTable>,
     events: Arc<EventLog>,
-    metrics: Arc<crate::metrics::Metrics>,
+    /// This worker's metric handles (the recorder is built per worker).
+    metrics: WorkerMetrics,
     calibration: Arc<Calibration>,
     capacity: Arc<Capacity>,
     health: Arc<HealthTracker>,
@@ -53,8 +54,8 @@ pub struct Responded<'a> {
     pub est_tokens: u64,
 }
 
-fn result(r: &str) -> ResultLabels {
-    ResultLabels { result: r.into() }
+fn result(r: &'static str) -> ResultLabels {
+    ResultLabels { result: r }
 }
 
 impl OutcomeRecorder {
@@ -62,7 +63,7 @@ impl OutcomeRecorder {
         OutcomeRecorder {
             pins: s.pins.clone(),
             events: s.events.clone(),
-            metrics: s.metrics.clone(),
+            metrics: WorkerMetrics::new(s.metrics.clone()),
             calibration: s.calibration.clone(),
             capacity: s.capacity.clone(),
             health: s.health.clone(),
@@ -70,24 +71,24 @@ impl OutcomeRecorder {
     }
 
     pub fn metrics(&self) -> &Metrics {
-        &self.metrics
+        self.metrics.shared()
     }
 
     /// The gateway answered with an error of its own before any replica.
-    pub fn rejected(&self, why: &str) {
-        self.metrics.rejected.get_or_create(&result(why)).inc();
+    pub fn rejected(&self, why: &'static str) {
+        self.metrics().rejected.get_or_create(&result(why)).inc();
     }
 
     pub fn pin_lookup(&self, hit: bool) {
-        self.metrics.pin_lookups.get_or_create(&result(if hit { "hit" } else { "miss" })).inc();
+        if hit { &self.metrics.pin_hits } else { &self.metrics.pin_misses }.inc();
     }
 
     pub fn admission_waited(&self, replica: &str) {
-        self.metrics.admission_waits.get_or_create(&crate::metrics::replica_label(replica)).inc();
+        self.metrics().admission_waits.get_or_create(&crate::metrics::replica_label(replica)).inc();
     }
 
     pub fn admission_rejected(&self, replica: &str) {
-        self.metrics.admission_rejections.get_or_create(&crate::metrics::replica_label(replica)).inc();
+        self.metrics().admission_rejections.get_or_create(&crate::metrics::replica_label(replica)).inc();
     }
 
     /// No plan: the request ends here, after failing on `tried` (if anywhere).
@@ -104,8 +105,8 @@ impl OutcomeRecorder {
             PlanError::NoReplica => {
                 self.rejected("no_replica");
                 for from in tried {
-                    let labels = FailoverLabels { from: from.to_string(), to: "none".into() };
-                    self.metrics.failovers.get_or_create(&labels).inc();
+                    let labels = FailoverLabels { from: from.into(), to: "none".into() };
+                    self.metrics().failovers.get_or_create(&labels).inc();
                 }
                 ApiError::NoReplica
             }
@@ -124,12 +125,7 @@ impl OutcomeRecorder {
                 crate::clock::now_ms(),
             );
         }
-        let labels = RequestLabels {
-            replica: replica.id.to_string(),
-            route: reason.as_str().into(),
-            status: e.status_label().into(),
-        };
-        self.metrics.requests.get_or_create(&labels).inc();
+        self.metrics.count_request(&replica.id, reason.as_str(), e.status_label().into());
         false
     }
 
@@ -138,8 +134,8 @@ impl OutcomeRecorder {
     /// tokens the route predicts (a warm turn on its own replica).
     pub fn responded(&self, r: &Responded) -> Option<u64> {
         for from in r.tried {
-            let labels = FailoverLabels { from: from.to_string(), to: r.replica.to_string() };
-            self.metrics.failovers.get_or_create(&labels).inc();
+            let labels = FailoverLabels { from: from.into(), to: r.replica.into() };
+            self.metrics().failovers.get_or_create(&labels).inc();
         }
         if let Some((from, true)) = r.failed_from {
             self.events.record(
@@ -149,8 +145,7 @@ impl OutcomeRecorder {
                 "connection failed before any response byte; retried",
             );
         }
-        let labels = RouteLabels { replica: r.replica.to_string(), route: r.reason.as_str().into() };
-        self.metrics.upstream_ttfb.get_or_create(&labels).observe(r.ttfb.as_secs_f64());
+        self.metrics.route(r.replica, r.reason.as_str()).upstream_ttfb.observe(r.ttfb.as_secs_f64());
         if !r.success {
             return None;
         }
@@ -214,27 +209,25 @@ pub struct Outcome {
 impl BodyEnd for Outcome {
     fn finish(&mut self, outcome: BodyOutcome, usage: Option<&UsageTap>) {
         let m = &self.recorder.metrics;
-        let route = self.reason.as_str().to_string();
         let status = match outcome {
-            BodyOutcome::Complete => self.status.to_string(),
+            BodyOutcome::Complete => crate::metrics::status_label(self.status),
             BodyOutcome::UpstreamFailed => "upstream_failed".into(),
             BodyOutcome::IdleTimeout => "idle_timeout".into(),
             BodyOutcome::ClientGone => "client_gone".into(),
         };
-        let labels = RouteLabels { replica: self.replica.id.to_string(), route: route.clone() };
-        m.request_duration.get_or_create(&labels).observe(self.started.elapsed().as_secs_f64());
-        m.requests.get_or_create(&RequestLabels { replica: labels.replica.clone(), route, status }).inc();
+        let route = m.route(&self.replica.id, self.reason.as_str());
+        route.request_duration.observe(self.started.elapsed().as_secs_f64());
+        m.count_request(&self.replica.id, self.reason.as_str(), status);
         if outcome == BodyOutcome::Complete && (200..300).contains(&self.status) {
             if let Some(id) = usage.and_then(UsageTap::response_id) {
                 self.recorder.stored_response(id, &self.replica.id);
             }
             let measured = usage.and_then(UsageTap::usage);
-            let what = if measured.is_some() { "measured" } else { "unmeasured" };
-            m.usage_measured.get_or_create(&result(what)).inc();
+            if measured.is_some() { &m.measured } else { &m.unmeasured }.inc();
             if let Some(u) = measured {
                 self.recorder.calibration.calibrate(&self.replica.id, self.prompt_bytes, u.prompt_tokens);
-                m.prompt_tokens.get_or_create(&labels).inc_by(u.prompt_tokens);
-                m.cached_tokens.get_or_create(&labels).inc_by(u.cached_tokens.unwrap_or(0));
+                route.prompt_tokens.inc_by(u.prompt_tokens);
+                route.cached_tokens.inc_by(u.cached_tokens.unwrap_or(0));
             }
         }
     }
