@@ -154,7 +154,7 @@ impl Operator {
         }
         let _serial = self.serial();
         let r = self.replica(id)?;
-        let spec = patch.apply_to((*r.spec()).clone());
+        let spec = patch.apply_to((**r.spec()).clone());
         spec.validate().map_err(ApiError::Unprocessable)?;
         self.store.put_replica(&StoredReplica { spec: spec.clone(), admin: r.admin() }).map_err(internal)?;
         let (url, limit) = (spec.url.clone(), spec.max_large_inflight);
@@ -199,7 +199,7 @@ impl Operator {
     pub fn set_admin(&self, id: &str, next: AdminState) -> Result<Arc<Replica>, ApiError> {
         let _serial = self.serial();
         let r = self.replica(id)?;
-        self.store.put_replica(&StoredReplica { spec: (*r.spec()).clone(), admin: next }).map_err(internal)?;
+        self.store.put_replica(&StoredReplica { spec: (**r.spec()).clone(), admin: next }).map_err(internal)?;
         let prev = r.set_admin(next);
         if prev != next {
             let kind = match (prev, next) {

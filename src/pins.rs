@@ -20,7 +20,9 @@
 //! without sleeping.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
+
+use arc_swap::ArcSwap;
 
 use serde::{Deserialize, Serialize};
 
@@ -170,34 +172,42 @@ impl Shard {
 /// and there are at most 65,536 of them over a process's life.
 #[derive(Default)]
 struct Interner {
-    names: RwLock<Vec<Arc<str>>>,
-    index: RwLock<HashMap<Arc<str>, ReplicaIdx>>,
+    /// Read by every pin write (from both workers) without a lock: a lock's
+    /// reader count is a write to a shared cache line. Replaced whole, under
+    /// `write`, when a name comes for the first time.
+    table: ArcSwap<InternTable>,
+    write: Mutex<()>,
+}
+
+#[derive(Default, Clone)]
+struct InternTable {
+    names: Vec<Arc<str>>,
+    index: HashMap<Arc<str>, ReplicaIdx>,
 }
 
 impl Interner {
-    /// Every pin write asks for its replica's index: a read lock, shared by
-    /// all requests; the write lock only for a name seen for the first time.
     fn intern(&self, name: &Arc<str>) -> ReplicaIdx {
         if let Some(i) = self.find(name) {
             return i;
         }
-        let mut index = self.index.write().expect("interner lock");
-        if let Some(i) = index.get(name) {
-            return *i; // interned between our two locks
+        let _writer = self.write.lock().expect("interner lock");
+        let mut table = InternTable::clone(&self.table.load());
+        if let Some(i) = table.index.get(name) {
+            return *i; // interned while we waited for the lock
         }
-        let mut names = self.names.write().expect("interner lock");
-        let i = ReplicaIdx::try_from(names.len()).expect("at most 65,536 replica names per process");
-        names.push(name.clone());
-        index.insert(name.clone(), i);
+        let i = ReplicaIdx::try_from(table.names.len()).expect("at most 65,536 replica names per process");
+        table.names.push(name.clone());
+        table.index.insert(name.clone(), i);
+        self.table.store(Arc::new(table));
         i
     }
 
     fn find(&self, name: &str) -> Option<ReplicaIdx> {
-        self.index.read().expect("interner lock").get(name).copied()
+        self.table.load().index.get(name).copied()
     }
 
     fn name(&self, i: ReplicaIdx) -> Arc<str> {
-        self.names.read().expect("interner lock")[i as usize].clone()
+        self.table.load().names[i as usize].clone()
     }
 }
 

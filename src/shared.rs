@@ -147,7 +147,7 @@ fn resync(
         // instance's state back instead; the flusher rewrites every pin.
         tracing::warn!("the shared store came back empty; restoring it from this instance's state");
         for r in fleet.snapshot().iter() {
-            store.put_replica(&crate::store::StoredReplica { spec: (*r.spec()).clone(), admin: r.admin() })?;
+            store.put_replica(&crate::store::StoredReplica { spec: (**r.spec()).clone(), admin: r.admin() })?;
         }
         store.put_setting("policy", &serde_json::to_value(policy.get()).expect("serializable"))?;
         pins.mark_all_dirty();

@@ -140,7 +140,7 @@ pub async fn run(config: Arc<Config>, fleet: Arc<Fleet>, tracker: Arc<HealthTrac
         .timeout(Duration::from_millis(cfg.timeout_ms))
         .finish();
     loop {
-        let snapshot = fleet.snapshot();
+        let snapshot = fleet.snapshot_owned();
         let probes = snapshot.iter().map(|r| check(&tracker, &capacity, &client, r.clone()));
         futures_util::future::join_all(probes).await;
         tokio::time::sleep(Duration::from_millis(cfg.interval_ms)).await;
@@ -150,7 +150,7 @@ pub async fn run(config: Arc<Config>, fleet: Arc<Fleet>, tracker: Arc<HealthTrac
 /// One probe of one replica, reported to the tracker.
 pub async fn check(tracker: &HealthTracker, capacity: &Capacity, client: &awc::Client, r: Arc<Replica>) {
     let epoch = tracker.epoch(&r);
-    let spec = r.spec();
+    let spec = r.spec_owned();
     let busy = r.inflight() > 0;
     let (mut result, mut error) = probe(client, &spec.url, spec.health_path(), busy).await;
     if result == ProbeResult::Failed && spec.health_path.is_none() && error.as_deref() == Some("404") {

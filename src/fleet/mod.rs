@@ -6,7 +6,9 @@
 pub mod health;
 
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
+
+use arc_swap::{ArcSwap, Guard};
 
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -192,13 +194,15 @@ pub struct ProbeState {
 #[derive(Debug)]
 pub struct Replica {
     pub id: Arc<str>,
-    spec: RwLock<Arc<ReplicaSpec>>,
+    // Read on every request by both workers: ArcSwap reads touch no shared
+    // cache line (a lock or a reference count would, on every read).
+    spec: ArcSwap<ReplicaSpec>,
     admin: AtomicU8,
     health: AtomicU8,
     inflight: AtomicI64,
     large_inflight: AtomicI64,
     attempts: AtomicU64,
-    models: RwLock<Arc<Vec<String>>>,
+    models: ArcSwap<Vec<String>>,
     /// Only `health::HealthTracker` locks this (with `health` changes under it).
     probe: Mutex<ProbeState>,
 }
@@ -207,23 +211,29 @@ impl Replica {
     pub fn new(spec: ReplicaSpec, admin: AdminState) -> Replica {
         Replica {
             id: Arc::from(spec.id.as_str()),
-            spec: RwLock::new(Arc::new(spec)),
+            spec: ArcSwap::from_pointee(spec),
             admin: AtomicU8::new(admin as u8),
             health: AtomicU8::new(Health::Unknown as u8),
             inflight: AtomicI64::new(0),
             large_inflight: AtomicI64::new(0),
             attempts: AtomicU64::new(0),
-            models: RwLock::new(Arc::new(Vec::new())),
+            models: ArcSwap::from_pointee(Vec::new()),
             probe: Mutex::new(ProbeState::default()),
         }
     }
 
-    pub fn spec(&self) -> Arc<ReplicaSpec> {
-        self.spec.read().expect("spec lock").clone()
+    /// The current spec; hold it briefly (never across an await).
+    pub fn spec(&self) -> Guard<Arc<ReplicaSpec>> {
+        self.spec.load()
+    }
+
+    /// The current spec, for holding across an await.
+    pub fn spec_owned(&self) -> Arc<ReplicaSpec> {
+        self.spec.load_full()
     }
 
     pub fn set_spec(&self, spec: ReplicaSpec) {
-        *self.spec.write().expect("spec lock") = Arc::new(spec);
+        self.spec.store(Arc::new(spec));
     }
 
     pub fn admin(&self) -> AdminState {
@@ -266,12 +276,12 @@ impl Replica {
         self.attempts.load(Ordering::Relaxed)
     }
 
-    pub fn models(&self) -> Arc<Vec<String>> {
-        self.models.read().expect("models lock").clone()
+    pub fn models(&self) -> Guard<Arc<Vec<String>>> {
+        self.models.load()
     }
 
     pub fn set_models(&self, models: Vec<String>) {
-        *self.models.write().expect("models lock") = Arc::new(models);
+        self.models.store(Arc::new(models));
     }
 
     /// True when the replica serves `model`, or when its list is not known
@@ -311,12 +321,21 @@ impl Drop for InflightGuard {
 /// The set of replicas, in a stable order.
 #[derive(Debug, Default)]
 pub struct Fleet {
-    list: RwLock<Arc<Vec<Arc<Replica>>>>,
+    /// Read by every request, replaced by admin actions (under `write`).
+    list: ArcSwap<Vec<Arc<Replica>>>,
+    write: Mutex<()>,
 }
 
 impl Fleet {
-    pub fn snapshot(&self) -> Arc<Vec<Arc<Replica>>> {
-        self.list.read().expect("fleet lock").clone()
+    /// The replicas now. A request holds it only while planning: a guard
+    /// kept across an await would pin a slot of arc-swap's per-thread cache.
+    pub fn snapshot(&self) -> Guard<Arc<Vec<Arc<Replica>>>> {
+        self.list.load()
+    }
+
+    /// The replicas now, for holding across an await.
+    pub fn snapshot_owned(&self) -> Arc<Vec<Arc<Replica>>> {
+        self.list.load_full()
     }
 
     pub fn get(&self, id: &str) -> Option<Arc<Replica>> {
@@ -325,22 +344,24 @@ impl Fleet {
 
     /// Adds a replica; false when the id exists.
     pub fn add(&self, replica: Replica) -> bool {
-        let mut list = self.list.write().expect("fleet lock");
+        let _writer = self.write.lock().expect("fleet write lock");
+        let list = self.list.load();
         if list.iter().any(|r| r.id == replica.id) {
             return false;
         }
         let mut next = (**list).clone();
         next.push(Arc::new(replica));
-        *list = Arc::new(next);
+        self.list.store(Arc::new(next));
         true
     }
 
     pub fn remove(&self, id: &str) -> Option<Arc<Replica>> {
-        let mut list = self.list.write().expect("fleet lock");
+        let _writer = self.write.lock().expect("fleet write lock");
+        let list = self.list.load();
         let pos = list.iter().position(|r| &*r.id == id)?;
         let mut next = (**list).clone();
         let removed = next.remove(pos);
-        *list = Arc::new(next);
+        self.list.store(Arc::new(next));
         Some(removed)
     }
 }

@@ -12,8 +12,8 @@ mod agents;
 pub mod identity;
 pub mod sessions;
 
+use arc_swap::ArcSwap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::RwLock;
 
 pub use identity::{Boundary, Dialect, Endpoint, IdentityBlocks, PrefixKey, RequestShape, ShapeError};
 use xxhash_rust::xxh3::xxh3_128;
@@ -82,20 +82,20 @@ impl PolicySettings {
 
 /// The settings in force: read by every request, replaced by the operator.
 #[derive(Debug)]
-pub struct CurrentPolicy(RwLock<PolicySettings>);
+pub struct CurrentPolicy(ArcSwap<PolicySettings>);
 
 impl CurrentPolicy {
     pub fn new(settings: PolicySettings) -> CurrentPolicy {
-        CurrentPolicy(RwLock::new(settings))
+        CurrentPolicy(ArcSwap::from_pointee(settings))
     }
 
     pub fn get(&self) -> PolicySettings {
-        *self.0.read().expect("policy lock")
+        **self.0.load()
     }
 
     /// Replaces the settings; returns the previous ones.
     pub fn replace(&self, next: PolicySettings) -> PolicySettings {
-        std::mem::replace(&mut *self.0.write().expect("policy lock"), next)
+        *self.0.swap(std::sync::Arc::new(next))
     }
 }
 

@@ -4,12 +4,10 @@
 //! connecting or sending) may be re-sent; a timeout or a broken response may
 //! have reached an engine, and generation is not idempotent.
 
-use actix_web::{web, HttpRequest};
+use actix_web::web;
 use awc::error::SendRequestError;
 
-use super::headers;
 use crate::error::ApiError;
-use crate::fleet::ReplicaSpec;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttemptFailure {
@@ -63,14 +61,8 @@ impl From<SendRequestError> for AttemptError {
 /// A response head, its body still to come.
 pub type UpstreamResponse = awc::ClientResponse<actix_web::dev::Decompress<actix_web::dev::Payload>>;
 
-/// Sends the client's request, body byte-for-byte, to `spec`'s replica.
-pub async fn send(
-    client: &awc::Client,
-    req: &HttpRequest,
-    spec: &ReplicaSpec,
-    body: web::Bytes,
-    gateway_keys: bool,
-) -> Result<UpstreamResponse, AttemptError> {
-    let request = headers::upstream_request(client, req, spec, gateway_keys);
+/// Sends the upstream request (`headers::upstream_request`) with the
+/// client's body, byte for byte.
+pub async fn send(request: awc::ClientRequest, body: web::Bytes) -> Result<UpstreamResponse, AttemptError> {
     request.send_body(body).await.map_err(AttemptError::from)
 }
