@@ -190,8 +190,11 @@ pub fn create_traffic_app(
         .app_data(upstream)
         .app_data(recorder)
         .route("/healthz", web::get().to(healthz))
-        .route("/v1/models", web::get().to(list_models))
-        .route("/v1/{tail:.*}", web::to(proxy::forward))
+        // A scope matches its prefix as a plain string; a `{tail:.*}` route
+        // would run a regex on every request.
+        .service(
+            web::scope("/v1").route("/models", web::get().to(list_models)).default_service(web::to(proxy::forward)),
+        )
         .default_service(web::to(|| async {
             Err::<HttpResponse, _>(ApiError::NotFound("no such route; the API lives under /v1".into()))
         }))

@@ -35,7 +35,9 @@ pub enum BodyOutcome {
 pub struct GuardedBody<S, E: BodyEnd> {
     inner: S,
     idle: Duration,
-    timer: Pin<Box<Sleep>>,
+    /// Armed at the first wait for the upstream: a body that arrives whole
+    /// with its head (most non-streamed replies) never sets a timer.
+    timer: Option<Pin<Box<Sleep>>>,
     sse: bool,
     end: Option<E>,
     tap: Option<UsageTap>,
@@ -54,17 +56,12 @@ pub struct GuardedBody<S, E: BodyEnd> {
 
 impl<S, E: BodyEnd> GuardedBody<S, E> {
     pub fn new(inner: S, idle: Duration, sse: bool, expected: Option<u64>, tap: Option<UsageTap>, end: E) -> Self {
-        GuardedBody {
-            inner,
-            idle,
-            timer: Box::pin(tokio::time::sleep(idle)),
-            sse,
-            end: Some(end),
-            tap,
-            done: false,
-            expected,
-            seen: 0,
-        }
+        GuardedBody { inner, idle, timer: None, sse, end: Some(end), tap, done: false, expected, seen: 0 }
+    }
+
+    fn idle_timer(&mut self) -> Pin<&mut Sleep> {
+        let idle = self.idle;
+        self.timer.get_or_insert_with(|| Box::pin(tokio::time::sleep(idle))).as_mut()
     }
 
     fn truncated(&self) -> bool {
@@ -128,8 +125,10 @@ where
         }
         match Pin::new(&mut self.inner).poll_next(cx) {
             Poll::Ready(Some(Ok(chunk))) => {
-                let deadline = Instant::now() + self.idle;
-                self.timer.as_mut().reset(deadline);
+                let idle = self.idle;
+                if let Some(timer) = self.timer.as_mut() {
+                    timer.as_mut().reset(Instant::now() + idle);
+                }
                 self.seen += chunk.len() as u64;
                 if let Some(tap) = self.tap.as_mut() {
                     tap.observe(&chunk);
@@ -152,7 +151,7 @@ where
                 self.done = true;
                 Poll::Ready(None)
             }
-            Poll::Pending => match self.timer.as_mut().poll(cx) {
+            Poll::Pending => match self.idle_timer().poll(cx) {
                 Poll::Ready(()) => self.fail(BodyOutcome::IdleTimeout, "the replica stopped sending (idle timeout)"),
                 Poll::Pending => Poll::Pending,
             },

@@ -7,21 +7,23 @@ use actix_web::{HttpRequest, HttpResponseBuilder};
 
 use crate::fleet::ReplicaSpec;
 
+/// Standard names compare as enum values (no string comparison).
+static HOP_BY_HOP: [HeaderName; 11] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    HeaderName::from_static("proxy-connection"),
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::HOST,
+    header::CONTENT_LENGTH,
+];
+
 fn hop_by_hop(name: &HeaderName) -> bool {
-    matches!(
-        name.as_str(),
-        "connection"
-            | "keep-alive"
-            | "proxy-authenticate"
-            | "proxy-authorization"
-            | "proxy-connection"
-            | "te"
-            | "trailer"
-            | "transfer-encoding"
-            | "upgrade"
-            | "host"
-            | "content-length"
-    )
+    HOP_BY_HOP.contains(name)
 }
 
 /// The upstream request: same method, path, query and headers; the replica's
@@ -35,11 +37,12 @@ pub fn upstream_request(
 ) -> awc::ClientRequest {
     let path = req.uri().path_and_query().map_or("/", |p| p.as_str());
     let mut up = client.request(req.method().clone(), format!("{}{}", spec.url, path)).no_decompress();
+    let headers = up.headers_mut();
     for (name, value) in req.headers() {
         if hop_by_hop(name) || (name == header::AUTHORIZATION && (gateway_keys || spec.api_key.is_some())) {
             continue;
         }
-        up = up.append_header((name.clone(), value.clone()));
+        headers.append(name.clone(), value.clone());
     }
     if let Some(key) = &spec.api_key {
         up = up.insert_header((header::AUTHORIZATION, format!("Bearer {key}")));

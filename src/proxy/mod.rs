@@ -85,11 +85,16 @@ impl Upstream {
 pub async fn forward(
     req: HttpRequest,
     payload: web::Payload,
-    state: web::Data<AppState>,
     upstream: web::Data<Upstream>,
     recorder: web::Data<OutcomeRecorder>,
 ) -> HttpResponse {
+    // Borrowed from the request, not extracted: extraction clones the
+    // state's `Arc`, a write to a cache line both workers share.
+    let state = req.app_data::<web::Data<AppState>>().expect("app state");
     let endpoint = Endpoint::from_path(req.path());
+    if !req.path().starts_with("/v1/") {
+        return ApiError::NotFound("no such route; the API lives under /v1".into()).response_for(endpoint.dialect());
+    }
     match forward_request(&req, endpoint, payload, state, upstream, recorder).await {
         Ok(resp) => resp,
         Err(e) => e.response_for(endpoint.dialect()),
@@ -106,7 +111,7 @@ async fn forward_request(
     req: &HttpRequest,
     endpoint: Endpoint,
     payload: web::Payload,
-    state: web::Data<AppState>,
+    state: &AppState,
     upstream: web::Data<Upstream>,
     recorder: web::Data<OutcomeRecorder>,
 ) -> Result<HttpResponse, ApiError> {
@@ -123,7 +128,9 @@ async fn forward_request(
     if stored_in_path.is_some() {
         shape.dialect = Dialect::Responses;
     }
-    let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok());
+    // A scan of the request's few headers: `HeaderMap::get(&str)` would parse
+    // and hash each of the session header names on every request.
+    let header = |name: &str| req.headers().iter().find(|(k, _)| k.as_str() == name).and_then(|(_, v)| v.to_str().ok());
     let session =
         sessions::session_key(shape.model.as_deref(), shape.cache_key.as_deref(), header, &config.sessions.headers)
             .map_err(bad_request)?;
@@ -152,6 +159,7 @@ async fn forward_request(
     // request was the one that marked it down (one event per transition).
     let mut failed_from: Option<(Arc<str>, bool)> = None;
     loop {
+        // The fleet is read while planning only (no guard across an await).
         let fleet = state.fleet.snapshot();
         let input = PlanInput {
             mode: settings.mode,
@@ -166,15 +174,16 @@ async fn forward_request(
         let decision =
             plan::plan(&input, &fleet, has_slot, &state.spread).map_err(|e| recorder.plan_failed(e, &tried))?;
         let replica = fleet[decision.replica].clone();
+        drop(fleet);
         let reason = if failed_from.is_some() { RouteReason::Failover } else { decision.reason };
         let started = Instant::now();
-        let permit = if large { Some(admit(&state, &recorder, &replica).await?) } else { None };
+        let permit = if large { Some(admit(state, &recorder, &replica).await?) } else { None };
         let guard = replica.begin(large);
         let est_tokens = state.calibration.estimate(&replica.id, shape.prompt_bytes);
         let family = pinned.as_ref().map(|(_, p)| p.family).or(shape.pin_at);
         let ticket = state.capacity.running.begin(&replica.id, family, est_tokens);
-        let spec = replica.spec();
-        match attempt::send(&upstream.0, req, &spec, body.clone(), !config.api_keys.is_empty()).await {
+        let request = headers::upstream_request(&upstream.0, req, &replica.spec(), !config.api_keys.is_empty());
+        match attempt::send(request, body.clone()).await {
             Ok(resp) => {
                 let predicted_cached = recorder.responded(&Responded {
                     replica: &replica.id,
