@@ -16,14 +16,13 @@ use actix_web::body::MessageBody;
 use actix_web::dev::{ServiceRequest, ServiceResponse};
 use actix_web::http::header;
 use actix_web::middleware::Next;
-use actix_web::web;
+use actix_web::{web, HttpRequest};
 use governor::clock::{Clock, DefaultClock};
 use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 use subtle::ConstantTimeEq;
 
 use crate::config::Config;
 use crate::error::ApiError;
-use crate::metrics::Metrics;
 
 pub struct Access {
     admin_token: Option<String>,
@@ -73,7 +72,7 @@ impl Access {
         self.locked.lock().expect("lock").retain(|_, until| *until > now);
     }
 
-    pub fn client_ip(&self, req: &ServiceRequest) -> Option<IpAddr> {
+    pub fn client_ip(&self, req: &HttpRequest) -> Option<IpAddr> {
         let peer = req.peer_addr()?.ip();
         if !self.trusted.contains(&peer) {
             return Some(peer);
@@ -92,7 +91,7 @@ impl Access {
     }
 
     /// `/v1`: the client key (if keys are configured), then the client's rate.
-    pub fn check_client(&self, req: &ServiceRequest) -> Result<(), ApiError> {
+    pub fn check_client(&self, req: &HttpRequest) -> Result<(), ApiError> {
         let key = bearer(req);
         if !self.api_keys.is_empty() {
             let given = key.unwrap_or("");
@@ -115,7 +114,7 @@ impl Access {
     }
 
     /// Admin API: lockout, per-IP rate, then the bearer token.
-    pub fn check_admin(&self, req: &ServiceRequest) -> Result<(), ApiError> {
+    pub fn check_admin(&self, req: &HttpRequest) -> Result<(), ApiError> {
         let ip = self.client_ip(req).unwrap_or(IpAddr::from([0, 0, 0, 0]));
         if let Some(until) = self.locked.lock().expect("lock").get(&ip) {
             let now = Instant::now();
@@ -145,29 +144,9 @@ impl Access {
     }
 }
 
-fn bearer(req: &ServiceRequest) -> Option<&str> {
+fn bearer(req: &HttpRequest) -> Option<&str> {
     let v = req.headers().get(header::AUTHORIZATION)?.to_str().ok()?;
     v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")).map(str::trim)
-}
-
-/// Middleware for the traffic listener (`/v1` only; `/healthz` stays open).
-/// Refusals come back in the error shape of the API the client speaks.
-pub async fn guard_traffic(
-    req: ServiceRequest,
-    next: Next<impl MessageBody + 'static>,
-) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
-    if req.path().starts_with("/v1") {
-        // Borrowed, not cloned: a clone writes to the shared reference count.
-        let refused = req.app_data::<web::Data<Access>>().expect("access data").check_client(&req).err();
-        if let Some(e) = refused {
-            let metrics = req.app_data::<web::Data<Metrics>>().expect("metrics data");
-            metrics.rejected.get_or_create(&crate::metrics::ResultLabels { result: "client_access" }).inc();
-            let dialect = crate::policy::Endpoint::from_path(req.path()).dialect();
-            let response = e.response_for(dialect);
-            return Ok(req.into_response(response).map_into_right_body());
-        }
-    }
-    Ok(next.call(req).await?.map_into_left_body())
 }
 
 /// Middleware for the admin listener (`/admin/v1` only: metrics, docs and UI are open).
@@ -177,7 +156,7 @@ pub async fn guard_admin(
 ) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
     if req.path().starts_with("/admin/") {
         let access = req.app_data::<web::Data<Access>>().expect("access data").clone();
-        access.check_admin(&req)?;
+        access.check_admin(req.request())?;
     }
     next.call(req).await
 }

@@ -17,8 +17,10 @@
 //! so a report costs O(active families), not O(pins).
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::thread::ThreadId;
+
+use arc_swap::ArcSwap;
 
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -35,41 +37,78 @@ pub struct RunningRequest {
     pub tokens: u64,
 }
 
-/// Requests running now, with the context they occupy.
+/// Requests running now, with the context they occupy. Each thread
+/// registers its requests in a shard of its own: a request's begin and end
+/// touch only memory its worker owns (one shared map moved its lock and
+/// table between the cores on every request). Readers (once a second, and
+/// heartbeats) walk every shard.
 #[derive(Default)]
 pub struct RunningRequests {
-    map: Mutex<HashMap<u64, (Arc<str>, RunningRequest)>>,
-    next_ticket: AtomicU64,
+    shards: ArcSwap<HashMap<ThreadId, Arc<RunningShard>>>,
+    adding: Mutex<()>,
+}
+
+#[derive(Default)]
+struct RunningShard {
+    map: Mutex<ShardMap>,
+}
+
+#[derive(Default)]
+struct ShardMap {
+    running: HashMap<u64, (Arc<str>, RunningRequest)>,
+    next_ticket: u64,
 }
 
 /// Registered while a request runs; unregisters on drop, however the request ends.
 pub struct RunningTicket {
-    registry: Arc<RunningRequests>,
+    shard: Arc<RunningShard>,
     id: u64,
 }
 
 impl Drop for RunningTicket {
     fn drop(&mut self) {
-        self.registry.map.lock().expect("lock").remove(&self.id);
+        self.shard.map.lock().expect("lock").running.remove(&self.id);
     }
 }
 
 impl RunningRequests {
-    pub fn begin(self: &Arc<Self>, replica: &Arc<str>, family: Option<PrefixKey>, tokens: u64) -> RunningTicket {
-        let id = self.next_ticket.fetch_add(1, Ordering::Relaxed);
-        self.map.lock().expect("lock").insert(id, (replica.clone(), RunningRequest { family, tokens }));
-        RunningTicket { registry: self.clone(), id }
+    pub fn begin(&self, replica: &Arc<str>, family: Option<PrefixKey>, tokens: u64) -> RunningTicket {
+        let shard = self.own_shard();
+        let id = {
+            let mut map = shard.map.lock().expect("lock");
+            map.next_ticket += 1;
+            let id = map.next_ticket;
+            map.running.insert(id, (replica.clone(), RunningRequest { family, tokens }));
+            id
+        };
+        RunningTicket { shard, id }
+    }
+
+    fn own_shard(&self) -> Arc<RunningShard> {
+        let me = std::thread::current().id();
+        if let Some(shard) = self.shards.load().get(&me) {
+            return shard.clone();
+        }
+        let _adding = self.adding.lock().expect("lock");
+        let mut shards = HashMap::clone(&self.shards.load());
+        let shard = shards.entry(me).or_default().clone();
+        self.shards.store(Arc::new(shards));
+        shard
     }
 
     fn snapshot(&self) -> Vec<(Arc<str>, RunningRequest)> {
-        self.map.lock().expect("lock").values().cloned().collect()
+        let shards = self.shards.load();
+        shards
+            .values()
+            .flat_map(|s| s.map.lock().expect("lock").running.values().cloned().collect::<Vec<_>>())
+            .collect()
     }
 
     /// Requests running now per replica: (count, estimated tokens), for this
     /// instance's heartbeat.
     pub fn totals(&self) -> std::collections::BTreeMap<String, (u64, u64)> {
         let mut out = std::collections::BTreeMap::new();
-        for (replica, q) in self.map.lock().expect("lock").values() {
+        for (replica, q) in self.snapshot() {
             let e: &mut (u64, u64) = out.entry(replica.to_string()).or_default();
             e.0 += 1;
             e.1 += q.tokens;

@@ -37,7 +37,6 @@ use actix_web::dev::ServerHandle;
 use actix_web::{web, App, HttpResponse, HttpServer};
 
 use error::ApiError;
-use fleet::Fleet;
 use state::AppState;
 
 /// A running gateway: its two listeners and the handles to stop it.
@@ -182,10 +181,6 @@ pub fn create_traffic_app(
     let upstream = web::Data::new(proxy::Upstream::new(&state.config.timeouts));
     let recorder = web::Data::new(proxy::outcome::OutcomeRecorder::new(&state));
     App::new()
-        .wrap(actix_web::middleware::from_fn(access::guard_traffic))
-        .app_data(web::Data::from(state.access.clone()))
-        .app_data(web::Data::from(state.metrics.clone()))
-        .app_data(web::Data::from(state.fleet.clone()))
         .app_data(state)
         .app_data(upstream)
         .app_data(recorder)
@@ -214,7 +209,12 @@ async fn healthz(state: web::Data<AppState>) -> HttpResponse {
 }
 
 /// `GET /v1/models`: the union of the models the replicas reported.
-async fn list_models(fleet: web::Data<Fleet>) -> HttpResponse {
+async fn list_models(req: actix_web::HttpRequest, state: web::Data<AppState>) -> HttpResponse {
+    if let Err(e) = state.access.check_client(&req) {
+        state.metrics.rejected.get_or_create(&metrics::ResultLabels { result: "client_access" }).inc();
+        return e.response_for(policy::Dialect::Chat);
+    }
+    let fleet = &state.fleet;
     let mut ids: Vec<String> = fleet.snapshot().iter().flat_map(|r| r.models().as_ref().clone()).collect();
     ids.sort();
     ids.dedup();

@@ -92,6 +92,12 @@ pub async fn forward(
     // state's `Arc`, a write to a cache line both workers share.
     let state = req.app_data::<web::Data<AppState>>().expect("app state");
     let endpoint = Endpoint::from_path(req.path());
+    // Checked here rather than in a middleware: one layer less (a boxed
+    // future and a wrapped body) on every request.
+    if let Err(e) = state.access.check_client(&req) {
+        recorder.rejected("client_access");
+        return e.response_for(endpoint.dialect());
+    }
     if !req.path().starts_with("/v1/") {
         return ApiError::NotFound("no such route; the API lives under /v1".into()).response_for(endpoint.dialect());
     }

@@ -20,6 +20,8 @@
 //!   and the cached part `cache_read_input_tokens` (streams: `message_start`'s
 //!   `message.usage`); streams end with `message_stop`.
 
+use std::borrow::Cow;
+
 use bytes::Bytes;
 use serde::Deserialize;
 
@@ -72,18 +74,23 @@ impl RawUsage {
 }
 
 #[derive(Deserialize)]
-struct Inner {
-    id: Option<String>,
+struct Inner<'a> {
+    #[serde(borrow)]
+    id: Option<Cow<'a, str>>,
     usage: Option<RawUsage>,
 }
 
 /// Any of the places a dialect puts usage and ids, top level or one down.
+/// Ids are borrowed from the body: only a stored response's id is kept.
 #[derive(Deserialize)]
-struct Envelope {
-    id: Option<String>,
+struct Envelope<'a> {
+    #[serde(borrow)]
+    id: Option<Cow<'a, str>>,
     usage: Option<RawUsage>,
-    response: Option<Inner>,
-    message: Option<Inner>,
+    #[serde(borrow)]
+    response: Option<Inner<'a>>,
+    #[serde(borrow)]
+    message: Option<Inner<'a>>,
 }
 
 pub struct UsageTap {
@@ -175,7 +182,7 @@ impl UsageTap {
             self.found = Some(u);
         }
         if self.dialect == Dialect::Responses && self.response_id.is_none() {
-            self.response_id = inner_id.or(e.id).filter(|id| !id.is_empty());
+            self.response_id = inner_id.or(e.id).filter(|id| !id.is_empty()).map(Cow::into_owned);
         }
     }
 
