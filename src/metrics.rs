@@ -339,13 +339,35 @@ impl Default for Metrics {
     }
 }
 
-/// The request-path metrics of one label set (replica, route).
+/// The request-path metrics of one (replica, route): looked up once per
+/// request and carried with it to the end of its body.
 pub struct RouteMetrics {
     pub upstream_ttfb: Histogram,
     pub request_duration: Histogram,
     pub prompt_tokens: Counter,
     pub cached_tokens: Counter,
+    /// `prefixgate_requests_total` by status, created on first use.
+    requests: RefCell<HashMap<Cow<'static, str>, Counter>>,
+    labels: RouteLabels,
+    family: Family<RequestLabels, Counter>,
 }
+
+impl RouteMetrics {
+    /// Counts one request in `prefixgate_requests_total`.
+    pub fn count_request(&self, status: Cow<'static, str>) {
+        if let Some(c) = self.requests.borrow().get(&status) {
+            c.inc();
+            return;
+        }
+        let labels = RequestLabels { replica: self.labels.replica.clone(), route: self.labels.route, status };
+        let c = self.family.get_or_create(&labels).clone();
+        c.inc();
+        self.requests.borrow_mut().insert(labels.status, c);
+    }
+}
+
+/// (replica name's address, route) -> (the name, kept alive; its handles)
+type Routes = HashMap<(usize, &'static str), (Arc<str>, Rc<RouteMetrics>)>;
 
 /// One worker's handles on the request-path metrics. A family guards its
 /// label map with a lock that every reader writes to (the reader count), so
@@ -360,23 +382,11 @@ pub struct WorkerMetrics {
     /// request's handles clones no shared `Arc` (each clone would be a write
     /// to a cache line both workers use). The entry keeps its name alive, so
     /// the address cannot be reused by another name while it is cached.
-    routes: RefCell<HashMap<RouteKey, Kept<Rc<RouteMetrics>>>>,
-    requests: RefCell<HashMap<RequestKey, Kept<Counter>>>,
+    routes: RefCell<Routes>,
     pub measured: Counter,
     pub unmeasured: Counter,
     pub pin_hits: Counter,
     pub pin_misses: Counter,
-}
-
-/// (replica name's address, route)
-type RouteKey = (usize, &'static str);
-/// (replica name's address, route, status)
-type RequestKey = (usize, &'static str, Cow<'static, str>);
-/// A cached handle, with the name whose address its key holds.
-type Kept<T> = (Arc<str>, T);
-
-fn address(name: &Arc<str>) -> usize {
-    Arc::as_ptr(name).cast::<u8>() as usize
 }
 
 impl WorkerMetrics {
@@ -389,7 +399,6 @@ impl WorkerMetrics {
             pin_hits: result(&shared.pin_lookups, "hit"),
             pin_misses: result(&shared.pin_lookups, "miss"),
             routes: RefCell::default(),
-            requests: RefCell::default(),
             shared,
         }
     }
@@ -399,7 +408,7 @@ impl WorkerMetrics {
     }
 
     pub fn route(&self, replica: &Arc<str>, route: &'static str) -> Rc<RouteMetrics> {
-        let key = (address(replica), route);
+        let key = (Arc::as_ptr(replica).cast::<u8>() as usize, route);
         if let Some((_, m)) = self.routes.borrow().get(&key) {
             return m.clone();
         }
@@ -410,22 +419,12 @@ impl WorkerMetrics {
             request_duration: s.request_duration.get_or_create(&labels).clone(),
             prompt_tokens: s.prompt_tokens.get_or_create(&labels).clone(),
             cached_tokens: s.cached_tokens.get_or_create(&labels).clone(),
+            requests: RefCell::default(),
+            family: s.requests.clone(),
+            labels,
         });
         self.routes.borrow_mut().insert(key, (replica.clone(), m.clone()));
         m
-    }
-
-    /// Counts one request in `prefixgate_requests_total`.
-    pub fn count_request(&self, replica: &Arc<str>, route: &'static str, status: Cow<'static, str>) {
-        let key = (address(replica), route, status);
-        if let Some((_, c)) = self.requests.borrow().get(&key) {
-            c.inc();
-            return;
-        }
-        let labels = RequestLabels { replica: replica.into(), route, status: key.2.clone() };
-        let c = self.shared.requests.get_or_create(&labels).clone();
-        c.inc();
-        self.requests.borrow_mut().insert(key, (replica.clone(), c));
     }
 }
 
@@ -444,10 +443,10 @@ mod tests {
         let a: Arc<str> = Arc::from("gpu-a");
         // The same name in another allocation (a replica removed and added again).
         let a_again: Arc<str> = Arc::from("gpu-a");
-        w1.count_request(&a, "spread", status_label(200));
-        w1.count_request(&a, "spread", status_label(200));
-        w2.count_request(&a_again, "spread", status_label(200));
-        w2.count_request(&a_again, "spread", status_label(599));
+        w1.route(&a, "spread").count_request(status_label(200));
+        w1.route(&a, "spread").count_request(status_label(200));
+        w2.route(&a_again, "spread").count_request(status_label(200));
+        w2.route(&a_again, "spread").count_request(status_label(599));
         w1.route(&a, "spread").prompt_tokens.inc_by(5);
         w2.route(&a_again, "spread").prompt_tokens.inc_by(7);
         w1.measured.inc();

@@ -191,7 +191,7 @@ async fn forward_request(
         let request = headers::upstream_request(&upstream.0, req, &replica.spec(), !config.api_keys.is_empty());
         match attempt::send(request, body.clone()).await {
             Ok(resp) => {
-                let predicted_cached = recorder.responded(&Responded {
+                let (metrics, predicted_cached) = recorder.responded(&Responded {
                     replica: &replica.id,
                     reason,
                     success: resp.status().is_success(),
@@ -206,6 +206,7 @@ async fn forward_request(
                 });
                 let outcome = Outcome {
                     recorder: recorder.into_inner(),
+                    metrics,
                     replica,
                     reason,
                     status: resp.status().as_u16(),

@@ -4,6 +4,7 @@
 //! (rejected, attempt failed, responded, body ended) and it decides what
 //! each means for every piece of state, so no two places write one thing.
 
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,7 +18,7 @@ use crate::error::ApiError;
 use crate::events::{EventKind, EventLog};
 use crate::fleet::health::{HealthTracker, Observation};
 use crate::fleet::{InflightGuard, Replica};
-use crate::metrics::{FailoverLabels, Metrics, ResultLabels, WorkerMetrics};
+use crate::metrics::{FailoverLabels, Metrics, ResultLabels, RouteMetrics, WorkerMetrics};
 use crate::pins::{Pin, PinOrigin, PinSource, PinTable};
 use crate::policy::sessions::{response_key, KeyKind, SessionKey};
 use crate::policy::{Dialect, PrefixKey, PrefixMatch, RouteReason};
@@ -125,14 +126,21 @@ impl OutcomeRecorder {
                 crate::clock::now_ms(),
             );
         }
-        self.metrics.count_request(&replica.id, reason.as_str(), e.status_label().into());
+        self.metrics.route(&replica.id, reason.as_str()).count_request(e.status_label().into());
         false
     }
 
     /// A response head arrived. Records failovers, the pin (for a success),
-    /// a moved conversation, and time to first byte. Returns the cached
-    /// tokens the route predicts (a warm turn on its own replica).
-    pub fn responded(&self, r: &Responded) -> Option<u64> {
+    /// a moved conversation, and time to first byte. Returns the request's
+    /// metric handles (for `Outcome`), and the cached tokens the route
+    /// predicts (a warm turn on its own replica).
+    pub fn responded(&self, r: &Responded) -> (Rc<RouteMetrics>, Option<u64>) {
+        let route = self.metrics.route(r.replica, r.reason.as_str());
+        let predicted = self.record_response(r, &route);
+        (route, predicted)
+    }
+
+    fn record_response(&self, r: &Responded, route: &RouteMetrics) -> Option<u64> {
         for from in r.tried {
             let labels = FailoverLabels { from: from.into(), to: r.replica.into() };
             self.metrics().failovers.get_or_create(&labels).inc();
@@ -145,7 +153,7 @@ impl OutcomeRecorder {
                 "connection failed before any response byte; retried",
             );
         }
-        self.metrics.route(r.replica, r.reason.as_str()).upstream_ttfb.observe(r.ttfb.as_secs_f64());
+        route.upstream_ttfb.observe(r.ttfb.as_secs_f64());
         if !r.success {
             return None;
         }
@@ -198,6 +206,7 @@ impl OutcomeRecorder {
 /// running ticket with it.
 pub struct Outcome {
     pub recorder: Arc<OutcomeRecorder>,
+    pub metrics: Rc<RouteMetrics>,
     pub replica: Arc<Replica>,
     pub reason: RouteReason,
     pub status: u16,
@@ -215,9 +224,9 @@ impl BodyEnd for Outcome {
             BodyOutcome::IdleTimeout => "idle_timeout".into(),
             BodyOutcome::ClientGone => "client_gone".into(),
         };
-        let route = m.route(&self.replica.id, self.reason.as_str());
+        let route = &self.metrics;
         route.request_duration.observe(self.started.elapsed().as_secs_f64());
-        m.count_request(&self.replica.id, self.reason.as_str(), status);
+        route.count_request(status);
         if outcome == BodyOutcome::Complete && (200..300).contains(&self.status) {
             if let Some(id) = usage.and_then(UsageTap::response_id) {
                 self.recorder.stored_response(id, &self.replica.id);
