@@ -20,8 +20,6 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::thread::ThreadId;
 
-use arc_swap::ArcSwap;
-
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
@@ -29,6 +27,7 @@ use crate::events::{EventKind, EventLog};
 use crate::fleet::Fleet;
 use crate::pins::Pin;
 use crate::policy::PrefixKey;
+use crate::read_mostly::ReadMostly;
 use crate::tokens::Calibration;
 
 #[derive(Debug, Clone, Copy)]
@@ -44,8 +43,7 @@ pub struct RunningRequest {
 /// heartbeats) walk every shard.
 #[derive(Default)]
 pub struct RunningRequests {
-    shards: ArcSwap<HashMap<ThreadId, Arc<RunningShard>>>,
-    adding: Mutex<()>,
+    shards: ReadMostly<HashMap<ThreadId, Arc<RunningShard>>>,
 }
 
 #[derive(Default)]
@@ -89,11 +87,7 @@ impl RunningRequests {
         if let Some(shard) = self.shards.load().get(&me) {
             return shard.clone();
         }
-        let _adding = self.adding.lock().expect("lock");
-        let mut shards = HashMap::clone(&self.shards.load());
-        let shard = shards.entry(me).or_default().clone();
-        self.shards.store(Arc::new(shards));
-        shard
+        self.shards.update(|shards| Some(shards.entry(me).or_default().clone())).expect("always updates")
     }
 
     fn snapshot(&self) -> Vec<(Arc<str>, RunningRequest)> {

@@ -23,6 +23,7 @@ pub mod operator;
 pub mod pins;
 pub mod policy;
 pub mod proxy;
+pub mod read_mostly;
 pub mod shared;
 pub mod sim;
 pub mod state;

@@ -20,13 +20,12 @@
 //! without sleeping.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex, RwLock};
-
-use arc_swap::ArcSwap;
+use std::sync::{Arc, RwLock};
 
 use serde::{Deserialize, Serialize};
 
 use crate::policy::{Boundary, Dialect, PrefixKey};
+use crate::read_mostly::ReadMostly;
 
 const SHARDS: usize = 64;
 
@@ -172,11 +171,9 @@ impl Shard {
 /// and there are at most 65,536 of them over a process's life.
 #[derive(Default)]
 struct Interner {
-    /// Read by every pin write (from both workers) without a lock: a lock's
-    /// reader count is a write to a shared cache line. Replaced whole, under
-    /// `write`, when a name comes for the first time.
-    table: ArcSwap<InternTable>,
-    write: Mutex<()>,
+    /// Read by every pin write (from both workers); grows when a name comes
+    /// for the first time.
+    table: ReadMostly<InternTable>,
 }
 
 #[derive(Default, Clone)]
@@ -190,16 +187,16 @@ impl Interner {
         if let Some(i) = self.find(name) {
             return i;
         }
-        let _writer = self.write.lock().expect("interner lock");
-        let mut table = InternTable::clone(&self.table.load());
-        if let Some(i) = table.index.get(name) {
-            return *i; // interned while we waited for the lock
-        }
-        let i = ReplicaIdx::try_from(table.names.len()).expect("at most 65,536 replica names per process");
-        table.names.push(name.clone());
-        table.index.insert(name.clone(), i);
-        self.table.store(Arc::new(table));
-        i
+        let added = self.table.update(|table| {
+            if table.index.contains_key(name) {
+                return None; // interned while we waited for the writer lock
+            }
+            let i = ReplicaIdx::try_from(table.names.len()).expect("at most 65,536 replica names per process");
+            table.names.push(name.clone());
+            table.index.insert(name.clone(), i);
+            Some(i)
+        });
+        added.or_else(|| self.find(name)).expect("interned")
     }
 
     fn find(&self, name: &str) -> Option<ReplicaIdx> {

@@ -10,6 +10,8 @@ use std::sync::{Arc, Mutex};
 
 use arc_swap::{ArcSwap, Guard};
 
+use crate::read_mostly::ReadMostly;
+
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
@@ -321,9 +323,8 @@ impl Drop for InflightGuard {
 /// The set of replicas, in a stable order.
 #[derive(Debug, Default)]
 pub struct Fleet {
-    /// Read by every request, replaced by admin actions (under `write`).
-    list: ArcSwap<Vec<Arc<Replica>>>,
-    write: Mutex<()>,
+    /// Read by every request, replaced by admin actions.
+    list: ReadMostly<Vec<Arc<Replica>>>,
 }
 
 impl Fleet {
@@ -344,25 +345,13 @@ impl Fleet {
 
     /// Adds a replica; false when the id exists.
     pub fn add(&self, replica: Replica) -> bool {
-        let _writer = self.write.lock().expect("fleet write lock");
-        let list = self.list.load();
-        if list.iter().any(|r| r.id == replica.id) {
-            return false;
-        }
-        let mut next = (**list).clone();
-        next.push(Arc::new(replica));
-        self.list.store(Arc::new(next));
-        true
+        self.list
+            .update(|list| (!list.iter().any(|r| r.id == replica.id)).then(|| list.push(Arc::new(replica))))
+            .is_some()
     }
 
     pub fn remove(&self, id: &str) -> Option<Arc<Replica>> {
-        let _writer = self.write.lock().expect("fleet write lock");
-        let list = self.list.load();
-        let pos = list.iter().position(|r| &*r.id == id)?;
-        let mut next = (**list).clone();
-        let removed = next.remove(pos);
-        self.list.store(Arc::new(next));
-        Some(removed)
+        self.list.update(|list| Some(list.remove(list.iter().position(|r| &*r.id == id)?)))
     }
 }
 
