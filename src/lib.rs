@@ -189,11 +189,16 @@ pub fn create_traffic_app(
         // A scope matches its prefix as a plain string; a `{tail:.*}` route
         // would run a regex on every request.
         .service(
-            web::scope("/v1").route("/models", web::get().to(list_models)).default_service(web::to(proxy::forward)),
+            web::scope("/v1")
+                .service(web::resource("").to(no_route))
+                .route("/models", web::get().to(list_models))
+                .default_service(web::to(proxy::forward)),
         )
-        .default_service(web::to(|| async {
-            Err::<HttpResponse, _>(ApiError::NotFound("no such route; the API lives under /v1".into()))
-        }))
+        .default_service(web::to(no_route))
+}
+
+async fn no_route() -> Result<HttpResponse, ApiError> {
+    Err(ApiError::NotFound("no such route; the API lives under /v1".into()))
 }
 
 /// 200 while any replica is routable. An unreachable shared store does not
@@ -211,9 +216,8 @@ async fn healthz(state: web::Data<AppState>) -> HttpResponse {
 
 /// `GET /v1/models`: the union of the models the replicas reported.
 async fn list_models(req: actix_web::HttpRequest, state: web::Data<AppState>) -> HttpResponse {
-    if let Err(e) = state.access.check_client(&req) {
-        state.metrics.rejected.get_or_create(&metrics::ResultLabels { result: "client_access" }).inc();
-        return e.response_for(policy::Dialect::Chat);
+    if let Some(refused) = proxy::refuse_client(&state, &req, policy::Dialect::Chat) {
+        return refused;
     }
     let fleet = &state.fleet;
     let mut ids: Vec<String> = fleet.snapshot().iter().flat_map(|r| r.models().as_ref().clone()).collect();

@@ -92,19 +92,23 @@ pub async fn forward(
     // state's `Arc`, a write to a cache line both workers share.
     let state = req.app_data::<web::Data<AppState>>().expect("app state");
     let endpoint = Endpoint::from_path(req.path());
-    // Checked here rather than in a middleware: one layer less (a boxed
-    // future and a wrapped body) on every request.
-    if let Err(e) = state.access.check_client(&req) {
-        recorder.rejected("client_access");
-        return e.response_for(endpoint.dialect());
-    }
-    if !req.path().starts_with("/v1/") {
-        return ApiError::NotFound("no such route; the API lives under /v1".into()).response_for(endpoint.dialect());
+    if let Some(refused) = refuse_client(state, &req, endpoint.dialect()) {
+        return refused;
     }
     match forward_request(&req, endpoint, payload, state, upstream, recorder).await {
         Ok(resp) => resp,
         Err(e) => e.response_for(endpoint.dialect()),
     }
+}
+
+/// The client check on `/v1` (API key, rate), run by its handlers rather
+/// than a middleware: one layer less (a boxed future and a wrapped body) on
+/// every request. A refusal is counted and answered in the client's API's
+/// error shape.
+pub fn refuse_client(state: &AppState, req: &HttpRequest, dialect: Dialect) -> Option<HttpResponse> {
+    let e = state.access.check_client(req).err()?;
+    state.metrics.rejected.get_or_create(&crate::metrics::ResultLabels { result: "client_access" }).inc();
+    Some(e.response_for(dialect))
 }
 
 /// `/v1/responses/{id}` and everything below it name a stored response.
