@@ -243,7 +243,7 @@ async fn create_response(s: web::Data<SimState>, body: web::Bytes) -> HttpRespon
         for (i, f) in frames.into_iter().enumerate() {
             if i >= 3 && i < 3 + max_tokens as usize {
                 if i > 3 {
-                    tokio::time::sleep(per_token).await;
+                    super::elapse(per_token).await;
                 }
                 s.generated.fetch_add(1, Ordering::Relaxed);
             }
@@ -379,7 +379,7 @@ async fn messages(s: web::Data<SimState>, body: web::Bytes) -> HttpResponse {
         frames.push(event("message_stop", &json!({"type": "message_stop"})));
         for (i, f) in frames.into_iter().enumerate() {
             if i > 3 && i < 3 + max_tokens as usize {
-                tokio::time::sleep(per_token).await;
+                super::elapse(per_token).await;
             }
             if tx.send(Frame::Chunk(f)).await.is_err() {
                 s.cancelled.fetch_add(1, Ordering::Relaxed);

@@ -119,6 +119,16 @@ impl SimState {
     }
 }
 
+/// Simulated GPU time passing. Zero (`--time-scale 0`) means no wait at all:
+/// a zero-length tokio sleep still waits for the timer wheel's next 1 ms
+/// tick, which under the one prefill lane capped an "instant" replica at
+/// about 900 requests/s and made proxy benchmarks measure an idle machine.
+pub(crate) async fn elapse(d: Duration) {
+    if !d.is_zero() {
+        tokio::time::sleep(d).await;
+    }
+}
+
 /// Starts a simulated replica on `listener` (bind `127.0.0.1:0` in tests).
 pub fn serve(listener: std::net::TcpListener, state: Arc<SimState>) -> std::io::Result<actix_web::dev::Server> {
     let data = web::Data::from(state);
@@ -322,7 +332,7 @@ pub(crate) async fn prefill(s: &Arc<SimState>, prompt: &[u8], max_tokens: u64) -
     s.hits.fetch_add(cached_tokens, Ordering::Relaxed);
     s.prompt_tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
     let prefill_secs = (prompt_tokens - cached_tokens) as f64 / s.cfg.prefill_tps;
-    tokio::time::sleep(s.scaled(prefill_secs)).await;
+    elapse(s.scaled(prefill_secs)).await;
     drop(lane);
     Ok(Prefilled { seq, prompt_tokens, cached_tokens, prefill_ms: prefill_secs * 1000.0 })
 }
@@ -335,7 +345,7 @@ pub(crate) async fn prefill_and_decode(
     max_tokens: u64,
 ) -> Result<Prefilled, HttpResponse> {
     let p = prefill(s, prompt, max_tokens).await?;
-    tokio::time::sleep(s.scaled(1.0 / s.cfg.decode_tps) * max_tokens as u32).await;
+    elapse(s.scaled(1.0 / s.cfg.decode_tps) * max_tokens as u32).await;
     s.generated.fetch_add(max_tokens, Ordering::Relaxed);
     Ok(p)
 }
@@ -412,7 +422,7 @@ async fn generate(s: Arc<SimState>, params: GenParams, prompt: Vec<u8>, chat: bo
         };
         for i in 0..max_tokens as usize {
             if i > 0 {
-                tokio::time::sleep(per_token).await;
+                elapse(per_token).await;
             }
             s.generated.fetch_add(1, Ordering::Relaxed);
             if tx.send(Frame::Chunk(chunk(Some(WORDS[i % WORDS.len()]), None))).await.is_err() {
