@@ -7,7 +7,10 @@
 //! says (an exponential average), because tokenizers differ per model.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::read_mostly::ReadMostly;
 
 /// Bytes of prompt text per token, before any per-replica calibration.
 pub const BYTES_PER_TOKEN: usize = 4;
@@ -20,21 +23,41 @@ pub fn estimate_tokens(bytes: usize) -> u64 {
     bytes.div_ceil(BYTES_PER_TOKEN) as u64
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Ratio {
-    bytes_per_token: f64,
-    samples: u64,
+/// One replica's ratio: an `f64`'s bits, 0 until the first sample (a
+/// ratio is clamped to at least 0.5 bytes per token, so never 0).
+#[derive(Debug, Default)]
+struct Ratio(AtomicU64);
+
+impl Ratio {
+    /// Moves the ratio toward `sample`. An unchanged ratio is not written:
+    /// a converged replica's cache line stays shared between the cores.
+    fn feed(&self, sample: f64) {
+        let _ = self.0.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+            let next = match bits {
+                0 => sample,
+                _ => f64::from_bits(bits) * (1.0 - CALIBRATION_WEIGHT) + sample * CALIBRATION_WEIGHT,
+            };
+            (next.to_bits() != bits).then_some(next.to_bits())
+        });
+    }
 }
 
-/// Per-replica bytes-per-token ratios, learned from reported usage.
+/// Per-replica bytes-per-token ratios, learned from reported usage. Every
+/// request reads its replica's ratio and every measured response feeds it,
+/// from both workers: so the map is read without a lock (`ReadMostly`, a
+/// new replica's entry is the only write to it) and a ratio is an atomic,
+/// written only when a sample moves it.
 #[derive(Debug, Default)]
 pub struct Calibration {
-    ratios: Mutex<HashMap<Arc<str>, Ratio>>,
+    ratios: ReadMostly<HashMap<Arc<str>, Arc<Ratio>>>,
 }
 
 impl Calibration {
     pub fn bytes_per_token(&self, replica: &str) -> f64 {
-        self.ratios.lock().expect("lock").get(replica).map_or(BYTES_PER_TOKEN as f64, |r| r.bytes_per_token)
+        match self.ratios.load().get(replica).map(|r| r.0.load(Ordering::Relaxed)) {
+            Some(bits) if bits != 0 => f64::from_bits(bits),
+            _ => BYTES_PER_TOKEN as f64,
+        }
     }
 
     /// Estimated tokens of `bytes` of prompt on `replica`.
@@ -48,12 +71,11 @@ impl Calibration {
             return;
         }
         let sample = (prompt_bytes as f64 / prompt_tokens as f64).clamp(0.5, 16.0);
-        let mut ratios = self.ratios.lock().expect("lock");
-        let r = ratios.entry(replica.clone()).or_insert(Ratio { bytes_per_token: sample, samples: 0 });
-        if r.samples > 0 {
-            r.bytes_per_token = r.bytes_per_token * (1.0 - CALIBRATION_WEIGHT) + sample * CALIBRATION_WEIGHT;
+        if let Some(ratio) = self.ratios.load().get(replica) {
+            return ratio.feed(sample);
         }
-        r.samples += 1;
+        let ratio = self.ratios.update(|m| Some(m.entry(replica.clone()).or_default().clone())).expect("always updates");
+        ratio.feed(sample);
     }
 }
 

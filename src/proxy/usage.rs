@@ -96,7 +96,11 @@ struct Envelope<'a> {
 pub struct UsageTap {
     dialect: Dialect,
     sse: bool,
-    /// Non-streaming: the body so far. Streaming: the current partial line.
+    /// Non-streaming: the body's first chunk, kept without copying (most
+    /// replies arrive in one).
+    first: Option<Bytes>,
+    /// Non-streaming: the body so far once a second chunk came. Streaming:
+    /// the current partial line.
     buf: Vec<u8>,
     overflow: bool,
     found: Option<Usage>,
@@ -111,6 +115,7 @@ impl UsageTap {
         UsageTap {
             dialect,
             sse,
+            first: None,
             buf: Vec::new(),
             overflow: false,
             found: None,
@@ -122,10 +127,15 @@ impl UsageTap {
 
     pub fn observe(&mut self, chunk: &Bytes) {
         if !self.sse {
-            if self.buf.len() + chunk.len() > MAX_KEPT {
-                self.overflow = true;
-                self.buf = Vec::new();
-            } else if !self.overflow {
+            let kept = self.first.as_ref().map_or(0, Bytes::len) + self.buf.len();
+            if self.overflow || kept + chunk.len() > MAX_KEPT {
+                (self.overflow, self.first, self.buf) = (true, None, Vec::new());
+            } else if kept == 0 {
+                self.first = Some(chunk.clone());
+            } else {
+                if let Some(first) = self.first.take() {
+                    self.buf.extend_from_slice(&first);
+                }
                 self.buf.extend_from_slice(chunk);
             }
             return;
@@ -192,9 +202,24 @@ impl UsageTap {
 
     /// Call once, when the body has ended.
     pub fn finish(&mut self) {
-        if !self.sse && !self.overflow {
-            let body = std::mem::take(&mut self.buf);
-            self.take(body.trim_ascii());
+        if self.sse || self.overflow {
+            return;
+        }
+        let (first, buf) = (self.first.take(), std::mem::take(&mut self.buf));
+        let body = first.as_deref().unwrap_or(&buf);
+        // Only a stored response's id needs the whole document; usage alone
+        // is read from its own key, without parsing the choices before it.
+        match usage_value(body) {
+            Some(usage) if self.dialect != Dialect::Responses => self.take_usage(usage),
+            _ => self.take(body.trim_ascii()),
+        }
+    }
+
+    /// Reads a `usage` object on its own (the bytes from its `{` onward).
+    fn take_usage(&mut self, json: &[u8]) {
+        let mut de = serde_json::Deserializer::from_slice(json);
+        if let Some(u) = RawUsage::deserialize(&mut de).ok().and_then(|u| u.read(self.dialect)) {
+            self.found = Some(u);
         }
     }
 
@@ -222,7 +247,26 @@ impl UsageTap {
 }
 
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
-    hay.windows(needle.len()).any(|w| w == needle)
+    memchr::memmem::find(hay, needle).is_some()
+}
+
+/// The value of a JSON body's last `"usage"` key, from its first byte on.
+/// The bytes `"usage"` then a colon can only be a key: inside a string every
+/// quote is escaped (a backslash before the first quote: skipped), and a
+/// string value is followed by `,` `]` or `}`. The last such key is the
+/// top-level one in every dialect's replies (`usage` follows `choices`,
+/// `content` or `output`).
+fn usage_value(body: &[u8]) -> Option<&[u8]> {
+    let mut end = body.len();
+    while let Some(at) = memchr::memmem::rfind(&body[..end], b"\"usage\"") {
+        let escaped = at > 0 && body[at - 1] == b'\\';
+        let rest = body[at + 7..].trim_ascii_start();
+        if let (false, Some(value)) = (escaped, rest.strip_prefix(b":")) {
+            return Some(value.trim_ascii_start());
+        }
+        end = at;
+    }
+    None
 }
 
 /// The `type` of a data object that starts with it (`{"type":"x",...}`),
@@ -255,6 +299,24 @@ mod tests {
         );
         assert_eq!(t.usage(), Some(Usage { prompt_tokens: 10, cached_tokens: Some(8) }));
         assert_eq!(t.response_id(), None, "only the Responses API has stored responses");
+    }
+
+    #[test]
+    fn a_body_usage_is_its_top_level_key_not_the_word_in_a_string() {
+        // The word as a string value, a key ending in an escaped quote, and
+        // an escaped key inside a string: none of them is the usage.
+        let body = br#"{"choices":[{"message":{"content":"usage","tool_calls":[{"arguments":"{"usage":{"prompt_tokens":1}}"}]}}],"odd"usage":{"prompt_tokens":2},"usage" : {"prompt_tokens":30,"prompt_tokens_details":null},"x":"usage"}"#;
+        let whole = tap(Dialect::Chat, false, &[body]);
+        assert_eq!(whole.usage(), Some(Usage { prompt_tokens: 30, cached_tokens: None }));
+        let (a, b) = body.split_at(100);
+        assert_eq!(tap(Dialect::Chat, false, &[a, b]).usage(), whole.usage(), "same in two chunks");
+        assert_eq!(tap(Dialect::Chat, false, &[br#"{"usage":null}"#]).usage(), None);
+        assert_eq!(tap(Dialect::Chat, false, &[br#"{"choices":[]}"#]).usage(), None);
+        let messages = br#"{"content":[],"usage":{"input_tokens":3,"cache_read_input_tokens":9}}"#;
+        assert_eq!(
+            tap(Dialect::Messages, false, &[messages]).usage(),
+            Some(Usage { prompt_tokens: 12, cached_tokens: Some(9) })
+        );
     }
 
     #[test]
