@@ -74,7 +74,8 @@ impl Calibration {
         if let Some(ratio) = self.ratios.load().get(replica) {
             return ratio.feed(sample);
         }
-        let ratio = self.ratios.update(|m| Some(m.entry(replica.clone()).or_default().clone())).expect("always updates");
+        let ratio =
+            self.ratios.update(|m| Some(m.entry(replica.clone()).or_default().clone())).expect("always updates");
         ratio.feed(sample);
     }
 }

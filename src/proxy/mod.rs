@@ -302,9 +302,9 @@ fn respond(
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|ct| ct.starts_with("text/event-stream"));
-    let tap = status.is_success().then(|| UsageTap::new(dialect, sse));
     let expected =
         resp.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    let tap = status.is_success().then(|| UsageTap::new(dialect, sse, expected));
     // An SSE error reply (non-2xx) carries no [DONE]: only check successful streams.
     let sse_checked = sse && status.is_success();
     if let Some(len) = expected {

@@ -96,11 +96,9 @@ struct Envelope<'a> {
 pub struct UsageTap {
     dialect: Dialect,
     sse: bool,
-    /// Non-streaming: the body's first chunk, kept without copying (most
-    /// replies arrive in one).
-    first: Option<Bytes>,
-    /// Non-streaming: the body so far once a second chunk came. Streaming:
-    /// the current partial line.
+    /// Non-streaming: the body's length when the head said it.
+    expected: Option<u64>,
+    /// Non-streaming: the body so far. Streaming: the current partial line.
     buf: Vec<u8>,
     overflow: bool,
     found: Option<Usage>,
@@ -111,11 +109,12 @@ pub struct UsageTap {
 }
 
 impl UsageTap {
-    pub fn new(dialect: Dialect, sse: bool) -> UsageTap {
+    /// `expected`: the body's Content-Length, if the head had one.
+    pub fn new(dialect: Dialect, sse: bool, expected: Option<u64>) -> UsageTap {
         UsageTap {
             dialect,
             sse,
-            first: None,
+            expected,
             buf: Vec::new(),
             overflow: false,
             found: None,
@@ -127,15 +126,14 @@ impl UsageTap {
 
     pub fn observe(&mut self, chunk: &Bytes) {
         if !self.sse {
-            let kept = self.first.as_ref().map_or(0, Bytes::len) + self.buf.len();
-            if self.overflow || kept + chunk.len() > MAX_KEPT {
-                (self.overflow, self.first, self.buf) = (true, None, Vec::new());
-            } else if kept == 0 {
-                self.first = Some(chunk.clone());
+            if self.buf.is_empty() && self.expected == Some(chunk.len() as u64) {
+                // The whole body in one chunk (most replies): read it as it
+                // passes, nothing kept.
+                self.read_body(chunk);
+                self.expected = None;
+            } else if self.overflow || self.buf.len() + chunk.len() > MAX_KEPT {
+                (self.overflow, self.buf) = (true, Vec::new());
             } else {
-                if let Some(first) = self.first.take() {
-                    self.buf.extend_from_slice(&first);
-                }
                 self.buf.extend_from_slice(chunk);
             }
             return;
@@ -202,13 +200,16 @@ impl UsageTap {
 
     /// Call once, when the body has ended.
     pub fn finish(&mut self) {
-        if self.sse || self.overflow {
+        if self.sse || self.overflow || self.buf.is_empty() {
             return;
         }
-        let (first, buf) = (self.first.take(), std::mem::take(&mut self.buf));
-        let body = first.as_deref().unwrap_or(&buf);
-        // Only a stored response's id needs the whole document; usage alone
-        // is read from its own key, without parsing the choices before it.
+        let body = std::mem::take(&mut self.buf);
+        self.read_body(&body);
+    }
+
+    /// A whole non-streaming body. Only a stored response's id needs the
+    /// whole document parsed; usage alone is read from its own key.
+    fn read_body(&mut self, body: &[u8]) {
         match usage_value(body) {
             Some(usage) if self.dialect != Dialect::Responses => self.take_usage(usage),
             _ => self.take(body.trim_ascii()),
@@ -282,7 +283,7 @@ mod tests {
     use super::*;
 
     fn tap(dialect: Dialect, sse: bool, chunks: &[&[u8]]) -> UsageTap {
-        let mut t = UsageTap::new(dialect, sse);
+        let mut t = UsageTap::new(dialect, sse, None);
         for c in chunks {
             t.observe(&Bytes::copy_from_slice(c));
         }
@@ -310,6 +311,11 @@ mod tests {
         assert_eq!(whole.usage(), Some(Usage { prompt_tokens: 30, cached_tokens: None }));
         let (a, b) = body.split_at(100);
         assert_eq!(tap(Dialect::Chat, false, &[a, b]).usage(), whole.usage(), "same in two chunks");
+        let mut known = UsageTap::new(Dialect::Chat, false, Some(body.len() as u64));
+        known.observe(&Bytes::from_static(body));
+        assert_eq!(known.usage(), whole.usage(), "a whole body of the announced length is read as it passes");
+        known.finish();
+        assert_eq!(known.usage(), whole.usage());
         assert_eq!(tap(Dialect::Chat, false, &[br#"{"usage":null}"#]).usage(), None);
         assert_eq!(tap(Dialect::Chat, false, &[br#"{"choices":[]}"#]).usage(), None);
         let messages = br#"{"content":[],"usage":{"input_tokens":3,"cache_read_input_tokens":9}}"#;
