@@ -91,6 +91,12 @@ fn extraction(c: &mut Criterion) {
             b.iter(|| policy::identity::extract(Endpoint::Chat, black_box(body), IdentityBlocks::default()).unwrap())
         });
     }
+    // The hop benchmark's body (bench/hop.sh): one short user message.
+    let tiny = br#"{"model":"sim-model","max_tokens":4,"messages":[{"role":"user","content":"overhead probe"}]}"#;
+    group.throughput(Throughput::Bytes(tiny.len() as u64));
+    group.bench_function("hop_body_90B", |b| {
+        b.iter(|| policy::identity::extract(Endpoint::Chat, black_box(tiny), IdentityBlocks::default()).unwrap())
+    });
     group.finish();
 }
 
