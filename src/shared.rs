@@ -151,14 +151,17 @@ fn resync(
         }
         store.put_setting("policy", &serde_json::to_value(policy.get()).expect("serializable"))?;
         pins.mark_all_dirty();
-        return Ok(());
+    } else {
+        let ids: Vec<String> =
+            stored.iter().map(|r| r.spec.id.clone()).chain(fleet.snapshot().iter().map(|r| r.id.to_string())).collect();
+        for id in ids {
+            reload_replica(fleet, pins, admission, store, &id)?;
+        }
+        reload_policy(policy, store)?;
     }
-    let ids: Vec<String> =
-        stored.iter().map(|r| r.spec.id.clone()).chain(fleet.snapshot().iter().map(|r| r.id.to_string())).collect();
-    for id in ids {
-        reload_replica(fleet, pins, admission, store, &id)?;
-    }
-    reload_policy(policy, store)?;
+    // Read in both cases: an instance that reconnected first may already
+    // have written its pins into the emptied store (announced before this
+    // listener was back) without having restored the replicas yet.
     pins.apply_remote(store.pins()?.into_iter().map(|(k, p)| (k, Some(p))));
     tracing::info!("re-read the shared state (at start, or after the listener lost its connection)");
     Ok(())
@@ -167,4 +170,37 @@ fn resync(
 /// Starts following the other instances (no-op for a store that is not shared).
 pub fn follow(follower: Arc<Follower>, store: &dyn Store) -> Result<(), StoreError> {
     store.subscribe(Box::new(move |change| follower.apply(change)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fleet::{AdminState, ReplicaSpec};
+    use crate::store::MemoryStore;
+
+    /// The race `tests/shared.rs` met one run in four: another instance
+    /// wrote its pins into a store that came back empty, before anyone
+    /// restored the replicas; this instance's re-read must still take them.
+    #[test]
+    fn a_resync_against_an_emptied_store_restores_it_and_still_reads_the_pins_others_wrote() {
+        let store = MemoryStore::default();
+        let pin = crate::pins::Pin {
+            replica: Arc::from("a"),
+            created_ms: 1,
+            last_used_ms: 1,
+            turns: 1,
+            est_tokens: 10,
+            family: 7,
+            origin: Default::default(),
+        };
+        store.write_pins(&[(7, Some(pin))]).unwrap();
+        let fleet = Fleet::default();
+        fleet.add(Replica::new(ReplicaSpec::new("a", "http://127.0.0.1:1"), AdminState::Active));
+        let (pins, admission) = (PinTable::default(), Admission::default());
+        let policy =
+            CurrentPolicy::new(PolicySettings { mode: crate::policy::Mode::Shape, identity: Default::default() });
+        resync(&fleet, &pins, &admission, &policy, &store).unwrap();
+        assert_eq!(store.replicas().unwrap().len(), 1, "the fleet is put back");
+        assert_eq!(pins.replica_of(7).as_deref(), Some("a"), "the other instance's pin is read");
+    }
 }
