@@ -109,7 +109,8 @@ impl Report {
         if s.errors > 0 {
             self.warnings.push(format!("{} request(s) failed", s.errors));
         }
-        if ok.iter().all(|x| x.replica.is_empty()) {
+        // A workload that keeps no samples (overhead) has no headers to miss.
+        if !ok.is_empty() && ok.iter().all(|x| x.replica.is_empty()) {
             self.warnings
                 .push("no x-prefixgate-replica headers: the target is not prefixgate, spread is unknown".into());
         }
@@ -241,6 +242,18 @@ mod tests {
         assert_eq!(r.summary.warm.median_ms, Some(200.0));
         assert_eq!(r.summary.warm.cached_fraction, Some(0.9));
         assert!(r.warnings.iter().any(|w| w.contains("only 3 warm turns")));
+        assert!(!r.warnings.iter().any(|w| w.contains("not prefixgate")), "every sample named its replica");
         assert!(svg(&[r]).contains("<polyline"));
+    }
+
+    #[test]
+    fn only_samples_without_replica_headers_say_the_target_is_not_prefixgate() {
+        let mut none = Report { workload: "overhead".into(), ..Report::default() };
+        none.summarize(1.0);
+        assert!(none.warnings.is_empty(), "no samples, nothing to judge: {:?}", none.warnings);
+        let mut foreign = Report { workload: "burst".into(), ..Report::default() };
+        foreign.samples.push(Sample { ttft_ms: Some(1.0), ..Sample::default() });
+        foreign.summarize(1.0);
+        assert!(foreign.warnings.iter().any(|w| w.contains("not prefixgate")));
     }
 }
