@@ -295,13 +295,13 @@ impl Replica {
 
     /// Counts one request in flight until the guard drops, whichever path
     /// (success, error, client gone) ends it.
-    pub fn begin(self: &Arc<Self>, large: bool) -> InflightGuard {
+    pub fn begin(self: Arc<Self>, large: bool) -> InflightGuard {
         self.inflight.fetch_add(1, Ordering::AcqRel);
         if large {
             self.large_inflight.fetch_add(1, Ordering::AcqRel);
         }
         self.attempts.fetch_add(1, Ordering::Relaxed);
-        InflightGuard { replica: self.clone(), large }
+        InflightGuard { replica: self, large }
     }
 }
 
@@ -391,8 +391,8 @@ mod tests {
     #[test]
     fn guards_release_counters_on_drop() {
         let r = Arc::new(Replica::new(ReplicaSpec::new("a", "http://x"), AdminState::Active));
-        let g1 = r.begin(true);
-        let g2 = r.begin(false);
+        let g1 = r.clone().begin(true);
+        let g2 = r.clone().begin(false);
         assert_eq!((r.inflight(), r.large_inflight()), (2, 1));
         drop(g1);
         drop(g2);

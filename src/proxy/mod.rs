@@ -20,7 +20,7 @@ pub mod usage;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use actix_web::http::header::{self, HeaderValue};
+use actix_web::http::header::{self, HeaderName, HeaderValue};
 use actix_web::{web, HttpRequest, HttpResponse};
 use futures_util::StreamExt;
 
@@ -188,7 +188,9 @@ async fn forward_request(
         let reason = if failed_from.is_some() { RouteReason::Failover } else { decision.reason };
         let started = Instant::now();
         let permit = if large { Some(admit(state, &recorder, &replica).await?) } else { None };
+        // The guard holds the replica from here on (one reference, not two).
         let guard = replica.begin(large);
+        let replica = &guard.replica;
         let est_tokens = state.calibration.estimate(&replica.id, shape.prompt_bytes);
         let family = pinned.as_ref().map(|(_, p)| p.family).or(shape.pin_at);
         let ticket = state.capacity.running.begin(&replica.id, family, est_tokens);
@@ -211,7 +213,6 @@ async fn forward_request(
                 let outcome = Outcome {
                     recorder: recorder.into_inner(),
                     metrics,
-                    replica,
                     reason,
                     status: resp.status().as_u16(),
                     started,
@@ -222,6 +223,7 @@ async fn forward_request(
                 return Ok(respond(resp, outcome, predicted_cached, idle, shape.dialect));
             }
             Err(e) => {
+                let replica = replica.clone();
                 drop((guard, permit, ticket));
                 let took_down = recorder.attempt_failed(&replica, reason, &e);
                 if !e.retry_safe() {
@@ -292,10 +294,12 @@ fn respond(
     let status = resp.status();
     let mut out = HttpResponse::build(status);
     headers::copy_response_headers(resp.headers(), &mut out);
-    out.insert_header((HEADER_REPLICA, HeaderValue::from_str(&outcome.replica.id).expect("slug is a valid header")));
-    out.insert_header((HEADER_ROUTE, outcome.reason.as_str()));
+    // Names and the route as static values: nothing parsed or allocated.
+    let id = HeaderValue::from_str(&outcome.replica().id).expect("slug is a valid header");
+    out.insert_header((HeaderName::from_static(HEADER_REPLICA), id));
+    out.insert_header((HeaderName::from_static(HEADER_ROUTE), HeaderValue::from_static(outcome.reason.as_str())));
     if let Some(n) = predicted_cached {
-        out.insert_header((HEADER_PREDICTED_CACHED, n.to_string()));
+        out.insert_header((HeaderName::from_static(HEADER_PREDICTED_CACHED), HeaderValue::from(n)));
     }
     let sse = resp
         .headers()

@@ -207,12 +207,18 @@ impl OutcomeRecorder {
 pub struct Outcome {
     pub recorder: Arc<OutcomeRecorder>,
     pub metrics: Rc<RouteMetrics>,
-    pub replica: Arc<Replica>,
     pub reason: RouteReason,
     pub status: u16,
     pub started: Instant,
     pub prompt_bytes: usize,
     pub held: (InflightGuard, Option<(Permit, Option<crate::leases::FleetLease>)>, RunningTicket),
+}
+
+impl Outcome {
+    /// The replica serving the body (the in-flight guard holds it).
+    pub fn replica(&self) -> &Arc<Replica> {
+        &self.held.0.replica
+    }
 }
 
 impl BodyEnd for Outcome {
@@ -229,12 +235,12 @@ impl BodyEnd for Outcome {
         route.count_request(status);
         if outcome == BodyOutcome::Complete && (200..300).contains(&self.status) {
             if let Some(id) = usage.and_then(UsageTap::response_id) {
-                self.recorder.stored_response(id, &self.replica.id);
+                self.recorder.stored_response(id, &self.replica().id);
             }
             let measured = usage.and_then(UsageTap::usage);
             if measured.is_some() { &m.measured } else { &m.unmeasured }.inc();
             if let Some(u) = measured {
-                self.recorder.calibration.calibrate(&self.replica.id, self.prompt_bytes, u.prompt_tokens);
+                self.recorder.calibration.calibrate(&self.replica().id, self.prompt_bytes, u.prompt_tokens);
                 route.prompt_tokens.inc_by(u.prompt_tokens);
                 route.cached_tokens.inc_by(u.cached_tokens.unwrap_or(0));
             }
