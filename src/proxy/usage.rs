@@ -306,7 +306,8 @@ mod tests {
     fn a_body_usage_is_its_top_level_key_not_the_word_in_a_string() {
         // The word as a string value, a key ending in an escaped quote, and
         // an escaped key inside a string: none of them is the usage.
-        let body = br#"{"choices":[{"message":{"content":"usage","tool_calls":[{"arguments":"{"usage":{"prompt_tokens":1}}"}]}}],"odd"usage":{"prompt_tokens":2},"usage" : {"prompt_tokens":30,"prompt_tokens_details":null},"x":"usage"}"#;
+        let body = br#"{"choices":[{"message":{"content":"usage","tool_calls":[{"arguments":"{\"usage\":{\"prompt_tokens\":1}}"}]}}],"usage" : {"prompt_tokens":30,"prompt_tokens_details":null},"odd\"usage":{"prompt_tokens":2},"x":"usage"}"#;
+        serde_json::from_slice::<serde_json::Value>(body).expect("the test body is valid JSON");
         let whole = tap(Dialect::Chat, false, &[body]);
         assert_eq!(whole.usage(), Some(Usage { prompt_tokens: 30, cached_tokens: None }));
         let (a, b) = body.split_at(100);
