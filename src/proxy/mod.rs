@@ -34,9 +34,10 @@ use outcome::{Outcome, OutcomeRecorder, Responded};
 use plan::PlanInput;
 use usage::UsageTap;
 
-pub const HEADER_REPLICA: &str = "x-prefixgate-replica";
-pub const HEADER_ROUTE: &str = "x-prefixgate-route";
-pub const HEADER_PREDICTED_CACHED: &str = "x-prefixgate-predicted-cached-tokens";
+// Constants, so the names are checked once at compile time, not per request.
+pub const HEADER_REPLICA: HeaderName = HeaderName::from_static("x-prefixgate-replica");
+pub const HEADER_ROUTE: HeaderName = HeaderName::from_static("x-prefixgate-route");
+pub const HEADER_PREDICTED_CACHED: HeaderName = HeaderName::from_static("x-prefixgate-predicted-cached-tokens");
 
 /// One awc client per actix worker (awc is `!Send`), built in the app factory.
 pub struct Upstream(pub awc::Client);
@@ -294,12 +295,11 @@ fn respond(
     let status = resp.status();
     let mut out = HttpResponse::build(status);
     headers::copy_response_headers(resp.headers(), &mut out);
-    // Names and the route as static values: nothing parsed or allocated.
     let id = HeaderValue::from_str(&outcome.replica().id).expect("slug is a valid header");
-    out.insert_header((HeaderName::from_static(HEADER_REPLICA), id));
-    out.insert_header((HeaderName::from_static(HEADER_ROUTE), HeaderValue::from_static(outcome.reason.as_str())));
+    out.insert_header((HEADER_REPLICA, id));
+    out.insert_header((HEADER_ROUTE, HeaderValue::from_static(outcome.reason.as_str())));
     if let Some(n) = predicted_cached {
-        out.insert_header((HeaderName::from_static(HEADER_PREDICTED_CACHED), HeaderValue::from(n)));
+        out.insert_header((HEADER_PREDICTED_CACHED, HeaderValue::from(n)));
     }
     let sse = resp
         .headers()
