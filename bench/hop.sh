@@ -12,6 +12,7 @@
 # Usage: ROUNDS=7 SECS=10 [BEFORE=path/to/old/prefixgate] bench/hop.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
+source bench/nginx.sh
 ROUNDS=${ROUNDS:-7}; SECS=${SECS:-10}
 cargo build --release -q --bin prefixgate --example bare_proxy || exit 1
 bin=$PWD/target/release/prefixgate
@@ -32,15 +33,7 @@ if [ -n "${BEFORE:-}" ]; then
   start before 18412 "$BEFORE" serve --listen 127.0.0.1:18412 --admin-listen 127.0.0.1:18422 $replicas
 fi
 start floor 18413 $bare 127.0.0.1:18413 http://127.0.0.1:18401 http://127.0.0.1:18402
-cat > "$tmp/nginx.conf" <<NGINX
-worker_processes 2; pid $tmp/nginx.pid; error_log $tmp/nginx-error.log; daemon off;
-events { worker_connections 4096; }
-http {
-  access_log off; client_body_temp_path $tmp; proxy_temp_path $tmp;
-  upstream sims { server 127.0.0.1:18401; server 127.0.0.1:18402; keepalive 64; }
-  server { listen 127.0.0.1:18414; location / { proxy_pass http://sims; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off; } }
-}
-NGINX
+nginx_conf "$tmp" 18414
 start nginx 18414 nginx -c "$tmp/nginx.conf"
 
 body='{"model":"sim-model","max_tokens":4,"messages":[{"role":"user","content":"overhead probe"}]}'

@@ -11,6 +11,7 @@
 # Usage: SECS=10 CONC=32 bench/overhead.sh > target/bench/overhead.md
 set -uo pipefail
 cd "$(dirname "$0")/.."
+source bench/nginx.sh
 SECS=${SECS:-10}; CONC=${CONC:-32}
 cargo build --release -q || exit 1
 bin=$PWD/target/release/prefixgate
@@ -35,17 +36,9 @@ start() { # name port command...
 }
 start prefixgate-shape 18411 $bin serve --listen 127.0.0.1:18411 --admin-listen 127.0.0.1:18421 --policy shape --replica a=http://127.0.0.1:18401 --replica b=http://127.0.0.1:18402
 start prefixgate-roundrobin 18412 $bin serve --listen 127.0.0.1:18412 --admin-listen 127.0.0.1:18422 --policy roundrobin --replica a=http://127.0.0.1:18401 --replica b=http://127.0.0.1:18402
-cat > "$tmp/nginx.conf" <<NGINX
-worker_processes 2; pid $tmp/nginx.pid; error_log $tmp/nginx-error.log; daemon off;
-events { worker_connections 4096; }
-http {
-  access_log off; client_body_temp_path $tmp; proxy_temp_path $tmp;
-  upstream sims { server 127.0.0.1:18401; server 127.0.0.1:18402; keepalive 64; }
+nginx_conf "$tmp" 18413 '
   upstream echo { server 127.0.0.1:18431; keepalive 8; }
-  server { listen 127.0.0.1:18413; location / { proxy_pass http://sims; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off; } }
-  server { listen 127.0.0.1:18443; location / { proxy_pass http://echo; proxy_http_version 1.1; proxy_set_header Connection ""; } }
-}
-NGINX
+  server { listen 127.0.0.1:18443; location / { proxy_pass http://echo; proxy_http_version 1.1; proxy_set_header Connection ""; } }'
 start nginx 18413 nginx -c "$tmp/nginx.conf"
 if [ -x "$venv/bin/smg" ]; then
   start smg-round_robin 18414 "$venv/bin/smg" launch --host 127.0.0.1 --port 18414 --prometheus-port 18614 --policy round_robin --worker-urls $W
