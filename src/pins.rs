@@ -19,8 +19,12 @@
 //! Time is passed in (`now_ms`), so expiry and LRU eviction are testable
 //! without sleeping.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
+
+// The hot maps hash with foldhash (seeded per process): SipHash cost more
+// than the lookup itself on every request.
+type FastMap<K, V> = foldhash::HashMap<K, V>;
 
 use serde::{Deserialize, Serialize};
 
@@ -124,12 +128,12 @@ struct Slot {
 
 #[derive(Default)]
 struct Shard {
-    map: HashMap<PrefixKey, Slot>,
+    map: FastMap<PrefixKey, Slot>,
     /// Keys changed since the last flush; the flusher reads their current
     /// value (absent: deleted), so a key written twice is written once.
-    dirty: HashSet<PrefixKey>,
+    dirty: foldhash::HashSet<PrefixKey>,
     /// Pins per replica in this shard (kept in step, so counting is O(shards)).
-    counts: HashMap<ReplicaIdx, usize>,
+    counts: FastMap<ReplicaIdx, usize>,
 }
 
 impl Shard {
@@ -179,7 +183,7 @@ struct Interner {
 #[derive(Default, Clone)]
 struct InternTable {
     names: Vec<Arc<str>>,
-    index: HashMap<Arc<str>, ReplicaIdx>,
+    index: FastMap<Arc<str>, ReplicaIdx>,
 }
 
 impl Interner {

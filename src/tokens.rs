@@ -6,7 +6,6 @@
 //! Each replica's ratio then moves toward what its own `usage.prompt_tokens`
 //! says (an exponential average), because tokenizers differ per model.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -49,7 +48,7 @@ impl Ratio {
 /// written only when a sample moves it.
 #[derive(Debug, Default)]
 pub struct Calibration {
-    ratios: ReadMostly<HashMap<Arc<str>, Arc<Ratio>>>,
+    ratios: ReadMostly<foldhash::HashMap<Arc<str>, Arc<Ratio>>>,
 }
 
 impl Calibration {
