@@ -17,8 +17,7 @@
 //! so a report costs O(active families), not O(pins).
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
-use std::thread::ThreadId;
+use std::sync::{Arc, Mutex, Weak};
 
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -27,7 +26,6 @@ use crate::events::{EventKind, EventLog};
 use crate::fleet::Fleet;
 use crate::pins::Pin;
 use crate::policy::PrefixKey;
-use crate::read_mostly::ReadMostly;
 use crate::tokens::Calibration;
 
 #[derive(Debug, Clone, Copy)]
@@ -36,15 +34,19 @@ pub struct RunningRequest {
     pub tokens: u64,
 }
 
-/// Requests running now, with the context they occupy. Each thread
-/// registers its requests in a shard of its own: a request's begin and end
-/// touch only memory its worker owns (one shared map moved its lock and
-/// table between the cores on every request). Readers (once a second, and
-/// heartbeats) walk every shard.
+/// Requests running now, with the context they occupy. Each worker
+/// registers its requests in a shard of its own (`worker`, taken once when
+/// the worker starts): a request's begin and end touch only memory its
+/// worker owns (one shared map moved its lock and table between the cores on
+/// every request). Readers (once a second, and heartbeats) walk every shard;
+/// a shard whose worker and tickets are gone drops out.
 #[derive(Default)]
 pub struct RunningRequests {
-    shards: ReadMostly<HashMap<ThreadId, Arc<RunningShard>>>,
+    shards: Mutex<Vec<Weak<RunningShard>>>,
 }
+
+/// One worker's shard of the running requests.
+pub struct RunningWorker(Arc<RunningShard>);
 
 #[derive(Default)]
 struct RunningShard {
@@ -53,7 +55,7 @@ struct RunningShard {
 
 #[derive(Default)]
 struct ShardMap {
-    running: HashMap<u64, (Arc<str>, RunningRequest)>,
+    running: foldhash::HashMap<u64, (Arc<str>, RunningRequest)>,
     next_ticket: u64,
 }
 
@@ -69,33 +71,38 @@ impl Drop for RunningTicket {
     }
 }
 
-impl RunningRequests {
+impl RunningWorker {
     pub fn begin(&self, replica: &Arc<str>, family: Option<PrefixKey>, tokens: u64) -> RunningTicket {
-        let shard = self.own_shard();
         let id = {
-            let mut map = shard.map.lock().expect("lock");
+            let mut map = self.0.map.lock().expect("lock");
             map.next_ticket += 1;
             let id = map.next_ticket;
             map.running.insert(id, (replica.clone(), RunningRequest { family, tokens }));
             id
         };
-        RunningTicket { shard, id }
+        RunningTicket { shard: self.0.clone(), id }
+    }
+}
+
+impl RunningRequests {
+    /// A shard for one worker (or any caller that begins requests).
+    pub fn worker(&self) -> RunningWorker {
+        let shard = Arc::new(RunningShard::default());
+        let mut shards = self.shards.lock().expect("lock");
+        shards.retain(|s| s.strong_count() > 0);
+        shards.push(Arc::downgrade(&shard));
+        RunningWorker(shard)
     }
 
-    fn own_shard(&self) -> Arc<RunningShard> {
-        let me = std::thread::current().id();
-        if let Some(shard) = self.shards.load().get(&me) {
-            return shard.clone();
-        }
-        self.shards.update(|shards| Some(shards.entry(me).or_default().clone())).expect("always updates")
+    /// Registers one request in a shard of its own (tests, one-off callers).
+    pub fn begin(&self, replica: &Arc<str>, family: Option<PrefixKey>, tokens: u64) -> RunningTicket {
+        self.worker().begin(replica, family, tokens)
     }
 
     fn snapshot(&self) -> Vec<(Arc<str>, RunningRequest)> {
-        let shards = self.shards.load();
-        shards
-            .values()
-            .flat_map(|s| s.map.lock().expect("lock").running.values().cloned().collect::<Vec<_>>())
-            .collect()
+        let shards: Vec<Arc<RunningShard>> =
+            self.shards.lock().expect("lock").iter().filter_map(Weak::upgrade).collect();
+        shards.iter().flat_map(|s| s.map.lock().expect("lock").running.values().cloned().collect::<Vec<_>>()).collect()
     }
 
     /// Requests running now per replica: (count, estimated tokens), for this
@@ -118,6 +125,37 @@ struct FamilyUse {
     last_used_ms: u64,
 }
 
+/// The families served per replica. Keyed by replica first so that a
+/// returning family (every request of a conversation) is found by the name
+/// it is given: the shared name is cloned only for a replica's first family.
+#[derive(Default)]
+struct Families(foldhash::HashMap<Arc<str>, foldhash::HashMap<PrefixKey, FamilyUse>>);
+
+impl Families {
+    fn on(&mut self, replica: &Arc<str>) -> &mut foldhash::HashMap<PrefixKey, FamilyUse> {
+        if !self.0.contains_key(replica) {
+            self.0.insert(replica.clone(), foldhash::HashMap::default());
+        }
+        self.0.get_mut(replica).expect("inserted above")
+    }
+
+    fn active(&self, since_ms: u64) -> Vec<(Arc<str>, PrefixKey, u64)> {
+        let mut out = Vec::new();
+        for (r, fs) in &self.0 {
+            let live = fs.iter().filter(|(_, u)| u.last_used_ms >= since_ms);
+            out.extend(live.map(|(f, u)| (r.clone(), *f, u.tokens)));
+        }
+        out
+    }
+
+    fn forget_before(&mut self, since_ms: u64) {
+        for fs in self.0.values_mut() {
+            fs.retain(|_, u| u.last_used_ms >= since_ms);
+        }
+        self.0.retain(|_, fs| !fs.is_empty());
+    }
+}
+
 /// (working set tokens, KV capacity tokens) from the last evaluation.
 type LastFigures = (u64, Option<u64>);
 
@@ -133,7 +171,7 @@ pub struct Capacity {
     /// from their heartbeats (a shared store), so the verdict covers the fleet.
     elsewhere: Mutex<HashMap<String, (u64, u64)>>,
     window_ms: u64,
-    families: Mutex<HashMap<(Arc<str>, PrefixKey), FamilyUse>>,
+    families: Mutex<Families>,
     metrics_kv: Mutex<HashMap<Arc<str>, u64>>,
     warnings: Mutex<Warnings>,
     last: Mutex<HashMap<Arc<str>, LastFigures>>,
@@ -173,7 +211,7 @@ impl Capacity {
     pub fn touch_family(&self, replica: &Arc<str>, family: PrefixKey, tokens: u64, now_ms: u64) {
         let mut families = self.families.lock().expect("lock");
         let window = self.window_ms;
-        let e = families.entry((replica.clone(), family)).or_insert(FamilyUse { tokens: 0, last_used_ms: now_ms });
+        let e = families.on(replica).entry(family).or_insert(FamilyUse { tokens: 0, last_used_ms: now_ms });
         if now_ms.saturating_sub(e.last_used_ms) > window {
             e.tokens = 0; // expired: its old size says nothing any more
         }
@@ -188,11 +226,13 @@ impl Capacity {
 
     /// The conversation left `replica` (its pin moved): it no longer lives there.
     pub fn family_moved(&self, family: PrefixKey, from: &str) {
-        self.families.lock().expect("lock").retain(|(r, f), _| !(*f == family && &**r == from));
+        if let Some(on) = self.families.lock().expect("lock").0.get_mut(from) {
+            on.remove(&family);
+        }
     }
 
     pub fn forget_replica(&self, replica: &str) {
-        self.families.lock().expect("lock").retain(|(r, _), _| &**r != replica);
+        self.families.lock().expect("lock").0.remove(replica);
     }
 
     pub fn set_metrics_kv(&self, replica: &Arc<str>, kv_tokens: Option<u64>) {
@@ -212,14 +252,7 @@ impl Capacity {
     /// The current report. Reads only: a GET may call it.
     pub fn report(&self, fleet: &Fleet, calibration: &Calibration, now_ms: u64) -> CapacityReport {
         let since = now_ms.saturating_sub(self.window_ms);
-        let families: Vec<(Arc<str>, PrefixKey, u64)> = self
-            .families
-            .lock()
-            .expect("lock")
-            .iter()
-            .filter(|(_, u)| u.last_used_ms >= since)
-            .map(|((r, f), u)| (r.clone(), *f, u.tokens))
-            .collect();
+        let families = self.families.lock().expect("lock").active(since);
         let mut running = self.running.snapshot();
         for (replica, (count, tokens)) in self.elsewhere.lock().expect("lock").iter() {
             // Another instance's requests: counted, their tokens spread evenly (no families known).
@@ -248,7 +281,7 @@ impl Capacity {
     /// fleet as a whole).
     pub fn evaluate(&self, fleet: &Fleet, calibration: &Calibration, events: &EventLog, now_ms: u64) -> CapacityReport {
         let since = now_ms.saturating_sub(self.window_ms);
-        self.families.lock().expect("lock").retain(|_, u| u.last_used_ms >= since);
+        self.families.lock().expect("lock").forget_before(since);
         let report = self.report(fleet, calibration, now_ms);
         {
             let mut last = self.last.lock().expect("lock");
@@ -500,14 +533,8 @@ mod tests {
         c.touch_family(&a, 2, 10_000, 2_000);
         let active = |c: &Capacity, now: u64| {
             let since = now.saturating_sub(c.window_ms);
-            let mut v: Vec<_> = c
-                .families
-                .lock()
-                .unwrap()
-                .iter()
-                .filter(|(_, u)| u.last_used_ms >= since)
-                .map(|((r, f), u)| (r.to_string(), *f, u.tokens))
-                .collect();
+            let mut v: Vec<_> =
+                c.families.lock().unwrap().active(since).into_iter().map(|(r, f, t)| (r.to_string(), f, t)).collect();
             v.sort();
             v
         };

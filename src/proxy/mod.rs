@@ -194,7 +194,7 @@ async fn forward_request(
         let replica = &guard.replica;
         let est_tokens = state.calibration.estimate(&replica.id, shape.prompt_bytes);
         let family = pinned.as_ref().map(|(_, p)| p.family).or(shape.pin_at);
-        let ticket = state.capacity.running.begin(&replica.id, family, est_tokens);
+        let ticket = recorder.running(&replica.id, family, est_tokens);
         let request = headers::upstream_request(&upstream.0, req, &replica.spec(), !config.api_keys.is_empty());
         match attempt::send(request, body.clone()).await {
             Ok(resp) => {

@@ -13,7 +13,7 @@ use super::body::{BodyEnd, BodyOutcome};
 use super::plan::PlanError;
 use super::usage::UsageTap;
 use crate::admission::Permit;
-use crate::capacity::{Capacity, RunningTicket};
+use crate::capacity::{Capacity, RunningTicket, RunningWorker};
 use crate::error::ApiError;
 use crate::events::{EventKind, EventLog};
 use crate::fleet::health::{HealthTracker, Observation};
@@ -32,6 +32,8 @@ pub struct OutcomeRecorder {
     metrics: WorkerMetrics,
     calibration: Arc<Calibration>,
     capacity: Arc<Capacity>,
+    /// This worker's shard of the running requests.
+    running: RunningWorker,
     health: Arc<HealthTracker>,
 }
 
@@ -67,12 +69,18 @@ impl OutcomeRecorder {
             metrics: WorkerMetrics::new(s.metrics.clone()),
             calibration: s.calibration.clone(),
             capacity: s.capacity.clone(),
+            running: s.capacity.running.worker(),
             health: s.health.clone(),
         }
     }
 
     pub fn metrics(&self) -> &Metrics {
         self.metrics.shared()
+    }
+
+    /// Counts a request as running on `replica` until the ticket drops.
+    pub fn running(&self, replica: &Arc<str>, family: Option<PrefixKey>, est_tokens: u64) -> RunningTicket {
+        self.running.begin(replica, family, est_tokens)
     }
 
     /// The gateway answered with an error of its own before any replica.
