@@ -3,8 +3,8 @@
 //! durations in `_seconds`. Every name here is listed in the README and a
 //! test scrapes the live endpoint for each, so docs and code cannot drift.
 //!
-//! Counters and histograms are updated on the request path (atomics, no
-//! locks beyond the label map); gauges that mirror fleet state are set at
+//! Counters and histograms are updated on the request path (atomics in a
+//! stripe per thread, `striped.rs`; no locks beyond the label map); gauges that mirror fleet state are set at
 //! scrape time from the fleet itself, so they cannot disagree with it.
 
 use std::borrow::Cow;
@@ -17,8 +17,12 @@ use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEn
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::metrics::histogram::exponential_buckets;
 use prometheus_client::registry::Registry;
+
+pub mod striped;
+
+use striped::{StripedCounter, StripedHistogram};
 
 use crate::admission::Admission;
 use crate::capacity::CapacityReport;
@@ -95,24 +99,24 @@ pub fn status_label(status: u16) -> Cow<'static, str> {
     }
 }
 
-type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+type HistogramFamily<L> = Family<L, StripedHistogram, fn() -> StripedHistogram>;
 
-fn latency_histogram() -> Histogram {
+fn latency_histogram() -> StripedHistogram {
     // 1 ms .. ~524 s: covers a warm first token and a cold 90k-token prefill.
-    Histogram::new(exponential_buckets(0.001, 2.0, 20))
+    StripedHistogram::new(exponential_buckets(0.001, 2.0, 20))
 }
 
 pub struct Metrics {
     registry: Registry,
-    pub requests: Family<RequestLabels, Counter>,
+    pub requests: Family<RequestLabels, StripedCounter>,
     pub upstream_ttfb: HistogramFamily<RouteLabels>,
     pub request_duration: HistogramFamily<RouteLabels>,
     pub failovers: Family<FailoverLabels, Counter>,
-    pub pin_lookups: Family<ResultLabels, Counter>,
+    pub pin_lookups: Family<ResultLabels, StripedCounter>,
     pub rejected: Family<ResultLabels, Counter>,
-    pub prompt_tokens: Family<RouteLabels, Counter>,
-    pub cached_tokens: Family<RouteLabels, Counter>,
-    pub usage_measured: Family<ResultLabels, Counter>,
+    pub prompt_tokens: Family<RouteLabels, StripedCounter>,
+    pub cached_tokens: Family<RouteLabels, StripedCounter>,
+    pub usage_measured: Family<ResultLabels, StripedCounter>,
     pub admission_waits: Family<ReplicaLabels, Counter>,
     pub admission_rejections: Family<ReplicaLabels, Counter>,
     // Mirrors of fleet state, set at scrape time.
@@ -159,8 +163,8 @@ impl Metrics {
         let mut registry = Registry::default();
         let m = Metrics {
             requests: Family::default(),
-            upstream_ttfb: Family::new_with_constructor(latency_histogram as fn() -> Histogram),
-            request_duration: Family::new_with_constructor(latency_histogram as fn() -> Histogram),
+            upstream_ttfb: Family::new_with_constructor(latency_histogram as fn() -> StripedHistogram),
+            request_duration: Family::new_with_constructor(latency_histogram as fn() -> StripedHistogram),
             failovers: Family::default(),
             pin_lookups: Family::default(),
             rejected: Family::default(),
@@ -342,14 +346,14 @@ impl Default for Metrics {
 /// The request-path metrics of one (replica, route): looked up once per
 /// request and carried with it to the end of its body.
 pub struct RouteMetrics {
-    pub upstream_ttfb: Histogram,
-    pub request_duration: Histogram,
-    pub prompt_tokens: Counter,
-    pub cached_tokens: Counter,
+    pub upstream_ttfb: StripedHistogram,
+    pub request_duration: StripedHistogram,
+    pub prompt_tokens: StripedCounter,
+    pub cached_tokens: StripedCounter,
     /// `prefixgate_requests_total` by status, created on first use.
-    requests: RefCell<HashMap<Cow<'static, str>, Counter>>,
+    requests: RefCell<HashMap<Cow<'static, str>, StripedCounter>>,
     labels: RouteLabels,
-    family: Family<RequestLabels, Counter>,
+    family: Family<RequestLabels, StripedCounter>,
 }
 
 impl RouteMetrics {
@@ -383,16 +387,17 @@ pub struct WorkerMetrics {
     /// to a cache line both workers use). The entry keeps its name alive, so
     /// the address cannot be reused by another name while it is cached.
     routes: RefCell<Routes>,
-    pub measured: Counter,
-    pub unmeasured: Counter,
-    pub pin_hits: Counter,
-    pub pin_misses: Counter,
+    pub measured: StripedCounter,
+    pub unmeasured: StripedCounter,
+    pub pin_hits: StripedCounter,
+    pub pin_misses: StripedCounter,
 }
 
 impl WorkerMetrics {
     pub fn new(shared: Arc<Metrics>) -> WorkerMetrics {
-        let result =
-            |family: &Family<ResultLabels, Counter>, r| family.get_or_create(&ResultLabels { result: r }).clone();
+        let result = |family: &Family<ResultLabels, StripedCounter>, r| {
+            family.get_or_create(&ResultLabels { result: r }).clone()
+        };
         WorkerMetrics {
             measured: result(&shared.usage_measured, "measured"),
             unmeasured: result(&shared.usage_measured, "unmeasured"),
