@@ -48,15 +48,16 @@ struct ResponsesBody<'a> {
 /// Hashes one message-like unit: role, then content (a string is the same
 /// content as one text part would be for the engine, but clients resend
 /// what they sent, so the two forms are kept apart rather than guessed at).
-fn message_unit(chain: &Chain, role: &str, content: Option<&Value>, skip: &[&str]) -> (xxhash_rust::xxh3::Xxh3, usize) {
-    let mut h = chain.unit();
-    field(&mut h, b'r', role.as_bytes());
+/// Returns the unit's content bytes; `chain.close()` then gives its key.
+fn message_unit(chain: &mut Chain, role: &str, content: Option<&Value>, skip: &[&str]) -> usize {
+    let h = chain.unit();
+    field(h, b'r', role.as_bytes());
     let mut bytes = role.len();
     if let Some(c) = content {
         h.update(b"c");
-        bytes += canonical_value_skipping(&mut h, c, skip);
+        bytes += canonical_value_skipping(h, c, skip);
     }
-    (h, bytes)
+    bytes
 }
 
 fn shape(
@@ -94,14 +95,14 @@ pub(super) fn extract_responses(body: &[u8]) -> Result<RequestShape, ShapeError>
     let mut chain = Chain::first_link(b.model.as_deref(), b.cache_salt.as_deref(), &extra);
     let mut boundaries = Vec::new();
     let mut bytes = 0usize;
-    let mut push = |chain: &mut Chain, (h, n): (xxhash_rust::xxh3::Xxh3, usize)| {
+    let mut push = |chain: &mut Chain, n: usize| {
         bytes += n;
-        boundaries.push(Boundary { key: chain.close(h), bytes });
+        boundaries.push(Boundary { key: chain.close(), bytes });
     };
     match &b.input {
         // A plain string is one user message.
         Some(Value::String(text)) => {
-            let unit = message_unit(&chain, "user", Some(&Value::String(text.clone())), RESPONSES_SKIP);
+            let unit = message_unit(&mut chain, "user", Some(&Value::String(text.clone())), RESPONSES_SKIP);
             push(&mut chain, unit);
         }
         Some(Value::Array(items)) => {
@@ -111,12 +112,11 @@ pub(super) fn extract_responses(body: &[u8]) -> Result<RequestShape, ShapeError>
                     .filter(|o| o.get("type").is_none_or(|t| t == "message"))
                     .and_then(|o| Some((o.get("role")?.as_str()?, o.get("content"))));
                 let unit = match message {
-                    Some((role, content)) => message_unit(&chain, role, content, RESPONSES_SKIP),
+                    Some((role, content)) => message_unit(&mut chain, role, content, RESPONSES_SKIP),
                     None => {
-                        let mut h = chain.unit();
+                        let h = chain.unit();
                         h.update(b"j");
-                        let n = canonical_value_skipping(&mut h, item, RESPONSES_SKIP);
-                        (h, n)
+                        canonical_value_skipping(h, item, RESPONSES_SKIP)
                     }
                 };
                 push(&mut chain, unit);
@@ -171,9 +171,8 @@ pub(super) fn extract_messages(body: &[u8]) -> Result<RequestShape, ShapeError> 
             .get("role")
             .and_then(Value::as_str)
             .ok_or_else(|| ShapeError("every message needs a string 'role'".into()))?;
-        let (h, n) = message_unit(&chain, role, m.get("content"), MESSAGES_SKIP);
-        bytes += n;
-        boundaries.push(Boundary { key: chain.close(h), bytes });
+        bytes += message_unit(&mut chain, role, m.get("content"), MESSAGES_SKIP);
+        boundaries.push(Boundary { key: chain.close(), bytes });
     }
     Ok(shape(Dialect::Messages, b.model, boundaries, bytes, None, None))
 }
