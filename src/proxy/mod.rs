@@ -39,8 +39,12 @@ pub const HEADER_REPLICA: HeaderName = HeaderName::from_static("x-prefixgate-rep
 pub const HEADER_ROUTE: HeaderName = HeaderName::from_static("x-prefixgate-route");
 pub const HEADER_PREDICTED_CACHED: HeaderName = HeaderName::from_static("x-prefixgate-predicted-cached-tokens");
 
-/// One awc client per actix worker (awc is `!Send`), built in the app factory.
-pub struct Upstream(pub awc::Client);
+/// One awc client per actix worker (awc is `!Send`), built in the app
+/// factory, with the replicas' base URLs as this worker parsed them.
+pub struct Upstream {
+    client: awc::Client,
+    bases: headers::BaseUris,
+}
 
 /// awc's connector with TCP_NODELAY on every upstream socket. Without it,
 /// awc's separate writes of head and body meet Nagle's algorithm and the
@@ -68,16 +72,15 @@ impl Upstream {
         let connector = connector(Duration::from_millis(t.connect_ms))
             // No pool cap: a thousand concurrent streams is a normal day.
             .limit(0);
-        Upstream(
-            awc::Client::builder()
-                .connector(connector)
-                .no_default_headers()
-                .disable_redirects()
-                // awc's default of 5 s would kill a slow first token; this
-                // bounds sending plus the response head only.
-                .timeout(Duration::from_millis(t.response_head_ms))
-                .finish(),
-        )
+        let client = awc::Client::builder()
+            .connector(connector)
+            .no_default_headers()
+            .disable_redirects()
+            // awc's default of 5 s would kill a slow first token; this
+            // bounds sending plus the response head only.
+            .timeout(Duration::from_millis(t.response_head_ms))
+            .finish();
+        Upstream { client, bases: headers::BaseUris::default() }
     }
 }
 
@@ -195,7 +198,10 @@ async fn forward_request(
         let est_tokens = state.calibration.estimate(&replica.id, shape.prompt_bytes);
         let family = pinned.as_ref().map(|(_, p)| p.family).or(shape.pin_at);
         let ticket = recorder.running(&replica.id, family, est_tokens);
-        let request = headers::upstream_request(&upstream.0, req, &replica.spec(), !config.api_keys.is_empty());
+        let spec = replica.spec();
+        let uri = upstream.bases.uri(&spec, req.uri());
+        let request = headers::upstream_request(&upstream.client, uri, req, &spec, !config.api_keys.is_empty());
+        drop(spec);
         match attempt::send(request, body.clone()).await {
             Ok(resp) => {
                 let (metrics, predicted_cached) = recorder.responded(&Responded {
@@ -271,16 +277,29 @@ async fn admit(state: &AppState, recorder: &OutcomeRecorder, replica: &Arc<Repli
     }
 }
 
+/// The whole request body, at most `limit` bytes. A body that arrives in
+/// one chunk (most do) is that chunk itself: nothing is copied.
 async fn read_body(mut payload: web::Payload, limit: usize) -> Result<web::Bytes, ApiError> {
-    let mut buf = web::BytesMut::new();
+    let mut first = web::Bytes::new();
+    let mut joined: Option<web::BytesMut> = None;
     while let Some(chunk) = payload.next().await {
         let chunk = chunk?;
-        if buf.len() + chunk.len() > limit {
+        let so_far = joined.as_ref().map_or(first.len(), |j| j.len());
+        if so_far + chunk.len() > limit {
             return Err(ApiError::BodyTooLarge { limit });
         }
-        buf.extend_from_slice(&chunk);
+        match joined.as_mut() {
+            Some(j) => j.extend_from_slice(&chunk),
+            None if first.is_empty() => first = chunk,
+            None => {
+                let mut j = web::BytesMut::with_capacity(first.len() + chunk.len());
+                j.extend_from_slice(&first);
+                j.extend_from_slice(&chunk);
+                joined = Some(j);
+            }
+        }
     }
-    Ok(buf.freeze())
+    Ok(joined.map_or(first, web::BytesMut::freeze))
 }
 
 fn respond(
@@ -317,4 +336,38 @@ fn respond(
         out.no_chunking(len);
     }
     out.streaming(GuardedBody::new(resp, idle, sse_checked, expected, tap, outcome))
+}
+
+#[cfg(test)]
+mod tests {
+    use actix_web::{test::TestRequest, FromRequest};
+
+    use super::*;
+
+    /// The handler's payload, fed in the given chunks.
+    async fn payload(chunks: &[&'static [u8]]) -> web::Payload {
+        let (mut sender, h1) = actix_http::h1::Payload::create(false);
+        for c in chunks {
+            sender.feed_data(web::Bytes::from_static(c));
+        }
+        sender.feed_eof();
+        let (req, _) = TestRequest::default().to_http_parts();
+        web::Payload::from_request(&req, &mut actix_web::dev::Payload::from(h1)).await.unwrap()
+    }
+
+    #[actix_web::test]
+    async fn a_body_is_read_whole_from_any_number_of_chunks_and_bounded() {
+        let one = read_body(payload(&[b"{\"a\":1}"]).await, 100).await.unwrap();
+        assert_eq!(&one[..], b"{\"a\":1}");
+        let three = read_body(payload(&[b"{\"a\"", b":", b"1} "]).await, 100).await.unwrap();
+        assert_eq!(&three[..], b"{\"a\":1} ");
+        assert!(read_body(payload(&[]).await, 100).await.unwrap().is_empty());
+        let at_limit = read_body(payload(&[b"12345", b"67890"]).await, 10).await.unwrap();
+        assert_eq!(&at_limit[..], b"1234567890");
+        let over_limit: [&[&'static [u8]]; 2] = [&[b"12345678901"], &[b"123456", b"78901"]];
+        for chunks in over_limit {
+            let over = read_body(payload(chunks).await, 10).await;
+            assert!(matches!(over, Err(ApiError::BodyTooLarge { limit: 10 })), "{chunks:?}");
+        }
+    }
 }
