@@ -650,4 +650,48 @@ mod tests {
         assert_eq!(format!("{:032x}", s.pin_at.unwrap()), STABLE_KEY);
     }
     const STABLE_KEY: &str = "ab6ee19cb77686fdb420cb8f5ace4e0e";
+
+    #[test]
+    fn every_units_key_is_stable_across_builds_in_every_dialect() {
+        // Values computed by 73d4aa3 (a fresh hash state per unit); the
+        // chain now reuses one state and must give the same keys.
+        let cases: [(Endpoint, &str, [&str; 4]); 3] = [
+            (
+                Endpoint::Chat,
+                r#"{"model":"m","messages":[{"role":"system","content":"s"},{"role":"user","content":[{"type":"text","text":"hi"}]},{"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{}"}}]},{"role":"tool","tool_call_id":"c1","content":"ok"}]}"#,
+                [
+                    "2272f0a05efceafce5443bab64986d2c",
+                    "cd3617a70e34243e6a092c3851924607",
+                    "c7bfb119ffeb2358cca0afcff54d95d8",
+                    "40e6c73da13e7cd94efe36cc9d8083c6",
+                ],
+            ),
+            (
+                Endpoint::Messages,
+                r#"{"model":"m","system":"sys","max_tokens":5,"messages":[{"role":"user","content":"a"},{"role":"assistant","content":[{"type":"text","text":"b"}]},{"role":"user","content":"c"}]}"#,
+                [
+                    "a769634069eaf8863b299dfd0f1e4f9a",
+                    "1380f76c17cf2ec57d5fce46828c9350",
+                    "159c2f3a928a7b4d6396eb15dbf0710c",
+                    "",
+                ],
+            ),
+            (
+                Endpoint::Responses,
+                r#"{"model":"m","instructions":"i","input":[{"role":"user","content":"a"},{"type":"function_call","call_id":"x","name":"f","arguments":"{}"},{"type":"function_call_output","call_id":"x","output":"o"}]}"#,
+                [
+                    "14332bbecda0fdfee63c70b213143d47",
+                    "7fbc609db2e15f3fcc7664a26d4a967f",
+                    "9c4cd921e2b74ea6199217d8323fdc0e",
+                    "",
+                ],
+            ),
+        ];
+        for (endpoint, body, want) in cases {
+            let s = extract(endpoint, body.as_bytes(), IdentityBlocks::default()).unwrap();
+            let got: Vec<String> = s.boundaries.iter().map(|b| format!("{:032x}", b.key)).collect();
+            let want: Vec<&str> = want.into_iter().filter(|k| !k.is_empty()).collect();
+            assert_eq!(got, want, "{endpoint:?}");
+        }
+    }
 }
