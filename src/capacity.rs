@@ -476,6 +476,29 @@ pub fn kv_tokens_from_vllm_metrics(text: &str) -> Option<u64> {
 mod tests {
     use super::*;
 
+    #[test]
+    fn running_requests_count_across_worker_shards_and_a_gone_workers_shard_drops_out() {
+        let running = RunningRequests::default();
+        let a: Arc<str> = Arc::from("a");
+        let (w1, w2) = (running.worker(), running.worker());
+        let t1 = w1.begin(&a, None, 100);
+        let t2 = w2.begin(&a, Some(7), 50);
+        let t3 = w2.begin(&a, None, 25);
+        assert_eq!(running.totals().get("a"), Some(&(3, 175)));
+        drop(t2);
+        assert_eq!(running.totals().get("a"), Some(&(2, 125)));
+        // A worker that ends keeps its shard while its tickets run...
+        drop(w2);
+        assert_eq!(running.totals().get("a"), Some(&(2, 125)));
+        drop(t3);
+        assert_eq!(running.totals().get("a"), Some(&(1, 100)));
+        // ...and then the shard is gone from the list.
+        let _w3 = running.worker();
+        assert_eq!(running.shards.lock().unwrap().len(), 2, "w1's shard and w3's");
+        drop((t1, w1));
+        assert!(running.totals().is_empty());
+    }
+
     fn fam(replica: &str, family: u128, tokens: u64) -> (Arc<str>, PrefixKey, u64) {
         (Arc::from(replica), family, tokens)
     }
