@@ -22,14 +22,15 @@
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
-// The hot maps hash with foldhash (seeded per process): SipHash cost more
-// than the lookup itself on every request.
-type FastMap<K, V> = foldhash::HashMap<K, V>;
-
 use serde::{Deserialize, Serialize};
 
 use crate::policy::{Boundary, Dialect, PrefixKey};
 use crate::read_mostly::ReadMostly;
+
+// The request path's maps hash with foldhash (seeded per process): their
+// keys are already hashes or short names, and SipHash's strength is not
+// needed to spread them.
+type FastMap<K, V> = foldhash::HashMap<K, V>;
 
 const SHARDS: usize = 64;
 
