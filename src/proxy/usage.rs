@@ -21,8 +21,10 @@
 //!   `message.usage`); streams end with `message_stop`.
 
 use std::borrow::Cow;
+use std::sync::LazyLock;
 
 use bytes::Bytes;
+use memchr::memmem::{Finder, FinderRev};
 use serde::Deserialize;
 
 use crate::policy::Dialect;
@@ -173,8 +175,8 @@ impl UsageTap {
             self.last_event = Some(t.to_string());
         }
         // Cheap filters: only events that can carry usage or the id are parsed.
-        let wants_id = self.dialect == Dialect::Responses && self.response_id.is_none() && contains(data, b"\"id\"");
-        if contains(data, b"\"usage\"") || wants_id {
+        let wants_id = self.dialect == Dialect::Responses && self.response_id.is_none() && ID_KEY.find(data).is_some();
+        if USAGE_KEY.find(data).is_some() || wants_id {
             self.take(data);
         }
     }
@@ -247,9 +249,11 @@ impl UsageTap {
     }
 }
 
-fn contains(hay: &[u8], needle: &[u8]) -> bool {
-    memchr::memmem::find(hay, needle).is_some()
-}
+// Searchers built once: `memmem::find` builds one per call, and a stream
+// asks on every line.
+static USAGE_KEY: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"usage\""));
+static USAGE_KEY_REV: LazyLock<FinderRev<'static>> = LazyLock::new(|| FinderRev::new(b"\"usage\""));
+static ID_KEY: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"id\""));
 
 /// The value of a JSON body's last `"usage"` key, from its first byte on.
 /// The bytes `"usage"` then a colon can only be a key: inside a string every
@@ -259,7 +263,7 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
 /// `content` or `output`).
 fn usage_value(body: &[u8]) -> Option<&[u8]> {
     let mut end = body.len();
-    while let Some(at) = memchr::memmem::rfind(&body[..end], b"\"usage\"") {
+    while let Some(at) = USAGE_KEY_REV.rfind(&body[..end]) {
         let escaped = at > 0 && body[at - 1] == b'\\';
         let rest = body[at + 7..].trim_ascii_start();
         if let (false, Some(value)) = (escaped, rest.strip_prefix(b":")) {
