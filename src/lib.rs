@@ -9,6 +9,7 @@ pub mod access;
 pub mod admin;
 pub mod admission;
 pub mod bench;
+pub mod by_arc;
 pub mod capacity;
 pub mod clock;
 pub mod config;

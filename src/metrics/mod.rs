@@ -9,7 +9,6 @@
 
 use std::borrow::Cow;
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::rc::Rc;
 use std::sync::Arc;
 
@@ -351,7 +350,7 @@ pub struct RouteMetrics {
     pub prompt_tokens: StripedCounter,
     pub cached_tokens: StripedCounter,
     /// `prefixgate_requests_total` by status, created on first use.
-    requests: RefCell<HashMap<Cow<'static, str>, StripedCounter>>,
+    requests: RefCell<foldhash::HashMap<Cow<'static, str>, StripedCounter>>,
     labels: RouteLabels,
     family: Family<RequestLabels, StripedCounter>,
 }
@@ -371,7 +370,7 @@ impl RouteMetrics {
 }
 
 /// (replica name's address, route) -> (the name, kept alive; its handles)
-type Routes = HashMap<(usize, &'static str), (Arc<str>, Rc<RouteMetrics>)>;
+type Routes = foldhash::HashMap<(usize, &'static str), (Arc<str>, Rc<RouteMetrics>)>;
 
 /// One worker's handles on the request-path metrics. A family guards its
 /// label map with a lock that every reader writes to (the reader count), so

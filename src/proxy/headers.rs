@@ -2,13 +2,14 @@
 //! headers (they describe one connection, not the message) and the framing
 //! headers the HTTP stack recomputes.
 
-use std::cell::RefCell;
+use std::rc::Rc;
 use std::sync::Arc;
 
-use actix_web::http::header::{self, HeaderMap, HeaderName};
+use actix_web::http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use actix_web::http::uri::{Authority, PathAndQuery, Scheme, Uri};
 use actix_web::{HttpRequest, HttpResponseBuilder};
 
+use crate::by_arc::ByArc;
 use crate::fleet::ReplicaSpec;
 
 /// Standard names compare as enum values (no string comparison).
@@ -36,52 +37,55 @@ struct Base {
     authority: Authority,
     /// The URL's own path, if it has one (`http://host/api`), without a trailing slash.
     prefix: String,
+    /// The `Host` header, as awc would write it (no port when it is 80 or
+    /// 443): set here, awc does not format it for every request.
+    host: HeaderValue,
 }
 
 impl Base {
     fn parse(url: &str) -> Option<Base> {
         let uri: Uri = url.parse().ok()?;
         let prefix = uri.path().trim_end_matches('/').to_string();
-        Some(Base { scheme: uri.scheme()?.clone(), authority: uri.authority()?.clone(), prefix })
+        let host = match uri.port_u16() {
+            None | Some(80) | Some(443) => uri.host()?.to_string(),
+            Some(port) => format!("{}:{port}", uri.host()?),
+        };
+        let host = HeaderValue::from_str(&host).ok()?;
+        Some(Base { scheme: uri.scheme()?.clone(), authority: uri.authority()?.clone(), prefix, host })
     }
 }
 
-/// The replicas' base URLs as one worker parsed them, so that a request's
-/// upstream URI is put together from parts instead of formatted as a string
-/// and parsed back on every request. Keyed by the spec's address; an entry
-/// keeps its spec alive, so the address cannot be reused while cached, and
-/// a changed spec (a new `Arc`) is parsed afresh.
+/// What one worker derived from the replicas once, instead of per request:
+/// each spec's base URL parsed (so a request's upstream URI is put together
+/// from parts, not formatted as a string and parsed back), and each name as
+/// a header value.
 #[derive(Default)]
-pub struct BaseUris(RefCell<foldhash::HashMap<usize, Parsed>>);
+pub struct PerReplica {
+    bases: ByArc<ReplicaSpec, Option<Rc<Base>>>,
+    names: ByArc<str, HeaderValue>,
+}
 
-/// A spec (kept alive) and its URL parsed (None: it does not parse).
-type Parsed = (Arc<ReplicaSpec>, Option<Base>);
+impl PerReplica {
+    /// The replica's name as the `x-prefixgate-replica` header value.
+    pub fn name_header(&self, id: &Arc<str>) -> HeaderValue {
+        self.names.get(id, |id| HeaderValue::from_str(id).expect("a slug is a valid header value"))
+    }
 
-/// Specs replaced over a worker's life are forgotten past this many entries.
-const MAX_CACHED_BASES: usize = 1024;
-
-impl BaseUris {
-    /// The upstream URI: the replica's base URL, then the client's path and query.
-    pub fn uri(&self, spec: &Arc<ReplicaSpec>, client: &Uri) -> Uri {
+    /// The upstream URI: the replica's base URL, then the client's path and
+    /// query; and the `Host` header for it (None: awc derives it).
+    pub fn target(&self, spec: &Arc<ReplicaSpec>, client: &Uri) -> (Uri, Option<HeaderValue>) {
         let pq = client.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
-        let key = Arc::as_ptr(spec) as usize;
-        let mut bases = self.0.borrow_mut();
-        if !bases.contains_key(&key) {
-            if bases.len() >= MAX_CACHED_BASES {
-                bases.clear();
-            }
-            bases.insert(key, (spec.clone(), Base::parse(&spec.url)));
-        }
-        let built = bases[&key].1.as_ref().and_then(|base| {
+        let base = self.bases.get(spec, |spec| Base::parse(&spec.url).map(Rc::new));
+        let built = base.as_deref().and_then(|base| {
             let pq = if base.prefix.is_empty() { pq.clone() } else { format!("{}{pq}", base.prefix).parse().ok()? };
             let mut parts = actix_web::http::uri::Parts::default();
             parts.scheme = Some(base.scheme.clone());
             parts.authority = Some(base.authority.clone());
             parts.path_and_query = Some(pq);
-            Uri::from_parts(parts).ok()
+            Some((Uri::from_parts(parts).ok()?, Some(base.host.clone())))
         });
         // A URL that does not parse goes out as before, and awc reports it.
-        built.unwrap_or_else(|| format!("{}{pq}", spec.url).parse().unwrap_or_default())
+        built.unwrap_or_else(|| (format!("{}{pq}", spec.url).parse().unwrap_or_default(), None))
     }
 }
 
@@ -90,13 +94,16 @@ impl BaseUris {
 /// client's key for the gateway itself is never passed on.
 pub fn upstream_request(
     client: &awc::Client,
-    uri: Uri,
+    (uri, host): (Uri, Option<HeaderValue>),
     req: &HttpRequest,
     spec: &ReplicaSpec,
     gateway_keys: bool,
 ) -> awc::ClientRequest {
     let mut up = client.request(req.method().clone(), uri).no_decompress();
     let headers = up.headers_mut();
+    if let Some(host) = host {
+        headers.insert(header::HOST, host);
+    }
     for (name, value) in req.headers() {
         if hop_by_hop(name) || (name == header::AUTHORIZATION && (gateway_keys || spec.api_key.is_some())) {
             continue;
@@ -133,20 +140,36 @@ mod tests {
     }
 
     #[test]
-    fn the_upstream_uri_is_the_base_url_then_the_clients_path_and_query() {
-        let bases = BaseUris::default();
+    fn the_upstream_target_is_the_base_url_then_the_clients_path_and_query_with_awcs_host() {
+        let replicas = PerReplica::default();
         let client: Uri = "/v1/chat/completions?x=1&y=%20".parse().unwrap();
+        let target = |spec: &Arc<ReplicaSpec>| {
+            let (uri, host) = replicas.target(spec, &client);
+            (uri.to_string(), host.map(|h| h.to_str().unwrap().to_string()))
+        };
         let plain = spec("http://10.0.0.5:8000");
-        assert_eq!(bases.uri(&plain, &client).to_string(), "http://10.0.0.5:8000/v1/chat/completions?x=1&y=%20");
-        // Asked twice: the cached parse gives the same URI.
-        assert_eq!(bases.uri(&plain, &client).to_string(), "http://10.0.0.5:8000/v1/chat/completions?x=1&y=%20");
+        let want =
+            ("http://10.0.0.5:8000/v1/chat/completions?x=1&y=%20".to_string(), Some("10.0.0.5:8000".to_string()));
+        assert_eq!(target(&plain), want);
+        // Asked twice: the cached parse gives the same target.
+        assert_eq!(target(&plain), want);
         let prefixed = spec("https://gpu-a.internal/api/");
         assert_eq!(
-            bases.uri(&prefixed, &client).to_string(),
-            "https://gpu-a.internal/api/v1/chat/completions?x=1&y=%20"
+            target(&prefixed),
+            ("https://gpu-a.internal/api/v1/chat/completions?x=1&y=%20".into(), Some("gpu-a.internal".into()))
         );
+        // awc leaves the default ports out of Host.
+        assert_eq!(target(&spec("http://gpu-b:80")).1.as_deref(), Some("gpu-b"));
         // A changed spec is a new Arc: parsed afresh, not served from the cache.
         let moved = spec("http://10.0.0.6:9000");
-        assert_eq!(bases.uri(&moved, &client).to_string(), "http://10.0.0.6:9000/v1/chat/completions?x=1&y=%20");
+        assert_eq!(target(&moved).0, "http://10.0.0.6:9000/v1/chat/completions?x=1&y=%20");
+    }
+
+    #[test]
+    fn a_replicas_name_header_is_its_id() {
+        let replicas = PerReplica::default();
+        let id: Arc<str> = Arc::from("gpu-a_1");
+        assert_eq!(replicas.name_header(&id), "gpu-a_1");
+        assert_eq!(replicas.name_header(&id), "gpu-a_1");
     }
 }

@@ -40,10 +40,10 @@ pub const HEADER_ROUTE: HeaderName = HeaderName::from_static("x-prefixgate-route
 pub const HEADER_PREDICTED_CACHED: HeaderName = HeaderName::from_static("x-prefixgate-predicted-cached-tokens");
 
 /// One awc client per actix worker (awc is `!Send`), built in the app
-/// factory, with the replicas' base URLs as this worker parsed them.
+/// factory, with what this worker derived from the replicas once.
 pub struct Upstream {
     client: awc::Client,
-    bases: headers::BaseUris,
+    replicas: headers::PerReplica,
 }
 
 /// awc's connector with TCP_NODELAY on every upstream socket. Without it,
@@ -80,7 +80,7 @@ impl Upstream {
             // bounds sending plus the response head only.
             .timeout(Duration::from_millis(t.response_head_ms))
             .finish();
-        Upstream { client, bases: headers::BaseUris::default() }
+        Upstream { client, replicas: headers::PerReplica::default() }
     }
 }
 
@@ -199,8 +199,8 @@ async fn forward_request(
         let family = pinned.as_ref().map(|(_, p)| p.family).or(shape.pin_at);
         let ticket = recorder.running(&replica.id, family, est_tokens);
         let spec = replica.spec();
-        let uri = upstream.bases.uri(&spec, req.uri());
-        let request = headers::upstream_request(&upstream.client, uri, req, &spec, !config.api_keys.is_empty());
+        let target = upstream.replicas.target(&spec, req.uri());
+        let request = headers::upstream_request(&upstream.client, target, req, &spec, !config.api_keys.is_empty());
         drop(spec);
         match attempt::send(request, body.clone()).await {
             Ok(resp) => {
@@ -227,7 +227,8 @@ async fn forward_request(
                     held: (guard, permit, ticket),
                 };
                 let idle = Duration::from_millis(config.timeouts.idle_stream_ms);
-                return Ok(respond(resp, outcome, predicted_cached, idle, shape.dialect));
+                let name = upstream.replicas.name_header(&outcome.replica().id);
+                return Ok(respond(resp, outcome, name, predicted_cached, idle, shape.dialect));
             }
             Err(e) => {
                 let replica = replica.clone();
@@ -307,6 +308,7 @@ fn respond(
         impl futures_util::Stream<Item = Result<web::Bytes, actix_web::error::PayloadError>> + Unpin + 'static,
     >,
     outcome: Outcome,
+    replica_name: HeaderValue,
     predicted_cached: Option<u64>,
     idle: Duration,
     dialect: Dialect,
@@ -314,8 +316,7 @@ fn respond(
     let status = resp.status();
     let mut out = HttpResponse::build(status);
     headers::copy_response_headers(resp.headers(), &mut out);
-    let id = HeaderValue::from_str(&outcome.replica().id).expect("slug is a valid header");
-    out.insert_header((HEADER_REPLICA, id));
+    out.insert_header((HEADER_REPLICA, replica_name));
     out.insert_header((HEADER_ROUTE, HeaderValue::from_static(outcome.reason.as_str())));
     if let Some(n) = predicted_cached {
         out.insert_header((HEADER_PREDICTED_CACHED, HeaderValue::from(n)));
