@@ -139,10 +139,16 @@ struct Shard {
 
 impl Shard {
     fn insert(&mut self, key: PrefixKey, slot: Slot) {
-        if let Some(old) = self.map.insert(key, slot) {
-            self.uncount(old.replica);
+        match self.map.insert(key, slot) {
+            // The same replica (a returning conversation): its count stands.
+            Some(old) if old.replica == slot.replica => {}
+            old => {
+                if let Some(old) = old {
+                    self.uncount(old.replica);
+                }
+                *self.counts.entry(slot.replica).or_default() += 1;
+            }
         }
-        *self.counts.entry(slot.replica).or_default() += 1;
         self.dirty.insert(key);
     }
 
@@ -566,6 +572,8 @@ mod tests {
         t.record(3, &id("a"), None, 1, 1, PinOrigin::default());
         t.record(3, &id("b"), None, 1, 2, PinOrigin::default()); // moved: counted once, on b
         assert_eq!(t.count_by_replica().get("a"), Some(&1));
+        assert_eq!(t.count_by_replica().get("b"), Some(&2));
+        t.record(2, &id("b"), None, 1, 3, PinOrigin::default()); // a returning turn: still counted once
         assert_eq!(t.count_by_replica().get("b"), Some(&2));
         assert_eq!(t.remove_replica("a"), 1);
         assert_eq!(t.replica_of(2).as_deref(), Some("b"));

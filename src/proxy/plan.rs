@@ -4,6 +4,8 @@
 
 use std::sync::Arc;
 
+use smallvec::SmallVec;
+
 use crate::fleet::Replica;
 use crate::pins::Pin;
 use crate::policy::{self, Candidate, Decision, Mode, PrefixMatch, RequestShape, SpreadCounter};
@@ -51,7 +53,8 @@ pub fn plan(
             return Err(PlanError::ModelNotFound(m.to_string()));
         }
     }
-    let candidates: Vec<Candidate> = fleet
+    // On the stack for fleets of up to 16 replicas: no allocation per request.
+    let candidates: SmallVec<[Candidate; 16]> = fleet
         .iter()
         .map(|r| Candidate {
             id: &r.id,
