@@ -129,14 +129,7 @@ mod tests {
     use super::*;
 
     fn spec(url: &str) -> Arc<ReplicaSpec> {
-        Arc::new(ReplicaSpec {
-            id: "a".into(),
-            url: url.into(),
-            api_key: None,
-            health_path: None,
-            max_large_inflight: None,
-            kv_tokens: None,
-        })
+        Arc::new(ReplicaSpec::new("a", url))
     }
 
     #[test]
