@@ -27,11 +27,6 @@ use serde::{Deserialize, Serialize};
 use crate::policy::{Boundary, Dialect, PrefixKey};
 use crate::read_mostly::ReadMostly;
 
-// The request path's maps hash with foldhash (seeded per process): their
-// keys are already hashes or short names, and SipHash's strength is not
-// needed to spread them.
-type FastMap<K, V> = foldhash::HashMap<K, V>;
-
 const SHARDS: usize = 64;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -127,14 +122,17 @@ struct Slot {
     source: u8,
 }
 
+// The request path's maps hash with foldhash (seeded per process): their
+// keys are already hashes or short names, and SipHash's strength is not
+// needed to spread them.
 #[derive(Default)]
 struct Shard {
-    map: FastMap<PrefixKey, Slot>,
+    map: foldhash::HashMap<PrefixKey, Slot>,
     /// Keys changed since the last flush; the flusher reads their current
     /// value (absent: deleted), so a key written twice is written once.
     dirty: foldhash::HashSet<PrefixKey>,
     /// Pins per replica in this shard (kept in step, so counting is O(shards)).
-    counts: FastMap<ReplicaIdx, usize>,
+    counts: foldhash::HashMap<ReplicaIdx, usize>,
 }
 
 impl Shard {
@@ -190,7 +188,7 @@ struct Interner {
 #[derive(Default, Clone)]
 struct InternTable {
     names: Vec<Arc<str>>,
-    index: FastMap<Arc<str>, ReplicaIdx>,
+    index: foldhash::HashMap<Arc<str>, ReplicaIdx>,
 }
 
 impl Interner {
