@@ -66,40 +66,47 @@ impl EncodeMetric for StripedCounter {
     }
 }
 
-/// One stripe of a histogram: the sum (f64 bits) and a count per bucket.
-#[derive(Debug)]
-struct HistogramStripe {
-    sum: AtomicU64,
-    buckets: Box<[AtomicU64]>,
-}
-
 /// A histogram (`prometheus_client`'s `Histogram`, striped). Buckets hold
 /// the observations up to their bound that no lower bucket took, as
 /// prometheus-client stores them; the last bound is `f64::MAX` (`+Inf`).
+///
+/// All stripes live in one allocation, each as `[sum bits, bucket counts...]`
+/// followed by at least a cache line of padding: stripes whose buckets were
+/// separate allocations could sit next to each other in memory and share a
+/// line, which is the traffic striping exists to avoid.
 #[derive(Debug, Clone)]
 pub struct StripedHistogram {
     bounds: Arc<[f64]>,
-    stripes: Arc<[CachePadded<HistogramStripe>]>,
+    cells: Arc<[AtomicU64]>,
+    /// Cells from one stripe's start to the next's.
+    stride: usize,
 }
+
+/// A cache line, in cells.
+const LINE: usize = 64 / std::mem::size_of::<AtomicU64>();
 
 impl StripedHistogram {
     pub fn new(bounds: impl IntoIterator<Item = f64>) -> StripedHistogram {
         let bounds: Arc<[f64]> = bounds.into_iter().chain(std::iter::once(f64::MAX)).collect();
-        let stripe = || {
-            let buckets = bounds.iter().map(|_| AtomicU64::new(0)).collect();
-            CachePadded::new(HistogramStripe { sum: AtomicU64::new(0f64.to_bits()), buckets })
-        };
-        StripedHistogram { stripes: (0..STRIPES).map(|_| stripe()).collect(), bounds }
+        let stride = (1 + bounds.len()).next_multiple_of(LINE) + LINE;
+        // 0u64 is also 0.0's bits: every sum starts at zero.
+        let cells = (0..STRIPES * stride).map(|_| AtomicU64::new(0)).collect();
+        StripedHistogram { bounds, cells, stride }
+    }
+
+    /// This stripe's cells: the sum, then the buckets.
+    fn stripe(&self, s: usize) -> &[AtomicU64] {
+        &self.cells[s * self.stride..][..1 + self.bounds.len()]
     }
 
     pub fn observe(&self, v: f64) {
-        let s = &self.stripes[stripe()];
+        let s = self.stripe(stripe());
         // Threads share a stripe only past STRIPES threads: the loop almost
         // never retries.
         let _ =
-            s.sum.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| Some((f64::from_bits(bits) + v).to_bits()));
+            s[0].fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| Some((f64::from_bits(bits) + v).to_bits()));
         if let Some(i) = self.bounds.iter().position(|b| *b >= v) {
-            s.buckets[i].fetch_add(1, Ordering::Relaxed);
+            s[1 + i].fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -108,9 +115,9 @@ impl StripedHistogram {
     pub fn get(&self) -> (f64, u64, Vec<(f64, u64)>) {
         let mut buckets: Vec<(f64, u64)> = self.bounds.iter().map(|b| (*b, 0)).collect();
         let mut sum = 0.0;
-        for s in self.stripes.iter() {
-            sum += f64::from_bits(s.sum.load(Ordering::Relaxed));
-            for (out, b) in buckets.iter_mut().zip(s.buckets.iter()) {
+        for s in (0..STRIPES).map(|s| self.stripe(s)) {
+            sum += f64::from_bits(s[0].load(Ordering::Relaxed));
+            for (out, b) in buckets.iter_mut().zip(&s[1..]) {
                 out.1 += b.load(Ordering::Relaxed);
             }
         }
