@@ -21,7 +21,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::identity::{
-    canonical_value_skipping, field, json_error, Boundary, Chain, Dialect, RequestShape, ShapeError,
+    canonical_value_skipping, field, parse_body, Boundary, Chain, Dialect, RequestShape, ShapeError,
 };
 
 const RESPONSES_SKIP: &[&str] = &["id", "status"];
@@ -90,7 +90,7 @@ fn present<'v>(
 }
 
 pub(super) fn extract_responses(body: &[u8]) -> Result<RequestShape, ShapeError> {
-    let b: ResponsesBody = serde_json::from_slice(body).map_err(json_error)?;
+    let b: ResponsesBody = parse_body(body)?;
     let extra = present(&[(b'i', &b.instructions), (b't', &b.tools)], RESPONSES_SKIP);
     let mut chain = Chain::first_link(b.model.as_deref(), b.cache_salt.as_deref(), &extra);
     let mut boundaries = Vec::new();
@@ -158,7 +158,7 @@ struct MessagesBody<'a> {
 }
 
 pub(super) fn extract_messages(body: &[u8]) -> Result<RequestShape, ShapeError> {
-    let b: MessagesBody = serde_json::from_slice(body).map_err(json_error)?;
+    let b: MessagesBody = parse_body(body)?;
     if b.messages.is_empty() {
         return Err(ShapeError("'messages' must contain at least one message".into()));
     }
