@@ -142,9 +142,8 @@ async fn forward_request(
     if stored_in_path.is_some() {
         shape.dialect = Dialect::Responses;
     }
-    // A scan of the request's few headers: `HeaderMap::get(&str)` would parse
-    // and hash each of the session header names on every request.
-    let header = |name: &str| req.headers().iter().find(|(k, _)| k.as_str() == name).and_then(|(_, v)| v.to_str().ok());
+    let headers = headers::RequestHeaders::of(req);
+    let header = |name: &str| headers.get(name);
     let session =
         sessions::session_key(shape.model.as_deref(), shape.cache_key.as_deref(), header, &config.sessions.headers)
             .map_err(bad_request)?;
