@@ -1,12 +1,34 @@
-//! The one change prefixgate makes to awc (vendor/awc, `client_codec`): a
-//! client codec configuration shared per thread instead of built (with a
-//! date-updater task) per request. The Date header awc writes must stay
-//! current, also on a thread whose first runtime, the one that ran the
-//! shared configuration's updater, has ended.
+//! The two changes prefixgate makes to awc (vendor/awc).
+//!
+//! `client_codec`: a client codec configuration shared per thread instead
+//! of built (with a date-updater task) per request. The Date header awc
+//! writes must stay current, also on a thread whose first runtime, the one
+//! that ran the shared configuration's updater, has ended.
+//!
+//! The connection pool's map hashes with foldhash: connections must still
+//! be kept and found per upstream.
 
 use std::time::{Duration, SystemTime};
 
 use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
+
+/// Answers with the client's port: one port, one connection.
+async fn echo_peer_port(req: HttpRequest) -> HttpResponse {
+    HttpResponse::Ok().body(req.peer_addr().map(|a| a.port()).unwrap_or(0).to_string())
+}
+
+fn serve_peer_ports_on_a_thread(listener: std::net::TcpListener) {
+    std::thread::spawn(move || {
+        actix_web::rt::System::new().block_on(async move {
+            HttpServer::new(|| App::new().default_service(web::to(echo_peer_port)))
+                .workers(1)
+                .listen(listener)
+                .unwrap()
+                .run()
+                .await
+        })
+    });
+}
 
 /// Answers with the Date header it received.
 async fn echo_date(req: HttpRequest) -> HttpResponse {
@@ -51,4 +73,32 @@ fn the_date_header_stays_current_across_runtimes_on_one_thread() {
     let age = now.duration_since(second).unwrap_or_default();
     assert!(age <= Duration::from_secs(2), "the date sent after a runtime restart is {age:?} old");
     assert!(second > first, "the date moved on");
+}
+
+#[test]
+fn pooled_connections_are_reused_per_upstream_and_kept_apart_between_upstreams() {
+    let urls: Vec<String> = (0..2)
+        .map(|_| {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let url = format!("http://{}/", listener.local_addr().unwrap());
+            serve_peer_ports_on_a_thread(listener);
+            url
+        })
+        .collect();
+    let ports: Vec<Vec<String>> = actix_web::rt::System::new().block_on(async move {
+        let client = awc::Client::default();
+        let mut ports = vec![Vec::new(), Vec::new()];
+        for round in 0..6 {
+            let i = round % 2;
+            let mut resp = client.get(&urls[i]).send().await.expect("request");
+            let body = resp.body().await.expect("body");
+            ports[i].push(String::from_utf8(body.to_vec()).unwrap());
+        }
+        ports
+    });
+    for (i, seen) in ports.iter().enumerate() {
+        assert_eq!(seen.len(), 3);
+        assert!(seen.iter().all(|p| p == &seen[0] && p != "0"), "upstream {i} used one pooled connection: {seen:?}");
+    }
+    assert_ne!(ports[0][0], ports[1][0], "each upstream has its own connection");
 }
