@@ -242,3 +242,34 @@ async fn completions_and_other_paths_are_forwarded_byte_for_byte() {
     let _ = resp.body().await;
     gw.stop().await;
 }
+
+#[actix_web::test]
+async fn a_reply_keeps_the_upstreams_framing_and_content_type() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let a = start_sim("a", fast_sim()).await;
+    let gw = start_gateway(test_config(&[&a])).await;
+    let body = chat_body(&[("user", "framing")], json!({"max_tokens": 4})).to_string();
+    let addr = gw.base.trim_start_matches("http://").to_string();
+    let mut sock = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    sock.write_all(req.as_bytes()).await.unwrap();
+    let mut raw = Vec::new();
+    sock.read_to_end(&mut raw).await.unwrap();
+    let text = String::from_utf8(raw).unwrap();
+    let (head, reply) = text.split_once("\r\n\r\n").expect("a head and a body");
+    let head = head.to_ascii_lowercase();
+    let length: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length: "))
+        .expect("the upstream's length is kept")
+        .parse()
+        .unwrap();
+    assert_eq!(length, reply.len(), "{head}");
+    assert!(!head.contains("transfer-encoding"), "a reply with a length is not chunked: {head}");
+    let content_types: Vec<&str> = head.lines().filter_map(|l| l.strip_prefix("content-type: ")).collect();
+    assert_eq!(content_types, ["application/json"], "the upstream's content type, once: {head}");
+    gw.stop().await;
+}

@@ -330,12 +330,17 @@ fn respond(
     let tap = status.is_success().then(|| UsageTap::new(dialect, sse, expected));
     // An SSE error reply (non-2xx) carries no [DONE]: only check successful streams.
     let sse_checked = sse && status.is_success();
-    if let Some(len) = expected {
-        // Keep the upstream's framing: a client then sees a body cut short
-        // as short, whatever its HTTP library does with chunked encoding.
-        out.no_chunking(len);
+    let body = GuardedBody::new(resp, idle, sse_checked, expected, tap, outcome);
+    // The body's own size frames the reply: with a length, the HTTP encoder
+    // writes Content-Length itself and never chunks, so a client sees a body
+    // cut short as short, whatever its HTTP library does with chunked
+    // encoding. (`streaming` would format the length into a header, parse it
+    // back and format it again, and invent a Content-Type the upstream did
+    // not send.)
+    match expected {
+        Some(len) => out.body(actix_web::body::SizedStream::new(len, body)),
+        None => out.body(actix_web::body::BodyStream::new(body)),
     }
-    out.streaming(GuardedBody::new(resp, idle, sse_checked, expected, tap, outcome))
 }
 
 #[cfg(test)]
