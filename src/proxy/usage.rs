@@ -220,8 +220,12 @@ impl UsageTap {
 
     /// Reads a `usage` object on its own (the bytes from its `{` onward).
     fn take_usage(&mut self, json: &[u8]) {
-        let mut de = serde_json::Deserializer::from_slice(json);
-        if let Some(u) = RawUsage::deserialize(&mut de).ok().and_then(|u| u.read(self.dialect)) {
+        // Read as text when it is (one UTF-8 check, not one per key).
+        let parsed = match std::str::from_utf8(json) {
+            Ok(text) => RawUsage::deserialize(&mut serde_json::Deserializer::from_str(text)),
+            Err(_) => RawUsage::deserialize(&mut serde_json::Deserializer::from_slice(json)),
+        };
+        if let Some(u) = parsed.ok().and_then(|u| u.read(self.dialect)) {
             self.found = Some(u);
         }
     }
@@ -304,6 +308,17 @@ mod tests {
         );
         assert_eq!(t.usage(), Some(Usage { prompt_tokens: 10, cached_tokens: Some(8) }));
         assert_eq!(t.response_id(), None, "only the Responses API has stored responses");
+    }
+
+    #[test]
+    fn usage_is_read_whether_or_not_the_rest_of_the_body_is_utf8() {
+        let text = r#"{"usage":{"prompt_tokens":7,"prompt_tokens_details":{"cached_tokens":3}},"x":"é"}"#.as_bytes();
+        let mut bytes = br#"{"usage":{"prompt_tokens":7,"prompt_tokens_details":{"cached_tokens":3}},"x":""#.to_vec();
+        bytes.extend_from_slice(b"\xff\"}");
+        for body in [text, &bytes[..]] {
+            let t = tap(Dialect::Chat, false, &[body]);
+            assert_eq!(t.usage(), Some(Usage { prompt_tokens: 7, cached_tokens: Some(3) }));
+        }
     }
 
     #[test]
