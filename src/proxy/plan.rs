@@ -48,17 +48,20 @@ pub fn plan(
         return stored_response(id, home, fleet, input.tried);
     }
     let model = input.shape.model.as_deref();
+    // Each replica's model list is read once (on the stack for fleets of up
+    // to 16 replicas: no allocation per request).
+    let serving: SmallVec<[bool; 16]> = fleet.iter().map(|r| model.is_none_or(|m| r.serves(m))).collect();
     if let Some(m) = model {
-        if !fleet.is_empty() && !fleet.iter().any(|r| r.serves(m)) {
+        if !fleet.is_empty() && !serving.contains(&true) {
             return Err(PlanError::ModelNotFound(m.to_string()));
         }
     }
-    // On the stack for fleets of up to 16 replicas: no allocation per request.
     let candidates: SmallVec<[Candidate; 16]> = fleet
         .iter()
-        .map(|r| Candidate {
+        .zip(&serving)
+        .map(|(r, &serves)| Candidate {
             id: &r.id,
-            routable: r.routable() && model.is_none_or(|m| r.serves(m)) && !input.tried.contains(&r.id),
+            routable: serves && r.routable() && !input.tried.contains(&r.id),
             spare: !input.large || has_free_slot(r),
         })
         .collect();
