@@ -142,11 +142,13 @@ async fn forward_request(
     if stored_in_path.is_some() {
         shape.dialect = Dialect::Responses;
     }
-    let headers = headers::RequestHeaders::of(req);
-    let header = |name: &str| headers.get(name);
-    let session =
+    // Scoped: the header list is not kept in the request's future.
+    let session = {
+        let headers = headers::RequestHeaders::of(req);
+        let header = |name: &str| headers.get(name);
         sessions::session_key(shape.model.as_deref(), shape.cache_key.as_deref(), header, &config.sessions.headers)
-            .map_err(bad_request)?;
+            .map_err(bad_request)?
+    };
     // The large/small decision uses the documented default ratio: it is
     // made before a replica (and its calibrated ratio) is chosen.
     let large = crate::tokens::estimate_tokens(shape.prompt_bytes) >= config.admission.large_context_tokens;
