@@ -118,19 +118,28 @@ async fn a_replica_dying_mid_stream_ends_that_stream_with_an_error_and_nothing_i
     gw.stop().await;
 }
 
-#[actix_web::test]
-async fn a_client_leaving_mid_stream_cancels_the_upstream_and_releases_counters() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let slow = start_sim("a", slow_decoder(10.0)).await;
-    let gw = start_gateway(test_config(&[&slow])).await;
-    let body = chat_body(&[("user", "stream then hang up")], json!({"stream": true, "max_tokens": 100})).to_string();
-    let addr = gw.base.trim_start_matches("http://").to_string();
-    let mut sock = tokio::net::TcpStream::connect(&addr).await.unwrap();
+/// A chat request written by hand on a new connection to the gateway at
+/// `base`, so a test sees the reply's bytes as they arrive; `extra_headers`
+/// are whole header lines.
+async fn raw_chat_request(base: &str, body: &str, extra_headers: &str) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let addr = base.trim_start_matches("http://");
+    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
     let req = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{extra_headers}\r\n{body}",
         body.len()
     );
     sock.write_all(req.as_bytes()).await.unwrap();
+    sock
+}
+
+#[actix_web::test]
+async fn a_client_leaving_mid_stream_cancels_the_upstream_and_releases_counters() {
+    use tokio::io::AsyncReadExt;
+    let slow = start_sim("a", slow_decoder(10.0)).await;
+    let gw = start_gateway(test_config(&[&slow])).await;
+    let body = chat_body(&[("user", "stream then hang up")], json!({"stream": true, "max_tokens": 100})).to_string();
+    let mut sock = raw_chat_request(&gw.base, &body, "").await;
     let mut buf = vec![0u8; 4096];
     let mut got = Vec::new();
     while !String::from_utf8_lossy(&got).contains("data: ") {
@@ -245,17 +254,11 @@ async fn completions_and_other_paths_are_forwarded_byte_for_byte() {
 
 #[actix_web::test]
 async fn a_reply_keeps_the_upstreams_framing_and_content_type() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncReadExt;
     let a = start_sim("a", fast_sim()).await;
     let gw = start_gateway(test_config(&[&a])).await;
     let body = chat_body(&[("user", "framing")], json!({"max_tokens": 4})).to_string();
-    let addr = gw.base.trim_start_matches("http://").to_string();
-    let mut sock = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    let req = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    sock.write_all(req.as_bytes()).await.unwrap();
+    let mut sock = raw_chat_request(&gw.base, &body, "connection: close\r\n").await;
     let mut raw = Vec::new();
     sock.read_to_end(&mut raw).await.unwrap();
     let text = String::from_utf8(raw).unwrap();

@@ -17,10 +17,18 @@ async fn echo_peer_port(req: HttpRequest) -> HttpResponse {
     HttpResponse::Ok().body(req.peer_addr().map(|a| a.port()).unwrap_or(0).to_string())
 }
 
-fn serve_peer_ports_on_a_thread(listener: std::net::TcpListener) {
+/// Serves every request with `handler` from a server on its own thread,
+/// with its own actix system; returns the server's base URL.
+fn serve_on_a_thread<F, Fut>(handler: F) -> String
+where
+    F: Fn(HttpRequest) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = HttpResponse> + 'static,
+{
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/", listener.local_addr().unwrap());
     std::thread::spawn(move || {
         actix_web::rt::System::new().block_on(async move {
-            HttpServer::new(|| App::new().default_service(web::to(echo_peer_port)))
+            HttpServer::new(move || App::new().default_service(web::to(handler.clone())))
                 .workers(1)
                 .listen(listener)
                 .unwrap()
@@ -28,6 +36,7 @@ fn serve_peer_ports_on_a_thread(listener: std::net::TcpListener) {
                 .await
         })
     });
+    url
 }
 
 /// Answers with the Date header it received.
@@ -49,18 +58,7 @@ fn date_sent_by_awc(url: &str) -> SystemTime {
 
 #[test]
 fn the_date_header_stays_current_across_runtimes_on_one_thread() {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("http://{}/", listener.local_addr().unwrap());
-    std::thread::spawn(move || {
-        actix_web::rt::System::new().block_on(async move {
-            HttpServer::new(|| App::new().default_service(web::to(echo_date)))
-                .workers(1)
-                .listen(listener)
-                .unwrap()
-                .run()
-                .await
-        })
-    });
+    let url = serve_on_a_thread(echo_date);
     let first = date_sent_by_awc(&url);
     let now = SystemTime::now();
     assert!(now.duration_since(first).unwrap_or_default() <= Duration::from_secs(2), "first date is current");
@@ -77,14 +75,7 @@ fn the_date_header_stays_current_across_runtimes_on_one_thread() {
 
 #[test]
 fn pooled_connections_are_reused_per_upstream_and_kept_apart_between_upstreams() {
-    let urls: Vec<String> = (0..2)
-        .map(|_| {
-            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            let url = format!("http://{}/", listener.local_addr().unwrap());
-            serve_peer_ports_on_a_thread(listener);
-            url
-        })
-        .collect();
+    let urls: Vec<String> = (0..2).map(|_| serve_on_a_thread(echo_peer_port)).collect();
     let ports: Vec<Vec<String>> = actix_web::rt::System::new().block_on(async move {
         let client = awc::Client::default();
         let mut ports = vec![Vec::new(), Vec::new()];
