@@ -1,9 +1,9 @@
 //! Values a worker derives from a shared `Arc` (a replica's spec or name)
-//! once, instead of on every request: a parsed URL, a header value. Keyed by
-//! the `Arc`'s address; an entry keeps its `Arc` alive, so the address
-//! cannot be reused by another value while it is cached, and a replaced
-//! value (a new `Arc`) is derived afresh. Per worker (a `RefCell`, no lock):
-//! nothing here is shared between threads.
+//! once, instead of on every request: a parsed URL, a header value, metric
+//! handles. Keyed by the `Arc`'s address; an entry keeps its `Arc` alive, so
+//! the address cannot be reused by another value while it is cached, and a
+//! replaced value (a new `Arc`) is derived afresh. Per worker (a `RefCell`,
+//! no lock): nothing here is shared between threads.
 
 use std::cell::RefCell;
 use std::sync::Arc;

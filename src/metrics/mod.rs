@@ -4,8 +4,9 @@
 //! test scrapes the live endpoint for each, so docs and code cannot drift.
 //!
 //! Counters and histograms are updated on the request path (atomics in a
-//! stripe per thread, `striped.rs`; no locks beyond the label map); gauges that mirror fleet state are set at
-//! scrape time from the fleet itself, so they cannot disagree with it.
+//! stripe per thread, `striped.rs`; no locks beyond the label map); gauges
+//! that mirror fleet state are set at scrape time from the fleet itself, so
+//! they cannot disagree with it.
 
 use std::borrow::Cow;
 use std::cell::RefCell;
@@ -24,6 +25,7 @@ pub mod striped;
 use striped::{StripedCounter, StripedHistogram};
 
 use crate::admission::Admission;
+use crate::by_arc::ByArc;
 use crate::capacity::CapacityReport;
 use crate::fleet::Fleet;
 use crate::pins::PinTable;
@@ -369,8 +371,9 @@ impl RouteMetrics {
     }
 }
 
-/// (replica name's address, route) -> (the name, kept alive; its handles)
-type Routes = foldhash::HashMap<(usize, &'static str), (Arc<str>, Rc<RouteMetrics>)>;
+/// One replica's request-path handles, by route (a handful of static names).
+#[derive(Default)]
+struct ReplicaRoutes(RefCell<Vec<(&'static str, Rc<RouteMetrics>)>>);
 
 /// One worker's handles on the request-path metrics. A family guards its
 /// label map with a lock that every reader writes to (the reader count), so
@@ -381,11 +384,10 @@ type Routes = foldhash::HashMap<(usize, &'static str), (Arc<str>, Rc<RouteMetric
 /// handle cannot go stale.
 pub struct WorkerMetrics {
     shared: Arc<Metrics>,
-    /// Keyed by the replica name's address and the route: finding a
-    /// request's handles clones no shared `Arc` (each clone would be a write
-    /// to a cache line both workers use). The entry keeps its name alive, so
-    /// the address cannot be reused by another name while it is cached.
-    routes: RefCell<Routes>,
+    /// Keyed by the replica name's `Arc` (`ByArc`): finding a request's
+    /// handles clones no shared `Arc`, each clone a write to a cache line
+    /// both workers use.
+    routes: ByArc<str, Rc<ReplicaRoutes>>,
     pub measured: StripedCounter,
     pub unmeasured: StripedCounter,
     pub pin_hits: StripedCounter,
@@ -402,7 +404,7 @@ impl WorkerMetrics {
             unmeasured: result(&shared.usage_measured, "unmeasured"),
             pin_hits: result(&shared.pin_lookups, "hit"),
             pin_misses: result(&shared.pin_lookups, "miss"),
-            routes: RefCell::default(),
+            routes: ByArc::default(),
             shared,
         }
     }
@@ -412,8 +414,8 @@ impl WorkerMetrics {
     }
 
     pub fn route(&self, replica: &Arc<str>, route: &'static str) -> Rc<RouteMetrics> {
-        let key = (Arc::as_ptr(replica).cast::<u8>() as usize, route);
-        if let Some((_, m)) = self.routes.borrow().get(&key) {
+        let routes = self.routes.get(replica, |_| Rc::default());
+        if let Some((_, m)) = routes.0.borrow().iter().find(|(r, _)| *r == route) {
             return m.clone();
         }
         let labels = RouteLabels { replica: replica.into(), route };
@@ -427,7 +429,7 @@ impl WorkerMetrics {
             family: s.requests.clone(),
             labels,
         });
-        self.routes.borrow_mut().insert(key, (replica.clone(), m.clone()));
+        routes.0.borrow_mut().push((route, m.clone()));
         m
     }
 }
