@@ -26,7 +26,7 @@ use futures_util::StreamExt;
 
 use crate::admission::{Admitted, Permit};
 use crate::error::ApiError;
-use crate::fleet::Replica;
+use crate::fleet::{Replica, ReplicaSpec};
 use crate::policy::{self, sessions, Dialect, Endpoint, Mode, PrefixMatch, RouteReason};
 use crate::state::AppState;
 use body::GuardedBody;
@@ -81,6 +81,11 @@ impl Upstream {
             .timeout(Duration::from_millis(t.response_head_ms))
             .finish();
         Upstream { client, replicas: headers::PerReplica::default() }
+    }
+
+    /// The upstream request for `req` on the replica `spec`.
+    fn request(&self, spec: &Arc<ReplicaSpec>, req: &HttpRequest, gateway_keys: bool) -> awc::ClientRequest {
+        headers::upstream_request(&self.client, self.replicas.target(spec, req.uri()), req, spec, gateway_keys)
     }
 }
 
@@ -199,10 +204,7 @@ async fn forward_request(
         let est_tokens = state.calibration.estimate(&replica.id, shape.prompt_bytes);
         let family = pinned.as_ref().map(|(_, p)| p.family).or(shape.pin_at);
         let ticket = recorder.running(&replica.id, family, est_tokens);
-        let spec = replica.spec();
-        let target = upstream.replicas.target(&spec, req.uri());
-        let request = headers::upstream_request(&upstream.client, target, req, &spec, !config.api_keys.is_empty());
-        drop(spec);
+        let request = upstream.request(&replica.spec(), req, !config.api_keys.is_empty());
         match attempt::send(request, body.clone()).await {
             Ok(resp) => {
                 let (metrics, predicted_cached) = recorder.responded(&Responded {
