@@ -85,18 +85,14 @@ impl RunningWorker {
 }
 
 impl RunningRequests {
-    /// A shard for one worker (or any caller that begins requests).
+    /// A shard for one worker, taken once; a ticket keeps its shard counted
+    /// until the ticket drops, whoever began it.
     pub fn worker(&self) -> RunningWorker {
         let shard = Arc::new(RunningShard::default());
         let mut shards = self.shards.lock().expect("lock");
         shards.retain(|s| s.strong_count() > 0);
         shards.push(Arc::downgrade(&shard));
         RunningWorker(shard)
-    }
-
-    /// Registers one request in a shard of its own (tests, one-off callers).
-    pub fn begin(&self, replica: &Arc<str>, family: Option<PrefixKey>, tokens: u64) -> RunningTicket {
-        self.worker().begin(replica, family, tokens)
     }
 
     fn snapshot(&self) -> Vec<(Arc<str>, RunningRequest)> {

@@ -141,7 +141,7 @@ async fn get_capacity_reports_without_recording_anything() {
     }];
     let state = prefixgate::state::AppState::open(config).unwrap();
     let replica: Arc<str> = Arc::from("a");
-    let _running = state.capacity.running.begin(&replica, None, 1_000);
+    let _running = state.capacity.running.worker().begin(&replica, None, 1_000);
     let app = atest::init_service(prefixgate::create_admin_app(actix_web::web::Data::from(state.clone()))).await;
     for _ in 0..3 {
         let req = atest::TestRequest::get().uri("/admin/v1/capacity").to_request();
