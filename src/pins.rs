@@ -137,15 +137,13 @@ struct Shard {
 
 impl Shard {
     fn insert(&mut self, key: PrefixKey, slot: Slot) {
-        match self.map.insert(key, slot) {
-            // The same replica (a returning conversation): its count stands.
-            Some(old) if old.replica == slot.replica => {}
-            old => {
-                if let Some(old) = old {
-                    self.uncount(old.replica);
-                }
-                *self.counts.entry(slot.replica).or_default() += 1;
+        let was = self.map.insert(key, slot).map(|old| old.replica);
+        // The same replica (a returning conversation): its count stands.
+        if was != Some(slot.replica) {
+            if let Some(was) = was {
+                self.uncount(was);
             }
+            *self.counts.entry(slot.replica).or_default() += 1;
         }
         self.dirty.insert(key);
     }

@@ -164,17 +164,13 @@ pub fn extract(endpoint: Endpoint, body: &[u8], blocks: IdentityBlocks) -> Resul
     }
 }
 
-fn json_error(e: serde_json::Error) -> ShapeError {
-    ShapeError(format!("invalid JSON body: {e}"))
-}
-
 /// Parses a request body. JSON text is UTF-8 (RFC 8259), so the body is
 /// checked once as a whole and parsed as text: parsing bytes would check
 /// every string again on its own, a dozen calls on a short chat request.
 pub(super) fn parse_body<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ShapeError> {
     let text = std::str::from_utf8(body)
         .map_err(|e| ShapeError(format!("invalid JSON body: not UTF-8 at byte {}", e.valid_up_to())))?;
-    serde_json::from_str(text).map_err(json_error)
+    serde_json::from_str(text).map_err(|e| ShapeError(format!("invalid JSON body: {e}")))
 }
 
 #[derive(Deserialize)]
