@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Instructions per proxied request, prefixgate against the framework floor
 # (examples/bare_proxy.rs), counted by callgrind. Unlike bench/hop.sh's CPU
-# time, the count repeats exactly for the same binaries and inputs whatever
-# else the machine does, so a change of a few hundred instructions shows.
+# time, the count repeats within ~150 instructions per request (0.2 %) for
+# the same binaries on a quiet machine, so a change of a few hundred shows.
+# The event loop's wakeups still depend on timing: with the machine busy
+# (a build, a test run) the same binary counted ~1,000 more. Run it alone.
 # It does not see what the hardware adds (cache misses, atomics shared
 # between cores): hop.sh stays the measure, this one says where to look.
 #
