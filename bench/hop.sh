@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The proxy hop's CPU against nginx, side by side in one run: prefixgate
-# (this tree's release build, plus BEFORE=<binary> when given), the
+# (this tree's release build; with BOLT=1 also its optimized build from
+# bench/bolt.sh; plus BEFORE=<binary> when given), the
 # framework floor (examples/bare_proxy.rs: actix-web + awc forwarding with
 # none of prefixgate's logic) and nginx, each in front of the same two
 # instant simulated replicas, under wrk -t2 -c32. Rounds are interleaved
@@ -8,13 +9,14 @@
 # machine that also runs wrk and the backends is noisy: single runs move by
 # +-8 %. CPU per request is the process tree's user+system time from /proc
 # divided by the requests wrk completed. Never run in CI.
-# Needs: apt-get install -y nginx wrk.
-# Usage: ROUNDS=7 SECS=10 [BEFORE=path/to/old/prefixgate] bench/hop.sh
+# Needs: apt-get install -y nginx wrk (and bolt-16 for BOLT=1).
+# Usage: ROUNDS=7 SECS=10 [BOLT=1] [BEFORE=path/to/old/prefixgate] bench/hop.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/nginx.sh
 ROUNDS=${ROUNDS:-7}; SECS=${SECS:-10}
 cargo build --release -q --bin prefixgate --example bare_proxy || exit 1
+if [ -n "${BOLT:-}" ]; then bench/bolt.sh >/dev/null || exit 1; fi
 bin=$PWD/target/release/prefixgate
 bare=$PWD/target/release/examples/bare_proxy
 tmp=$(mktemp -d); trap 'kill $(jobs -p) 2>/dev/null; nginx -c "$tmp/nginx.conf" -s stop 2>/dev/null; rm -rf "$tmp"' EXIT
@@ -29,6 +31,9 @@ start() { # name port command...
 }
 replicas="--replica a=http://127.0.0.1:18401 --replica b=http://127.0.0.1:18402"
 start prefixgate 18411 $bin serve --listen 127.0.0.1:18411 --admin-listen 127.0.0.1:18421 $replicas
+if [ -n "${BOLT:-}" ]; then
+  start prefixgate-bolt 18415 "$PWD/target/bolt/prefixgate" serve --listen 127.0.0.1:18415 --admin-listen 127.0.0.1:18425 $replicas
+fi
 if [ -n "${BEFORE:-}" ]; then
   start before 18412 "$BEFORE" serve --listen 127.0.0.1:18412 --admin-listen 127.0.0.1:18422 $replicas
 fi

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# The optimized build: prefixgate's release binary with its code laid out
+# by BOLT (LLVM's post-link optimizer) from a profile of the gateway at
+# work. The hop's remaining cost is mostly the CPU's front end: a request
+# runs through actix-web, awc, tokio and prefixgate, ~1 MB of hot code
+# spread across a 25 MB binary. BOLT puts the code that runs together
+# next to each other and moves the cold blocks out of the hot functions.
+# Same source, same behaviour: only the order of the machine code changes.
+#
+# Steps: a release build with relocations kept (so BOLT may move whole
+# functions) and v0 symbol names (BOLT's profile writer stops at names
+# over its line buffer, and legacy-mangled async closures exceed it);
+# an instrumented copy serves a training load in front of two simulated
+# replicas (small chat requests under wrk, then agent loops in the three
+# dialects and a burst of cold prompts, all through the gateway); BOLT
+# then rewrites the release binary from the counts, and the rewritten
+# binary must pass agent loops in the three dialects before it is kept.
+#
+# Output: target/bolt/prefixgate (and the profile next to it). Builds in
+# target/relocs, apart from the normal release build (its flags differ).
+# Needs: apt-get install -y bolt-16 wrk. Never run in CI.
+# Usage: bench/bolt.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+LLVM_BOLT=${LLVM_BOLT:-llvm-bolt-16}
+out=$PWD/target/bolt
+mkdir -p "$out"
+command -v "$LLVM_BOLT" >/dev/null || { echo "needs $LLVM_BOLT: apt-get install -y bolt-16" >&2; exit 1; }
+# Run from its real path: BOLT finds its instrumentation runtime in ../lib
+# of the path it was started as (for /usr/bin/llvm-bolt-16: /usr/lib).
+LLVM_BOLT=$(readlink -f "$(command -v "$LLVM_BOLT")")
+
+RUSTFLAGS="-C link-arg=-Wl,--emit-relocs -C symbol-mangling-version=v0" \
+  CARGO_TARGET_DIR=target/relocs cargo build --release -q --bin prefixgate
+plain=$PWD/target/relocs/release/prefixgate
+"$LLVM_BOLT" "$plain" -o "$out/prefixgate-instrumented" -instrument \
+  -instrumentation-file="$out/profile" -instrumentation-file-append-pid >"$out/instrument.log" 2>&1
+
+trap 'kill $(jobs -p) 2>/dev/null' EXIT
+$plain sim-replica --port 18601 --time-scale 0 >/dev/null 2>&1 &
+$plain sim-replica --port 18602 --time-scale 0 >/dev/null 2>&1 &
+base=http://127.0.0.1:18611
+body='{"model":"sim-model","max_tokens":4,"messages":[{"role":"user","content":"overhead probe"}]}'
+# ask URL: one chat request, retried while the server starts.
+ask() {
+  for _ in $(seq 1 100); do
+    curl -sf -m 2 -o /dev/null -H 'content-type: application/json' -d "$body" "$1/v1/chat/completions" && return 0
+    sleep 0.2
+  done
+  return 1
+}
+ask http://127.0.0.1:18601 && ask http://127.0.0.1:18602
+# gateway BIN: BIN serves in front of the two replicas; its pid in $gateway.
+gateway() {
+  "$1" serve --listen 127.0.0.1:18611 --admin-listen 127.0.0.1:18621 \
+    --replica a=http://127.0.0.1:18601 --replica b=http://127.0.0.1:18602 >>"$out/serve.log" 2>&1 &
+  gateway=$!
+  ask $base
+}
+
+rm -f "$out"/profile.*.fdata "$out/serve.log"
+gateway "$out/prefixgate-instrumented"
+cat >"$out/post.lua" <<LUA
+wrk.method = "POST"; wrk.body = '$body'; wrk.headers["content-type"] = "application/json"
+LUA
+wrk -t2 -c32 -d10s -s "$out/post.lua" "$base/v1/chat/completions" >/dev/null
+for api in chat responses messages; do
+  $plain bench agent-loop --base-url $base --api $api --families 8 --turns 6 --context-tokens 2000 >/dev/null
+done
+$plain bench burst --base-url $base --requests 64 --prompt-tokens 2000 >/dev/null
+curl -sf -o /dev/null http://127.0.0.1:18621/metrics
+kill -INT $gateway
+wait $gateway || true # the profile is written as the process exits
+profile=$(ls "$out"/profile.*.fdata)
+
+"$LLVM_BOLT" "$plain" -o "$out/prefixgate.new" -data="$profile" -reorder-blocks=ext-tsp -reorder-functions=hfsort \
+  -split-functions -split-all-cold -split-eh -dyno-stats >"$out/optimize.log" 2>&1
+rm -f "$out/prefixgate-instrumented"
+grep -E "functions in the binary|splitting separates" "$out/optimize.log"
+
+# The optimized binary must route as the plain one does: agent loops in
+# each dialect, every request answered, continuations pinned, both
+# replicas used.
+gateway "$out/prefixgate.new"
+for api in chat responses messages; do
+  $plain bench agent-loop --base-url $base --api $api --families 4 --turns 4 --context-tokens 2000 --json |
+    python3 -c '
+import json, sys
+s = json.load(sys.stdin)["summary"]
+ok = s["requests"] == 16 and s["errors"] == 0 and s["by_route"].get("pinned") == 12 and len(s["by_replica"]) == 2
+print(sys.argv[1], "requests", s["requests"], "errors", s["errors"], "routes", s["by_route"], "replicas", s["by_replica"])
+sys.exit(0 if ok else 1)' $api
+done
+kill -INT $gateway
+wait $gateway || true
+mv "$out/prefixgate.new" "$out/prefixgate"
+echo "optimized binary: $out/prefixgate"
