@@ -38,6 +38,7 @@ plain=$PWD/target/relocs/release/prefixgate
 
 trap 'kill $(jobs -p) 2>/dev/null' EXIT
 $plain sim-replica --port 18601 --time-scale 0 >/dev/null 2>&1 &
+replica_a=$!
 $plain sim-replica --port 18602 --time-scale 0 >/dev/null 2>&1 &
 base=http://127.0.0.1:18611
 body='{"model":"sim-model","max_tokens":4,"messages":[{"role":"user","content":"overhead probe"}]}'
@@ -80,7 +81,7 @@ grep -E "functions in the binary|splitting separates" "$out/optimize.log"
 
 # The optimized binary must route as the plain one does: agent loops in
 # each dialect, every request answered, continuations pinned, both
-# replicas used.
+# replicas used; errors and failover as below.
 gateway "$out/prefixgate.new"
 for api in chat responses messages; do
   $plain bench agent-loop --base-url $base --api $api --families 4 --turns 4 --context-tokens 2000 --json |
@@ -91,6 +92,20 @@ ok = s["requests"] == 16 and s["errors"] == 0 and s["by_route"].get("pinned") ==
 print(sys.argv[1], "requests", s["requests"], "errors", s["errors"], "routes", s["by_route"], "replicas", s["by_replica"])
 sys.exit(0 if ok else 1)' $api
 done
+# Errors come back in OpenAI's shape with their status, and a replica that
+# stops is hidden by failover.
+# expect STATUS BODY: one chat request answered with STATUS and, for an error, its JSON.
+expect() {
+  local got
+  got=$(curl -s -o "$out/reply.json" -w '%{http_code}' -H 'content-type: application/json' -d "$2" "$base/v1/chat/completions")
+  [ "$got" = "$1" ] || { echo "expected $1, got $got for $2" >&2; return 1; }
+  [ "$1" = 200 ] || python3 -c 'import json, sys; e = json.load(open(sys.argv[1]))["error"]; assert e["message"] and e["type"], e' "$out/reply.json"
+}
+expect 400 '{"model":'
+expect 404 '{"model":"no-such-model","messages":[{"role":"user","content":"hi"}]}'
+kill $replica_a
+for _ in $(seq 1 10); do expect 200 "$body"; done
+echo "errors and failover: as expected"
 kill -INT $gateway
 wait $gateway || true
 mv "$out/prefixgate.new" "$out/prefixgate"
