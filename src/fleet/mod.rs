@@ -5,11 +5,13 @@
 
 pub mod health;
 
-use std::sync::atomic::{AtomicI64, AtomicU64, AtomicU8, Ordering};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
 use arc_swap::{ArcSwap, Guard};
 
+use crate::metrics::striped::{StripedCounter, StripedGauge};
 use crate::read_mostly::ReadMostly;
 
 use serde::{Deserialize, Serialize};
@@ -208,10 +210,13 @@ pub struct Replica {
     spec: ArcSwap<ReplicaSpec>,
     admin: AtomicU8,
     health: AtomicU8,
-    inflight: AtomicI64,
-    large_inflight: AtomicI64,
-    attempts: AtomicU64,
     models: ArcSwap<Vec<String>>,
+    // Written on every request: striped per thread, on lines of their own,
+    // so neither the other worker's counts nor the fields above move
+    // between the cores.
+    inflight: StripedGauge,
+    large_inflight: StripedGauge,
+    attempts: StripedCounter,
     /// Only `health::HealthTracker` locks this (with `health` changes under it).
     probe: Mutex<ProbeState>,
 }
@@ -223,10 +228,10 @@ impl Replica {
             spec: ArcSwap::from_pointee(spec),
             admin: AtomicU8::new(admin as u8),
             health: AtomicU8::new(Health::Unknown as u8),
-            inflight: AtomicI64::new(0),
-            large_inflight: AtomicI64::new(0),
-            attempts: AtomicU64::new(0),
             models: ArcSwap::from_pointee(Vec::new()),
+            inflight: StripedGauge::default(),
+            large_inflight: StripedGauge::default(),
+            attempts: StripedCounter::default(),
             probe: Mutex::new(ProbeState::default()),
         }
     }
@@ -273,16 +278,16 @@ impl Replica {
     }
 
     pub fn inflight(&self) -> i64 {
-        self.inflight.load(Ordering::Acquire)
+        self.inflight.get()
     }
 
     pub fn large_inflight(&self) -> i64 {
-        self.large_inflight.load(Ordering::Acquire)
+        self.large_inflight.get()
     }
 
     /// Attempts sent to this replica (a failed-over request counts on each replica it tried).
     pub fn attempts(&self) -> u64 {
-        self.attempts.load(Ordering::Relaxed)
+        self.attempts.get()
     }
 
     pub fn models(&self) -> Guard<Arc<Vec<String>>> {
@@ -300,29 +305,43 @@ impl Replica {
         models.is_empty() || models.iter().any(|m| m == model)
     }
 
-    /// Counts one request in flight until the guard drops, whichever path
-    /// (success, error, client gone) ends it.
-    pub fn begin(self: Arc<Self>, large: bool) -> InflightGuard {
-        self.inflight.fetch_add(1, Ordering::AcqRel);
-        if large {
-            self.large_inflight.fetch_add(1, Ordering::AcqRel);
-        }
-        self.attempts.fetch_add(1, Ordering::Relaxed);
-        InflightGuard { replica: self, large }
+    /// Counts one request in flight on `replica` until the guard drops,
+    /// whichever path (success, error, client gone) ends it.
+    pub fn begin(replica: Rc<WorkerReplica>, large: bool) -> InflightGuard {
+        let stripe = replica.inflight.add();
+        let large_stripe = large.then(|| replica.large_inflight.add());
+        replica.attempts.inc();
+        InflightGuard { replica, stripe, large_stripe }
+    }
+}
+
+/// A worker's own handle on a replica, shared as `Rc<WorkerReplica>` by the
+/// requests the worker runs on it: holding the replica for a request then
+/// writes no reference count both cores share (an `Arc` clone per request
+/// would move the count, and the fields beside it, between the cores).
+#[derive(Debug)]
+pub struct WorkerReplica(pub Arc<Replica>);
+
+impl std::ops::Deref for WorkerReplica {
+    type Target = Replica;
+
+    fn deref(&self) -> &Replica {
+        &self.0
     }
 }
 
 #[derive(Debug)]
 pub struct InflightGuard {
-    pub replica: Arc<Replica>,
-    large: bool,
+    pub replica: Rc<WorkerReplica>,
+    stripe: usize,
+    large_stripe: Option<usize>,
 }
 
 impl Drop for InflightGuard {
     fn drop(&mut self) {
-        self.replica.inflight.fetch_sub(1, Ordering::AcqRel);
-        if self.large {
-            self.replica.large_inflight.fetch_sub(1, Ordering::AcqRel);
+        self.replica.inflight.sub(self.stripe);
+        if let Some(s) = self.large_stripe {
+            self.replica.large_inflight.sub(s);
         }
     }
 }
@@ -404,11 +423,12 @@ mod tests {
     #[test]
     fn guards_release_counters_on_drop() {
         let r = Arc::new(Replica::new(ReplicaSpec::new("a", "http://x"), AdminState::Active));
-        let g1 = r.clone().begin(true);
-        let g2 = r.clone().begin(false);
-        assert_eq!((r.inflight(), r.large_inflight()), (2, 1));
+        let held = Rc::new(WorkerReplica(r.clone()));
+        let g1 = Replica::begin(held.clone(), true);
+        let g2 = Replica::begin(held.clone(), false);
+        assert_eq!((r.inflight(), r.large_inflight(), r.attempts()), (2, 1, 2));
         drop(g1);
         drop(g2);
-        assert_eq!((r.inflight(), r.large_inflight()), (0, 0));
+        assert_eq!((r.inflight(), r.large_inflight(), r.attempts()), (0, 0, 2));
     }
 }
