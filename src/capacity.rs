@@ -22,7 +22,6 @@ use std::sync::{Arc, Mutex, Weak};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use crate::by_arc::ByArc;
 use crate::events::{EventKind, EventLog};
 use crate::fleet::Fleet;
 use crate::pins::Pin;
@@ -46,13 +45,10 @@ pub struct RunningRequests {
     shards: Mutex<Vec<Weak<RunningShard>>>,
 }
 
-/// One worker's shard of the running requests, and the worker's own copies
-/// of the replica names it registers them under (a shared name's reference
-/// count, written twice per request, would move between the cores).
-pub struct RunningWorker {
-    shard: Arc<RunningShard>,
-    names: ByArc<str, Arc<str>>,
-}
+/// One worker's shard of the running requests. Its requests are registered
+/// under the worker's own copy of the replica's name (`WorkerReplica`), so
+/// the name's reference count is not shared with the other workers either.
+pub struct RunningWorker(Arc<RunningShard>);
 
 #[derive(Default)]
 struct RunningShard {
@@ -79,15 +75,14 @@ impl Drop for RunningTicket {
 
 impl RunningWorker {
     pub fn begin(&self, replica: &Arc<str>, family: Option<PrefixKey>, tokens: u64) -> RunningTicket {
-        let name = self.names.get(replica, |n| Arc::from(n));
         let id = {
-            let mut map = self.shard.map.lock().expect("lock");
+            let mut map = self.0.map.lock().expect("lock");
             map.next_ticket += 1;
             let id = map.next_ticket;
-            map.running.insert(id, (name, RunningRequest { family, tokens }));
+            map.running.insert(id, (replica.clone(), RunningRequest { family, tokens }));
             id
         };
-        RunningTicket { shard: self.shard.clone(), id }
+        RunningTicket { shard: self.0.clone(), id }
     }
 }
 
@@ -99,7 +94,7 @@ impl RunningRequests {
         let mut shards = self.shards.lock().expect("lock");
         shards.retain(|s| s.strong_count() > 0);
         shards.push(Arc::downgrade(&shard));
-        RunningWorker { shard, names: ByArc::default() }
+        RunningWorker(shard)
     }
 
     fn snapshot(&self) -> Vec<(Arc<str>, RunningRequest)> {

@@ -304,29 +304,40 @@ impl Replica {
         let models = self.models();
         models.is_empty() || models.iter().any(|m| m == model)
     }
-
-    /// Counts one request in flight on `replica` until the guard drops,
-    /// whichever path (success, error, client gone) ends it.
-    pub fn begin(replica: Rc<WorkerReplica>, large: bool) -> InflightGuard {
-        let stripe = replica.inflight.add();
-        let large_stripe = large.then(|| replica.large_inflight.add());
-        replica.attempts.inc();
-        InflightGuard { replica, stripe, large_stripe }
-    }
 }
 
 /// A worker's own handle on a replica, shared as `Rc<WorkerReplica>` by the
-/// requests the worker runs on it: holding the replica for a request then
-/// writes no reference count both cores share (an `Arc` clone per request
-/// would move the count, and the fields beside it, between the cores).
+/// requests the worker runs on it, and the worker's own copy of its name:
+/// holding the replica or registering a request under its name then writes
+/// no reference count both cores share (an `Arc` clone per request would
+/// move the count, and the fields beside it, between the cores).
 #[derive(Debug)]
-pub struct WorkerReplica(pub Arc<Replica>);
+pub struct WorkerReplica {
+    pub shared: Arc<Replica>,
+    pub name: Arc<str>,
+}
+
+impl WorkerReplica {
+    pub fn new(shared: Arc<Replica>) -> WorkerReplica {
+        let name = Arc::from(&*shared.id);
+        WorkerReplica { shared, name }
+    }
+
+    /// Counts one request in flight until the guard drops, whichever path
+    /// (success, error, client gone) ends it.
+    pub fn begin(self: Rc<Self>, large: bool) -> InflightGuard {
+        let stripe = self.inflight.add();
+        let large_stripe = large.then(|| self.large_inflight.add());
+        self.attempts.inc();
+        InflightGuard { replica: self, stripe, large_stripe }
+    }
+}
 
 impl std::ops::Deref for WorkerReplica {
     type Target = Replica;
 
     fn deref(&self) -> &Replica {
-        &self.0
+        &self.shared
     }
 }
 
@@ -423,9 +434,9 @@ mod tests {
     #[test]
     fn guards_release_counters_on_drop() {
         let r = Arc::new(Replica::new(ReplicaSpec::new("a", "http://x"), AdminState::Active));
-        let held = Rc::new(WorkerReplica(r.clone()));
-        let g1 = Replica::begin(held.clone(), true);
-        let g2 = Replica::begin(held.clone(), false);
+        let held = Rc::new(WorkerReplica::new(r.clone()));
+        let g1 = held.clone().begin(true);
+        let g2 = held.clone().begin(false);
         assert_eq!((r.inflight(), r.large_inflight(), r.attempts()), (2, 1, 2));
         drop(g1);
         drop(g2);

@@ -46,7 +46,7 @@ pub const HEADER_PREDICTED_CACHED: HeaderName = HeaderName::from_static("x-prefi
 pub struct Upstream {
     client: awc::Client,
     replicas: headers::PerReplica,
-    /// This worker's handles on the replicas (see `Replica::begin`).
+    /// This worker's handles on the replicas (see `WorkerReplica`).
     held: ByArc<Replica, Rc<WorkerReplica>>,
 }
 
@@ -89,7 +89,7 @@ impl Upstream {
 
     /// This worker's handle on `replica`, for holding it while a request runs.
     fn hold(&self, replica: &Arc<Replica>) -> Rc<WorkerReplica> {
-        self.held.get(replica, |_| Rc::new(WorkerReplica(replica.clone())))
+        self.held.get(replica, |_| Rc::new(WorkerReplica::new(replica.clone())))
     }
 
     /// The upstream request for `req` on the replica `spec`.
@@ -206,13 +206,13 @@ async fn forward_request(
         drop(fleet);
         let reason = if failed_from.is_some() { RouteReason::Failover } else { decision.reason };
         let started = Instant::now();
-        let permit = if large { Some(admit(state, &recorder, &replica.0).await?) } else { None };
+        let permit = if large { Some(admit(state, &recorder, &replica.shared).await?) } else { None };
         // The guard holds the replica from here on (one reference, not two).
-        let guard = Replica::begin(replica, large);
+        let guard = replica.begin(large);
         let replica = &guard.replica;
         let est_tokens = state.calibration.estimate(&replica.id, shape.prompt_bytes);
         let family = pinned.as_ref().map(|(_, p)| p.family).or(shape.pin_at);
-        let ticket = recorder.running(&replica.id, family, est_tokens);
+        let ticket = recorder.running(&replica.name, family, est_tokens);
         let request = upstream.request(&replica.spec(), req, !config.api_keys.is_empty());
         match attempt::send(request, body.clone()).await {
             Ok(resp) => {

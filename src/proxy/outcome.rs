@@ -225,7 +225,7 @@ pub struct Outcome {
 impl Outcome {
     /// The replica serving the body (the in-flight guard holds it).
     pub fn replica(&self) -> &Arc<Replica> {
-        &self.held.0.replica.0
+        &self.held.0.replica.shared
     }
 }
 
