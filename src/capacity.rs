@@ -229,6 +229,12 @@ impl Capacity {
         }
     }
 
+    /// Families the working set holds on `replica` (for tests).
+    #[cfg(test)]
+    pub fn families_on(&self, replica: &str) -> usize {
+        self.families.lock().expect("lock").0.get(replica).map_or(0, |f| f.len())
+    }
+
     pub fn forget_replica(&self, replica: &str) {
         self.families.lock().expect("lock").0.remove(replica);
     }

@@ -62,7 +62,7 @@ pub struct Config {
     pub replicas: Vec<ReplicaSpec>,
 }
 
-#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct StoreConfig {
     /// A store shared by several gateway instances: `redis://[:password@]host:port/db`,
@@ -71,6 +71,15 @@ pub struct StoreConfig {
     pub url: Option<String>,
     /// This instance's name in the shared store (default: hostname and process id).
     pub instance: Option<String>,
+    /// A stored response id this instance does not know is looked up in the
+    /// shared store for at most this long before the replicas are asked.
+    pub read_through_ms: u64,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig { url: None, instance: None, read_through_ms: 5 }
+    }
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
@@ -96,6 +105,10 @@ pub struct Timeouts {
     /// are cut. Sized for long decodes: a 4k-token answer at 10 tokens/s is
     /// almost 7 minutes.
     pub shutdown_grace_secs: u64,
+    /// A stored response id nobody here knows: how long the replicas are
+    /// asked (`GET /v1/responses/{id}`, in parallel) before the request is
+    /// forwarded as it is.
+    pub locate_response_ms: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
@@ -199,7 +212,13 @@ impl Default for Config {
 
 impl Default for Timeouts {
     fn default() -> Self {
-        Timeouts { connect_ms: 2_000, response_head_ms: 300_000, idle_stream_ms: 120_000, shutdown_grace_secs: 600 }
+        Timeouts {
+            connect_ms: 2_000,
+            response_head_ms: 300_000,
+            idle_stream_ms: 120_000,
+            shutdown_grace_secs: 600,
+            locate_response_ms: 500,
+        }
     }
 }
 

@@ -8,6 +8,7 @@
 pub mod access;
 pub mod admin;
 pub mod admission;
+pub mod announce;
 pub mod bench;
 pub mod by_arc;
 pub mod capacity;

@@ -18,7 +18,7 @@ use crate::capacity::Capacity;
 use crate::error::ApiError;
 use crate::events::{EventKind, EventLog};
 use crate::fleet::{normalize_url, validate_url, AdminState, Fleet, Replica, ReplicaSpec};
-use crate::pins::PinTable;
+use crate::pins::{PinChange, PinSource, PinTable};
 use crate::policy::{CurrentPolicy, PolicySettings, PrefixKey};
 use crate::store::{Store, StoreError, StoredReplica};
 
@@ -100,6 +100,23 @@ fn not_found(id: &str) -> ApiError {
 }
 
 impl Operator {
+    /// An operator over empty components and `store`, for unit tests.
+    #[cfg(test)]
+    pub(crate) fn for_tests(store: Arc<dyn Store>) -> Operator {
+        let (events, _writer) = EventLog::new(100, store.clone(), Vec::new());
+        let policy = PolicySettings { mode: crate::policy::Mode::Shape, identity: Default::default() };
+        Operator {
+            fleet: Arc::default(),
+            pins: Arc::default(),
+            events: Arc::new(events),
+            store,
+            policy: Arc::new(CurrentPolicy::new(policy)),
+            admission: Arc::default(),
+            capacity: Arc::new(Capacity::new(300)),
+            serial: Default::default(),
+        }
+    }
+
     fn serial(&self) -> std::sync::MutexGuard<'_, ()> {
         self.serial.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -141,7 +158,7 @@ impl Operator {
         let stored = StoredReplica { spec, admin: AdminState::Active };
         self.store.put_replica(&stored).map_err(internal)?;
         let (id, url) = (stored.spec.id.clone(), stored.spec.url.clone());
-        self.fleet.add(Replica::new(stored.spec, stored.admin));
+        self.apply_replica(&id, Some(stored));
         self.events.record(EventKind::ReplicaAdded, Some(&id), None, url);
         self.replica(&id)
     }
@@ -156,10 +173,10 @@ impl Operator {
         let r = self.replica(id)?;
         let spec = patch.apply_to((**r.spec()).clone());
         spec.validate().map_err(ApiError::Unprocessable)?;
-        self.store.put_replica(&StoredReplica { spec: spec.clone(), admin: r.admin() }).map_err(internal)?;
-        let (url, limit) = (spec.url.clone(), spec.max_large_inflight);
-        r.set_spec(spec);
-        self.admission.rebalance(&r.id, limit);
+        let url = spec.url.clone();
+        let stored = StoredReplica { spec, admin: r.admin() };
+        self.store.put_replica(&stored).map_err(internal)?;
+        self.apply_replica(id, Some(stored));
         self.events.record(EventKind::ReplicaUpdated, Some(&r.id), None, url);
         Ok(r)
     }
@@ -168,11 +185,73 @@ impl Operator {
         let _serial = self.serial();
         self.replica(id)?;
         self.store.delete_replica(id).map_err(internal)?;
-        self.fleet.remove(id);
-        let pins = self.pins.remove_replica_pins(id, true);
-        self.capacity.forget_replica(id);
+        let pins = match self.apply_replica(id, None) {
+            Applied::Removed { pins } => pins,
+            _ => 0,
+        };
         self.events.record(EventKind::ReplicaRemoved, Some(id), None, format!("{pins} pin(s) dropped"));
         Ok(())
+    }
+
+    /// Makes this instance's copy of replica `id` what the store holds
+    /// (`None`: removed). The one place a replica's state is applied: by
+    /// the actions above once persisted, and by `shared.rs` for the changes
+    /// other instances made. Records no event (the instance that acted did).
+    pub(crate) fn apply_replica(&self, id: &str, stored: Option<StoredReplica>) -> Applied {
+        match (stored, self.fleet.get(id)) {
+            (Some(s), Some(r)) => {
+                let limit = s.spec.max_large_inflight;
+                r.set_spec(s.spec);
+                let was = r.set_admin(s.admin);
+                self.admission.rebalance(&r.id, limit);
+                Applied::Changed { was }
+            }
+            (Some(s), None) => {
+                self.fleet.add(Replica::new(s.spec, s.admin));
+                Applied::Added
+            }
+            (None, Some(_)) => {
+                self.fleet.remove(id);
+                // A follow-up naming a response the replica stored must hear
+                // that its replica is gone: those pins stay (see `PinTable`).
+                let pins = self.pins.remove_replica_pins(id, true);
+                self.capacity.forget_replica(id);
+                Applied::Removed { pins }
+            }
+            (None, None) => Applied::Nothing,
+        }
+    }
+
+    /// Re-reads replica `id` from the store and applies it (another
+    /// instance changed it), under the same lock as local actions.
+    pub(crate) fn reload_replica(&self, id: &str) -> Result<Applied, StoreError> {
+        let _serial = self.serial();
+        let stored = self.store.replicas()?.into_iter().find(|r| r.spec.id == id);
+        Ok(self.apply_replica(id, stored))
+    }
+
+    /// Re-reads the policy from the store and applies it.
+    pub(crate) fn reload_policy(&self) -> Result<(), StoreError> {
+        if let Some(v) = self.store.setting("policy")? {
+            let next: PolicySettings = serde_json::from_value(v)
+                .map_err(|e| StoreError::Corrupt { tree: "settings", detail: e.to_string() })?;
+            self.policy.replace(next);
+        }
+        Ok(())
+    }
+
+    /// Applies pin changes that are in the store already (not marked dirty):
+    /// another instance's, or an operator's deletion once persisted.
+    pub(crate) fn apply_pins(&self, changes: impl IntoIterator<Item = PinChange>) {
+        let changes: Vec<PinChange> = changes.into_iter().collect();
+        // Conversations that came back on another instance are part of the
+        // fleet's working set here too.
+        for p in changes.iter().filter_map(|(_, p)| p.as_ref()) {
+            if p.turns >= 2 && p.origin.source == PinSource::Prefix {
+                self.capacity.touch_family(&p.replica, p.family, p.est_tokens, p.last_used_ms);
+            }
+        }
+        self.pins.apply(changes);
     }
 
     pub fn drain(&self, id: &str) -> Result<Arc<Replica>, ApiError> {
@@ -199,8 +278,12 @@ impl Operator {
     pub fn set_admin(&self, id: &str, next: AdminState) -> Result<Arc<Replica>, ApiError> {
         let _serial = self.serial();
         let r = self.replica(id)?;
-        self.store.put_replica(&StoredReplica { spec: (**r.spec()).clone(), admin: next }).map_err(internal)?;
-        let prev = r.set_admin(next);
+        let stored = StoredReplica { spec: (**r.spec()).clone(), admin: next };
+        self.store.put_replica(&stored).map_err(internal)?;
+        let prev = match self.apply_replica(id, Some(stored)) {
+            Applied::Changed { was } => was,
+            _ => next,
+        };
         if prev != next {
             let kind = match (prev, next) {
                 (_, AdminState::Draining) => EventKind::DrainStarted,
@@ -262,22 +345,42 @@ impl Operator {
         }
     }
 
-    /// Deletes one pin (persisted by the flusher like any pin change).
+    /// Deletes one pin: persisted first, as every operator action is.
     pub fn delete_pin(&self, key: PrefixKey) -> Result<(), ApiError> {
-        let replica = self.pins.replica_of(key);
-        if !self.pins.remove(key) {
+        let _serial = self.serial();
+        let Some(replica) = self.pins.replica_of(key) else {
             return Err(ApiError::NotFound(format!("no pin {key:032x}")));
-        }
-        self.events.record(EventKind::PinsDeleted, replica.as_deref(), None, format!("pin {key:032x} deleted"));
+        };
+        self.store.write_pins(&[(key, None)]).map_err(internal)?;
+        self.apply_pins([(key, None)]);
+        self.events.record(EventKind::PinsDeleted, Some(&replica), None, format!("pin {key:032x} deleted"));
         Ok(())
     }
 
-    /// Deletes every pin a replica holds; returns how many.
+    /// Deletes every pin a replica holds (persisted first); returns how many.
     pub fn delete_replica_pins(&self, id: &str) -> Result<usize, ApiError> {
+        let _serial = self.serial();
         self.replica(id)?;
-        let n = self.pins.remove_replica(id);
+        let deleted: Vec<PinChange> = self.pins.keys_of(id).into_iter().map(|k| (k, None)).collect();
+        self.store.write_pins(&deleted).map_err(internal)?;
+        self.apply_pins(deleted.iter().cloned());
         self.capacity.forget_replica(id);
+        let n = deleted.len();
         self.events.record(EventKind::PinsDeleted, Some(id), None, format!("{n} pin(s) deleted"));
         Ok(n)
     }
+}
+
+/// What applying a replica's stored state did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Applied {
+    Added,
+    /// Changed in place; `was` is the operator state before.
+    Changed {
+        was: AdminState,
+    },
+    Removed {
+        pins: usize,
+    },
+    Nothing,
 }

@@ -351,12 +351,20 @@ impl PinTable {
         Recorded { turns: slot.turns, family: slot.family, moved_from }
     }
 
-    /// Applies pins another gateway instance wrote (or deleted: `None`); not
-    /// marked dirty, since they are in the shared store already.
-    pub fn apply_remote(&self, changes: impl IntoIterator<Item = (PrefixKey, Option<Pin>)>) {
+    /// Applies pin changes that are in the store already (another
+    /// instance's, or an operator's deletion once persisted): not marked
+    /// dirty. A pin older than the one held here is ignored: the flusher
+    /// announces its batch again after persisting, and that second notice
+    /// must not undo a turn served since.
+    pub fn apply(&self, changes: impl IntoIterator<Item = PinChange>) {
         for (key, pin) in changes {
             match pin {
-                Some(pin) => self.restore([(key, pin)]),
+                Some(pin) => {
+                    if self.read(key).is_some_and(|held| held.last_used_ms > pin.last_used_ms) {
+                        continue;
+                    }
+                    self.restore([(key, pin)]);
+                }
                 None => {
                     let mut shard = self.shard(key).write().expect("pins lock");
                     if let Some(old) = shard.map.remove(&key) {
@@ -365,6 +373,16 @@ impl PinTable {
                 }
             }
         }
+    }
+
+    /// The keys of every pin `replica` holds.
+    pub fn keys_of(&self, replica: &str) -> Vec<PrefixKey> {
+        let Some(idx) = self.replicas.find(replica) else { return Vec::new() };
+        let mut keys = Vec::new();
+        for shard in &self.shards {
+            keys.extend(shard.read().expect("pins lock").map.iter().filter(|(_, s)| s.replica == idx).map(|(k, _)| *k));
+        }
+        keys
     }
 
     /// Marks keys dirty again after a flush that failed, so the next one retries them.

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use crate::access::Access;
 use crate::admission::Admission;
+use crate::announce::Announcer;
 use crate::capacity::Capacity;
 use crate::config::Config;
 use crate::events::{EventLog, EventWriter};
@@ -28,6 +29,8 @@ pub struct AppState {
     pub event_writer: Arc<EventWriter>,
     pub store: Arc<dyn Store>,
     pub metrics: Arc<Metrics>,
+    /// Tells the other instances (a shared store) about new pins at once.
+    pub announcer: Arc<Announcer>,
     pub access: Arc<Access>,
     pub admission: Arc<Admission>,
     pub capacity: Arc<Capacity>,
@@ -112,21 +115,21 @@ impl AppState {
             capacity: capacity.clone(),
             serial: Default::default(),
         });
+        let metrics = Arc::new(Metrics::new());
         let follower = Arc::new(crate::shared::Follower {
-            fleet: Arc::downgrade(&fleet),
-            pins: Arc::downgrade(&pins),
+            operator: Arc::downgrade(&operator),
             events: Arc::downgrade(&events),
-            policy: Arc::downgrade(&policy),
-            admission: Arc::downgrade(&admission),
-            capacity: Arc::downgrade(&capacity),
-            store: Arc::downgrade(&store),
+            metrics: Arc::downgrade(&metrics),
             // Re-read once the listener runs: another instance may have
             // changed something between our reads above and the subscription.
             resync: std::sync::atomic::AtomicBool::new(store.instance().is_some()),
         });
         crate::shared::follow(follower, store.as_ref())?;
+        let announcer = Announcer::start(&store, metrics.clone())
+            .map_err(|e| StoreError::Backend(format!("cannot start the announcer: {e}")))?;
         Ok(Arc::new(AppState {
-            metrics: Arc::new(Metrics::new()),
+            announcer: Arc::new(announcer),
+            metrics,
             access: Arc::new(Access::new(&config)),
             health: Arc::new(HealthTracker::new(config.health.rise, config.health.fall, events.clone())),
             calibration: Arc::default(),

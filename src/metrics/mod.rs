@@ -17,7 +17,7 @@ use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEn
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::exponential_buckets;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 pub mod striped;
@@ -132,6 +132,13 @@ pub struct Metrics {
     pub capacity_warning: Family<ReplicaLabels, Gauge>,
     /// 1 while the store answers (a shared store that is unreachable: 0).
     pub store_up: Gauge,
+    /// Pin changes announced to other instances (result=sent|dropped|failed).
+    pub announcements: Family<ResultLabels, Counter>,
+    /// From another instance's announcement to its pins applied here.
+    pub propagation: Histogram,
+    /// Stored response ids this instance did not know, by where they were
+    /// found (result=store|replica|unknown).
+    pub stored_response_lookups: Family<ResultLabels, Counter>,
 }
 
 /// Every metric name as it appears in the exposition (the README lists these).
@@ -157,6 +164,9 @@ pub const METRIC_NAMES: &[&str] = &[
     "prefixgate_bytes_per_token",
     "prefixgate_capacity_warning",
     "prefixgate_store_up",
+    "prefixgate_shared_announcements_total",
+    "prefixgate_shared_propagation_seconds",
+    "prefixgate_stored_response_lookups_total",
 ];
 
 impl Metrics {
@@ -184,6 +194,10 @@ impl Metrics {
             bytes_per_token: Family::default(),
             capacity_warning: Family::default(),
             store_up: Gauge::default(),
+            announcements: Family::default(),
+            // 50 µs .. ~1.6 s: a pub/sub hop on loopback is well under a millisecond.
+            propagation: Histogram::new(exponential_buckets(0.000_05, 2.0, 16)),
+            stored_response_lookups: Family::default(),
             registry: Registry::default(),
         };
         // Registration clones the families (they share state through Arcs).
@@ -280,6 +294,28 @@ impl Metrics {
             "1 while the store answers; 0 while a shared store is unreachable (routing goes on from memory)",
             m.store_up.clone(),
         );
+        registry.register(
+            "prefixgate_shared_announcements",
+            "Pin changes announced to the other instances at once (result=sent|dropped|failed)",
+            m.announcements.clone(),
+        );
+        registry.register(
+            "prefixgate_shared_propagation_seconds",
+            "From another instance announcing a pin change to this instance applying it",
+            m.propagation.clone(),
+        );
+        registry.register(
+            "prefixgate_stored_response_lookups",
+            "Stored response ids unknown here, by where they were found (result=store|replica|unknown)",
+            m.stored_response_lookups.clone(),
+        );
+        // Every result starts at zero, so a rate over a quiet series is 0, not absent.
+        for result in ["sent", "dropped", "failed"] {
+            m.announcements.get_or_create(&ResultLabels { result }).inc_by(0);
+        }
+        for result in ["store", "replica", "unknown"] {
+            m.stored_response_lookups.get_or_create(&ResultLabels { result }).inc_by(0);
+        }
         Metrics { registry, ..m }
     }
 

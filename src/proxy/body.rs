@@ -22,6 +22,11 @@ use crate::policy::Dialect;
 pub trait BodyEnd {
     /// Called once: when the body ends, fails, or is dropped unfinished.
     fn finish(&mut self, outcome: BodyOutcome, usage: Option<&UsageTap>);
+    /// Called once, as soon as the body names the response it carries (a
+    /// stored response of the Responses API): from the stream's first event,
+    /// or from a body that arrived whole; for a body in pieces, when it
+    /// ends complete.
+    fn response_id(&mut self, id: &str);
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,6 +79,11 @@ impl<S, E: BodyEnd> GuardedBody<S, E> {
         if let Some(mut end) = self.end.take() {
             if let Some(tap) = self.tap.as_mut() {
                 tap.finish();
+                if outcome == BodyOutcome::Complete {
+                    if let Some(id) = tap.new_response_id() {
+                        end.response_id(id);
+                    }
+                }
             }
             end.finish(outcome, self.tap.as_ref());
         }
@@ -130,8 +140,14 @@ where
                     timer.as_mut().reset(Instant::now() + idle);
                 }
                 self.seen += chunk.len() as u64;
-                if let Some(tap) = self.tap.as_mut() {
+                let this = &mut *self;
+                if let Some(tap) = this.tap.as_mut() {
                     tap.observe(&chunk);
+                    // Before the chunk reaches the client: the follow-up
+                    // naming this id cannot overtake its announcement here.
+                    if let (Some(id), Some(end)) = (tap.new_response_id(), this.end.as_mut()) {
+                        end.response_id(id);
+                    }
                 }
                 Poll::Ready(Some(Ok(chunk)))
             }

@@ -13,6 +13,7 @@ use super::body::{BodyEnd, BodyOutcome};
 use super::plan::PlanError;
 use super::usage::UsageTap;
 use crate::admission::Permit;
+use crate::announce::Announcer;
 use crate::capacity::{Capacity, RunningTicket, RunningWorker};
 use crate::error::ApiError;
 use crate::events::{EventKind, EventLog};
@@ -35,6 +36,7 @@ pub struct OutcomeRecorder {
     /// This worker's shard of the running requests.
     running: RunningWorker,
     health: Arc<HealthTracker>,
+    announcer: Arc<Announcer>,
 }
 
 /// A response head arrived: what the recorder needs to know about it.
@@ -71,6 +73,7 @@ impl OutcomeRecorder {
             capacity: s.capacity.clone(),
             running: s.capacity.running.worker(),
             health: s.health.clone(),
+            announcer: s.announcer.clone(),
         }
     }
 
@@ -173,6 +176,7 @@ impl OutcomeRecorder {
                 KeyKind::SessionHeader => PinSource::SessionHeader,
             };
             self.pins.record(s.key, r.replica, None, r.est_tokens, now, PinOrigin { dialect: r.dialect, source });
+            self.announce(s.key);
         }
         let pin_at = r.pin_at?;
         let home = r.pinned.map(|(m, pin)| (m, &pin.replica));
@@ -190,8 +194,11 @@ impl OutcomeRecorder {
         let parent = r.pinned.map(|(m, _)| m.key);
         let origin = PinOrigin { dialect: r.dialect, source: PinSource::Prefix };
         let recorded = self.pins.record(pin_at, r.replica, parent, r.est_tokens, now, origin);
+        self.announce(pin_at);
         if let Some(from) = &recorded.moved_from {
             self.capacity.family_moved(recorded.family, from);
+            // The parent prefix moved with the conversation.
+            parent.into_iter().for_each(|p| self.announce(p));
         }
         if recorded.turns >= 2 {
             self.capacity.touch_family(r.replica, recorded.family, r.est_tokens, now);
@@ -205,7 +212,19 @@ impl OutcomeRecorder {
     /// must come back here. Persisted like any pin.
     pub fn stored_response(&self, id: &str, replica: &Arc<str>) {
         let origin = PinOrigin { dialect: Dialect::Responses, source: PinSource::Response };
-        self.pins.record(response_key(id), replica, None, 0, crate::clock::now_ms(), origin);
+        let key = response_key(id);
+        self.pins.record(key, replica, None, 0, crate::clock::now_ms(), origin);
+        self.announce(key);
+    }
+
+    /// Tells the other instances (a shared store) about the pin at `key`
+    /// now, not at the next flush: their next turn may come at once.
+    fn announce(&self, key: PrefixKey) {
+        if self.announcer.enabled() {
+            if let Some(pin) = self.pins.get(key) {
+                self.announcer.announce((key, Some(pin)));
+            }
+        }
     }
 }
 
@@ -230,6 +249,10 @@ impl Outcome {
 }
 
 impl BodyEnd for Outcome {
+    fn response_id(&mut self, id: &str) {
+        self.recorder.stored_response(id, &self.replica().id);
+    }
+
     fn finish(&mut self, outcome: BodyOutcome, usage: Option<&UsageTap>) {
         let m = &self.recorder.metrics;
         let status = match outcome {
@@ -242,9 +265,6 @@ impl BodyEnd for Outcome {
         route.request_duration.observe(self.started.elapsed().as_secs_f64());
         route.count_request(status);
         if outcome == BodyOutcome::Complete && (200..300).contains(&self.status) {
-            if let Some(id) = usage.and_then(UsageTap::response_id) {
-                self.recorder.stored_response(id, &self.replica().id);
-            }
             let measured = usage.and_then(UsageTap::usage);
             if measured.is_some() { &m.measured } else { &m.unmeasured }.inc();
             if let Some(u) = measured {

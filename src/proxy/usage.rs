@@ -105,6 +105,8 @@ pub struct UsageTap {
     overflow: bool,
     found: Option<Usage>,
     response_id: Option<String>,
+    /// The response id was handed out by `new_response_id`.
+    id_reported: bool,
     /// The last event type seen (from `event:` lines or a data object's `type`).
     last_event: Option<String>,
     saw_done: bool,
@@ -121,6 +123,7 @@ impl UsageTap {
             overflow: false,
             found: None,
             response_id: None,
+            id_reported: false,
             last_event: None,
             saw_done: false,
         }
@@ -237,6 +240,17 @@ impl UsageTap {
 
     /// The id of the response this body carried (Responses API).
     pub fn response_id(&self) -> Option<&str> {
+        self.response_id.as_deref()
+    }
+
+    /// The response id, the first time it is asked for after being read
+    /// (None before it is read and ever after): the id is announced as soon
+    /// as it passes, not when the body ends.
+    pub fn new_response_id(&mut self) -> Option<&str> {
+        if self.id_reported || self.response_id.is_none() {
+            return None;
+        }
+        self.id_reported = true;
         self.response_id.as_deref()
     }
 

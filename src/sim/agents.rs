@@ -141,8 +141,7 @@ async fn create_response(s: web::Data<SimState>, body: web::Bytes) -> HttpRespon
         render_item(&mut prompt, item);
     }
     let max_tokens = r.max_output_tokens.unwrap_or(16).min(4096);
-    let n = s.next_id.fetch_add(1, Ordering::Relaxed);
-    let (id, msg_id) = (format!("resp_sim{n}"), format!("msg_sim{n}"));
+    let (id, msg_id) = (super::random_id("resp"), super::random_id("msg"));
     let model = r.model.clone().unwrap_or_else(|| s.cfg.model.clone());
     let created = crate::clock::now_ms() / 1000;
     let text = text_of(max_tokens);
@@ -323,7 +322,7 @@ async fn messages(s: web::Data<SimState>, body: web::Bytes) -> HttpResponse {
         render_message(&mut prompt, m.get("role").and_then(Value::as_str).unwrap_or("user"), m.get("content"), SKIP);
     }
     let max_tokens = r.max_tokens.unwrap_or(16).min(4096);
-    let id = format!("msg_sim{}", s.next_id.fetch_add(1, Ordering::Relaxed));
+    let id = super::random_id("msg");
     let model = r.model.unwrap_or_else(|| s.cfg.model.clone());
     let usage = move |p: &Prefilled, out: u64| {
         json!({"input_tokens": p.prompt_tokens - p.cached_tokens, "cache_creation_input_tokens": 0,

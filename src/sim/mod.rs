@@ -73,7 +73,6 @@ pub struct SimState {
     hits: AtomicU64,
     prompt_tokens: AtomicU64,
     generated: AtomicU64,
-    next_id: AtomicU64,
     /// Requests whose stream ended because the client went away.
     pub cancelled: AtomicU64,
     /// Generation requests received (valid or not).
@@ -95,7 +94,6 @@ impl SimState {
             hits: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
             generated: AtomicU64::new(0),
-            next_id: AtomicU64::new(1),
             cancelled: AtomicU64::new(0),
             received: AtomicU64::new(0),
             responses: Mutex::default(),
@@ -370,10 +368,17 @@ fn usage(p: &Prefilled, completion: u64) -> Value {
     })
 }
 
+/// An id as engines make them (vLLM: `resp_` and a random UUID's hex):
+/// random, so two replicas never answer to the same id, and a follow-up
+/// sent to the wrong replica fails as it would on a real engine.
+pub(crate) fn random_id(prefix: &str) -> String {
+    format!("{prefix}_{}", uuid::Uuid::new_v4().simple())
+}
+
 async fn generate(s: Arc<SimState>, params: GenParams, prompt: Vec<u8>, chat: bool) -> HttpResponse {
     let max_tokens = params.max_completion_tokens.or(params.max_tokens).unwrap_or(16).min(4096);
     let model = params.model.clone().unwrap_or_else(|| s.cfg.model.clone());
-    let id = format!("{}-sim-{}", if chat { "chatcmpl" } else { "cmpl" }, s.next_id.fetch_add(1, Ordering::Relaxed));
+    let id = random_id(if chat { "chatcmpl" } else { "cmpl" });
     let created = crate::clock::now_ms() / 1000;
     let per_token = s.scaled(1.0 / s.cfg.decode_tps);
     if !params.stream {

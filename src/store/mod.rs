@@ -52,8 +52,14 @@ pub struct StoredReplica {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Change {
-    /// Pins written or deleted (`None`), keys as 32 hex digits.
-    Pins { pins: Vec<(String, Option<Pin>)> },
+    /// Pins written or deleted (`None`), keys as 32 hex digits, and when
+    /// they were announced (microseconds since the epoch; 0 from an older
+    /// instance): the receiver measures the propagation delay from it.
+    Pins {
+        pins: Vec<(String, Option<Pin>)>,
+        #[serde(default)]
+        sent_us: u64,
+    },
     /// A replica was added, changed or removed: read it again.
     Replica { id: String },
     /// A setting changed (the routing policy): read it again.
@@ -124,6 +130,16 @@ pub trait Store: Send + Sync {
     fn renew_leases(&self, _leases: &[(String, String)], _ttl_ms: u64) -> Result<(), StoreError> {
         Ok(())
     }
+    /// Tells the other instances about pin changes at once, without
+    /// persisting them (shared stores only; the flusher persists later).
+    fn publish_pins(&self, _changes: &[PinChange]) -> Result<(), StoreError> {
+        Ok(())
+    }
+    /// Reads one pin from the shared store (shared stores only: an embedded
+    /// store's pins are all in memory already).
+    fn pin(&self, _key: PrefixKey) -> Result<Option<Pin>, StoreError> {
+        Ok(None)
+    }
     /// Calls `on_change` with every change other instances make, until it
     /// returns false (shared stores only; others never call it).
     fn subscribe(&self, _on_change: Box<dyn Fn(Change) -> bool + Send>) -> Result<(), StoreError> {
@@ -170,6 +186,12 @@ pub fn copy(src: &dyn Store, dst: &dyn Store) -> Result<Copied, StoreError> {
 
 /// Opens the store a URL names: `sled:DIR` (or a plain directory path),
 /// `memory:`, or `redis://...` / `redis+unix://...` as `instance`.
+/// Microseconds since the epoch: the clock announcements are stamped with
+/// (instances on one host, or NTP-synchronized hosts, share it).
+pub fn now_us() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
+}
+
 pub fn open_url(url: &str, instance: &str) -> Result<std::sync::Arc<dyn Store>, StoreError> {
     if ["redis://", "rediss://", "redis+unix://", "redis+sentinel://"].iter().any(|s| url.starts_with(s)) {
         return Ok(std::sync::Arc::new(RedisStore::open(url, instance)?));

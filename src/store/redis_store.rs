@@ -5,10 +5,11 @@
 //! - writes go here first (operator actions) or behind the requests in
 //!   batches (pins, events), exactly as with sled;
 //! - every write is announced on the pub/sub channel `{prefix}:changes`, and
-//!   each instance applies the others' changes to its own copy (`shared.rs`),
-//!   so a pin written by instance A is found by instance B within A's flush
-//!   interval plus one pub/sub hop, and a drain issued on any instance stops
-//!   new traffic on all of them;
+//!   each instance applies the others' changes to its own copy (`shared.rs`);
+//!   a new pin is announced as soon as it exists (`announce.rs`), before it
+//!   is persisted, so instance B knows a pin written by instance A one
+//!   pub/sub hop later, and a drain issued on any instance stops new traffic
+//!   on all of them;
 //! - each instance writes a heartbeat (`{prefix}:instances`) with its
 //!   in-flight requests per replica, so `drain?wait=true` can wait for the
 //!   whole fleet and the admin API can list live instances.
@@ -42,7 +43,13 @@ const PREFIX: &str = "prefixgate";
 
 pub struct RedisStore {
     source: Source,
+    /// Writes (operator actions, the flusher's batches, heartbeats).
     conn: Mutex<Option<Connection>>,
+    /// Announcements of new pins, on a connection of their own so they never
+    /// queue behind a flusher's batch.
+    publisher: Mutex<Option<Connection>>,
+    /// Read-through lookups from the request path, for the same reason.
+    reader: Mutex<Option<Connection>>,
     instance: String,
     new: bool,
 }
@@ -120,7 +127,14 @@ impl RedisStore {
         // (an error here only means another part of the process chose first).
         let _ = rustls::crypto::ring::default_provider().install_default();
         let source = Source::parse(url)?;
-        let store = RedisStore { source, conn: Mutex::new(None), instance: instance.to_string(), new: false };
+        let store = RedisStore {
+            source,
+            conn: Mutex::new(None),
+            publisher: Mutex::new(None),
+            reader: Mutex::new(None),
+            instance: instance.to_string(),
+            new: false,
+        };
         let created: bool =
             store.run(|c| redis::cmd("HSETNX").arg(key("meta")).arg("schema").arg(super::SCHEMA_VERSION).query(c))?;
         let found: u64 = store.run(|c| c.hget(key("meta"), "schema"))?;
@@ -140,7 +154,15 @@ impl RedisStore {
     /// Runs `f` on the connection, making one if needed; a failed command
     /// drops the connection so the next call starts clean.
     fn run<T>(&self, f: impl FnOnce(&mut Connection) -> redis::RedisResult<T>) -> Result<T, StoreError> {
-        let mut slot = self.conn.lock().unwrap_or_else(|e| e.into_inner());
+        self.run_on(&self.conn, f)
+    }
+
+    fn run_on<T>(
+        &self,
+        conn: &Mutex<Option<Connection>>,
+        f: impl FnOnce(&mut Connection) -> redis::RedisResult<T>,
+    ) -> Result<T, StoreError> {
+        let mut slot = conn.lock().unwrap_or_else(|e| e.into_inner());
         if slot.is_none() {
             *slot = Some(self.connect()?);
         }
@@ -152,9 +174,18 @@ impl RedisStore {
     }
 
     fn announce(&self, change: Change) -> Result<(), StoreError> {
-        let msg = serde_json::to_string(&Envelope { from: self.instance.clone(), change }).expect("serializable");
-        self.run(|c| c.publish::<_, _, ()>(key("changes"), msg))
+        self.announce_on(&self.conn, change)
     }
+
+    fn announce_on(&self, conn: &Mutex<Option<Connection>>, change: Change) -> Result<(), StoreError> {
+        let msg = serde_json::to_string(&Envelope { from: self.instance.clone(), change }).expect("serializable");
+        self.run_on(conn, |c| c.publish::<_, _, ()>(key("changes"), msg))
+    }
+}
+
+fn pins_change(changes: &[PinChange]) -> Change {
+    let pins = changes.iter().map(|(k, p)| (format!("{k:032x}"), p.clone())).collect();
+    Change::Pins { pins, sent_us: super::now_us() }
 }
 
 fn corrupt(tree: &'static str) -> impl Fn(String) -> StoreError {
@@ -208,8 +239,18 @@ impl Store for RedisStore {
             };
         }
         self.run(|c| pipe.query::<()>(c))?;
-        let pins = changes.iter().map(|(k, p)| (format!("{k:032x}"), p.clone())).collect();
-        self.announce(Change::Pins { pins })
+        // Announced again after persisting: an instance that missed the
+        // first announcement (a full queue, a reconnect) catches up here.
+        self.announce(pins_change(changes))
+    }
+
+    fn publish_pins(&self, changes: &[PinChange]) -> Result<(), StoreError> {
+        self.announce_on(&self.publisher, pins_change(changes))
+    }
+
+    fn pin(&self, k: PrefixKey) -> Result<Option<Pin>, StoreError> {
+        let v: Option<Vec<u8>> = self.run_on(&self.reader, |c| c.hget(key("pins"), k.to_be_bytes().to_vec()))?;
+        v.map(|v| decode_pin(&v).map_err(corrupt("pins"))).transpose()
     }
 
     fn append_event(&self, e: &Event, dropped_up_to: Option<u64>) -> Result<(), StoreError> {
