@@ -5,6 +5,9 @@
 //! (`attempt.rs`) -> response streamed back (`body.rs`), with every outcome
 //! reported to the one recorder (`outcome.rs`).
 //!
+//! A stored response id unknown here is located before planning
+//! (`locate.rs`: the shared store, then the replicas themselves).
+//!
 //! Failover: an attempt whose error is retry-safe (the connection never
 //! carried the request) marks the replica down at once and the same request
 //! is planned again without it. Once the response head arrived, nothing is
@@ -13,6 +16,7 @@
 mod attempt;
 mod body;
 mod headers;
+mod locate;
 pub mod outcome;
 pub mod plan;
 pub mod usage;
@@ -32,7 +36,7 @@ use crate::fleet::{Replica, ReplicaSpec, WorkerReplica};
 use crate::policy::{self, sessions, Dialect, Endpoint, Mode, PrefixMatch, RouteReason};
 use crate::state::AppState;
 use body::GuardedBody;
-use outcome::{Outcome, OutcomeRecorder, Responded};
+use outcome::{Outcome, OutcomeRecorder, Responded, Routed};
 use plan::PlanInput;
 use usage::UsageTap;
 
@@ -175,10 +179,19 @@ async fn forward_request(
         None
     };
     let named = session.and_then(|s| state.pins.replica_of(s.key));
-    // A stored response nobody recorded is forwarded like anything else:
-    // the engine that does not know it answers for itself.
+    // A stored response unknown here is looked for (`locate.rs`); one
+    // nobody holds is forwarded like anything else, and the engine that does
+    // not know it answers for itself.
     let stored_id = shape.previous_response.as_deref().or(stored_in_path);
-    let stored = stored_id.and_then(|id| state.pins.replica_of(sessions::response_key(id)).map(|home| (id, home)));
+    let stored = match stored_id {
+        Some(id) => match state.pins.replica_of(sessions::response_key(id)) {
+            Some(home) => Some((id, home)),
+            None => locate::stored_response(state, &upstream, &recorder, req, id, shape.model.as_deref())
+                .await
+                .map(|home| (id, home)),
+        },
+        None => None,
+    };
     if settings.mode == Mode::Shape && shape.multi_unit {
         recorder.pin_lookup(pinned.is_some());
     }
@@ -213,6 +226,14 @@ async fn forward_request(
         let est_tokens = state.calibration.estimate(&replica.id, shape.prompt_bytes);
         let family = pinned.as_ref().map(|(_, p)| p.family).or(shape.pin_at);
         let ticket = recorder.running(&replica.name, family, est_tokens);
+        recorder.routed(&Routed {
+            replica: &replica.id,
+            pin_at: shape.pin_at,
+            pinned: pinned.as_ref(),
+            session,
+            dialect: shape.dialect,
+            est_tokens,
+        });
         let request = upstream.request(&replica.spec(), req, !config.api_keys.is_empty());
         match attempt::send(request, body.clone()).await {
             Ok(resp) => {

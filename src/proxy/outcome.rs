@@ -59,6 +59,16 @@ pub struct Responded<'a> {
     pub est_tokens: u64,
 }
 
+/// A routing decision, before the request is sent.
+pub struct Routed<'a> {
+    pub replica: &'a Arc<str>,
+    pub pin_at: Option<PrefixKey>,
+    pub pinned: Option<&'a (PrefixMatch, Pin)>,
+    pub session: Option<SessionKey>,
+    pub dialect: Dialect,
+    pub est_tokens: u64,
+}
+
 fn result(r: &'static str) -> ResultLabels {
     ResultLabels { result: r }
 }
@@ -141,6 +151,68 @@ impl OutcomeRecorder {
         false
     }
 
+    /// A replica was chosen: with a shared store, the pins this request
+    /// will write are announced now, while the replica works, so that the
+    /// conversation's next turn finds them on any instance however fast it
+    /// comes (`announce.rs`). They are recorded here only once the replica
+    /// answers; a request that fails leaves the others a pin to a replica
+    /// that never cached the prefix, which costs the next turn what
+    /// spreading it would have cost.
+    pub fn routed(&self, r: &Routed) {
+        if !self.announcer.enabled() {
+            return;
+        }
+        let now = crate::clock::now_ms();
+        if let Some(s) = r.session {
+            let source = match s.kind {
+                KeyKind::PromptCacheKey => PinSource::PromptCacheKey,
+                KeyKind::SessionHeader => PinSource::SessionHeader,
+            };
+            let pin =
+                self.next_pin(s.key, r.replica, None, r.est_tokens, now, PinOrigin { dialect: r.dialect, source });
+            self.announcer.announce((s.key, Some(pin)));
+        }
+        let Some(pin_at) = r.pin_at else { return };
+        let parent = r.pinned.map(|(_, p)| p);
+        let origin = PinOrigin { dialect: r.dialect, source: PinSource::Prefix };
+        let pin = self.next_pin(pin_at, r.replica, parent, r.est_tokens, now, origin);
+        self.announcer.announce((pin_at, Some(pin)));
+        if let Some((m, p)) = r.pinned.filter(|(_, p)| p.replica != *r.replica) {
+            // The conversation moves: its parent prefix lives where it goes.
+            self.announcer.announce((m.key, Some(Pin { replica: r.replica.clone(), last_used_ms: now, ..p.clone() })));
+        }
+    }
+
+    /// The pin `PinTable::record` will write at `key`, computed ahead.
+    fn next_pin(
+        &self,
+        key: PrefixKey,
+        replica: &Arc<str>,
+        parent: Option<&Pin>,
+        est_tokens: u64,
+        now: u64,
+        origin: PinOrigin,
+    ) -> Pin {
+        match self.pins.get(key) {
+            Some(held) => Pin {
+                replica: replica.clone(),
+                last_used_ms: now,
+                turns: held.turns.saturating_add(1),
+                est_tokens,
+                ..held
+            },
+            None => Pin {
+                replica: replica.clone(),
+                created_ms: now,
+                last_used_ms: now,
+                turns: parent.map_or(1, |p| p.turns.saturating_add(1)),
+                est_tokens,
+                family: parent.map_or(key, |p| p.family),
+                origin,
+            },
+        }
+    }
+
     /// A response head arrived. Records failovers, the pin (for a success),
     /// a moved conversation, and time to first byte. Returns the request's
     /// metric handles (for `Outcome`), and the cached tokens the route
@@ -176,7 +248,6 @@ impl OutcomeRecorder {
                 KeyKind::SessionHeader => PinSource::SessionHeader,
             };
             self.pins.record(s.key, r.replica, None, r.est_tokens, now, PinOrigin { dialect: r.dialect, source });
-            self.announce(s.key);
         }
         let pin_at = r.pin_at?;
         let home = r.pinned.map(|(m, pin)| (m, &pin.replica));
@@ -194,11 +265,8 @@ impl OutcomeRecorder {
         let parent = r.pinned.map(|(m, _)| m.key);
         let origin = PinOrigin { dialect: r.dialect, source: PinSource::Prefix };
         let recorded = self.pins.record(pin_at, r.replica, parent, r.est_tokens, now, origin);
-        self.announce(pin_at);
         if let Some(from) = &recorded.moved_from {
             self.capacity.family_moved(recorded.family, from);
-            // The parent prefix moved with the conversation.
-            parent.into_iter().for_each(|p| self.announce(p));
         }
         if recorded.turns >= 2 {
             self.capacity.touch_family(r.replica, recorded.family, r.est_tokens, now);
@@ -214,16 +282,10 @@ impl OutcomeRecorder {
         let origin = PinOrigin { dialect: Dialect::Responses, source: PinSource::Response };
         let key = response_key(id);
         self.pins.record(key, replica, None, 0, crate::clock::now_ms(), origin);
-        self.announce(key);
-    }
-
-    /// Tells the other instances (a shared store) about the pin at `key`
-    /// now, not at the next flush: their next turn may come at once.
-    fn announce(&self, key: PrefixKey) {
+        // The others hear of it now, not at the next flush: the follow-up
+        // naming it may come to any of them right after the body ends.
         if self.announcer.enabled() {
-            if let Some(pin) = self.pins.get(key) {
-                self.announcer.announce((key, Some(pin)));
-            }
+            self.announcer.announce((key, self.pins.get(key)));
         }
     }
 }

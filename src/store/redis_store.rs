@@ -349,6 +349,12 @@ impl Store for RedisStore {
                     let mut conn = source.client()?.get_connection_with_timeout(TIMEOUT)?;
                     let mut pubsub = conn.as_pubsub();
                     pubsub.subscribe(key("changes"))?;
+                    // Subscribed: a re-read the follower owes (at start, after a
+                    // lost connection) happens now, not at the first message,
+                    // which it would delay.
+                    if !on_change(Change::Tick) {
+                        return Ok(false);
+                    }
                     // Wake up now and then to notice that nobody listens any more.
                     pubsub.set_read_timeout(Some(Duration::from_millis(500)))?;
                     loop {

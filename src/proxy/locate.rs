@@ -1,0 +1,124 @@
+//! Finding the replica that holds a stored response this instance does not
+//! know (Responses API: `previous_response_id`, or a path under
+//! `/v1/responses/{id}`).
+//!
+//! Why it happens: a client's follow-up can reach this instance before the
+//! instance that served the response announced its id (a load balancer picks
+//! any instance, and the follow-up comes right after the body ends); or this
+//! instance lost its pins (a restart without a shared store, several
+//! instances without Redis). Forwarding such a request to whichever replica
+//! the spread picks ends a Codex-style conversation with a 404 one time in N.
+//!
+//! What is done, in order, each step bounded:
+//! 1. a shared store is asked for the pin (`store.read_through_ms`): it may
+//!    have been persisted while its announcement was missed;
+//! 2. the replicas that serve the model are asked, in parallel,
+//!    `GET /v1/responses/{id}` (`timeouts.locate_response_ms`); the first to
+//!    answer 200 holds it (engines keep stored responses per process, and
+//!    their ids are random: no two replicas answer to one id);
+//! 3. nobody has it: the request is forwarded as it is, and the client gets
+//!    the engine's own 404.
+//!
+//! A found answer is recorded as a pin (and announced), so the next
+//! follow-up needs no asking. No step needs a shared store: step 2 works for
+//! one instance, or several without Redis.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix_web::http::header::{self, HeaderValue};
+use actix_web::http::Uri;
+use actix_web::HttpRequest;
+use futures_util::future::{select_ok, FutureExt};
+
+use super::outcome::OutcomeRecorder;
+use super::Upstream;
+use crate::metrics::ResultLabels;
+use crate::policy::sessions::response_key;
+use crate::state::AppState;
+
+/// The replica holding the stored response `id`, if anyone does.
+pub async fn stored_response(
+    state: &AppState,
+    upstream: &Upstream,
+    recorder: &OutcomeRecorder,
+    req: &HttpRequest,
+    id: &str,
+    model: Option<&str>,
+) -> Option<Arc<str>> {
+    let found = match in_shared_store(state, id).await {
+        Some(home) => Some(("store", home)),
+        None => ask_replicas(state, upstream, req, id, model).await.map(|home| ("replica", home)),
+    };
+    let result = found.as_ref().map_or("unknown", |(how, _)| how);
+    state.metrics.stored_response_lookups.get_or_create(&ResultLabels { result }).inc();
+    let (how, home) = found?;
+    tracing::debug!(replica = %home, "located a stored response unknown here (found in the {how})");
+    recorder.stored_response(id, &home);
+    Some(home)
+}
+
+/// Step 1: the shared store's copy, within the read-through budget.
+async fn in_shared_store(state: &AppState, id: &str) -> Option<Arc<str>> {
+    state.store.instance()?;
+    let (store, key) = (state.store.clone(), response_key(id));
+    let budget = Duration::from_millis(state.config.store.read_through_ms);
+    // The store's client blocks: off the worker thread, and not waited for
+    // beyond the budget (a slow store costs this request nothing more).
+    let read = tokio::task::spawn_blocking(move || store.pin(key));
+    match tokio::time::timeout(budget, read).await {
+        Ok(Ok(Ok(Some(pin)))) => Some(pin.replica),
+        _ => None,
+    }
+}
+
+/// Step 2: every replica that could hold it is asked at once; the first 200 wins.
+async fn ask_replicas(
+    state: &AppState,
+    upstream: &Upstream,
+    req: &HttpRequest,
+    id: &str,
+    model: Option<&str>,
+) -> Option<Arc<str>> {
+    let path: Uri = format!("/v1/responses/{id}").parse().ok()?;
+    let gateway_keys = !state.config.api_keys.is_empty();
+    let asks: Vec<_> = state
+        .fleet
+        .snapshot()
+        .iter()
+        // A draining replica still serves the responses it stored.
+        .filter(|r| r.admin() != crate::fleet::AdminState::Disabled && r.health() != crate::fleet::Health::Down)
+        .filter(|r| model.is_none_or(|m| r.serves(m)))
+        .map(|r| {
+            let spec = r.spec();
+            let mut ask = upstream.client.get(upstream.replicas.target(&spec, &path).0);
+            // The credentials the request itself would carry (`headers.rs`).
+            let credentials = match &spec.api_key {
+                Some(key) => HeaderValue::from_str(&format!("Bearer {key}")).ok(),
+                None if gateway_keys => None,
+                None => req.headers().get(header::AUTHORIZATION).cloned(),
+            };
+            if let Some(value) = credentials {
+                ask = ask.insert_header((header::AUTHORIZATION, value));
+            }
+            let name = r.id.clone();
+            async move {
+                // The body is not read: the status answers the question, and
+                // dropping the response closes that connection.
+                match ask.send().await {
+                    Ok(resp) if resp.status().is_success() => Ok(name),
+                    _ => Err(()),
+                }
+            }
+            .boxed_local()
+        })
+        .collect();
+    if asks.is_empty() {
+        return None;
+    }
+    let budget = Duration::from_millis(state.config.timeouts.locate_response_ms);
+    match tokio::time::timeout(budget, select_ok(asks)).await {
+        Ok(Ok((home, _))) => Some(home),
+        _ => None,
+    }
+}
