@@ -1,34 +1,75 @@
 #!/usr/bin/env bash
-# The agent loop through 1, 2 and 4 gateway instances sharing one Redis, the
-# client sending each turn to the next instance (so consecutive turns of a
-# family never reach the same instance), in front of two simulated cards.
+# Agent loops through 1, 2 and 4 gateway instances sharing one Redis, the
+# client sending each turn to the next instance (consecutive turns of a
+# family never reach the same instance) with no pause between turns unless
+# PAUSE_MS says so, in front of two simulated cards. Three dialects: chat,
+# Responses chains (store: true, previous_response_id) and Anthropic
+# Messages. Reports warm turns on their family's replica, errors (a broken
+# Responses chain is an error), and the propagation delay between instances
+# (p50/p99 from the instances' own prefixgate_shared_propagation_seconds).
 # Every run is salted and starts a fresh Redis. Needs redis-server.
-# Usage: FAMILIES=4 TURNS=6 CONTEXT=20000 bench/instances.sh
+# GATEWAY=path/to/another/prefixgate serves instead of this tree's build (the
+# bench client stays this tree's), to compare two builds in one run.
+# Usage: FAMILIES=4 TURNS=6 CONTEXT=20000 PAUSE_MS=0 APIS="chat responses-chain messages" bench/instances.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FAMILIES=${FAMILIES:-4}; TURNS=${TURNS:-6}; CONTEXT=${CONTEXT:-20000}; TIME_SCALE=${TIME_SCALE:-0.05}
+PAUSE_MS=${PAUSE_MS:-0}; APIS=${APIS:-"chat responses-chain messages"}; COUNTS=${COUNTS:-"1 2 4"}
+# The flusher's interval (the default); a large one shows the announcements alone carry pins.
+FLUSH_MS=${FLUSH_MS:-200}
 cargo build --release -q
 bin=$PWD/target/release/prefixgate
+gateway=${GATEWAY:-$bin}
 tmp=$(mktemp -d); trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$tmp"' EXIT
 $bin sim-replica --port 18801 --time-scale "$TIME_SCALE" >/dev/null 2>&1 &
 $bin sim-replica --port 18802 --time-scale "$TIME_SCALE" >/dev/null 2>&1 &
-for n in 1 2 4; do
+
+# p50 and p99 of the propagation histogram summed over the instances' scrapes,
+# and how stored response ids unknown where they arrived were found.
+percentiles() {
+  python3 - "$@" <<'PY'
+import re, sys, urllib.request
+buckets, lookups = {}, {}
+for url in sys.argv[1:]:
+    for line in urllib.request.urlopen(url).read().decode().splitlines():
+        m = re.match(r'prefixgate_stored_response_lookups_total\{result="(\w+)"\} (\S+)', line)
+        if m:
+            lookups[m[1]] = lookups.get(m[1], 0) + int(float(m[2]))
+        m = re.match(r'prefixgate_shared_propagation_seconds_bucket\{le="([^"]+)"\} (\S+)', line)
+        if m:
+            le = float("inf") if m[1] == "+Inf" else float(m[1])
+            buckets[le] = buckets.get(le, 0) + float(m[2])
+total = buckets.get(float("inf"), 0)
+def q(p):
+    for le in sorted(buckets):
+        if buckets[le] >= p * total:
+            return "%.2f ms" % (le * 1000) if le != float("inf") else "> 1.6 s"
+print("stored response ids unknown where they arrived, found by:", lookups)
+print("propagation (upper bucket bound): n=%d p50<=%s p99<=%s" % (total, q(0.5), q(0.99)) if total else "propagation: no samples (one instance)")
+PY
+}
+
+for n in $COUNTS; do
   redis-server --port 0 --unixsocket "$tmp/r$n.sock" --save "" --appendonly no >/dev/null 2>&1 &
   until redis-cli -s "$tmp/r$n.sock" ping >/dev/null 2>&1; do sleep 0.1; done
-  urls=()
+  urls=(); admins=()
   for i in $(seq 1 "$n"); do
     port=$((18810 + 10 * n + i))
-    PREFIXGATE_STORE_INSTANCE="gw$i" $bin serve --store "redis+unix://$tmp/r$n.sock" \
+    PREFIXGATE_STORE_INSTANCE="gw$i" PREFIXGATE_PINS_FLUSH_INTERVAL_MS=$FLUSH_MS \
+      $gateway serve --store "redis+unix://$tmp/r$n.sock" \
       --listen "127.0.0.1:$port" --admin-listen "127.0.0.1:$((port + 100))" \
       --replica a=http://127.0.0.1:18801 --replica b=http://127.0.0.1:18802 >/dev/null 2>&1 &
-    urls+=("http://127.0.0.1:$port")
+    urls+=("http://127.0.0.1:$port"); admins+=("http://127.0.0.1:$((port + 100))")
   done
-  for u in "${urls[@]}"; do
-    admin=${u%:*}:$(( ${u##*:} + 100 ))
+  for admin in "${admins[@]}"; do
     until [ "$(curl -s "$admin/admin/v1/replicas" | grep -o '"health":"up"' | wc -l)" = 2 ]; do sleep 0.3; done
   done
-  echo "=== $n instance(s)"
-  $bin bench agent-loop --base-url "$(IFS=,; echo "${urls[*]}")" --label "$n-instances" \
-    --families "$FAMILIES" --turns "$TURNS" --context-tokens "$CONTEXT" --turn-tokens 300 --max-tokens 8
+  for api in $APIS; do
+    echo "=== $n instance(s), $api, pause ${PAUSE_MS} ms"
+    $bin bench agent-loop --base-url "$(IFS=,; echo "${urls[*]}")" --label "$n-instances-$api" --api "$api" \
+      --families "$FAMILIES" --turns "$TURNS" --context-tokens "$CONTEXT" --turn-tokens 300 --max-tokens 8 \
+      --pause-ms "$PAUSE_MS" | grep -E "requests:|warm turns|warm |cold |warning"
+  done
+  percentiles "${admins[@]/%//metrics}"
   pkill -f "redis\+unix://$tmp/r$n.sock" || true
 done

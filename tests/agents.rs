@@ -9,19 +9,6 @@ use std::time::Duration;
 use common::*;
 use serde_json::{json, Value};
 
-async fn post_with(url: &str, body: &Value, headers: &[(&str, &str)]) -> Reply {
-    let mut req = client().post(url);
-    for (k, v) in headers {
-        req = req.insert_header((*k, *v));
-    }
-    let mut resp = req.send_json(body).await.unwrap();
-    let header = |name: &str| resp.headers().get(name).map(|v| v.to_str().unwrap().to_string()).unwrap_or_default();
-    let (replica, route) = (header("x-prefixgate-replica"), header("x-prefixgate-route"));
-    let bytes = resp.body().limit(64 << 20).await.unwrap();
-    let body = serde_json::from_slice(&bytes).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()));
-    Reply { status: resp.status().as_u16(), replica, route, headers: resp.headers().clone(), body }
-}
-
 async fn two_replicas() -> (Sim, Sim, Gw) {
     let (a, b) = (start_sim("a", fast_sim()).await, start_sim("b", fast_sim()).await);
     let gw = start_gateway(test_config(&[&a, &b])).await;

@@ -253,6 +253,8 @@ async fn redis_going_away_costs_no_request_and_pins_written_meanwhile_reach_it_a
     redis.restart();
     wait_until("back", Duration::from_secs(10), || gw.gw.store_up.load(std::sync::atomic::Ordering::Acquire)).await;
     let kinds = [prefixgate::events::EventKind::StoreUnreachable, prefixgate::events::EventKind::StoreReachable];
+    // The flag flips a moment before its event is recorded.
+    wait_until("the transition recorded", Duration::from_secs(5), || gw.gw.events.count(kinds[1]) > 0).await;
     assert!(kinds.iter().all(|k| gw.gw.events.count(*k) == 1), "one event per transition");
     // The restarted Redis was empty: every pin written during the outage is there now.
     let reader = RedisStore::open(&redis.url, "reader").unwrap();
@@ -490,20 +492,6 @@ async fn the_capacity_verdict_on_any_instance_covers_the_whole_fleet() {
     }
 }
 
-/// A reply's status, replica, route and body, with extra headers on the request.
-async fn post_as(url: &str, body: &serde_json::Value, headers: &[(&str, &str)]) -> Reply {
-    let mut req = client().post(url);
-    for (k, v) in headers {
-        req = req.insert_header((*k, *v));
-    }
-    let mut resp = req.send_json(body).await.unwrap();
-    let header = |name: &str| resp.headers().get(name).map(|v| v.to_str().unwrap().to_string()).unwrap_or_default();
-    let (replica, route) = (header("x-prefixgate-replica"), header("x-prefixgate-route"));
-    let bytes = resp.body().limit(64 << 20).await.unwrap();
-    let body = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
-    Reply { status: resp.status().as_u16(), replica, route, headers: resp.headers().clone(), body }
-}
-
 /// A chat agent loop of `turns` turns, turn t sent to instance `first + t`
 /// at once; returns (replica, route, cached tokens) per turn.
 async fn chat_loop(gws: &[String], first: usize, tag: String, turns: usize) -> Vec<(String, String, u64)> {
@@ -511,7 +499,7 @@ async fn chat_loop(gws: &[String], first: usize, tag: String, turns: usize) -> V
     let mut out = Vec::new();
     for turn in 0..turns {
         let url = format!("{}/v1/chat/completions", gws[(first + turn) % gws.len()]);
-        let r = post_as(&url, &json!({"model": "sim-model", "messages": msgs, "max_tokens": 4}), &[]).await;
+        let r = post_with(&url, &json!({"model": "sim-model", "messages": msgs, "max_tokens": 4}), &[]).await;
         assert_eq!(r.status, 200, "{tag} turn {turn}: {}", r.body);
         out.push((r.replica, r.route, r.body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap()));
         msgs.push(r.body["choices"][0]["message"].clone());
@@ -527,7 +515,7 @@ async fn messages_loop(gws: &[String], first: usize, tag: String, turns: usize) 
     for turn in 0..turns {
         let url = format!("{}/v1/messages", gws[(first + turn) % gws.len()]);
         let body = json!({"model": "sim-model", "max_tokens": 4, "system": "You are Claude Code.", "messages": msgs});
-        let r = post_as(&url, &body, &[("anthropic-version", "2023-06-01")]).await;
+        let r = post_with(&url, &body, &[("anthropic-version", "2023-06-01")]).await;
         assert_eq!(r.status, 200, "{tag} turn {turn}: {}", r.body);
         out.push((r.replica, r.route, r.body["usage"]["cache_read_input_tokens"].as_u64().unwrap()));
         msgs.push(json!({"role": "assistant", "content": r.body["content"].clone()}));
@@ -547,7 +535,7 @@ async fn responses_chain(gws: &[String], first: usize, tag: String, turns: usize
         if let Some(p) = &prev {
             body["previous_response_id"] = json!(p);
         }
-        let r = post_as(&url, &body, &[]).await;
+        let r = post_with(&url, &body, &[]).await;
         out.push((r.status, r.replica.clone()));
         prev = r.body["id"].as_str().map(str::to_string);
         if r.status != 200 {
@@ -618,20 +606,20 @@ async fn with_redis_down_a_follow_up_unknown_here_is_found_by_asking_the_replica
     let url = |g: &Gw| format!("{}/v1/responses", g.base);
     // Several first turns, so some land on each replica (spread).
     for i in 0..4 {
-        let first = post_as(&url(&gws[0]), &json!({"model": "sim-model", "input": format!("first {i}")}), &[]).await;
+        let first = post_with(&url(&gws[0]), &json!({"model": "sim-model", "input": format!("first {i}")}), &[]).await;
         assert_eq!(first.status, 200);
         let id = first.body["id"].as_str().unwrap().to_string();
         let key = prefixgate::policy::sessions::response_key(&id);
         assert_eq!(gws[1].gw.pins.replica_of(key), None, "instance 1 cannot have heard of it");
         let follow = json!({"model": "sim-model", "input": "again", "previous_response_id": id});
-        let r = post_as(&url(&gws[1]), &follow, &[]).await;
+        let r = post_with(&url(&gws[1]), &follow, &[]).await;
         assert_eq!((r.status, r.replica.as_str(), r.route.as_str()), (200, first.replica.as_str(), "response"));
         assert_eq!(gws[1].gw.pins.replica_of(key).as_deref(), Some(first.replica.as_str()), "recorded");
     }
     let text = gws[1].gw.metrics.encode();
     assert!(text.lines().any(|l| l == r#"prefixgate_stored_response_lookups_total{result="replica"} 4"#), "{text}");
     // An id nobody holds is forwarded, and the engine's own 404 comes back.
-    let r = post_as(
+    let r = post_with(
         &url(&gws[1]),
         &json!({"model": "sim-model", "input": "x", "previous_response_id": "resp_nobody"}),
         &[],

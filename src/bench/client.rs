@@ -23,10 +23,24 @@ pub enum Api {
     Responses,
     /// `/v1/messages` (Anthropic)
     Messages,
+    /// `/v1/responses` as Codex chains it: `store: true`, each turn sends
+    /// only its new input and names the previous response
+    /// (`previous_response_id`), so a follow-up on the wrong replica is a 404.
+    ResponsesChain,
 }
 
-fn request_body(api: Api, common: &Common, messages: &[Value]) -> (&'static str, Value) {
+/// `previous`: the last response's id (`ResponsesChain` only).
+fn request_body(api: Api, common: &Common, messages: &[Value], previous: Option<&str>) -> (&'static str, Value) {
     match api {
+        Api::ResponsesChain => {
+            let newest = messages.last().map_or(Value::Null, |m| m["content"].clone());
+            let mut body = json!({"model": common.model, "input": newest, "stream": true, "store": true,
+                                  "max_output_tokens": common.max_tokens});
+            if let Some(p) = previous {
+                body["previous_response_id"] = json!(p);
+            }
+            ("/v1/responses", body)
+        }
         Api::Chat => (
             "/v1/chat/completions",
             json!({"model": common.model, "messages": messages, "stream": true,
@@ -64,7 +78,11 @@ fn read_event(api: Api, v: &Value, sample: &mut Sample) -> Option<String> {
             }
             v["choices"][0]["delta"]["content"].as_str().map(str::to_string)
         }
-        Api::Responses => match v["type"].as_str() {
+        Api::Responses | Api::ResponsesChain => match v["type"].as_str() {
+            Some("response.created") => {
+                sample.response_id = v["response"]["id"].as_str().map(str::to_string);
+                None
+            }
             Some("response.output_text.delta") => v["delta"].as_str().map(str::to_string),
             Some("response.completed") => {
                 let u = &v["response"]["usage"];
@@ -90,7 +108,7 @@ fn read_event(api: Api, v: &Value, sample: &mut Sample) -> Option<String> {
 }
 
 pub async fn stream_chat(c: &awc::Client, common: &Common, messages: &[Value]) -> Result<(Sample, String), String> {
-    stream_turn(c, common, Api::Chat, messages).await
+    stream_turn(c, common, Api::Chat, messages, None).await
 }
 
 pub async fn stream_turn(
@@ -98,8 +116,9 @@ pub async fn stream_turn(
     common: &Common,
     api: Api,
     messages: &[Value],
+    previous: Option<&str>,
 ) -> Result<(Sample, String), String> {
-    let (path, body) = request_body(api, common, messages);
+    let (path, body) = request_body(api, common, messages, previous);
     let started = Instant::now();
     let mut req = c.post(format!("{}{path}", common.base_url)).timeout(Duration::from_secs(common.timeout));
     if let Some(k) = &common.api_key {

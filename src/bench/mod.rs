@@ -85,6 +85,10 @@ pub enum Workload {
         /// The API the loop speaks.
         #[arg(long, value_enum, default_value_t = client::Api::Chat)]
         api: client::Api,
+        /// Pause between a turn's end and the next turn (0: none, as an
+        /// agent whose tool call returns at once).
+        #[arg(long, default_value_t = 0)]
+        pause_ms: u64,
     },
     /// N distinct single-turn prompts sent at once.
     Burst {

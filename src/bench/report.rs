@@ -21,6 +21,9 @@ pub struct Sample {
     /// The simulated replica's own prefill time (unscaled), when it reports one.
     pub sim_prefill_ms: Option<f64>,
     pub error: Option<String>,
+    /// The response's id (Responses API), for the next turn of a chain.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response_id: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -42,6 +45,9 @@ pub struct Summary {
     pub warm: Stats,
     pub by_replica: BTreeMap<String, usize>,
     pub by_route: BTreeMap<String, usize>,
+    /// Warm turns served by the replica that served their family's first turn.
+    #[serde(default)]
+    pub warm_on_home: usize,
     pub wall_ms: f64,
 }
 
@@ -99,6 +105,8 @@ impl Report {
             wall_ms,
             ..Summary::default()
         };
+        let homes: BTreeMap<usize, &str> = cold.iter().map(|x| (x.family, x.replica.as_str())).collect();
+        s.warm_on_home = warm.iter().filter(|x| homes.get(&x.family) == Some(&x.replica.as_str())).count();
         for x in &ok {
             *s.by_replica.entry(if x.replica.is_empty() { "?".into() } else { x.replica.clone() }).or_default() += 1;
             *s.by_route.entry(if x.route.is_empty() { "?".into() } else { x.route.clone() }).or_default() += 1;
@@ -146,6 +154,7 @@ impl Report {
                 pct(st.cached_fraction)
             );
         }
+        let _ = writeln!(out, "warm turns on their family's replica: {}/{}", s.warm_on_home, s.warm.n);
         let _ = writeln!(out, "by replica: {:?}", s.by_replica);
         let _ = writeln!(out, "by route:   {:?}", s.by_route);
         if let Some(v) = &self.verdict {

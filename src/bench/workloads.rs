@@ -60,9 +60,9 @@ fn client() -> awc::Client {
 pub async fn run(w: &Workload) -> Result<Report, String> {
     let started = Instant::now();
     let mut report = match w {
-        Workload::AgentLoop { common, families, turns, context_tokens, turn_tokens, api } => {
+        Workload::AgentLoop { common, families, turns, context_tokens, turn_tokens, api, pause_ms } => {
             let salt = salt(common);
-            let settings = json!({"families": families, "turns": turns, "context_tokens": context_tokens, "turn_tokens": turn_tokens, "max_tokens": common.max_tokens, "salt": salt, "api": api});
+            let settings = json!({"families": families, "turns": turns, "context_tokens": context_tokens, "turn_tokens": turn_tokens, "max_tokens": common.max_tokens, "salt": salt, "api": api, "pause_ms": pause_ms});
             let mut report = new_report("agent-loop", common, settings);
             let pb = bar(families * turns, "turns");
             let runs = (0..*families).map(|f| {
@@ -71,10 +71,16 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
                     let c = client();
                     let mut messages = vec![json!({"role": "user", "content": format!("[run {salt}] family {f}\n{}", filler(&format!("ctx{f}"), *context_tokens))})];
                     let mut samples = Vec::new();
+                    let mut previous: Option<String> = None;
                     for turn in 0..*turns {
-                        let sample = match stream_turn(&c, &common.base_for(f, turn), *api, &messages).await {
+                        if turn > 0 && *pause_ms > 0 {
+                            tokio::time::sleep(std::time::Duration::from_millis(*pause_ms)).await;
+                        }
+                        let base = common.base_for(f, turn);
+                        let sample = match stream_turn(&c, &base, *api, &messages, previous.as_deref()).await {
                             Ok((s, answer)) => {
                                 messages.push(json!({"role": "assistant", "content": answer}));
+                                previous.clone_from(&s.response_id);
                                 s
                             }
                             Err(e) => Sample { error: Some(e), ..Sample::default() },

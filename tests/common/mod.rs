@@ -134,17 +134,21 @@ pub struct Reply {
 }
 
 pub async fn post(url: &str, body: &Value) -> Reply {
-    let mut resp = client().post(url).send_json(body).await.unwrap();
+    post_with(url, body, &[]).await
+}
+
+/// A JSON POST with extra headers; a body that is not JSON comes back as a string (SSE).
+pub async fn post_with(url: &str, body: &Value, headers: &[(&str, &str)]) -> Reply {
+    let mut req = client().post(url);
+    for (k, v) in headers {
+        req = req.insert_header((*k, *v));
+    }
+    let mut resp = req.send_json(body).await.unwrap();
     let header = |name: &str| resp.headers().get(name).map(|v| v.to_str().unwrap().to_string()).unwrap_or_default();
     let (replica, route) = (header("x-prefixgate-replica"), header("x-prefixgate-route"));
     let bytes = resp.body().limit(64 << 20).await.unwrap();
-    Reply {
-        status: resp.status().as_u16(),
-        replica,
-        route,
-        headers: resp.headers().clone(),
-        body: serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-    }
+    let body = serde_json::from_slice(&bytes).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()));
+    Reply { status: resp.status().as_u16(), replica, route, headers: resp.headers().clone(), body }
 }
 
 pub async fn chat(gw: &Gw, messages: &[(&str, &str)]) -> Reply {
