@@ -18,7 +18,7 @@
 #
 # Output: target/bolt/prefixgate (and the profile next to it). Builds in
 # target/relocs, apart from the normal release build (its flags differ).
-# Needs: apt-get install -y bolt-16 wrk. CI runs it after the tests (.ci/run).
+# Needs: apt-get install -y bolt-16 wrk. An optional release step: CI does not run it.
 # Usage: bench/bolt.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
