@@ -68,7 +68,7 @@ for n in $COUNTS; do
     echo "=== $n instance(s), $api, pause ${PAUSE_MS} ms"
     $bin bench agent-loop --base-url "$(IFS=,; echo "${urls[*]}")" --label "$n-instances-$api" --api "$api" \
       --families "$FAMILIES" --turns "$TURNS" --context-tokens "$CONTEXT" --turn-tokens 300 --max-tokens 8 \
-      --pause-ms "$PAUSE_MS" | grep -E "requests:|warm turns|warm |cold |warning"
+      --pause-ms "$PAUSE_MS" | grep -E "requests:|warm turns|warm |cold |by route|warning"
   done
   percentiles "${admins[@]/%//metrics}"
   pkill -f "redis\+unix://$tmp/r$n.sock" || true
