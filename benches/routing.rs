@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use prefixgate::pins::{Pin, PinTable};
-use prefixgate::policy::{self, Candidate, Endpoint, IdentityBlocks, Mode, PrefixMatch, SpreadCounter};
+use prefixgate::policy::{self, Candidate, Endpoint, IdentityBlocks, Mode, PrefixMatch};
 
 /// An agent-loop body of about `bytes`: a system prompt and alternating turns
 /// with realistic escapes (newlines, quotes).
@@ -121,13 +121,12 @@ fn decision(c: &mut Criterion) {
     pins.record(shape.boundaries[shape.boundaries.len() - 3].key, &r0, None, 1, 1, Default::default());
     let ids = ["r0", "r1", "r2", "r3"];
     let candidates: Vec<Candidate> = ids.iter().map(|id| Candidate { id, routable: true, spare: true }).collect();
-    let counter = SpreadCounter::default();
     let route = |s: &policy::RequestShape| {
         let found = pins.lookup_longest(&s.boundaries);
         let pinned = found
             .as_ref()
             .map(|(i, p)| (PrefixMatch { key: s.boundaries[*i].key, bytes: s.boundaries[*i].bytes }, &*p.replica));
-        policy::decide(Mode::Shape, s, &candidates, pinned, None, &counter).unwrap()
+        policy::decide(Mode::Shape, s, &candidates, pinned, None).unwrap()
     };
     c.bench_function("decide_pinned_400KB", |b| b.iter(|| route(black_box(&shape))));
     c.bench_function("extract_and_decide_400KB", |b| {

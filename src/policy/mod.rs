@@ -154,11 +154,32 @@ pub struct PrefixMatch {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Decision {
-    /// Index into the candidate slice.
-    pub replica: usize,
+    pub target: Target,
     pub reason: RouteReason,
     /// The longest pinned prefix found, whether or not it was followed.
     pub matched: Option<PrefixMatch>,
+}
+
+/// Where a decision sends the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    /// This candidate (an index into the candidate slice).
+    Candidate(usize),
+    /// The next spread pick (`spread_pick`), made by the caller with its
+    /// counter's next position: `decide` stays pure, and only spread
+    /// decisions advance the counter.
+    Spread,
+}
+
+impl Decision {
+    /// The candidate the request goes to; `spread_at` is called only for a
+    /// spread decision.
+    pub fn candidate(&self, candidates: &[Candidate], spread_at: impl FnOnce() -> u64) -> usize {
+        match self.target {
+            Target::Candidate(i) => i,
+            Target::Spread => spread_pick(candidates, spread_at()),
+        }
+    }
 }
 
 /// The spread counter. Only spread picks advance it, so consecutive spread
@@ -184,14 +205,14 @@ impl SpreadCounter {
 /// once, see `PinTable::lookup_longest`); it is ignored for requests without
 /// history. `named` is the replica the request's session key points at
 /// (`sessions.rs`): it decides only when no prefix matched. `None` when no
-/// candidate is routable.
+/// candidate is routable. Pure: a spread decision names no candidate, the
+/// caller picks one with its counter (`Decision::candidate`).
 pub fn decide(
     mode: Mode,
     shape: &RequestShape,
     candidates: &[Candidate],
     pinned: Option<(PrefixMatch, &str)>,
     named: Option<&str>,
-    counter: &SpreadCounter,
 ) -> Option<Decision> {
     if !candidates.iter().any(|c| c.routable) {
         return None;
@@ -200,12 +221,12 @@ pub fn decide(
     // still needs to know which conversation a request continues.
     let pinned = pinned.filter(|_| shape.multi_unit);
     let matched = pinned.map(|(m, _)| m);
-    let spread = |reason| Decision { replica: spread_pick(candidates, counter), reason, matched };
+    let spread = |reason| Decision { target: Target::Spread, reason, matched };
     match mode {
         Mode::RoundRobin => Some(spread(RouteReason::RoundRobin)),
         Mode::Affinity => match shape.boundaries.first() {
             Some(first) => Some(Decision {
-                replica: rendezvous_pick(candidates, first.key),
+                target: Target::Candidate(rendezvous_pick(candidates, first.key)),
                 reason: RouteReason::Affinity,
                 matched,
             }),
@@ -218,20 +239,20 @@ pub fn decide(
                 (None, None) => return Some(spread(RouteReason::Spread)),
             };
             match candidates.iter().position(|c| c.routable && c.id == home) {
-                Some(i) => Some(Decision { replica: i, reason, matched }),
+                Some(i) => Some(Decision { target: Target::Candidate(i), reason, matched }),
                 None => Some(spread(RouteReason::Repinned)),
             }
         }
     }
 }
 
-/// The n-th routable candidate, n from the counter; among those with spare
-/// room when there are any.
-fn spread_pick(candidates: &[Candidate], counter: &SpreadCounter) -> usize {
+/// The `at`-th routable candidate (modulo their number); among those with
+/// spare room when there are any. At least one candidate must be routable.
+pub fn spread_pick(candidates: &[Candidate], at: u64) -> usize {
     let any_spare = candidates.iter().any(|c| c.routable && c.spare);
     let eligible = |c: &&Candidate| c.routable && (c.spare || !any_spare);
     let count = candidates.iter().filter(eligible).count() as u64;
-    let nth = (counter.next() % count) as usize;
+    let nth = (at % count) as usize;
     candidates.iter().enumerate().filter(|(_, c)| eligible(c)).nth(nth).map(|(i, _)| i).expect("nth < eligible count")
 }
 

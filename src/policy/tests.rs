@@ -6,6 +6,25 @@ use proptest::prelude::*;
 
 use super::*;
 
+/// A decision with its spread pick made from `counter`, as the request path makes it.
+#[derive(Debug)]
+struct Picked {
+    replica: usize,
+    reason: RouteReason,
+}
+
+fn decide(
+    mode: Mode,
+    shape: &RequestShape,
+    candidates: &[Candidate],
+    pinned: Option<(PrefixMatch, &str)>,
+    named: Option<&str>,
+    counter: &SpreadCounter,
+) -> Option<Picked> {
+    let d = super::decide(mode, shape, candidates, pinned, named)?;
+    Some(Picked { replica: d.candidate(candidates, || counter.next()), reason: d.reason })
+}
+
 /// A tiny in-memory router: decide, then record the pin like the gateway does.
 struct Router {
     mode: Mode,

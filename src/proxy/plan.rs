@@ -1,6 +1,7 @@
 //! Where a request may go: the candidates (from a fleet snapshot) and the
-//! policy's decision. Pure: no I/O, no clock, nothing written; the caller
-//! records what came of it.
+//! policy's decision. No I/O, no clock; the one thing written is the spread
+//! counter, advanced for a spread decision only. The caller records what
+//! came of it.
 
 use std::sync::Arc;
 
@@ -8,7 +9,7 @@ use smallvec::SmallVec;
 
 use crate::fleet::Replica;
 use crate::pins::Pin;
-use crate::policy::{self, Candidate, Decision, Mode, PrefixMatch, RequestShape, SpreadCounter};
+use crate::policy::{self, Candidate, Mode, PrefixMatch, RequestShape, RouteReason, SpreadCounter};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PlanError {
@@ -18,6 +19,13 @@ pub enum PlanError {
     NoReplica,
     /// The request names a stored response whose replica cannot serve it.
     StoredResponse { id: String, replica: String, why: &'static str, gone: bool },
+}
+
+/// Where the request goes: an index into the fleet snapshot, and why.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Route {
+    pub replica: usize,
+    pub reason: RouteReason,
 }
 
 /// What a plan needs to know about the request besides its shape.
@@ -43,7 +51,7 @@ pub fn plan(
     fleet: &[Arc<Replica>],
     has_free_slot: impl Fn(&Replica) -> bool,
     counter: &SpreadCounter,
-) -> Result<Decision, PlanError> {
+) -> Result<Route, PlanError> {
     if let Some((id, home)) = input.stored {
         return stored_response(id, home, fleet, input.tried);
     }
@@ -66,13 +74,15 @@ pub fn plan(
         })
         .collect();
     let pinned = input.pinned.map(|(m, pin)| (*m, &*pin.replica));
-    policy::decide(input.mode, input.shape, &candidates, pinned, input.named, counter).ok_or(PlanError::NoReplica)
+    let decision =
+        policy::decide(input.mode, input.shape, &candidates, pinned, input.named).ok_or(PlanError::NoReplica)?;
+    Ok(Route { replica: decision.candidate(&candidates, || counter.next()), reason: decision.reason })
 }
 
 /// A stored response goes to its replica or nowhere: it exists only there.
 /// Draining does not stop it (the drain completes when such follow-ups stop);
 /// disabled, down, removed or refusing connections does, with a clear error.
-fn stored_response(id: &str, home: &str, fleet: &[Arc<Replica>], tried: &[Arc<str>]) -> Result<Decision, PlanError> {
+fn stored_response(id: &str, home: &str, fleet: &[Arc<Replica>], tried: &[Arc<str>]) -> Result<Route, PlanError> {
     let unavailable =
         |why, gone| PlanError::StoredResponse { id: id.to_string(), replica: home.to_string(), why, gone };
     let Some(i) = fleet.iter().position(|r| &*r.id == home) else {
@@ -88,5 +98,5 @@ fn stored_response(id: &str, home: &str, fleet: &[Arc<Replica>], tried: &[Arc<st
     if r.health() == crate::fleet::Health::Down {
         return Err(unavailable("is down (failing health checks)", false));
     }
-    Ok(Decision { replica: i, reason: crate::policy::RouteReason::Response, matched: None })
+    Ok(Route { replica: i, reason: RouteReason::Response })
 }
