@@ -45,9 +45,7 @@ pub struct RunningRequests {
     shards: Mutex<Vec<Weak<RunningShard>>>,
 }
 
-/// One worker's shard of the running requests. Its requests are registered
-/// under the worker's own copy of the replica's name (`WorkerReplica`), so
-/// the name's reference count is not shared with the other workers either.
+/// One worker's shard of the running requests.
 pub struct RunningWorker(Arc<RunningShard>);
 
 #[derive(Default)]

@@ -30,6 +30,7 @@ pub mod shared;
 pub mod sim;
 pub mod state;
 pub mod store;
+pub mod striped;
 pub mod tokens;
 
 use std::net::{SocketAddr, TcpListener};

@@ -8,7 +8,7 @@
 //! (On the 2-core bench machine the difference is inside the noise,
 //! `docs/benchmarks.md`; the traffic it removes grows with the workers.)
 
-use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crossbeam_utils::CachePadded;
@@ -63,35 +63,6 @@ impl EncodeMetric for StripedCounter {
 
     fn metric_type(&self) -> MetricType {
         Self::TYPE
-    }
-}
-
-/// A count that goes up and down (requests in flight), striped. `add`
-/// returns the stripe it wrote and the matching `sub` goes to that stripe,
-/// so every stripe stays balanced whichever thread ends the count.
-#[derive(Debug)]
-pub struct StripedGauge(Box<[CachePadded<AtomicI64>; STRIPES]>);
-
-impl Default for StripedGauge {
-    fn default() -> Self {
-        StripedGauge(Box::new(std::array::from_fn(|_| CachePadded::new(AtomicI64::new(0)))))
-    }
-}
-
-impl StripedGauge {
-    /// Counts one more; pass the returned stripe to `sub`.
-    pub fn add(&self) -> usize {
-        let s = stripe();
-        self.0[s].fetch_add(1, Ordering::AcqRel);
-        s
-    }
-
-    pub fn sub(&self, stripe: usize) {
-        self.0[stripe].fetch_sub(1, Ordering::AcqRel);
-    }
-
-    pub fn get(&self) -> i64 {
-        self.0.iter().map(|s| s.load(Ordering::Acquire)).sum()
     }
 }
 
@@ -183,25 +154,6 @@ mod tests {
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &r).unwrap();
         out
-    }
-
-    #[test]
-    fn a_striped_gauge_counts_what_is_open_whichever_thread_ends_it() {
-        let g = StripedGauge::default();
-        let opened: Vec<usize> = std::thread::scope(|scope| {
-            let threads: Vec<_> = (0..20).map(|_| scope.spawn(|| [g.add(), g.add()])).collect();
-            threads.into_iter().flat_map(|t| t.join().unwrap()).collect()
-        });
-        assert_eq!(g.get(), 40);
-        // Ended on other threads than the ones that began them.
-        std::thread::scope(|scope| {
-            for stripes in opened[..30].chunks(3) {
-                let g = &g;
-                scope.spawn(move || stripes.iter().for_each(|s| g.sub(*s)));
-            }
-        });
-        assert_eq!(g.get(), 10);
-        assert!(g.0.iter().all(|s| s.load(Ordering::Relaxed) >= 0), "no stripe goes below zero");
     }
 
     #[test]

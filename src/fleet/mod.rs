@@ -5,13 +5,11 @@
 
 pub mod health;
 
-use std::rc::Rc;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
 use arc_swap::{ArcSwap, Guard};
 
-use crate::metrics::striped::{StripedCounter, StripedGauge};
 use crate::read_mostly::ReadMostly;
 
 use serde::{Deserialize, Serialize};
@@ -211,12 +209,11 @@ pub struct Replica {
     admin: AtomicU8,
     health: AtomicU8,
     models: ArcSwap<Vec<String>>,
-    // Written on every request: striped per thread, on lines of their own,
-    // so neither the other worker's counts nor the fields above move
-    // between the cores.
-    inflight: StripedGauge,
-    large_inflight: StripedGauge,
-    attempts: StripedCounter,
+    // Written on every request. Plain atomics: striping them per thread
+    // measured inside the noise on two cores (docs/benchmarks.md).
+    inflight: AtomicI64,
+    large_inflight: AtomicI64,
+    attempts: AtomicU64,
     /// Only `health::HealthTracker` locks this (with `health` changes under it).
     probe: Mutex<ProbeState>,
 }
@@ -229,9 +226,9 @@ impl Replica {
             admin: AtomicU8::new(admin as u8),
             health: AtomicU8::new(Health::Unknown as u8),
             models: ArcSwap::from_pointee(Vec::new()),
-            inflight: StripedGauge::default(),
-            large_inflight: StripedGauge::default(),
-            attempts: StripedCounter::default(),
+            inflight: AtomicI64::new(0),
+            large_inflight: AtomicI64::new(0),
+            attempts: AtomicU64::new(0),
             probe: Mutex::new(ProbeState::default()),
         }
     }
@@ -278,16 +275,27 @@ impl Replica {
     }
 
     pub fn inflight(&self) -> i64 {
-        self.inflight.get()
+        self.inflight.load(Ordering::Acquire)
     }
 
     pub fn large_inflight(&self) -> i64 {
-        self.large_inflight.get()
+        self.large_inflight.load(Ordering::Acquire)
     }
 
     /// Attempts sent to this replica (a failed-over request counts on each replica it tried).
     pub fn attempts(&self) -> u64 {
-        self.attempts.get()
+        self.attempts.load(Ordering::Relaxed)
+    }
+
+    /// Counts one request in flight until the guard drops, whichever path
+    /// (success, error, client gone) ends it.
+    pub fn begin(self: &Arc<Self>, large: bool) -> InflightGuard {
+        self.inflight.fetch_add(1, Ordering::AcqRel);
+        if large {
+            self.large_inflight.fetch_add(1, Ordering::AcqRel);
+        }
+        self.attempts.fetch_add(1, Ordering::Relaxed);
+        InflightGuard { replica: self.clone(), large }
     }
 
     pub fn models(&self) -> Guard<Arc<Vec<String>>> {
@@ -306,53 +314,17 @@ impl Replica {
     }
 }
 
-/// A worker's own handle on a replica, shared as `Rc<WorkerReplica>` by the
-/// requests the worker runs on it, and the worker's own copy of its name:
-/// holding the replica or registering a request under its name then writes
-/// no reference count both cores share (an `Arc` clone per request would
-/// move the count, and the fields beside it, between the cores).
-#[derive(Debug)]
-pub struct WorkerReplica {
-    pub shared: Arc<Replica>,
-    pub name: Arc<str>,
-}
-
-impl WorkerReplica {
-    pub fn new(shared: Arc<Replica>) -> WorkerReplica {
-        let name = Arc::from(&*shared.id);
-        WorkerReplica { shared, name }
-    }
-
-    /// Counts one request in flight until the guard drops, whichever path
-    /// (success, error, client gone) ends it.
-    pub fn begin(self: Rc<Self>, large: bool) -> InflightGuard {
-        let stripe = self.inflight.add();
-        let large_stripe = large.then(|| self.large_inflight.add());
-        self.attempts.inc();
-        InflightGuard { replica: self, stripe, large_stripe }
-    }
-}
-
-impl std::ops::Deref for WorkerReplica {
-    type Target = Replica;
-
-    fn deref(&self) -> &Replica {
-        &self.shared
-    }
-}
-
 #[derive(Debug)]
 pub struct InflightGuard {
-    pub replica: Rc<WorkerReplica>,
-    stripe: usize,
-    large_stripe: Option<usize>,
+    pub replica: Arc<Replica>,
+    large: bool,
 }
 
 impl Drop for InflightGuard {
     fn drop(&mut self) {
-        self.replica.inflight.sub(self.stripe);
-        if let Some(s) = self.large_stripe {
-            self.replica.large_inflight.sub(s);
+        self.replica.inflight.fetch_sub(1, Ordering::AcqRel);
+        if self.large {
+            self.replica.large_inflight.fetch_sub(1, Ordering::AcqRel);
         }
     }
 }
@@ -434,9 +406,8 @@ mod tests {
     #[test]
     fn guards_release_counters_on_drop() {
         let r = Arc::new(Replica::new(ReplicaSpec::new("a", "http://x"), AdminState::Active));
-        let held = Rc::new(WorkerReplica::new(r.clone()));
-        let g1 = held.clone().begin(true);
-        let g2 = held.clone().begin(false);
+        let g1 = r.begin(true);
+        let g2 = r.begin(false);
         assert_eq!((r.inflight(), r.large_inflight(), r.attempts()), (2, 1, 2));
         drop(g1);
         drop(g2);

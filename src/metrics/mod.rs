@@ -20,9 +20,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
-pub mod striped;
-
-use striped::{StripedCounter, StripedHistogram};
+use crate::striped::{StripedCounter, StripedHistogram};
 
 use crate::admission::Admission;
 use crate::by_arc::ByArc;

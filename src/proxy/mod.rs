@@ -21,7 +21,6 @@ pub mod outcome;
 pub mod plan;
 pub mod usage;
 
-use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -30,9 +29,8 @@ use actix_web::{web, HttpRequest, HttpResponse};
 use futures_util::StreamExt;
 
 use crate::admission::{Admitted, Permit};
-use crate::by_arc::ByArc;
 use crate::error::ApiError;
-use crate::fleet::{Replica, ReplicaSpec, WorkerReplica};
+use crate::fleet::{Replica, ReplicaSpec};
 use crate::policy::{self, sessions, Dialect, Endpoint, Mode, PrefixMatch, RouteReason};
 use crate::state::AppState;
 use body::GuardedBody;
@@ -50,8 +48,6 @@ pub const HEADER_PREDICTED_CACHED: HeaderName = HeaderName::from_static("x-prefi
 pub struct Upstream {
     client: awc::Client,
     replicas: headers::PerReplica,
-    /// This worker's handles on the replicas (see `WorkerReplica`).
-    held: ByArc<Replica, Rc<WorkerReplica>>,
 }
 
 /// awc's connector with TCP_NODELAY on every upstream socket. Without it,
@@ -88,12 +84,7 @@ impl Upstream {
             // bounds sending plus the response head only.
             .timeout(Duration::from_millis(t.response_head_ms))
             .finish();
-        Upstream { client, replicas: headers::PerReplica::default(), held: ByArc::default() }
-    }
-
-    /// This worker's handle on `replica`, for holding it while a request runs.
-    fn hold(&self, replica: &Arc<Replica>) -> Rc<WorkerReplica> {
-        self.held.get(replica, |_| Rc::new(WorkerReplica::new(replica.clone())))
+        Upstream { client, replicas: headers::PerReplica::default() }
     }
 
     /// The upstream request for `req` on the replica `spec`.
@@ -215,17 +206,17 @@ async fn forward_request(
         let has_slot = |r: &Replica| state.admission.has_free_slot(&r.id, r.spec().max_large_inflight);
         let decision =
             plan::plan(&input, &fleet, has_slot, &state.spread).map_err(|e| recorder.plan_failed(e, &tried))?;
-        let replica = upstream.hold(&fleet[decision.replica]);
+        let replica = fleet[decision.replica].clone();
         drop(fleet);
         let reason = if failed_from.is_some() { RouteReason::Failover } else { decision.reason };
         let started = Instant::now();
-        let permit = if large { Some(admit(state, &recorder, &replica.shared).await?) } else { None };
+        let permit = if large { Some(admit(state, &recorder, &replica).await?) } else { None };
         // The guard holds the replica from here on (one reference, not two).
         let guard = replica.begin(large);
         let replica = &guard.replica;
         let est_tokens = state.calibration.estimate(&replica.id, shape.prompt_bytes);
         let family = pinned.as_ref().map(|(_, p)| p.family).or(shape.pin_at);
-        let ticket = recorder.running(&replica.name, family, est_tokens);
+        let ticket = recorder.running(&replica.id, family, est_tokens);
         recorder.routed(&Routed {
             replica: &replica.id,
             pin_at: shape.pin_at,

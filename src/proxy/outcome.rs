@@ -306,7 +306,7 @@ pub struct Outcome {
 impl Outcome {
     /// The replica serving the body (the in-flight guard holds it).
     pub fn replica(&self) -> &Arc<Replica> {
-        &self.held.0.replica.shared
+        &self.held.0.replica
     }
 }
 
