@@ -3,7 +3,7 @@
 # simulated replica) against the gateway for DURATION, sampling the gateway's
 # memory and open file descriptors every 5 s; wrk reports throughput and
 # latency percentiles. Loopback only; stops by itself. Not run in CI (the
-# short version is `cargo test --test reliability a_short_load_run`).
+# short version is `cargo test --test it reliability::a_short_load_run`).
 # Usage: CONC=1000 DURATION=180 bench/soak.sh
 # With DATA_DIR=/some/dir the gateway persists (sled): pins and events are
 # written behind the requests, as in production.

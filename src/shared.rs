@@ -122,7 +122,7 @@ mod tests {
     use crate::fleet::{AdminState, Replica, ReplicaSpec};
     use crate::store::MemoryStore;
 
-    /// The race `tests/shared.rs` met one run in four: another instance
+    /// The race `tests/it/shared.rs` met one run in four: another instance
     /// wrote its pins into a store that came back empty, before anyone
     /// restored the replicas; this instance's re-read must still take them.
     #[test]

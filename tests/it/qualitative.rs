@@ -4,9 +4,7 @@
 //! and within 10% of round-robin on a cold burst, and each baseline loses
 //! on the other workload.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use prefixgate::policy::Mode;
 use serde_json::json;
 

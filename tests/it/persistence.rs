@@ -1,13 +1,11 @@
 //! Issue 3: what the gateway learned survives restarts: a graceful one (in
 //! process) and a `kill -9` of the real binary.
 
-mod common;
-
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use prefixgate::events::EventKind;
 use prefixgate::fleet::AdminState;
 

@@ -2,8 +2,6 @@
 //! `127.0.0.1:0`, hand the listener over, never rebind), simulated replicas
 //! as the backend, and polling helpers instead of sleeps.
 
-#![allow(dead_code)]
-
 use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::Duration;

@@ -2,11 +2,9 @@
 //! that speak them: the Responses API (with stored responses), the
 //! Anthropic Messages API, and explicit session keys.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use serde_json::{json, Value};
 
 async fn two_replicas() -> (Sim, Sim, Gw) {

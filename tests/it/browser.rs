@@ -7,14 +7,12 @@
 //! Without Chromium the test says it was skipped; in CI (`CI` set, as
 //! `.ci/run` does) a missing browser fails.
 
-mod common;
-
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use crate::common::*;
 use base64::Engine;
-use common::*;
 use futures_util::{SinkExt, StreamExt};
 use prefixgate::fleet::AdminState;
 use serde_json::{json, Value};

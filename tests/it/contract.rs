@@ -3,9 +3,7 @@
 //! nothing. `.ci/run` installs schemathesis into a virtual environment;
 //! outside CI, a machine without it skips this test with a message.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 
 #[actix_web::test]
 async fn schemathesis_finds_no_contract_violation_in_the_admin_api() {

@@ -2,11 +2,9 @@
 //! auth and rate limits, drain/resume/disable/enable, pins, events, policy,
 //! and the OpenAPI spec.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 

@@ -1,10 +1,8 @@
 //! Issue 7: faults and hostile clients. Every test is bounded in time.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use prefixgate::fleet::Health;
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -4,9 +4,7 @@
 //! environment and points `SDK_PYTHON` at its interpreter; outside CI, a
 //! machine without them skips with a message.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 
 #[actix_web::test]
 async fn the_official_openai_and_anthropic_sdks_see_warm_pinned_turns_and_spread_one_shots() {

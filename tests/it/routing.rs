@@ -1,11 +1,9 @@
 //! Issue 2 end to end: shape routing, streaming, failover, limits and errors,
 //! against simulated replicas on loopback.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use futures_util::StreamExt;
 use prefixgate::events::EventKind;
 use serde_json::json;

@@ -3,14 +3,12 @@
 //! deletes without history, a GET that recorded events, a raised admission
 //! limit that woke nobody, and a shutdown that cut streams after 30 s.
 
-mod common;
-
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::common::*;
 use actix_web::test as atest;
-use common::*;
 use futures_util::StreamExt;
 use prefixgate::events::{Event, EventKind};
 use prefixgate::pins::{Pin, PinChange};

@@ -3,13 +3,11 @@
 //! no ports, nothing kept between tests). `.ci/run` installs Redis; outside
 //! CI a machine without `redis-server` skips these with a message.
 
-mod common;
-
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use futures_util::StreamExt;
 use prefixgate::config::Config;
 use prefixgate::fleet::AdminState;

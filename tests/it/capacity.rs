@@ -1,11 +1,9 @@
 //! Issue 4: the capacity wall made visible, admission for large contexts
 //! (queueing, rejection, release on every path), route receipts and metrics.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use futures_util::StreamExt;
 use prefixgate::policy::Mode;
 use serde_json::{json, Value};

@@ -1,0 +1,21 @@
+//! The integration tests: one binary (each module used to be a binary of
+//! its own, and each linked the whole crate). Whole-system behaviour, on real
+//! servers bound to ephemeral loopback ports, simulated replicas as the
+//! backend; the shared harness is `common`.
+
+// Each module uses part of the harness.
+#[allow(dead_code)]
+mod common;
+
+mod admin;
+mod agents;
+mod browser;
+mod capacity;
+mod contract;
+mod persistence;
+mod qualitative;
+mod regressions;
+mod reliability;
+mod routing;
+mod sdk;
+mod shared;
