@@ -162,8 +162,11 @@ impl AppState {
     pub fn flush_pins(&self) -> Result<usize, StoreError> {
         let changes = self.pins.take_dirty();
         let written = self.write_changes(&changes);
-        if written.is_err() {
-            self.pins.mark_dirty(changes.iter().map(|(k, _)| *k));
+        match &written {
+            Ok(n) => {
+                self.metrics.pins_persisted.inc_by(*n as u64);
+            }
+            Err(_) => self.pins.mark_dirty(changes.iter().map(|(k, _)| *k)),
         }
         written
     }

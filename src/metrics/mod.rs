@@ -137,6 +137,8 @@ pub struct Metrics {
     /// Stored response ids this instance did not know, by where they were
     /// found (result=store|replica|unknown).
     pub stored_response_lookups: Family<ResultLabels, Counter>,
+    /// Pin changes the flusher wrote to the store.
+    pub pins_persisted: Counter,
 }
 
 /// Every metric name as it appears in the exposition (the README lists these).
@@ -165,6 +167,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "prefixgate_shared_announcements_total",
     "prefixgate_shared_propagation_seconds",
     "prefixgate_stored_response_lookups_total",
+    "prefixgate_pins_persisted_total",
 ];
 
 impl Metrics {
@@ -196,6 +199,7 @@ impl Metrics {
             // 50 µs .. ~1.6 s: a pub/sub hop on loopback is well under a millisecond.
             propagation: Histogram::new(exponential_buckets(0.000_05, 2.0, 16)),
             stored_response_lookups: Family::default(),
+            pins_persisted: Counter::default(),
             registry: Registry::default(),
         };
         // Registration clones the families (they share state through Arcs).
@@ -306,6 +310,11 @@ impl Metrics {
             "prefixgate_stored_response_lookups",
             "Stored response ids unknown here, by where they were found (result=store|replica|unknown)",
             m.stored_response_lookups.clone(),
+        );
+        registry.register(
+            "prefixgate_pins_persisted",
+            "Pin changes written to the store by the flusher (batched behind the requests)",
+            m.pins_persisted.clone(),
         );
         // Every result starts at zero, so a rate over a quiet series is 0, not absent.
         for result in ["sent", "dropped", "failed"] {

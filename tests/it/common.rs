@@ -206,3 +206,61 @@ pub fn runnable(var: &str, default: &str, args: &[&str]) -> Option<String> {
 pub fn large_stream(tag: &str, max_tokens: u64) -> Value {
     chat_body(&[("user", &text(tag, 40_000))], json!({"stream": true, "max_tokens": max_tokens}))
 }
+
+/// The real binary, `prefixgate serve` on ephemeral loopback ports, as a
+/// child process. Killed (SIGKILL) when dropped, a failed assertion included:
+/// no test leaves a gateway running.
+pub struct GatewayProcess {
+    child: std::process::Child,
+    pub base: String,
+    pub admin: String,
+}
+
+impl GatewayProcess {
+    /// Starts it with `args` after `serve --listen .. --admin-listen ..`,
+    /// `env` on top of the environment, and stderr to `stderr`; returns once
+    /// it printed where it listens.
+    pub fn spawn(args: &[&str], env: &[(&str, &str)], stderr: std::process::Stdio) -> GatewayProcess {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_prefixgate"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+            .args(args)
+            .envs(env.iter().copied())
+            .stdout(std::process::Stdio::piped())
+            .stderr(stderr)
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let field = |n: &str| line.split_whitespace().find_map(|w| w.strip_prefix(n)).unwrap_or_default().to_string();
+        let process = GatewayProcess { base: field("traffic="), admin: field("admin="), child };
+        assert!(process.base.starts_with("http://"), "unexpected first line: {line:?}");
+        process
+    }
+
+    /// SIGKILL, no warning: nothing is flushed or released.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Waits until `/healthz` answers 200.
+    pub async fn wait_until_up(&self) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(resp) = client().get(format!("{}/healthz", self.base)).send().await {
+                if resp.status() == 200 {
+                    return;
+                }
+            }
+            assert!(tokio::time::Instant::now() < deadline, "gateway at {} never became healthy", self.base);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for GatewayProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

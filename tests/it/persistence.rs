@@ -1,8 +1,7 @@
 //! Issue 3: what the gateway learned survives restarts: a graceful one (in
 //! process) and a `kill -9` of the real binary.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 use crate::common::*;
@@ -56,31 +55,21 @@ async fn pins_replicas_admin_state_and_events_survive_a_graceful_restart() {
     gw.stop().await;
 }
 
-/// The real binary, killed without warning.
-struct Proc {
-    child: Child,
-    base: String,
-    admin: String,
+fn spawn_gateway(data_dir: &std::path::Path, replicas: &[&Sim]) -> GatewayProcess {
+    let replica_args: Vec<String> = replicas.iter().map(|r| format!("{}={}", r.id, r.url)).collect();
+    let mut args = vec!["--data-dir", data_dir.to_str().unwrap()];
+    for r in &replica_args {
+        args.extend(["--replica", r.as_str()]);
+    }
+    let env = [("PREFIXGATE_PINS_FLUSH_INTERVAL_MS", "100"), ("PREFIXGATE_HEALTH_INTERVAL_MS", "200")];
+    GatewayProcess::spawn(&args, &env, Stdio::null())
 }
 
-fn spawn_gateway(data_dir: &std::path::Path, replicas: &[&Sim]) -> Proc {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_prefixgate"));
-    cmd.args(["serve", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--data-dir"])
-        .arg(data_dir)
-        .env("PREFIXGATE_PINS_FLUSH_INTERVAL_MS", "100")
-        .env("PREFIXGATE_HEALTH_INTERVAL_MS", "200")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null());
-    for r in replicas {
-        cmd.arg("--replica").arg(format!("{}={}", r.id, r.url));
-    }
-    let mut child = cmd.spawn().unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let field = |name: &str| line.split_whitespace().find_map(|w| w.strip_prefix(name)).unwrap_or_default().to_string();
-    let (base, admin) = (field("traffic="), field("admin="));
-    assert!(base.starts_with("http://"), "unexpected first line: {line:?}");
-    Proc { child, base, admin }
+/// `prefixgate_pins_persisted_total` of a running gateway.
+async fn persisted(p: &GatewayProcess) -> u64 {
+    let mut resp = client().get(format!("{}/metrics", p.admin)).send().await.unwrap();
+    let text = String::from_utf8(resp.body().limit(1 << 22).await.unwrap().to_vec()).unwrap();
+    text.lines().find_map(|l| l.strip_prefix("prefixgate_pins_persisted_total ")).map_or(0, |v| v.parse().unwrap())
 }
 
 async fn chat_at(base: &str, msgs: &[(&str, &str)]) -> Reply {
@@ -92,7 +81,7 @@ async fn after_kill_9_flushed_pins_survive_and_continuations_stay_pinned() {
     let (a, b) = (start_sim("a", fast_sim()).await, start_sim("b", fast_sim()).await);
     let dir = tempfile::tempdir().unwrap();
     let mut p = spawn_gateway(dir.path(), &[&a, &b]);
-    wait_until_up(&p.base).await;
+    p.wait_until_up().await;
     let mut homes = Vec::new();
     for i in 0..6 {
         let r = chat_at(&p.base, &[("user", &format!("family {i}"))]).await;
@@ -100,8 +89,12 @@ async fn after_kill_9_flushed_pins_survive_and_continuations_stay_pinned() {
         homes.push(r.replica);
     }
     assert!(homes.contains(&"a".to_string()) && homes.contains(&"b".to_string()));
-    // More than one flush interval (100 ms) passes before the crash...
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    // The six pins are persisted before the crash (the flusher says so)...
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while persisted(&p).await < 6 {
+        assert!(tokio::time::Instant::now() < deadline, "the flusher never persisted the pins");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     // ...and the crash comes under load: requests in flight, pins being written.
     let base = p.base.clone();
     let load: Vec<_> = (0..20)
@@ -114,14 +107,13 @@ async fn after_kill_9_flushed_pins_survive_and_continuations_stay_pinned() {
         })
         .collect();
     tokio::time::sleep(Duration::from_millis(20)).await;
-    p.child.kill().unwrap(); // SIGKILL
-    p.child.wait().unwrap();
+    p.kill();
     for l in load {
         let _ = l.await;
     }
 
-    let mut p = spawn_gateway(dir.path(), &[]);
-    wait_until_up(&p.base).await;
+    let p = spawn_gateway(dir.path(), &[]);
+    p.wait_until_up().await;
     for (i, home) in homes.iter().enumerate() {
         let first = format!("family {i}");
         let r = chat_at(&p.base, &[("user", &first), ("assistant", "x"), ("user", "after the crash")]).await;
@@ -135,21 +127,6 @@ async fn after_kill_9_flushed_pins_survive_and_continuations_stay_pinned() {
     assert_eq!(s, 200);
     let ids: Vec<u64> = events["items"].as_array().unwrap().iter().map(|e| e["id"].as_u64().unwrap()).collect();
     assert!(ids.windows(2).all(|w| w[0] > w[1]), "{ids:?}");
-    p.child.kill().unwrap();
-    p.child.wait().unwrap();
-}
-
-async fn wait_until_up(base: &str) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Ok(resp) = client().get(format!("{base}/healthz")).send().await {
-            if resp.status() == 200 {
-                return;
-            }
-        }
-        assert!(tokio::time::Instant::now() < deadline, "gateway at {base} never became healthy");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 #[actix_web::test]
@@ -157,20 +134,13 @@ async fn logs_never_contain_prompts_or_secrets_even_at_debug_level() {
     let a = start_sim("a", fast_sim()).await;
     let dir = tempfile::tempdir().unwrap();
     let log_path = dir.path().join("gateway.log");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_prefixgate"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--replica"])
-        .arg(format!("a={}", a.url))
-        .env("PREFIXGATE_ADMIN_TOKEN", "admin-token-canary")
-        .env("PREFIXGATE_LOG", "debug")
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&log_path).unwrap())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let field = |name: &str| line.split_whitespace().find_map(|w| w.strip_prefix(name)).unwrap_or_default().to_string();
-    let (base, admin_url) = (field("traffic="), field("admin="));
-    wait_until_up(&base).await;
+    let mut p = GatewayProcess::spawn(
+        &["--replica", &format!("a={}", a.url)],
+        &[("PREFIXGATE_ADMIN_TOKEN", "admin-token-canary"), ("PREFIXGATE_LOG", "debug")],
+        std::fs::File::create(&log_path).unwrap().into(),
+    );
+    p.wait_until_up().await;
+    let (base, admin_url) = (p.base.clone(), p.admin.clone());
     let patch = serde_json::json!({"api_key": "sk-upstream-canary"});
     assert_eq!(
         admin("PATCH", &format!("{admin_url}/admin/v1/replicas/a"), Some("admin-token-canary"), Some(patch)).await.0,
@@ -183,8 +153,7 @@ async fn logs_never_contain_prompts_or_secrets_even_at_debug_level() {
         assert_eq!(resp.status(), 200);
         let _ = resp.body().await;
     }
-    child.kill().unwrap();
-    child.wait().unwrap();
+    p.kill();
     let log = std::fs::read_to_string(&log_path).unwrap();
     assert!(
         log.contains("applied migration") || log.contains("DEBUG") || log.contains("INFO"),

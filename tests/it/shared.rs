@@ -385,37 +385,15 @@ async fn max_large_inflight_holds_for_the_whole_fleet_of_gateways() {
     }
 }
 
-/// A gateway process with a shared store, to be killed without warning.
-struct Proc {
-    child: Child,
-    base: String,
-    admin: String,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn spawn_shared_gateway(redis: &Redis, name: &str, sim: &Sim) -> Proc {
-    use std::io::BufRead;
-    let mut child = Command::new(env!("CARGO_BIN_EXE_prefixgate"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--store", &redis.url])
-        .args(["--replica", &format!("{}={}", sim.id, sim.url)])
-        .env("PREFIXGATE_STORE_INSTANCE", name)
-        .env("PREFIXGATE_PINS_FLUSH_INTERVAL_MS", "100")
-        .env("PREFIXGATE_HEALTH_INTERVAL_MS", "200")
-        .env("PREFIXGATE_ADMISSION_WAIT_MS", "30000")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let field = |n: &str| line.split_whitespace().find_map(|w| w.strip_prefix(n)).unwrap_or_default().to_string();
-    Proc { base: field("traffic="), admin: field("admin="), child }
+fn spawn_shared_gateway(redis: &Redis, name: &str, sim: &Sim) -> GatewayProcess {
+    let replica = format!("{}={}", sim.id, sim.url);
+    let env = [
+        ("PREFIXGATE_STORE_INSTANCE", name),
+        ("PREFIXGATE_PINS_FLUSH_INTERVAL_MS", "100"),
+        ("PREFIXGATE_HEALTH_INTERVAL_MS", "200"),
+        ("PREFIXGATE_ADMISSION_WAIT_MS", "30000"),
+    ];
+    GatewayProcess::spawn(&["--store", &redis.url, "--replica", &replica], &env, Stdio::null())
 }
 
 #[actix_web::test]
@@ -443,8 +421,7 @@ async fn the_slot_of_a_killed_gateway_comes_back_when_its_lease_expires() {
     let mut holder = client().post(format!("{}/v1/chat/completions", p1.base)).send_json(&body).await.unwrap();
     assert_eq!(holder.status(), 200);
     let _ = holder.next().await;
-    p1.child.kill().unwrap(); // SIGKILL: no release, no flush
-    let _ = p1.child.wait();
+    p1.kill(); // SIGKILL: no release, no flush
     let killed = Instant::now();
     // p2's large request waits for the lease to expire, then runs.
     let mut resp =
