@@ -57,7 +57,7 @@ async fn main() -> std::io::Result<()> {
     };
     let backends = backends.to_vec();
     HttpServer::new(move || {
-        let connector = prefixgate::proxy::connector(Duration::from_secs(5)).limit(0);
+        let connector = prefixgate::connector::connector(Duration::from_secs(5)).limit(0);
         let client = awc::Client::builder().connector(connector).no_default_headers().disable_redirects().finish();
         let up = Upstream { client, backends: backends.clone(), next: Cell::new(0) };
         App::new().app_data(web::Data::new(up)).service(web::scope("/v1").default_service(web::to(forward)))

@@ -14,6 +14,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+// Each component's settings live with it; the config gathers them.
+pub use crate::fleet::health::HealthConfig;
+
 use crate::fleet::ReplicaSpec;
 use crate::policy::{IdentityBlocks, Mode};
 
@@ -113,19 +116,6 @@ pub struct Timeouts {
 
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields, default)]
-pub struct HealthConfig {
-    /// How often every replica is probed.
-    pub interval_ms: u64,
-    /// A probe with no answer within this is a failure (unless the replica is busy).
-    pub timeout_ms: u64,
-    /// Consecutive successes before a down replica is up again.
-    pub rise: u32,
-    /// Consecutive failures before an up replica is down.
-    pub fall: u32,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields, default)]
 pub struct Limits {
     /// Largest request body accepted (a 90k-token context is ~400 KB).
     pub max_body_bytes: usize,
@@ -219,12 +209,6 @@ impl Default for Timeouts {
             shutdown_grace_secs: 600,
             locate_response_ms: 500,
         }
-    }
-}
-
-impl Default for HealthConfig {
-    fn default() -> Self {
-        HealthConfig { interval_ms: 5_000, timeout_ms: 3_000, rise: 2, fall: 2 }
     }
 }
 

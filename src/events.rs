@@ -4,19 +4,17 @@
 //! Why a channel: events are recorded from the request path (failovers, pin
 //! moves); a synchronous store write there put disk latency into a client's
 //! response. `record` only appends to the ring and sends the event to the
-//! `EventWriter`, which the flusher drains with the pins (and shutdown drains
-//! last), so history is as durable as pins are.
+//! store's `EventWriter`, which the flusher drains with the pins (and
+//! shutdown drains last), so history is as durable as pins are.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Mutex, RwLock};
 
 use tokio::sync::mpsc;
 
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
-
-use crate::store::Store;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
@@ -98,7 +96,7 @@ impl EventKind {
 
 /// An event on its way to the store, with the id up to which older persisted
 /// events fell out of the ring.
-type Pending = (Event, Option<u64>);
+pub type Pending = (Event, Option<u64>);
 
 pub struct EventLog {
     next_id: AtomicU64,
@@ -110,32 +108,15 @@ pub struct EventLog {
     instance: Option<(String, u64)>,
 }
 
-/// The receiving end: writes recorded events to the store in batches.
-pub struct EventWriter {
-    rx: Mutex<mpsc::UnboundedReceiver<Pending>>,
-    /// An event whose write failed: written first next time.
-    retry: Mutex<VecDeque<Pending>>,
-    store: Arc<dyn Store>,
-}
+/// The receiving end of what `record` sends: drained by the store's
+/// `EventWriter` (`store/event_writer.rs`), which this module knows nothing of.
+pub struct RecordedEvents(Mutex<mpsc::UnboundedReceiver<Pending>>);
 
-impl EventWriter {
-    /// Writes everything recorded so far; returns how many events. A failed
-    /// write keeps the event for the next call.
-    pub fn flush(&self) -> Result<usize, crate::store::StoreError> {
-        let mut retry = self.retry.lock().expect("event writer lock");
-        {
-            let mut rx = self.rx.lock().expect("event writer lock");
-            while let Ok(p) = rx.try_recv() {
-                retry.push_back(p);
-            }
-        }
-        let mut n = 0;
-        while let Some((event, dropped)) = retry.front() {
-            self.store.append_event(event, *dropped)?;
-            retry.pop_front();
-            n += 1;
-        }
-        Ok(n)
+impl RecordedEvents {
+    /// Every event recorded since the last call, in order.
+    pub fn drain(&self) -> Vec<Pending> {
+        let mut rx = self.0.lock().expect("recorded events lock");
+        std::iter::from_fn(|| rx.try_recv().ok()).collect()
     }
 }
 
@@ -151,15 +132,15 @@ pub struct EventFilter {
 }
 
 impl EventLog {
-    pub fn new(cap: usize, store: Arc<dyn Store>, restored: Vec<Event>) -> (EventLog, EventWriter) {
+    /// `instance`: this gateway's name in a shared store (None: the only one).
+    pub fn new(cap: usize, instance: Option<&str>, restored: Vec<Event>) -> (EventLog, RecordedEvents) {
         let next = restored.iter().map(|e| e.id + 1).max().unwrap_or(1);
         let mut ring: VecDeque<Event> = restored.into();
         while ring.len() > cap {
             ring.pop_front();
         }
         let (tx, rx) = mpsc::unbounded_channel();
-        let instance =
-            store.instance().map(|name| (name.to_string(), xxhash_rust::xxh3::xxh3_64(name.as_bytes()) & 31));
+        let instance = instance.map(|name| (name.to_string(), xxhash_rust::xxh3::xxh3_64(name.as_bytes()) & 31));
         let log = EventLog {
             next_id: AtomicU64::new(next),
             ring: RwLock::new(ring),
@@ -167,7 +148,7 @@ impl EventLog {
             to_store: tx,
             instance,
         };
-        (log, EventWriter { rx: Mutex::new(rx), retry: Mutex::default(), store })
+        (log, RecordedEvents(Mutex::new(rx)))
     }
 
     /// The next event id. With one instance, a counter. With several sharing
@@ -273,7 +254,7 @@ mod tests {
 
     #[test]
     fn shared_store_ids_grow_with_time_and_never_repeat() {
-        let (mut log, _w) = EventLog::new(10, Arc::new(crate::store::MemoryStore::default()), Vec::new());
+        let (mut log, _w) = EventLog::new(10, None, Vec::new());
         log.instance = Some(("gw-1".into(), 5));
         let mut last = 0;
         for i in 0..200u64 {

@@ -15,6 +15,7 @@ pub mod capacity;
 pub mod clock;
 pub mod config;
 pub mod config_flags;
+pub mod connector;
 pub mod error;
 pub mod events;
 pub mod fleet;
@@ -118,10 +119,10 @@ pub fn start(state: Arc<AppState>, traffic: TcpListener, admin: TcpListener) -> 
 /// pruning and rate-limiter pruning. Each task holds only the handles it uses.
 fn spawn_background(state: &Arc<AppState>, admin_addr: SocketAddr) -> Vec<actix_web::rt::task::JoinHandle<()>> {
     let health = actix_web::rt::spawn(fleet::health::run(
-        state.config.clone(),
+        state.config.health.clone(),
+        Duration::from_millis(state.config.timeouts.connect_ms),
         state.fleet.clone(),
         state.health.clone(),
-        state.capacity.clone(),
     ));
     let flush_every = Duration::from_millis(state.config.pins.flush_interval_ms);
     let flusher = actix_web::rt::spawn({
@@ -156,7 +157,7 @@ fn spawn_background(state: &Arc<AppState>, admin_addr: SocketAddr) -> Vec<actix_
             loop {
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 tick += 1;
-                capacity.evaluate(&fleet, &calibration, &events, clock::now_ms());
+                capacity.evaluate(&fleet.capacity_inputs(&calibration), &events, clock::now_ms());
                 if tick.is_multiple_of(10) {
                     let pruned = pins.prune(clock::now_ms(), ttl_ms, max_pins);
                     if pruned > 0 {

@@ -103,7 +103,7 @@ impl Operator {
     /// An operator over empty components and `store`, for unit tests.
     #[cfg(test)]
     pub(crate) fn for_tests(store: Arc<dyn Store>) -> Operator {
-        let (events, _writer) = EventLog::new(100, store.clone(), Vec::new());
+        let (events, _writer) = EventLog::new(100, store.instance(), Vec::new());
         let policy = PolicySettings { mode: crate::policy::Mode::Shape, identity: Default::default() };
         Operator {
             fleet: Arc::default(),

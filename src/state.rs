@@ -11,14 +11,14 @@ use crate::admission::Admission;
 use crate::announce::Announcer;
 use crate::capacity::Capacity;
 use crate::config::Config;
-use crate::events::{EventLog, EventWriter};
+use crate::events::EventLog;
 use crate::fleet::health::HealthTracker;
 use crate::fleet::{AdminState, Fleet, Replica};
 use crate::metrics::Metrics;
 use crate::operator::Operator;
 use crate::pins::PinTable;
 use crate::policy::{CurrentPolicy, PolicySettings, SpreadCounter};
-use crate::store::{MemoryStore, SledStore, Store, StoreError, StoredReplica};
+use crate::store::{EventWriter, MemoryStore, SledStore, Store, StoreError, StoredReplica};
 use crate::tokens::Calibration;
 
 pub struct AppState {
@@ -101,7 +101,8 @@ impl AppState {
         let capacity = Arc::new(Capacity::new(config.capacity.working_set_window_secs));
         let since = crate::clock::now_ms().saturating_sub(capacity.window_secs() * 1000);
         capacity.seed(&pins.conversations_active_since(since));
-        let (events, event_writer) = EventLog::new(config.history.max_events, store.clone(), store.events()?);
+        let (events, recorded) = EventLog::new(config.history.max_events, store.instance(), store.events()?);
+        let event_writer = EventWriter::new(recorded, store.clone());
         let events = Arc::new(events);
         let policy = Arc::new(CurrentPolicy::new(policy));
         let admission = Arc::new(Admission::default());

@@ -16,5 +16,5 @@ pub fn routes(cfg: &mut ServiceConfig) {
 #[utoipa::path(tag = "capacity", responses((status = 200, body = CapacityReport)))]
 #[get("/capacity")]
 async fn get_capacity(s: web::Data<AppState>) -> web::Json<CapacityReport> {
-    web::Json(s.capacity.report(&s.fleet, &s.calibration, crate::clock::now_ms()))
+    web::Json(s.capacity.report(&s.fleet.capacity_inputs(&s.calibration), crate::clock::now_ms()))
 }

@@ -217,8 +217,23 @@ fn path_config() -> web::PathConfig {
 }
 
 async fn metrics(s: web::Data<AppState>) -> HttpResponse {
-    let report = s.capacity.report(&s.fleet, &s.calibration, crate::clock::now_ms());
-    s.metrics.refresh_gauges(&s.fleet, &s.pins, &s.admission, &s.calibration, &report);
+    let report = s.capacity.report(&s.fleet.capacity_inputs(&s.calibration), crate::clock::now_ms());
+    let pins = s.pins.count_by_replica();
+    let replicas: Vec<crate::metrics::ReplicaGauges> = s
+        .fleet
+        .snapshot()
+        .iter()
+        .map(|r| crate::metrics::ReplicaGauges {
+            id: r.id.to_string(),
+            inflight: r.inflight(),
+            large_inflight: r.large_inflight(),
+            pins: pins.get(&r.id).copied().unwrap_or(0),
+            up: r.routable(),
+            queued: s.admission.queued(&r.id),
+            bytes_per_token: s.calibration.bytes_per_token(&r.id),
+        })
+        .collect();
+    s.metrics.refresh_gauges(&replicas, &report);
     s.metrics.store_up.set(i64::from(s.store_up.load(std::sync::atomic::Ordering::Acquire)));
     HttpResponse::Ok().content_type("text/plain; version=0.0.4; charset=utf-8").body(s.metrics.encode())
 }

@@ -52,7 +52,7 @@ fn new_report(workload: &str, common: &Common, settings: Value) -> Report {
 
 fn client() -> awc::Client {
     awc::Client::builder()
-        .connector(crate::proxy::connector(std::time::Duration::from_secs(10)).limit(0))
+        .connector(crate::connector::connector(std::time::Duration::from_secs(10)).limit(0))
         .timeout(std::time::Duration::from_secs(3600))
         .finish()
 }

@@ -13,11 +13,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use super::{Fleet, Health, Replica};
-use crate::capacity::Capacity;
-use crate::config::Config;
 use crate::events::{EventKind, EventLog};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -131,24 +129,42 @@ struct ModelEntry {
     id: String,
 }
 
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct HealthConfig {
+    /// How often every replica is probed.
+    pub interval_ms: u64,
+    /// A probe with no answer within this is a failure (unless the replica is busy).
+    pub timeout_ms: u64,
+    /// Consecutive successes before a down replica is up again.
+    pub rise: u32,
+    /// Consecutive failures before an up replica is down.
+    pub fall: u32,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig { interval_ms: 5_000, timeout_ms: 3_000, rise: 2, fall: 2 }
+    }
+}
+
 /// The prober: runs forever on the current actix runtime. It only does I/O
 /// and reports; the tracker decides.
-pub async fn run(config: Arc<Config>, fleet: Arc<Fleet>, tracker: Arc<HealthTracker>, capacity: Arc<Capacity>) {
-    let cfg = config.health.clone();
+pub async fn run(cfg: HealthConfig, connect_timeout: Duration, fleet: Arc<Fleet>, tracker: Arc<HealthTracker>) {
     let client = awc::Client::builder()
-        .connector(crate::proxy::connector(Duration::from_millis(config.timeouts.connect_ms)))
+        .connector(crate::connector::connector(connect_timeout))
         .timeout(Duration::from_millis(cfg.timeout_ms))
         .finish();
     loop {
         let snapshot = fleet.snapshot_owned();
-        let probes = snapshot.iter().map(|r| check(&tracker, &capacity, &client, r.clone()));
+        let probes = snapshot.iter().map(|r| check(&tracker, &client, r.clone()));
         futures_util::future::join_all(probes).await;
         tokio::time::sleep(Duration::from_millis(cfg.interval_ms)).await;
     }
 }
 
 /// One probe of one replica, reported to the tracker.
-pub async fn check(tracker: &HealthTracker, capacity: &Capacity, client: &awc::Client, r: Arc<Replica>) {
+pub async fn check(tracker: &HealthTracker, client: &awc::Client, r: Arc<Replica>) {
     let epoch = tracker.epoch(&r);
     let spec = r.spec_owned();
     let busy = r.inflight() > 0;
@@ -163,10 +179,11 @@ pub async fn check(tracker: &HealthTracker, capacity: &Capacity, client: &awc::C
     }
     if result == ProbeResult::Ok && !busy {
         // vLLM reports its KV capacity; other engines 404 here, which is fine.
-        let kv = fetch_text(client, &format!("{}/metrics", spec.url))
-            .await
-            .and_then(|t| crate::capacity::kv_tokens_from_vllm_metrics(&t));
-        capacity.set_metrics_kv(&r.id, kv);
+        // An observation of the replica, as its models are: the capacity
+        // verdict reads it from there.
+        let kv =
+            fetch_text(client, &format!("{}/metrics", spec.url)).await.and_then(|t| kv_tokens_from_vllm_metrics(&t));
+        r.set_observed_kv(kv);
     }
     tracker.observe(&r, Observation::Probe { result, error, epoch }, crate::clock::now_ms());
 }
@@ -195,9 +212,27 @@ async fn fetch_models(client: &awc::Client, base: &str) -> Option<Vec<String>> {
     Some(list.data.into_iter().map(|m| m.id).collect())
 }
 
+/// Parses `vllm:cache_config_info{...num_gpu_blocks="N",block_size="B"...}` from a metrics page.
+pub fn kv_tokens_from_vllm_metrics(text: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.starts_with("vllm:cache_config_info{"))?;
+    let label = |name: &str| -> Option<u64> {
+        let start = line.find(&format!("{name}=\""))? + name.len() + 2;
+        line[start..].split('"').next()?.parse().ok()
+    };
+    Some(label("num_gpu_blocks")? * label("block_size")?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parses_vllm_cache_config_info() {
+        let text =
+            "# HELP x\nvllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",num_gpu_blocks=\"7664\"} 1.0\n";
+        assert_eq!(kv_tokens_from_vllm_metrics(text), Some(122_624));
+        assert_eq!(kv_tokens_from_vllm_metrics("vllm:num_requests_running 1"), None);
+    }
     use ProbeResult::*;
 
     #[test]
@@ -212,8 +247,7 @@ mod tests {
     }
 
     fn tracker() -> HealthTracker {
-        let store: Arc<dyn crate::store::Store> = Arc::new(crate::store::MemoryStore::default());
-        HealthTracker::new(1, 1, Arc::new(EventLog::new(100, store, Vec::new()).0))
+        HealthTracker::new(1, 1, Arc::new(EventLog::new(100, None, Vec::new()).0))
     }
 
     #[test]

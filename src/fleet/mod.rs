@@ -209,6 +209,9 @@ pub struct Replica {
     admin: AtomicU8,
     health: AtomicU8,
     models: ArcSwap<Vec<String>>,
+    /// KV capacity in tokens as the prober read it from the replica's own
+    /// metrics (0: none read).
+    observed_kv: AtomicU64,
     // Written on every request. Plain atomics: striping them per thread
     // measured inside the noise on two cores (docs/benchmarks.md).
     inflight: AtomicI64,
@@ -226,6 +229,7 @@ impl Replica {
             admin: AtomicU8::new(admin as u8),
             health: AtomicU8::new(Health::Unknown as u8),
             models: ArcSwap::from_pointee(Vec::new()),
+            observed_kv: AtomicU64::new(0),
             inflight: AtomicI64::new(0),
             large_inflight: AtomicI64::new(0),
             attempts: AtomicU64::new(0),
@@ -302,6 +306,15 @@ impl Replica {
         self.models.load()
     }
 
+    /// KV capacity read from the replica's metrics (vLLM), if any.
+    pub fn observed_kv(&self) -> Option<u64> {
+        Some(self.observed_kv.load(Ordering::Acquire)).filter(|kv| *kv > 0)
+    }
+
+    pub fn set_observed_kv(&self, kv: Option<u64>) {
+        self.observed_kv.store(kv.unwrap_or(0), Ordering::Release);
+    }
+
     pub fn set_models(&self, models: Vec<String>) {
         self.models.store(Arc::new(models));
     }
@@ -357,6 +370,20 @@ impl Fleet {
         self.list
             .update(|list| (!list.iter().any(|r| r.id == replica.id)).then(|| list.push(Arc::new(replica))))
             .is_some()
+    }
+
+    /// What the capacity verdict needs of each replica: its declared and
+    /// observed KV capacity and its calibrated bytes per token.
+    pub fn capacity_inputs(&self, calibration: &crate::tokens::Calibration) -> Vec<crate::capacity::ReplicaInput> {
+        self.snapshot()
+            .iter()
+            .map(|r| crate::capacity::ReplicaInput {
+                id: r.id.clone(),
+                declared_kv: r.spec().kv_tokens,
+                metrics_kv: r.observed_kv(),
+                bytes_per_token: calibration.bytes_per_token(&r.id),
+            })
+            .collect()
     }
 
     pub fn remove(&self, id: &str) -> Option<Arc<Replica>> {

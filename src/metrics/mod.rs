@@ -22,12 +22,8 @@ use prometheus_client::registry::Registry;
 
 use crate::striped::{StripedCounter, StripedHistogram};
 
-use crate::admission::Admission;
 use crate::by_arc::ByArc;
 use crate::capacity::CapacityReport;
-use crate::fleet::Fleet;
-use crate::pins::PinTable;
-use crate::tokens::Calibration;
 
 // Label values on the request path are shared replica names and static
 // strings: a label set costs no allocation per request.
@@ -103,6 +99,19 @@ type HistogramFamily<L> = Family<L, StripedHistogram, fn() -> StripedHistogram>;
 fn latency_histogram() -> StripedHistogram {
     // 1 ms .. ~524 s: covers a warm first token and a cold 90k-token prefill.
     StripedHistogram::new(exponential_buckets(0.001, 2.0, 20))
+}
+
+/// One replica's state for the gauges that mirror it, read by the scrape
+/// handler from the components themselves (this module reads none).
+#[derive(Debug, Clone, Default)]
+pub struct ReplicaGauges {
+    pub id: String,
+    pub inflight: i64,
+    pub large_inflight: i64,
+    pub pins: usize,
+    pub up: bool,
+    pub queued: usize,
+    pub bytes_per_token: f64,
 }
 
 pub struct Metrics {
@@ -329,14 +338,7 @@ impl Metrics {
     /// Sets the gauges that mirror fleet and capacity state (at scrape time,
     /// from the components themselves, so they cannot disagree with them).
     /// Pin counts are kept incrementally by the pin table: no scan here.
-    pub fn refresh_gauges(
-        &self,
-        fleet: &Fleet,
-        pins: &PinTable,
-        admission: &Admission,
-        calibration: &Calibration,
-        report: &CapacityReport,
-    ) {
+    pub fn refresh_gauges(&self, replicas: &[ReplicaGauges], report: &CapacityReport) {
         for family in [
             &self.inflight,
             &self.large_inflight,
@@ -350,15 +352,14 @@ impl Metrics {
             family.clear();
         }
         self.bytes_per_token.clear();
-        let pin_counts = pins.count_by_replica();
-        for r in fleet.snapshot().iter() {
+        for r in replicas {
             let l = replica_label(&r.id);
-            self.inflight.get_or_create(&l).set(r.inflight());
-            self.large_inflight.get_or_create(&l).set(r.large_inflight());
-            self.pins.get_or_create(&l).set(pin_counts.get(&r.id).copied().unwrap_or(0) as i64);
-            self.replica_up.get_or_create(&l).set(i64::from(r.routable()));
-            self.admission_queue_depth.get_or_create(&l).set(admission.queued(&r.id) as i64);
-            self.bytes_per_token.get_or_create(&l).set(calibration.bytes_per_token(&r.id));
+            self.inflight.get_or_create(&l).set(r.inflight);
+            self.large_inflight.get_or_create(&l).set(r.large_inflight);
+            self.pins.get_or_create(&l).set(r.pins as i64);
+            self.replica_up.get_or_create(&l).set(i64::from(r.up));
+            self.admission_queue_depth.get_or_create(&l).set(r.queued as i64);
+            self.bytes_per_token.get_or_create(&l).set(r.bytes_per_token);
             // Counters a dashboard divides by: present from the start, at zero.
             self.admission_waits.get_or_create(&l).inc_by(0);
             self.admission_rejections.get_or_create(&l).inc_by(0);

@@ -8,8 +8,12 @@
 //! so cold prefills run on all cards at once. A hash would send every member
 //! of a batch that shares a system prompt to one card.
 
-mod agents;
+mod chain;
+mod chat;
+mod completions;
 pub mod identity;
+mod messages;
+mod responses;
 pub mod sessions;
 
 use arc_swap::ArcSwap;

@@ -17,7 +17,7 @@
 
 use xxhash_rust::xxh3::Xxh3;
 
-use super::identity::{field, ShapeError};
+use super::chain::{field, ShapeError};
 use super::PrefixKey;
 
 /// Session headers read by default, in order of preference: generic, Codex,

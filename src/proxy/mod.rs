@@ -50,30 +50,9 @@ pub struct Upstream {
     replicas: headers::PerReplica,
 }
 
-/// awc's connector with TCP_NODELAY on every upstream socket. Without it,
-/// awc's separate writes of head and body meet Nagle's algorithm and the
-/// peer's delayed ACK: ~40 ms added to every request on loopback.
-pub fn connector(
-    connect_timeout: Duration,
-) -> awc::Connector<
-    impl actix_service::Service<
-            actix_tls::connect::ConnectInfo<awc::http::Uri>,
-            Response = actix_tls::connect::Connection<awc::http::Uri, tokio::net::TcpStream>,
-            Error = actix_tls::connect::ConnectError,
-        > + Clone,
-> {
-    use actix_service::ServiceExt;
-    let tcp = actix_tls::connect::Connector::new(actix_tls::connect::Resolver::default()).service();
-    let tcp = tcp.map(|conn: actix_tls::connect::Connection<awc::http::Uri, tokio::net::TcpStream>| {
-        let _ = conn.io_ref().set_nodelay(true);
-        conn
-    });
-    awc::Connector::new().connector(tcp).timeout(connect_timeout)
-}
-
 impl Upstream {
     pub fn new(t: &crate::config::Timeouts) -> Upstream {
-        let connector = connector(Duration::from_millis(t.connect_ms))
+        let connector = crate::connector::connector(Duration::from_millis(t.connect_ms))
             // No pool cap: a thousand concurrent streams is a normal day.
             .limit(0);
         let client = awc::Client::builder()

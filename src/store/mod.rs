@@ -2,11 +2,13 @@
 //! state lives: sled on disk by default, memory for unit tests, and room for
 //! a shared networked store when several gateways run side by side.
 
+mod event_writer;
 mod memory;
 mod migrations;
 mod redis_store;
 mod sled_store;
 
+pub use event_writer::EventWriter;
 pub use memory::MemoryStore;
 pub use migrations::{Migration, MIGRATIONS, SCHEMA_VERSION};
 pub use redis_store::RedisStore;

@@ -1,0 +1,274 @@
+//! The hash chain at message (or block) boundaries, and what every dialect
+//! (one file each beside this one) shares: the request shape, the chain, the
+//! canonical hashing of units, and body parsing.
+//!
+//! Why a chain and not "the first N KiB": a fixed window silently never pins
+//! when the shared prefix is shorter than the window (the varying tail falls
+//! inside it and every turn hashes differently). With a chain, boundary `i`
+//! of turn 2 equals the last boundary of turn 1 whenever turn 2 extends it,
+//! however short turn 1 was.
+//!
+//! The hash is XXH3-128 (xxhash-rust), a published, stable algorithm: keys
+//! are persisted, so they must not change between builds or platforms
+//! (std's `DefaultHasher` gives no such promise).
+//!
+//! Chain definition (stable; changing it orphans every persisted pin):
+//! - `h0 = xxh3_128("prefixgate/v1\0" ++ field(model))`
+//! - `h_i = xxh3_128(h_{i-1} as 16 LE bytes ++ canonical(unit_i))`
+//! - chat: a unit is one message; canonical = tagged, length-prefixed role,
+//!   name, content (text, or parts as canonical JSON with sorted keys),
+//!   tool_calls (canonical JSON) and tool_call_id. JSON formatting, key order
+//!   and string escapes do not matter.
+//! - completions with a string prompt: a unit is a block of `block_bytes`
+//!   bytes of the decoded prompt; the trailing partial block is a unit too.
+//! - completions with a token-array prompt: a unit is a block of
+//!   `block_tokens` token ids (u32 LE).
+//! - Responses and Messages: see `responses.rs` and `messages.rs`.
+
+use std::borrow::Cow;
+use std::fmt;
+
+use serde::Deserialize;
+use serde_json::Value;
+use xxhash_rust::xxh3::Xxh3;
+
+/// A 128-bit key naming one prompt prefix (model included).
+pub type PrefixKey = u128;
+
+/// Block sizes for prompts that have no message boundaries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct IdentityBlocks {
+    /// Bytes per identity block of a `/v1/completions` string prompt.
+    #[serde(deserialize_with = "crate::json_int::usize")]
+    #[schema(minimum = 1, maximum = 1073741824)]
+    pub block_bytes: usize,
+    /// Token ids per identity block of a `/v1/completions` token-array prompt.
+    #[serde(deserialize_with = "crate::json_int::usize")]
+    #[schema(minimum = 1, maximum = 1073741824)]
+    pub block_tokens: usize,
+}
+
+impl Default for IdentityBlocks {
+    fn default() -> Self {
+        IdentityBlocks { block_bytes: 1024, block_tokens: 256 }
+    }
+}
+
+/// One point in the prompt where a prefix ends and could be cached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Boundary {
+    pub key: PrefixKey,
+    /// Prompt content bytes up to and including this unit (for token estimates).
+    pub bytes: usize,
+}
+
+/// The API a request speaks: it decides the identity rules, how usage and
+/// the end of a stream are read, and the shape of error bodies.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Dialect {
+    /// OpenAI `/v1/chat/completions`.
+    #[default]
+    Chat,
+    /// OpenAI `/v1/completions`.
+    Completions,
+    /// OpenAI Responses, `/v1/responses` (Codex-style agents).
+    Responses,
+    /// Anthropic Messages, `/v1/messages` (Claude-Code-style agents).
+    Messages,
+    /// Anything else under `/v1`.
+    Other,
+}
+
+impl Dialect {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Dialect::Chat => "chat",
+            Dialect::Completions => "completions",
+            Dialect::Responses => "responses",
+            Dialect::Messages => "messages",
+            Dialect::Other => "other",
+        }
+    }
+}
+
+/// What the router needs to know about a request, and nothing more.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RequestShape {
+    pub dialect: Dialect,
+    pub model: Option<String>,
+    /// Boundaries in prompt order; empty when the request has no prompt identity.
+    pub boundaries: Vec<Boundary>,
+    /// True when the request carries history (more than one message, or more
+    /// than one block): only such requests may be continuations.
+    pub multi_unit: bool,
+    /// Where a served request records its pin (None: never pinned).
+    pub pin_at: Option<PrefixKey>,
+    /// Prompt content bytes (for the token estimate).
+    pub prompt_bytes: usize,
+    /// The client's own name for the conversation: `prompt_cache_key`.
+    pub cache_key: Option<String>,
+    /// Responses API: the stored response this request continues.
+    pub previous_response: Option<String>,
+}
+
+/// Input the router cannot route; becomes a 400 with this message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShapeError(pub String);
+
+impl fmt::Display for ShapeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Parses a request body. JSON text is UTF-8 (RFC 8259), so the body is
+/// checked once as a whole and parsed as text: parsing bytes would check
+/// every string again on its own, a dozen calls on a short chat request.
+pub(super) fn parse_body<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ShapeError> {
+    let text = std::str::from_utf8(body)
+        .map_err(|e| ShapeError(format!("invalid JSON body: not UTF-8 at byte {}", e.valid_up_to())))?;
+    serde_json::from_str(text).map_err(|e| ShapeError(format!("invalid JSON body: {e}")))
+}
+
+/// The running hash chain. One hasher serves every unit of a request (reset
+/// between units): a fresh XXH3 state is ~600 bytes to set up and move.
+pub(super) struct Chain {
+    prev: PrefixKey,
+    h: Xxh3,
+}
+
+impl Chain {
+    /// The chain's first link: the model, then what the engine caches ahead
+    /// of the first message: vLLM's `cache_salt` (requests with different
+    /// salts never share cache), and a dialect's instructions, system prompt
+    /// and tools (tagged values). With none of these it is exactly the
+    /// original `h0 = xxh3(tag ++ field(model))`, so persisted keys hold.
+    pub(super) fn first_link(model: Option<&str>, salt: Option<&str>, extra: &[(u8, &Value, &[&str])]) -> Chain {
+        let mut h = Xxh3::new();
+        h.update(b"prefixgate/v1\0");
+        field(&mut h, b'm', model.unwrap_or("").as_bytes());
+        if let Some(salt) = salt {
+            field(&mut h, b'z', salt.as_bytes());
+        }
+        for (tag, v, skip) in extra {
+            h.update(&[*tag]);
+            canonical_value_skipping(&mut h, v, skip);
+        }
+        Chain { prev: h.digest128(), h }
+    }
+
+    /// Starts the next unit: the hasher, seeded with the chain so far.
+    pub(super) fn unit(&mut self) -> &mut Xxh3 {
+        self.h.reset();
+        self.h.update(&self.prev.to_le_bytes());
+        &mut self.h
+    }
+
+    /// Ends the unit `unit` started: its key, which the next unit extends.
+    pub(super) fn close(&mut self) -> PrefixKey {
+        self.prev = self.h.digest128();
+        self.prev
+    }
+}
+
+/// A tagged, length-prefixed field: no two different field sequences hash
+/// the same byte stream.
+pub(super) fn field(h: &mut Xxh3, tag: u8, bytes: &[u8]) {
+    h.update(&[tag]);
+    h.update(&(bytes.len() as u64).to_le_bytes());
+    h.update(bytes);
+}
+
+/// Hashes a JSON value independently of formatting and key order; returns the
+/// content bytes it saw (for the token estimate).
+pub(super) fn canonical_value(h: &mut Xxh3, v: &Value) -> usize {
+    canonical_value_skipping(h, v, &[])
+}
+
+/// `canonical_value`, ignoring object keys in `skip` at every depth: fields a
+/// client changes between turns without changing the prompt (Anthropic's
+/// `cache_control` markers move to the newest message each turn; Responses
+/// items carry server ids some clients strip when they send them back).
+pub(super) fn canonical_value_skipping(h: &mut Xxh3, v: &Value, skip: &[&str]) -> usize {
+    match v {
+        Value::Null => {
+            h.update(b"N");
+            0
+        }
+        Value::Bool(b) => {
+            h.update(if *b { b"T" } else { b"F" });
+            1
+        }
+        Value::Number(n) => {
+            let s = n.to_string();
+            field(h, b'#', s.as_bytes());
+            s.len()
+        }
+        Value::String(s) => {
+            field(h, b's', s.as_bytes());
+            s.len()
+        }
+        Value::Array(items) => {
+            h.update(b"[");
+            h.update(&(items.len() as u64).to_le_bytes());
+            items.iter().map(|i| canonical_value_skipping(h, i, skip)).sum()
+        }
+        Value::Object(map) => {
+            let mut keys: Vec<&String> = map.keys().filter(|k| !skip.contains(&k.as_str())).collect();
+            keys.sort_unstable();
+            h.update(b"{");
+            h.update(&(keys.len() as u64).to_le_bytes());
+            let mut n = 0;
+            for k in keys {
+                field(h, b'k', k.as_bytes());
+                n += canonical_value_skipping(h, &map[k], skip);
+            }
+            n
+        }
+    }
+}
+
+/// Hashes one message-like unit: role, then content (a string is the same
+/// content as one text part would be for the engine, but clients resend
+/// what they sent, so the two forms are kept apart rather than guessed at).
+/// Returns the unit's content bytes; `chain.close()` then gives its key.
+pub(super) fn message_unit(chain: &mut Chain, role: &str, content: Option<&Value>, skip: &[&str]) -> usize {
+    let h = chain.unit();
+    field(h, b'r', role.as_bytes());
+    let mut bytes = role.len();
+    if let Some(c) = content {
+        h.update(b"c");
+        bytes += canonical_value_skipping(h, c, skip);
+    }
+    bytes
+}
+
+pub(super) fn shape(
+    dialect: Dialect,
+    model: Option<Cow<str>>,
+    boundaries: Vec<Boundary>,
+    prompt_bytes: usize,
+    cache_key: Option<Cow<str>>,
+    previous_response: Option<Cow<str>>,
+) -> RequestShape {
+    RequestShape {
+        dialect,
+        model: model.map(Cow::into_owned),
+        pin_at: boundaries.last().map(|b| b.key),
+        multi_unit: boundaries.len() > 1,
+        boundaries,
+        prompt_bytes,
+        cache_key: cache_key.map(Cow::into_owned),
+        previous_response: previous_response.map(Cow::into_owned),
+    }
+}
+
+/// The tagged first-link values a request carries (absent ones are left out,
+/// so a request without them keeps the plain first link).
+pub(super) fn present<'v>(
+    fields: &[(u8, &'v Option<Value>)],
+    skip: &'static [&'static str],
+) -> Vec<(u8, &'v Value, &'static [&'static str])> {
+    fields.iter().filter_map(|(tag, v)| v.as_ref().map(|v| (*tag, v, skip))).collect()
+}

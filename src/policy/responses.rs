@@ -1,0 +1,92 @@
+//! The OpenAI Responses API (`/v1/responses`, Codex-style agents), on the
+//! same hash chain as chat (`chain.rs`).
+//!
+//! - The first link holds the model, `cache_salt`, `instructions` and
+//!   `tools`: what the engine caches ahead of the first turn.
+//! - A unit is one input item: a message-like item hashes its role and
+//!   content; any other item (a function call, its output, a reasoning item,
+//!   an item type invented next month) hashes as canonical JSON.
+//! - The `id`/`status` the API puts on items it returns are left out (some
+//!   clients strip them when they send the items back).
+
+use std::borrow::Cow;
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::chain::*;
+
+const RESPONSES_SKIP: &[&str] = &["id", "status"];
+
+#[derive(Deserialize)]
+struct ResponsesBody<'a> {
+    #[serde(borrow, default)]
+    model: Option<Cow<'a, str>>,
+    #[serde(default)]
+    instructions: Option<Value>,
+    #[serde(default)]
+    tools: Option<Value>,
+    #[serde(default)]
+    input: Option<Value>,
+    #[serde(borrow, default)]
+    previous_response_id: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    prompt_cache_key: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    cache_salt: Option<Cow<'a, str>>,
+}
+
+pub(super) fn extract_responses(body: &[u8]) -> Result<RequestShape, ShapeError> {
+    let b: ResponsesBody = parse_body(body)?;
+    let extra = present(&[(b'i', &b.instructions), (b't', &b.tools)], RESPONSES_SKIP);
+    let mut chain = Chain::first_link(b.model.as_deref(), b.cache_salt.as_deref(), &extra);
+    let mut boundaries = Vec::new();
+    let mut bytes = 0usize;
+    let mut push = |chain: &mut Chain, n: usize| {
+        bytes += n;
+        boundaries.push(Boundary { key: chain.close(), bytes });
+    };
+    match &b.input {
+        // A plain string is one user message.
+        Some(Value::String(text)) => {
+            let unit = message_unit(&mut chain, "user", Some(&Value::String(text.clone())), RESPONSES_SKIP);
+            push(&mut chain, unit);
+        }
+        Some(Value::Array(items)) => {
+            for item in items {
+                let message = item
+                    .as_object()
+                    .filter(|o| o.get("type").is_none_or(|t| t == "message"))
+                    .and_then(|o| Some((o.get("role")?.as_str()?, o.get("content"))));
+                let unit = match message {
+                    Some((role, content)) => message_unit(&mut chain, role, content, RESPONSES_SKIP),
+                    None => {
+                        let h = chain.unit();
+                        h.update(b"j");
+                        canonical_value_skipping(h, item, RESPONSES_SKIP)
+                    }
+                };
+                push(&mut chain, unit);
+            }
+        }
+        None | Some(Value::Null) => {}
+        Some(_) => return Err(ShapeError("'input' must be a string or an array of input items".into())),
+    }
+    if b.previous_response_id.is_some() {
+        // The body carries only the new items; the prefix lives in the stored
+        // response. Hashing the new items alone would name a prefix that does
+        // not exist (and two conversations that both say "continue" would
+        // share it), so such a request has no prompt identity: its stored
+        // response routes it.
+        boundaries.clear();
+    }
+    let instructions_bytes = b.instructions.as_ref().and_then(Value::as_str).map_or(0, str::len);
+    Ok(shape(
+        Dialect::Responses,
+        b.model,
+        boundaries,
+        bytes + instructions_bytes,
+        b.prompt_cache_key,
+        b.previous_response_id,
+    ))
+}
