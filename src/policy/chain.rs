@@ -110,6 +110,9 @@ pub struct RequestShape {
     pub cache_key: Option<String>,
     /// Responses API: the stored response this request continues.
     pub previous_response: Option<String>,
+    /// Responses API: the replica will store the response (`store`, true
+    /// unless the client says false).
+    pub stores_response: bool,
 }
 
 /// Input the router cannot route; becomes a 400 with this message.
@@ -261,6 +264,7 @@ pub(super) fn shape(
         prompt_bytes,
         cache_key: cache_key.map(Cow::into_owned),
         previous_response: previous_response.map(Cow::into_owned),
+        stores_response: false,
     }
 }
 

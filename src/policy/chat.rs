@@ -114,5 +114,6 @@ pub(super) fn extract_chat(body: &[u8]) -> Result<RequestShape, ShapeError> {
         prompt_bytes: bytes,
         cache_key: parsed.prompt_cache_key.map(Cow::into_owned),
         previous_response: None,
+        stores_response: false,
     })
 }

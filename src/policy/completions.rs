@@ -140,5 +140,6 @@ pub(super) fn extract_completion(body: &[u8], blocks: IdentityBlocks) -> Result<
         prompt_bytes,
         cache_key: parsed.prompt_cache_key.map(Cow::into_owned),
         previous_response: None,
+        stores_response: false,
     })
 }

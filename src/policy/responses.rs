@@ -30,6 +30,8 @@ struct ResponsesBody<'a> {
     input: Option<Value>,
     #[serde(borrow, default)]
     previous_response_id: Option<Cow<'a, str>>,
+    #[serde(default)]
+    store: Option<bool>,
     #[serde(borrow, default)]
     prompt_cache_key: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
@@ -81,12 +83,14 @@ pub(super) fn extract_responses(body: &[u8]) -> Result<RequestShape, ShapeError>
         boundaries.clear();
     }
     let instructions_bytes = b.instructions.as_ref().and_then(Value::as_str).map_or(0, str::len);
-    Ok(shape(
+    let stores_response = b.store.unwrap_or(true);
+    let shape = shape(
         Dialect::Responses,
         b.model,
         boundaries,
         bytes + instructions_bytes,
         b.prompt_cache_key,
         b.previous_response_id,
-    ))
+    );
+    Ok(RequestShape { stores_response, ..shape })
 }

@@ -1,18 +1,45 @@
 //! One attempt: the request sent to one replica, up to its response head.
-//! The error says whether a retry elsewhere is safe, as Pingora's errors do:
-//! only a connection that never carried the request (refused, reset while
-//! connecting or sending) may be re-sent; a timeout or a broken response may
-//! have reached an engine, and generation is not idempotent.
+//! The error says whether a re-send is safe, as Pingora's errors do. The
+//! retry rule, stated once (README "Failover" says the same):
+//!
+//! | what happened | re-sent? | the replica |
+//! |---|---|---|
+//! | connection refused, reset or failed before the request was written | yes, to another replica | marked down at once |
+//! | connection closed after the request was written, before any response byte | yes: once to the same replica on another connection, then to another replica | not marked down by this (the prober decides) |
+//! | no response head within `timeouts.response_head_ms` | no: 504 | |
+//! | a malformed response | no: 502 | |
+//! | any response byte reached the client | never | |
+//!
+//! Why a close after the write is re-sent: it is what a client sees when the
+//! replica closed an idle pooled connection just as the request went out
+//! (the replica never read it: re-sending on a fresh connection is
+//! harmless, and marking a healthy replica down for it would not be), and
+//! when a replica died after reading the request (it answers nothing, and
+//! the next attempt on it is refused). A timeout is not re-sent: the engine
+//! may be generating, and generation is not idempotent.
+//!
+//! The one case where a re-send is not harmless: a Responses request that
+//! stores its response (`store`, true unless the client says false) may
+//! have been stored by a replica that then closed without answering. It is
+//! re-sent all the same (the client never saw that response's id, so
+//! nothing can reach it; refusing would only hand the client the retry),
+//! and the history records that the replica may hold an unreachable stored
+//! response.
 
+use actix_web::error::ParseError;
 use actix_web::web;
-use awc::error::SendRequestError;
+use awc::error::{ConnectError, SendRequestError};
 
 use crate::error::ApiError;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttemptFailure {
-    /// The request never reached the replica.
+    /// The request never reached the replica (refused, reset or failed
+    /// before it was written).
     Connect,
+    /// The connection closed after the request was written, before any
+    /// response byte.
+    ClosedAfterWrite,
     /// No response head within `timeouts.response_head_ms`.
     Timeout,
     /// Anything else after the request went out (a malformed response, ...).
@@ -27,13 +54,14 @@ pub struct AttemptError {
 
 impl AttemptError {
     pub fn retry_safe(&self) -> bool {
-        self.failure == AttemptFailure::Connect
+        matches!(self.failure, AttemptFailure::Connect | AttemptFailure::ClosedAfterWrite)
     }
 
     /// The status recorded in metrics for an attempt that ended here.
     pub fn status_label(&self) -> &'static str {
         match self.failure {
             AttemptFailure::Connect => "connect_failed",
+            AttemptFailure::ClosedAfterWrite => "closed_after_write",
             AttemptFailure::Timeout => "504",
             AttemptFailure::Upstream => "502",
         }
@@ -42,7 +70,9 @@ impl AttemptError {
     pub fn into_api_error(self) -> ApiError {
         match self.failure {
             AttemptFailure::Timeout => ApiError::UpstreamTimeout,
-            AttemptFailure::Connect | AttemptFailure::Upstream => ApiError::Upstream(self.message),
+            AttemptFailure::Connect | AttemptFailure::ClosedAfterWrite | AttemptFailure::Upstream => {
+                ApiError::Upstream(self.message)
+            }
         }
     }
 }
@@ -50,6 +80,10 @@ impl AttemptError {
 impl From<SendRequestError> for AttemptError {
     fn from(e: SendRequestError) -> Self {
         let failure = match e {
+            // awc's name for "the connection ended where the response head should be".
+            SendRequestError::Connect(ConnectError::Disconnected) => AttemptFailure::ClosedAfterWrite,
+            // Reset while the head was awaited: the same, seen as an I/O error.
+            SendRequestError::Response(ParseError::Io(_)) => AttemptFailure::ClosedAfterWrite,
             SendRequestError::Connect(_) | SendRequestError::Send(_) => AttemptFailure::Connect,
             SendRequestError::Timeout => AttemptFailure::Timeout,
             _ => AttemptFailure::Upstream,

@@ -8,10 +8,11 @@
 //! A stored response id unknown here is located before planning
 //! (`locate.rs`: the shared store, then the replicas themselves).
 //!
-//! Failover: an attempt whose error is retry-safe (the connection never
-//! carried the request) marks the replica down at once and the same request
-//! is planned again without it. Once the response head arrived, nothing is
-//! retried.
+//! Failover (the rule: `attempt.rs`): a connection that failed before the
+//! write marks the replica down at once and the request is planned again
+//! without it; one that closed after the write is re-sent to the same
+//! replica once, then planned without it. Once the response head arrived,
+//! nothing is retried.
 
 mod attempt;
 mod body;
@@ -170,24 +171,32 @@ async fn forward_request(
     // The first replica this request failed over from, and whether this
     // request was the one that marked it down (one event per transition).
     let mut failed_from: Option<(Arc<str>, bool)> = None;
+    // The replica whose connection closed after the write once already.
+    let mut closed_once_on: Option<Arc<str>> = None;
+    // The same replica once more, on another connection (a close after the write).
+    let mut resend: Option<(Arc<Replica>, RouteReason)> = None;
     loop {
-        // The fleet is read while planning only (no guard across an await).
-        let fleet = state.fleet.snapshot();
-        let input = PlanInput {
-            mode: settings.mode,
-            shape: &shape,
-            pinned: pinned.as_ref(),
-            named: named.as_deref(),
-            stored: stored.as_ref().map(|(id, home)| (*id, &**home)),
-            tried: &tried,
-            large,
+        let (replica, reason) = match resend.take() {
+            Some(again) => again,
+            None => {
+                // The fleet is read while planning only (no guard across an await).
+                let fleet = state.fleet.snapshot();
+                let input = PlanInput {
+                    mode: settings.mode,
+                    shape: &shape,
+                    pinned: pinned.as_ref(),
+                    named: named.as_deref(),
+                    stored: stored.as_ref().map(|(id, home)| (*id, &**home)),
+                    tried: &tried,
+                    large,
+                };
+                let has_slot = |r: &Replica| state.admission.has_free_slot(&r.id, r.spec().max_large_inflight);
+                let route =
+                    plan::plan(&input, &fleet, has_slot, &state.spread).map_err(|e| recorder.plan_failed(e, &tried))?;
+                let reason = if failed_from.is_some() { RouteReason::Failover } else { route.reason };
+                (fleet[route.replica].clone(), reason)
+            }
         };
-        let has_slot = |r: &Replica| state.admission.has_free_slot(&r.id, r.spec().max_large_inflight);
-        let decision =
-            plan::plan(&input, &fleet, has_slot, &state.spread).map_err(|e| recorder.plan_failed(e, &tried))?;
-        let replica = fleet[decision.replica].clone();
-        drop(fleet);
-        let reason = if failed_from.is_some() { RouteReason::Failover } else { decision.reason };
         let started = Instant::now();
         let permit = if large { Some(admit(state, &recorder, &replica).await?) } else { None };
         // The guard holds the replica from here on (one reference, not two).
@@ -236,9 +245,18 @@ async fn forward_request(
             Err(e) => {
                 let replica = replica.clone();
                 drop((guard, permit, ticket));
-                let took_down = recorder.attempt_failed(&replica, reason, &e);
+                let took_down = recorder.attempt_failed(&replica, reason, &e, shape.stores_response);
                 if !e.retry_safe() {
                     return Err(e.into_api_error());
+                }
+                // A close after the write is re-sent to the same replica
+                // once, on another connection (`attempt.rs`: an idle pooled
+                // connection it closed); a second one sends it elsewhere.
+                let closed = e.failure == attempt::AttemptFailure::ClosedAfterWrite;
+                if closed && closed_once_on.as_ref() != Some(&replica.id) {
+                    closed_once_on = Some(replica.id.clone());
+                    resend = Some((replica, reason));
+                    continue;
                 }
                 tried.push(replica.id.clone());
                 failed_from.get_or_insert((replica.id.clone(), took_down));

@@ -8,7 +8,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::attempt::AttemptError;
+use super::attempt::{AttemptError, AttemptFailure};
 use super::body::{BodyEnd, BodyOutcome};
 use super::plan::PlanError;
 use super::usage::UsageTap;
@@ -135,20 +135,43 @@ impl OutcomeRecorder {
         }
     }
 
-    /// An attempt ended before a response head. A connection failure is a
-    /// health observation (the replica is down now); returns true when this
-    /// attempt took the replica down. Other failures end the request.
-    pub fn attempt_failed(&self, replica: &Replica, reason: RouteReason, e: &AttemptError) -> bool {
-        if e.retry_safe() {
-            tracing::warn!(replica = %replica.id, "connection failed, failing over: {}", e.message);
-            return self.health.observe(
-                replica,
-                Observation::ConnectionFailed { error: e.message.clone() },
-                crate::clock::now_ms(),
-            );
+    /// An attempt ended before a response head (the rule: `attempt.rs`). A
+    /// connection that failed before the write is a health observation (the
+    /// replica is down now); returns true when this attempt took it down. A
+    /// close after the write is re-sent but says nothing of the replica's
+    /// health; `stores_response`: the request may have left a stored
+    /// response there, which the history records. Other failures end the
+    /// request.
+    pub fn attempt_failed(
+        &self,
+        replica: &Replica,
+        reason: RouteReason,
+        e: &AttemptError,
+        stores_response: bool,
+    ) -> bool {
+        match e.failure {
+            AttemptFailure::Connect => {
+                tracing::warn!(replica = %replica.id, "connection failed, failing over: {}", e.message);
+                self.health.observe(
+                    replica,
+                    Observation::ConnectionFailed { error: e.message.clone() },
+                    crate::clock::now_ms(),
+                )
+            }
+            AttemptFailure::ClosedAfterWrite => {
+                tracing::warn!(replica = %replica.id, "connection closed after the request was written; re-sending: {}", e.message);
+                if stores_response {
+                    let detail = "a Responses request with store: true was re-sent after its connection closed \
+                                  after the write; this replica may hold a stored response no client can reach";
+                    self.events.record(EventKind::Failover, Some(&replica.id), None, detail);
+                }
+                false
+            }
+            AttemptFailure::Timeout | AttemptFailure::Upstream => {
+                self.metrics.route(&replica.id, reason.as_str()).count_request(e.status_label().into());
+                false
+            }
         }
-        self.metrics.route(&replica.id, reason.as_str()).count_request(e.status_label().into());
-        false
     }
 
     /// A replica was chosen: with a shared store, the pins this request

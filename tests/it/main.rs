@@ -16,6 +16,7 @@ mod persistence;
 mod qualitative;
 mod regressions;
 mod reliability;
+mod retry;
 mod routing;
 mod sdk;
 mod shared;
