@@ -8,51 +8,67 @@
 # (every target once per round) and the medians compared, because a 2-core
 # machine that also runs wrk and the backends is noisy: single runs move by
 # +-8 %. CPU per request is the process tree's user+system time from /proc
-# divided by the requests wrk completed. Never run in CI.
-# Needs: apt-get install -y nginx wrk (and bolt-16 for BOLT=1).
-# Usage: ROUNDS=7 SECS=10 [BOLT=1] [BEFORE=path/to/old/prefixgate] bench/hop.sh
+# divided by the requests wrk completed. With PEERS=1 the routers users
+# would pick instead, smg and vllm-router (round robin), run in the same
+# rounds (installed into a throwaway venv, as bench/overhead.sh does).
+# Never run in CI.
+# Needs: apt-get install -y nginx wrk (and bolt-16 for BOLT=1; pip for PEERS=1).
+# Usage: ROUNDS=7 SECS=10 [BOLT=1] [PEERS=1] [BEFORE=path/to/old/prefixgate] bench/hop.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
+source bench/lib.sh
 source bench/nginx.sh
 ROUNDS=${ROUNDS:-7}; SECS=${SECS:-10}
 cargo build --release -q --bin prefixgate --example bare_proxy || exit 1
 if [ -n "${BOLT:-}" ]; then bench/bolt.sh >/dev/null || exit 1; fi
 bin=$PWD/target/release/prefixgate
 bare=$PWD/target/release/examples/bare_proxy
-tmp=$(mktemp -d); trap 'kill $(jobs -p) 2>/dev/null; nginx -c "$tmp/nginx.conf" -s stop 2>/dev/null; rm -rf "$tmp"' EXIT
+venv=${VENV:-$PWD/target/routers-venv}
+if [ -n "${PEERS:-}" ] && { [ ! -x "$venv/bin/smg" ] || [ ! -x "$venv/bin/vllm-router" ]; }; then
+  python3 -m venv "$venv" && "$venv/bin/pip" install -q smg vllm-router >&2 || exit 1
+fi
+bench_init
+trap 'kill $(jobs -p) 2>/dev/null; nginx -c "$BENCH_TMP/nginx.conf" -s stop 2>/dev/null; wait 2>/dev/null; rm -rf "$BENCH_TMP"' EXIT
 
-$bin sim-replica --port 18401 --time-scale 0 >/dev/null 2>&1 &
-$bin sim-replica --port 18402 --time-scale 0 >/dev/null 2>&1 &
-declare -A PID PORT; names=()
-start() { # name port command...
-  local name=$1 port=$2; shift 2
-  "$@" >"$tmp/$name.log" 2>&1 &
-  PID[$name]=$!; PORT[$name]=$port; names+=("$name")
+start_sim a --time-scale 0
+start_sim b --time-scale 0
+declare -A PID URL; names=()
+add() { # name url pid
+  URL[$1]=$2; PID[$1]=$3; names+=("$1")
 }
-replicas="--replica a=http://127.0.0.1:18401 --replica b=http://127.0.0.1:18402"
-start prefixgate 18411 $bin serve --listen 127.0.0.1:18411 --admin-listen 127.0.0.1:18421 $replicas
+replicas="--replica a=${SIM_URL[a]} --replica b=${SIM_URL[b]}"
+start_gateway prefixgate "$bin" $replicas
+add prefixgate "${GW_URL[prefixgate]}" "${GW_PID[prefixgate]}"
 if [ -n "${BOLT:-}" ]; then
-  start prefixgate-bolt 18415 "$PWD/target/bolt/prefixgate" serve --listen 127.0.0.1:18415 --admin-listen 127.0.0.1:18425 $replicas
+  start_gateway prefixgate-bolt "$PWD/target/bolt/prefixgate" $replicas
+  add prefixgate-bolt "${GW_URL[prefixgate-bolt]}" "${GW_PID[prefixgate-bolt]}"
 fi
 if [ -n "${BEFORE:-}" ]; then
-  start before 18412 "$BEFORE" serve --listen 127.0.0.1:18412 --admin-listen 127.0.0.1:18422 $replicas
+  start_gateway before "$BEFORE" $replicas
+  add before "${GW_URL[before]}" "${GW_PID[before]}"
 fi
-start floor 18413 $bare 127.0.0.1:18413 http://127.0.0.1:18401 http://127.0.0.1:18402
-nginx_conf "$tmp" 18414
-start nginx 18414 nginx -c "$tmp/nginx.conf"
+port=$(free_port)
+"$bare" "127.0.0.1:$port" "${SIM_URL[a]}" "${SIM_URL[b]}" >"$BENCH_TMP/floor.log" 2>&1 &
+add floor "http://127.0.0.1:$port" $!
+port=$(free_port)
+nginx_conf "$BENCH_TMP" "$port" "${SIM_URL[a]#http://} ${SIM_URL[b]#http://}"
+nginx -c "$BENCH_TMP/nginx.conf" >"$BENCH_TMP/nginx.log" 2>&1 &
+add nginx "http://127.0.0.1:$port" $!
+if [ -n "${PEERS:-}" ]; then
+  port=$(free_port)
+  "$venv/bin/smg" launch --host 127.0.0.1 --port "$port" --prometheus-port "$(free_port)" --policy round_robin \
+    --worker-urls "${SIM_URL[a]}" "${SIM_URL[b]}" >"$BENCH_TMP/smg.log" 2>&1 &
+  add smg "http://127.0.0.1:$port" $!
+  port=$(free_port)
+  "$venv/bin/vllm-router" --host 127.0.0.1 --port "$port" --prometheus-port "$(free_port)" --policy round_robin \
+    --worker-urls "${SIM_URL[a]}" "${SIM_URL[b]}" >"$BENCH_TMP/vllm-router.log" 2>&1 &
+  add vllm-router "http://127.0.0.1:$port" $!
+fi
 
-body='{"model":"sim-model","max_tokens":4,"messages":[{"role":"user","content":"overhead probe"}]}'
-for n in "${names[@]}"; do
-  for _ in $(seq 1 100); do
-    curl -sf -m 2 -o /dev/null -H 'content-type: application/json' -d "$body" "http://127.0.0.1:${PORT[$n]}/v1/chat/completions" && break
-    sleep 0.2
-  done
-done
-cat > "$tmp/post.lua" <<LUA
-wrk.method = "POST"; wrk.body = '$body'; wrk.headers["content-type"] = "application/json"
-LUA
+for gw in "${!GW_ADMIN[@]}"; do wait_replicas_up "${GW_ADMIN[$gw]}" 2 || exit 1; done
+for n in "${names[@]}"; do wait_ok "${URL[$n]}" || exit 1; done
 for n in "${names[@]}"; do # warm up: connections, pools, caches
-  wrk -t1 -c4 -d2s -s "$tmp/post.lua" "http://127.0.0.1:${PORT[$n]}/v1/chat/completions" >/dev/null
+  run_wrk "${URL[$n]}" 2 4 >/dev/null
 done
 
 ticks=$(getconf CLK_TCK)
@@ -62,18 +78,18 @@ cpu() { # user and system ticks of a process tree
   for p in $(tree "$1"); do read -r a b < <(awk '{print $14, $15}' "/proc/$p/stat"); u=$((u + a)); s=$((s + b)); done
   echo "$u $s"
 }
-: > "$tmp/results"
+: > "$BENCH_TMP/results"
 for round in $(seq 1 "$ROUNDS"); do
   for n in "${names[@]}"; do
     read -r u0 s0 < <(cpu "${PID[$n]}")
-    out=$(wrk -t2 -c32 -d"${SECS}s" -s "$tmp/post.lua" "http://127.0.0.1:${PORT[$n]}/v1/chat/completions")
+    out=$(run_wrk "${URL[$n]}" "$SECS" 32)
     read -r u1 s1 < <(cpu "${PID[$n]}")
     reqs=$(echo "$out" | awk '/requests in/ {print $1}')
     if echo "$out" | grep -q "Non-2xx"; then echo "round $round $n: errors, skipped" >&2; continue; fi
     awk -v n="$n" -v r="$round" -v q="$reqs" -v u=$((u1 - u0)) -v s=$((s1 - s0)) -v t="$ticks" \
       -v rps="$(echo "$out" | awk '/Requests\/sec/ {print $2}')" \
-      'BEGIN {printf "%s %s %s %.1f %.1f %.1f\n", n, r, rps, (u + s) / t * 1e6 / q, u / t * 1e6 / q, s / t * 1e6 / q}' >> "$tmp/results"
-    tail -1 "$tmp/results" >&2
+      'BEGIN {printf "%s %s %s %.1f %.1f %.1f\n", n, r, rps, (u + s) / t * 1e6 / q, u / t * 1e6 / q, s / t * 1e6 / q}' >> "$BENCH_TMP/results"
+    tail -1 "$BENCH_TMP/results" >&2
   done
 done
 
@@ -81,7 +97,7 @@ echo "Machine: $(nproc) cores; wrk -t2 -c32 -d${SECS}s; $ROUNDS rounds interleav
 echo
 echo "| target | req/s (median) | CPU per request (median) | user | system | vs nginx |"
 echo "|---|---|---|---|---|---|"
-python3 - "$tmp/results" <<'PY'
+python3 - "$BENCH_TMP/results" <<'PY'
 import statistics, sys
 rows = {}
 for line in open(sys.argv[1]):

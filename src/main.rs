@@ -132,7 +132,10 @@ async fn shutdown_signal() {
 fn sim_replica(host: &str, port: u16, cfg: SimConfig) -> Result<(), String> {
     let listener = bind(format!("{host}:{port}").parse().map_err(|e| format!("--host/--port: {e}"))?, "sim-replica")?;
     actix_web::rt::System::new().block_on(async move {
-        tracing::info!("simulated replica serving '{}' on http://{host}:{port}", cfg.model);
+        let addr = listener.local_addr().map_err(|e| e.to_string())?;
+        tracing::info!("simulated replica serving '{}' on http://{addr}", cfg.model);
+        // One machine-readable line, as `serve` prints: scripts read the bound port (`--port 0`).
+        println!("prefixgate sim-replica listening url=http://{addr}");
         sim::serve(listener, SimState::new(cfg)).map_err(|e| e.to_string())?.await.map_err(|e| e.to_string())
     })
 }

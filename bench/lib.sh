@@ -1,0 +1,84 @@
+# Sourced by every bench script: one way to start simulated replicas and
+# gateways on free loopback ports, wait until they are ready, and run wrk.
+# Nothing listens on a fixed port, so two scripts (or a script and a
+# leftover process) never collide, and nothing is measured before it is up.
+#
+#   bench_init                      temp dir ($BENCH_TMP), everything started is stopped on exit
+#   start_sim NAME [sim args...]    a simulated replica; its URL in SIM_URL[NAME]
+#   start_gateway NAME BIN [args]   `BIN serve` on free ports; GW_URL[NAME], GW_ADMIN[NAME], GW_PID[NAME]
+#   wait_replicas_up ADMIN N        until N replicas report health "up" on that admin API
+#   wait_ok URL                     until a small chat completion through URL answers 200
+#   free_port                       a free loopback port, for programs that need one up front (nginx, peers)
+#   run_wrk URL SECS CONNS          wrk -t2 with the small chat body; prints wrk's output
+#   CHAT_BODY                       that body
+#
+# Needs: curl, python3 (free_port), wrk for run_wrk.
+
+declare -A SIM_URL GW_URL GW_ADMIN GW_PID
+CHAT_BODY='{"model":"sim-model","max_tokens":4,"messages":[{"role":"user","content":"overhead probe"}]}'
+
+bench_init() {
+  BENCH_TMP=$(mktemp -d)
+  trap 'kill $(jobs -p) 2>/dev/null; wait 2>/dev/null; rm -rf "$BENCH_TMP"' EXIT
+}
+
+free_port() {
+  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# _listening_line FILE PATTERN: waits (30 s at most) for PATTERN in FILE, prints the line.
+_listening_line() {
+  local file=$1 pattern=$2 line
+  for _ in $(seq 1 300); do
+    line=$(grep -m1 "$pattern" "$file" 2>/dev/null) && { echo "$line"; return 0; }
+    sleep 0.1
+  done
+  echo "bench/lib.sh: nothing printed '$pattern' in $file" >&2
+  cat "$file" >&2
+  return 1
+}
+
+start_sim() {
+  local name=$1; shift
+  "${SIM_BIN:-$bin}" sim-replica --port 0 "$@" >"$BENCH_TMP/sim-$name.out" 2>/dev/null &
+  local line
+  line=$(_listening_line "$BENCH_TMP/sim-$name.out" "sim-replica listening") || exit 1
+  SIM_URL[$name]=${line##*url=}
+}
+
+start_gateway() {
+  local name=$1 binary=$2; shift 2
+  "$binary" serve --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 "$@" >"$BENCH_TMP/gw-$name.out" 2>"$BENCH_TMP/gw-$name.err" &
+  GW_PID[$name]=$!
+  local line
+  line=$(_listening_line "$BENCH_TMP/gw-$name.out" "prefixgate listening") || exit 1
+  GW_URL[$name]=$(echo "$line" | sed -E 's/.*traffic=([^ ]+).*/\1/')
+  GW_ADMIN[$name]=$(echo "$line" | sed -E 's/.*admin=([^ ]+).*/\1/')
+}
+
+wait_replicas_up() {
+  local admin=$1 n=$2
+  for _ in $(seq 1 300); do
+    [ "$(curl -s "$admin/admin/v1/replicas" | grep -o '"health":"up"' | wc -l)" -ge "$n" ] && return 0
+    sleep 0.2
+  done
+  echo "bench/lib.sh: $admin never had $n replicas up" >&2
+  return 1
+}
+
+wait_ok() {
+  for _ in $(seq 1 300); do
+    curl -sf -m 2 -o /dev/null -H 'content-type: application/json' -d "$CHAT_BODY" "$1/v1/chat/completions" && return 0
+    sleep 0.2
+  done
+  echo "bench/lib.sh: $1 never answered 200" >&2
+  return 1
+}
+
+run_wrk() {
+  local url=$1 secs=$2 conns=$3
+  [ -f "$BENCH_TMP/post.lua" ] || cat >"$BENCH_TMP/post.lua" <<LUA
+wrk.method = "POST"; wrk.body = '$CHAT_BODY'; wrk.headers["content-type"] = "application/json"
+LUA
+  wrk -t2 -c"$conns" -d"${secs}s" -s "$BENCH_TMP/post.lua" "$url/v1/chat/completions"
+}
