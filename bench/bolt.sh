@@ -36,27 +36,19 @@ plain=$PWD/target/relocs/release/prefixgate
 "$LLVM_BOLT" "$plain" -o "$out/prefixgate-instrumented" -instrument \
   -instrumentation-file="$out/profile" -instrumentation-file-append-pid >"$out/instrument.log" 2>&1
 
-trap 'kill $(jobs -p) 2>/dev/null' EXIT
-$plain sim-replica --port 18601 --time-scale 0 >/dev/null 2>&1 &
-replica_a=$!
-$plain sim-replica --port 18602 --time-scale 0 >/dev/null 2>&1 &
-base=http://127.0.0.1:18611
-body='{"model":"sim-model","max_tokens":4,"messages":[{"role":"user","content":"overhead probe"}]}'
-# ask URL: one chat request, retried while the server starts.
-ask() {
-  for _ in $(seq 1 100); do
-    curl -sf -m 2 -o /dev/null -H 'content-type: application/json' -d "$body" "$1/v1/chat/completions" && return 0
-    sleep 0.2
-  done
-  return 1
-}
-ask http://127.0.0.1:18601 && ask http://127.0.0.1:18602
-# gateway BIN: BIN serves in front of the two replicas; its pid in $gateway.
+source bench/lib.sh
+bench_init
+SIM_BIN=$plain start_sim a --time-scale 0
+SIM_BIN=$plain start_sim b --time-scale 0
+replica_a=${SIM_PID[a]}
+body=$CHAT_BODY
+n=0
+# gateway BIN: BIN serves in front of the two replicas; its pid in $gateway, URLs in $base, $admin.
 gateway() {
-  "$1" serve --listen 127.0.0.1:18611 --admin-listen 127.0.0.1:18621 \
-    --replica a=http://127.0.0.1:18601 --replica b=http://127.0.0.1:18602 >>"$out/serve.log" 2>&1 &
-  gateway=$!
-  ask $base
+  n=$((n + 1))
+  start_gateway "g$n" "$1" --replica "a=${SIM_URL[a]}" --replica "b=${SIM_URL[b]}"
+  gateway=${GW_PID[g$n]}; base=${GW_URL[g$n]}; admin=${GW_ADMIN[g$n]}
+  wait_replicas_up "$admin" 2 && wait_ok "$base"
 }
 
 rm -f "$out"/profile.*.fdata "$out/serve.log"
@@ -66,10 +58,10 @@ wrk.method = "POST"; wrk.body = '$body'; wrk.headers["content-type"] = "applicat
 LUA
 wrk -t2 -c32 -d10s -s "$out/post.lua" "$base/v1/chat/completions" >/dev/null
 for api in chat responses messages; do
-  $plain bench agent-loop --base-url $base --api $api --families 8 --turns 6 --context-tokens 2000 >/dev/null
+  $plain bench agent-loop --base-url "$base" --api $api --families 8 --turns 6 --context-tokens 2000 >/dev/null
 done
-$plain bench burst --base-url $base --requests 64 --prompt-tokens 2000 >/dev/null
-curl -sf -o /dev/null http://127.0.0.1:18621/metrics
+$plain bench burst --base-url "$base" --requests 64 --prompt-tokens 2000 >/dev/null
+curl -sf -o /dev/null "$admin/metrics"
 kill -INT $gateway
 wait $gateway || true # the profile is written as the process exits
 profile=$(ls "$out"/profile.*.fdata)
@@ -84,7 +76,7 @@ grep -E "functions in the binary|splitting separates" "$out/optimize.log"
 # replicas used; errors and failover as below.
 gateway "$out/prefixgate.new"
 for api in chat responses messages; do
-  $plain bench agent-loop --base-url $base --api $api --families 4 --turns 4 --context-tokens 2000 --json |
+  $plain bench agent-loop --base-url "$base" --api $api --families 4 --turns 4 --context-tokens 2000 --json |
     python3 -c '
 import json, sys
 s = json.load(sys.stdin)["summary"]

@@ -22,9 +22,10 @@ mkdir -p "$OUT"
 cargo build --profile profiling -q --bin prefixgate --example bare_proxy
 bin=$PWD/target/profiling/prefixgate
 bare=$PWD/target/profiling/examples/bare_proxy
-trap 'kill $(jobs -p) 2>/dev/null' EXIT
-$bin sim-replica --port 18401 --time-scale 0 >/dev/null 2>&1 &
-$bin sim-replica --port 18402 --time-scale 0 >/dev/null 2>&1 &
+source bench/lib.sh
+bench_init
+start_sim a --time-scale 0
+start_sim b --time-scale 0
 
 # requests PORT COUNT: COUNT POSTs over 4 keep-alive connections, each a 200.
 requests() {
@@ -42,10 +43,10 @@ for i in range(n):
 PY
 }
 
-# count NAME COUNT COMMAND...: instructions while COUNT requests are served.
+# count NAME COUNT PORT COMMAND...: instructions while COUNT requests are served on PORT.
 count() {
-  local name=$1 n=$2; shift 2
-  local port=18411 out="$OUT/$name.$n.callgrind"
+  local name=$1 n=$2 port=$3; shift 3
+  local out="$OUT/$name.$n.callgrind"
   valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$out" "$@" >"$OUT/$name.$n.log" 2>&1 &
   local pid=$!
   for _ in $(seq 1 120); do
@@ -63,13 +64,15 @@ count() {
   awk '/^totals:/ {print $2}' "$out"
 }
 
-replicas="--replica a=http://127.0.0.1:18401 --replica b=http://127.0.0.1:18402"
+replicas="--replica a=${SIM_URL[a]} --replica b=${SIM_URL[b]}"
 declare -A per
 for target in prefixgate floor; do
-  if [ $target = prefixgate ]; then cmd=($bin serve --listen 127.0.0.1:18411 --admin-listen 127.0.0.1:18421 $replicas)
-  else cmd=($bare 127.0.0.1:18411 http://127.0.0.1:18401 http://127.0.0.1:18402); fi
-  small=$(count $target "$N" "${cmd[@]}")
-  large=$(count $target $((3 * N)) "${cmd[@]}")
+  # Under valgrind a process is too slow to print its port in time: it is given a free one.
+  port=$(free_port)
+  if [ $target = prefixgate ]; then cmd=($bin serve --listen "127.0.0.1:$port" --admin-listen "127.0.0.1:$(free_port)" $replicas)
+  else cmd=($bare "127.0.0.1:$port" "${SIM_URL[a]}" "${SIM_URL[b]}"); fi
+  small=$(count $target "$N" "$port" "${cmd[@]}")
+  large=$(count $target $((3 * N)) "$port" "${cmd[@]}")
   per[$target]=$(( (large - small) / (2 * N) ))
 done
 echo "| target | instructions per request | vs floor |"

@@ -20,9 +20,11 @@ FLUSH_MS=${FLUSH_MS:-200}
 cargo build --release -q
 bin=$PWD/target/release/prefixgate
 gateway=${GATEWAY:-$bin}
-tmp=$(mktemp -d); trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$tmp"' EXIT
-$bin sim-replica --port 18801 --time-scale "$TIME_SCALE" >/dev/null 2>&1 &
-$bin sim-replica --port 18802 --time-scale "$TIME_SCALE" >/dev/null 2>&1 &
+source bench/lib.sh
+bench_init
+tmp=$BENCH_TMP
+start_sim a --time-scale "$TIME_SCALE"
+start_sim b --time-scale "$TIME_SCALE"
 
 # p50 and p99 of the propagation histogram summed over the instances' scrapes,
 # and how stored response ids unknown where they arrived were found.
@@ -54,16 +56,12 @@ for n in $COUNTS; do
   until redis-cli -s "$tmp/r$n.sock" ping >/dev/null 2>&1; do sleep 0.1; done
   urls=(); admins=()
   for i in $(seq 1 "$n"); do
-    port=$((18810 + 10 * n + i))
     PREFIXGATE_STORE_INSTANCE="gw$i" PREFIXGATE_PINS_FLUSH_INTERVAL_MS=$FLUSH_MS \
-      $gateway serve --store "redis+unix://$tmp/r$n.sock" \
-      --listen "127.0.0.1:$port" --admin-listen "127.0.0.1:$((port + 100))" \
-      --replica a=http://127.0.0.1:18801 --replica b=http://127.0.0.1:18802 >/dev/null 2>&1 &
-    urls+=("http://127.0.0.1:$port"); admins+=("http://127.0.0.1:$((port + 100))")
+      start_gateway "n$n-gw$i" "$gateway" --store "redis+unix://$tmp/r$n.sock" \
+      --replica "a=${SIM_URL[a]}" --replica "b=${SIM_URL[b]}"
+    urls+=("${GW_URL[n$n-gw$i]}"); admins+=("${GW_ADMIN[n$n-gw$i]}")
   done
-  for admin in "${admins[@]}"; do
-    until [ "$(curl -s "$admin/admin/v1/replicas" | grep -o '"health":"up"' | wc -l)" = 2 ]; do sleep 0.3; done
-  done
+  for admin in "${admins[@]}"; do wait_replicas_up "$admin" 2; done
   for api in $APIS; do
     echo "=== $n instance(s), $api, pause ${PAUSE_MS} ms"
     $bin bench agent-loop --base-url "$(IFS=,; echo "${urls[*]}")" --label "$n-instances-$api" --api "$api" \
@@ -71,5 +69,5 @@ for n in $COUNTS; do
       --pause-ms "$PAUSE_MS" | grep -E "requests:|warm turns|warm |cold |by route|warning"
   done
   percentiles "${admins[@]/%//metrics}"
-  pkill -f "redis\+unix://$tmp/r$n.sock" || true
+  for i in $(seq 1 "$n"); do kill "${GW_PID[n$n-gw$i]}"; done
 done

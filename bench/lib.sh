@@ -4,7 +4,7 @@
 # leftover process) never collide, and nothing is measured before it is up.
 #
 #   bench_init                      temp dir ($BENCH_TMP), everything started is stopped on exit
-#   start_sim NAME [sim args...]    a simulated replica; its URL in SIM_URL[NAME]
+#   start_sim NAME [sim args...]    a simulated replica (`$SIM_BIN`, else `$bin`); SIM_URL[NAME], SIM_PID[NAME]
 #   start_gateway NAME BIN [args]   `BIN serve` on free ports; GW_URL[NAME], GW_ADMIN[NAME], GW_PID[NAME]
 #   wait_replicas_up ADMIN N        until N replicas report health "up" on that admin API
 #   wait_ok URL                     until a small chat completion through URL answers 200
@@ -14,7 +14,7 @@
 #
 # Needs: curl, python3 (free_port), wrk for run_wrk.
 
-declare -A SIM_URL GW_URL GW_ADMIN GW_PID
+declare -A SIM_URL SIM_PID GW_URL GW_ADMIN GW_PID
 CHAT_BODY='{"model":"sim-model","max_tokens":4,"messages":[{"role":"user","content":"overhead probe"}]}'
 
 bench_init() {
@@ -41,6 +41,7 @@ _listening_line() {
 start_sim() {
   local name=$1; shift
   "${SIM_BIN:-$bin}" sim-replica --port 0 "$@" >"$BENCH_TMP/sim-$name.out" 2>/dev/null &
+  SIM_PID[$name]=$!
   local line
   line=$(_listening_line "$BENCH_TMP/sim-$name.out" "sim-replica listening") || exit 1
   SIM_URL[$name]=${line##*url=}

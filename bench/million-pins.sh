@@ -9,21 +9,23 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-10}; rounds=${2:-3}; pins=${PINS:-1000000}
 cargo build --release -q --bin prefixgate --example seed_pins
-after=target/release/prefixgate; after_seed=target/release/examples/seed_pins
+after=$PWD/target/release/prefixgate; after_seed=$PWD/target/release/examples/seed_pins
 before=${BEFORE:?set BEFORE to the old binary}; before_seed=${BEFORE_SEED:-$(dirname "$before")/examples/seed_pins}
-tmp=$(mktemp -d); trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$tmp"' EXIT
-urls="http://127.0.0.1:18301 http://127.0.0.1:18302"
+source bench/lib.sh
+bench_init
+tmp=$BENCH_TMP
+SIM_BIN=$after start_sim a --time-scale 0
+SIM_BIN=$after start_sim b --time-scale 0
+urls="${SIM_URL[a]} ${SIM_URL[b]}"
 $before_seed "$tmp/before" "$pins" $urls >/dev/null
 $after_seed "$tmp/after" "$pins" $urls >/dev/null
-$after sim-replica --port 18301 --time-scale 0 >/dev/null 2>&1 &
-$after sim-replica --port 18302 --time-scale 0 >/dev/null 2>&1 &
-reps="--replica a=http://127.0.0.1:18301 --replica b=http://127.0.0.1:18302"
-PREFIXGATE_HEALTH_INTERVAL_MS=1000 $before serve --listen 127.0.0.1:18311 --admin-listen 127.0.0.1:18321 --data-dir "$tmp/before" $reps >/dev/null 2>&1 &
-bpid=$!
-PREFIXGATE_HEALTH_INTERVAL_MS=1000 $after serve --listen 127.0.0.1:18312 --admin-listen 127.0.0.1:18322 --data-dir "$tmp/after" $reps >/dev/null 2>&1 &
-apid=$!
-for port in 18321 18322; do
-  until curl -sf "http://127.0.0.1:$port/metrics" | grep -q '^prefixgate_pins{replica="a"} [1-9]'; do sleep 0.5; done
+reps="--replica a=${SIM_URL[a]} --replica b=${SIM_URL[b]}"
+PREFIXGATE_HEALTH_INTERVAL_MS=1000 start_gateway before "$before" --data-dir "$tmp/before" $reps
+PREFIXGATE_HEALTH_INTERVAL_MS=1000 start_gateway after "$after" --data-dir "$tmp/after" $reps
+bpid=${GW_PID[before]}; apid=${GW_PID[after]}
+for gw in before after; do
+  wait_replicas_up "${GW_ADMIN[$gw]}" 2
+  until curl -sf "${GW_ADMIN[$gw]}/metrics" | grep -q '^prefixgate_pins{replica="a"} [1-9]'; do sleep 0.5; done
 done
 cat > "$tmp/post.lua" <<'LUA'
 local threads = 0
@@ -36,10 +38,9 @@ request = function()
 end
 LUA
 for r in $(seq 1 "$rounds"); do
-  for target in "before 18311" "after 18312"; do
-    set -- $target
-    out=$(wrk -t2 -c32 -d"${secs}s" --latency -s "$tmp/post.lua" "http://127.0.0.1:$2")
-    echo "round $r $1 $(echo "$out" | awk '/Requests\/sec/ {print $2}') req/s p50 $(echo "$out" | awk '$1=="50%" {print $2}') p99 $(echo "$out" | awk '$1=="99%" {print $2}')"
+  for gw in before after; do
+    out=$(wrk -t2 -c32 -d"${secs}s" --latency -s "$tmp/post.lua" "${GW_URL[$gw]}")
+    echo "round $r $gw $(echo "$out" | awk '/Requests\/sec/ {print $2}') req/s p50 $(echo "$out" | awk '$1=="50%" {print $2}') p99 $(echo "$out" | awk '$1=="99%" {print $2}')"
   done
 done
 echo "RSS after the rounds: before $(ps -o rss= -p $bpid) KiB, after $(ps -o rss= -p $apid) KiB"

@@ -19,44 +19,62 @@ venv=${VENV:-$PWD/target/routers-venv}
 if [ ! -x "$venv/bin/smg" ] || [ ! -x "$venv/bin/vllm-router" ]; then
   python3 -m venv "$venv" && "$venv/bin/pip" install -q smg vllm-router >&2 || echo "router install failed" >&2
 fi
-tmp=$(mktemp -d); trap 'kill $(jobs -p) 2>/dev/null; nginx -c "$tmp/nginx.conf" -s stop 2>/dev/null; rm -rf "$tmp"' EXIT
+source bench/lib.sh
+bench_init
+trap 'kill $(jobs -p) 2>/dev/null; nginx -c "$BENCH_TMP/nginx.conf" -s stop 2>/dev/null; wait 2>/dev/null; rm -rf "$BENCH_TMP"' EXIT
+tmp=$BENCH_TMP
 log() { echo "$*" >&2; }
 
-$bin sim-replica --port 18401 --time-scale 0 >/dev/null 2>&1 &
-$bin sim-replica --port 18402 --time-scale 0 >/dev/null 2>&1 &
-python3 bench/echo_backend.py 18431 >/dev/null 2>&1 &
-W="http://127.0.0.1:18401 http://127.0.0.1:18402"
-E="http://127.0.0.1:18431"
+start_sim a --time-scale 0
+start_sim b --time-scale 0
+echo_port=$(free_port)
+python3 bench/echo_backend.py "$echo_port" >/dev/null 2>&1 &
+W="${SIM_URL[a]} ${SIM_URL[b]}"
+E="http://127.0.0.1:$echo_port"
 
-declare -A PID PORT
+declare -A PID URL
+URL[direct]=${SIM_URL[a]}
 start() { # name port command...
   local name=$1 port=$2; shift 2
   "$@" >"$tmp/$name.log" 2>&1 &
-  PID[$name]=$!; PORT[$name]=$port
+  PID[$name]=$!; URL[$name]=http://127.0.0.1:$port
 }
-start prefixgate-shape 18411 $bin serve --listen 127.0.0.1:18411 --admin-listen 127.0.0.1:18421 --policy shape --replica a=http://127.0.0.1:18401 --replica b=http://127.0.0.1:18402
-start prefixgate-roundrobin 18412 $bin serve --listen 127.0.0.1:18412 --admin-listen 127.0.0.1:18422 --policy roundrobin --replica a=http://127.0.0.1:18401 --replica b=http://127.0.0.1:18402
-nginx_conf "$tmp" 18413 '
-  upstream echo { server 127.0.0.1:18431; keepalive 8; }
-  server { listen 127.0.0.1:18443; location / { proxy_pass http://echo; proxy_http_version 1.1; proxy_set_header Connection ""; } }'
-start nginx 18413 nginx -c "$tmp/nginx.conf"
-if [ -x "$venv/bin/smg" ]; then
-  start smg-round_robin 18414 "$venv/bin/smg" launch --host 127.0.0.1 --port 18414 --prometheus-port 18614 --policy round_robin --worker-urls $W
-  start smg-cache_aware 18415 "$venv/bin/smg" launch --host 127.0.0.1 --port 18415 --prometheus-port 18615 --policy cache_aware --worker-urls $W
-fi
-if [ -x "$venv/bin/vllm-router" ]; then
-  start vllm-router-round_robin 18416 "$venv/bin/vllm-router" --host 127.0.0.1 --port 18416 --prometheus-port 18616 --policy round_robin --worker-urls $W
-  start vllm-router-cache_aware 18417 "$venv/bin/vllm-router" --host 127.0.0.1 --port 18417 --prometheus-port 18617 --policy cache_aware --worker-urls $W
-fi
-# The same routers in front of the echo backend, for the body check.
-start echo-prefixgate 18441 $bin serve --listen 127.0.0.1:18441 --admin-listen 127.0.0.1:18451 --replica e=$E
-[ -x "$venv/bin/smg" ] && start echo-smg 18444 "$venv/bin/smg" launch --host 127.0.0.1 --port 18444 --prometheus-port 18644 --policy round_robin --worker-urls $E
-[ -x "$venv/bin/vllm-router" ] && start echo-vllm-router 18446 "$venv/bin/vllm-router" --host 127.0.0.1 --port 18446 --prometheus-port 18646 --policy round_robin --worker-urls $E
+gateway() { # name args...
+  local name=$1; shift
+  start_gateway "$name" "$bin" "$@"
+  PID[$name]=${GW_PID[$name]}; URL[$name]=${GW_URL[$name]}
+}
+reps="--replica a=${SIM_URL[a]} --replica b=${SIM_URL[b]}"
+gateway prefixgate-shape --policy shape $reps
+gateway prefixgate-roundrobin --policy roundrobin $reps
+nginx_port=$(free_port); nginx_echo_port=$(free_port)
+nginx_conf "$tmp" "$nginx_port" "${SIM_URL[a]#http://} ${SIM_URL[b]#http://}" "
+  upstream echo { server 127.0.0.1:$echo_port; keepalive 8; }
+  server { listen 127.0.0.1:$nginx_echo_port; location / { proxy_pass http://echo; proxy_http_version 1.1; proxy_set_header Connection \"\"; } }"
+start nginx "$nginx_port" nginx -c "$tmp/nginx.conf"
+URL[echo-nginx]=http://127.0.0.1:$nginx_echo_port
+for router in smg vllm-router; do
+  [ -x "$venv/bin/$router" ] || continue
+  for policy in round_robin cache_aware; do
+    port=$(free_port)
+    if [ $router = smg ]; then cmd=("$venv/bin/smg" launch); else cmd=("$venv/bin/vllm-router"); fi
+    start "$router-$policy" "$port" "${cmd[@]}" --host 127.0.0.1 --port "$port" --prometheus-port "$(free_port)" \
+      --policy "$policy" --worker-urls $W
+  done
+  # The same router in front of the echo backend, for the body check.
+  port=$(free_port)
+  start "echo-$router" "$port" "${cmd[@]}" --host 127.0.0.1 --port "$port" --prometheus-port "$(free_port)" \
+    --policy round_robin --worker-urls $E
+done
+start_gateway echo-prefixgate "$bin" --replica "e=$E"
+URL[echo-prefixgate]=${GW_URL[echo-prefixgate]}
 
-body='{"model":"sim-model","max_tokens":4,"messages":[{"role":"user","content":"overhead probe"}]}'
-ready() { curl -sf -m 2 -o /dev/null -H 'content-type: application/json' -d "$body" "http://127.0.0.1:$1/v1/chat/completions"; }
-for p in 18401 18411 18412 18413 18414 18415 18416 18417; do
-  for _ in $(seq 1 100); do ready $p && break; sleep 0.3; done
+body=$CHAT_BODY
+ready() { curl -sf -m 2 -o /dev/null -H 'content-type: application/json' -d "$body" "$1/v1/chat/completions"; }
+for gw in prefixgate-shape prefixgate-roundrobin; do wait_replicas_up "${GW_ADMIN[$gw]}" 2; done
+for name in "${!URL[@]}"; do
+  case $name in echo-*) continue ;; esac
+  for _ in $(seq 1 100); do ready "${URL[$name]}" && break; sleep 0.3; done
 done
 
 cat > "$tmp/post.lua" <<LUA
@@ -71,7 +89,7 @@ tree_rss() { local s=0; for p in $(tree "$1"); do s=$((s + $(awk '/VmRSS/ {print
 ttfb() { # median first-byte time of a streamed response, ms
   for _ in $(seq 1 50); do
     curl -s -o /dev/null -w '%{time_starttransfer}\n' -H 'content-type: application/json' \
-      -d '{"model":"sim-model","max_tokens":4,"stream":true,"messages":[{"role":"user","content":"first byte"}]}' "http://127.0.0.1:$1/v1/chat/completions"
+      -d '{"model":"sim-model","max_tokens":4,"stream":true,"messages":[{"role":"user","content":"first byte"}]}' "$1/v1/chat/completions"
   done | sort -n | awk '{a[NR]=$1} END {printf "%.2f", a[int((NR+1)/2)]*1000}'
 }
 
@@ -80,10 +98,10 @@ echo
 echo "| target | req/s | p50 | p99 | streamed first byte p50 | CPU per request | RSS |"
 echo "|---|---|---|---|---|---|---|"
 for name in direct prefixgate-shape prefixgate-roundrobin nginx smg-round_robin smg-cache_aware vllm-router-round_robin vllm-router-cache_aware; do
-  if [ "$name" = direct ]; then port=18401; pid=""; else port=${PORT[$name]:-}; pid=${PID[$name]:-}; fi
-  if [ -z "$port" ] || ! ready "$port"; then echo "| $name | did not start | | | | | |"; log "$name did not start: $(tail -n 3 "$tmp/$name.log" 2>/dev/null)"; continue; fi
+  url=${URL[$name]:-}; pid=${PID[$name]:-}
+  if [ -z "$url" ] || ! ready "$url"; then echo "| $name | did not start | | | | | |"; log "$name did not start: $(tail -n 3 "$tmp/$name.log" 2>/dev/null)"; continue; fi
   c0=$([ -n "$pid" ] && tree_cpu "$pid" || echo 0)
-  out=$(wrk -t2 -c"$CONC" -d"${SECS}s" --latency -s "$tmp/post.lua" "http://127.0.0.1:$port/v1/chat/completions")
+  out=$(wrk -t2 -c"$CONC" -d"${SECS}s" --latency -s "$tmp/post.lua" "$url/v1/chat/completions")
   c1=$([ -n "$pid" ] && tree_cpu "$pid" || echo 0)
   rps=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
   reqs=$(echo "$out" | awk '/requests in/ {print $1}')
@@ -91,7 +109,7 @@ for name in direct prefixgate-shape prefixgate-roundrobin nginx smg-round_robin 
   non2xx=$(echo "$out" | awk '/Non-2xx/ {print $NF}')
   cpu_us=$([ -n "$pid" ] && awk -v d=$((c1 - c0)) -v t="$ticks" -v n="$reqs" 'BEGIN {printf "%.0f us", d / t * 1e6 / n}' || echo "-")
   rss=$([ -n "$pid" ] && awk -v k="$(tree_rss "$pid")" 'BEGIN {printf "%.0f MiB", k / 1024}' || echo "-")
-  echo "| $name | $rps${non2xx:+ ($non2xx non-2xx)} | $p50 | $p99 | $(ttfb "$port") ms | $cpu_us | $rss |"
+  echo "| $name | $rps${non2xx:+ ($non2xx non-2xx)} | $p50 | $p99 | $(ttfb "$url") ms | $cpu_us | $rss |"
 done
 
 echo
@@ -100,12 +118,13 @@ echo
 echo "| router | body forwarded unchanged |"
 echo "|---|---|"
 probe='{"model":"sim-model",   "max_tokens":7, "messages":[{"role":"user","content":"byte for byte?"}], "temperature":0.0}'
-for r in "prefixgate 18441" "nginx 18443" "smg 18444" "vllm-router 18446"; do
-  set -- $r
-  for _ in $(seq 1 50); do curl -sf -m 2 -o /dev/null http://127.0.0.1:$2/v1/models && break; sleep 0.3; done
-  if ! curl -sf -m 10 -o /dev/null -H 'content-type: application/json' -d "$probe" "http://127.0.0.1:$2/v1/chat/completions"; then
+for r in prefixgate nginx smg vllm-router; do
+  set -- "$r" "${URL[echo-$r]:-}"
+  [ -n "$2" ] || { echo "| $1 | not installed |"; continue; }
+  for _ in $(seq 1 50); do curl -sf -m 2 -o /dev/null "$2/v1/models" && break; sleep 0.3; done
+  if ! curl -sf -m 10 -o /dev/null -H 'content-type: application/json' -d "$probe" "$2/v1/chat/completions"; then
     echo "| $1 | request failed |"; continue
   fi
-  got=$(curl -sf http://127.0.0.1:18431/last | python3 -c 'import sys, json, base64; print(base64.b64decode(json.load(sys.stdin)["body_b64"]).decode())')
+  got=$(curl -sf "$E/last" | python3 -c 'import sys, json, base64; print(base64.b64decode(json.load(sys.stdin)["body_b64"]).decode())')
   if [ "$got" = "$probe" ]; then echo "| $1 | yes |"; else echo "| $1 | no: received \`$got\` |"; fi
 done

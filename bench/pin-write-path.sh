@@ -9,17 +9,19 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-10}; rounds=${2:-3}
 cargo build --release -q
-bin=target/release/prefixgate
-tmp=$(mktemp -d); trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$tmp"' EXIT
-$bin sim-replica --port 18101 --time-scale 0 >/dev/null 2>&1 &
-$bin sim-replica --port 18102 --time-scale 0 >/dev/null 2>&1 &
-reps="--replica a=http://127.0.0.1:18101 --replica b=http://127.0.0.1:18102"
-$bin serve --listen 127.0.0.1:18111 --admin-listen 127.0.0.1:18121 --data-dir "$tmp/db" $reps >/dev/null 2>&1 &
-$bin serve --listen 127.0.0.1:18112 --admin-listen 127.0.0.1:18122 $reps >/dev/null 2>&1 &
+bin=$PWD/target/release/prefixgate
+source bench/lib.sh
+bench_init
+tmp=$BENCH_TMP
+start_sim a --time-scale 0
+start_sim b --time-scale 0
+reps="--replica a=${SIM_URL[a]} --replica b=${SIM_URL[b]}"
+start_gateway sled "$bin" --data-dir "$tmp/db" $reps
+start_gateway memory "$bin" $reps
 redis-server --port 0 --unixsocket "$tmp/redis.sock" --save "" --appendonly no >/dev/null 2>&1 &
 until redis-cli -s "$tmp/redis.sock" ping >/dev/null 2>&1; do sleep 0.1; done
-$bin serve --listen 127.0.0.1:18113 --admin-listen 127.0.0.1:18123 --store "redis+unix://$tmp/redis.sock" $reps >/dev/null 2>&1 &
-sleep 2
+start_gateway redis "$bin" --store "redis+unix://$tmp/redis.sock" $reps
+for gw in sled memory redis; do wait_replicas_up "${GW_ADMIN[$gw]}" 2; done
 cat > "$tmp/post.lua" <<'LUA'
 -- Each wrk thread gets its own id, so no two requests share a prompt.
 local threads = 0
@@ -32,10 +34,9 @@ request = function()
 end
 LUA
 for r in $(seq 1 "$rounds"); do
-  for target in "sled 18111" "redis 18113" "memory 18112"; do
-    set -- $target
-    rps=$(wrk -t2 -c32 -d"${secs}s" -s "$tmp/post.lua" "http://127.0.0.1:$2" | awk '/Requests\/sec/ {print $2}')
-    echo "round $r $1 $rps req/s"
+  for gw in sled redis memory; do
+    rps=$(wrk -t2 -c32 -d"${secs}s" -s "$tmp/post.lua" "${GW_URL[$gw]}" | awk '/Requests\/sec/ {print $2}')
+    echo "round $r $gw $rps req/s"
   done
 done
-echo "pins persisted: sled $(curl -s 'http://127.0.0.1:18121/admin/v1/pins?limit=1' | grep -o '"total":[0-9]*'), redis $(redis-cli -s "$tmp/redis.sock" hlen prefixgate:pins)"
+echo "pins persisted: sled $(curl -s "${GW_ADMIN[sled]}/admin/v1/pins?limit=1" | grep -o '"total":[0-9]*'), redis $(redis-cli -s "$tmp/redis.sock" hlen prefixgate:pins)"

@@ -9,24 +9,20 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SCALE=${SCALE:-0.05}
 cargo build --release -q
-bin=target/release/prefixgate
+bin=$PWD/target/release/prefixgate
 out=target/bench; mkdir -p "$out"
-trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
-$bin sim-replica --port 18201 --kv-tokens 122636 --time-scale "$SCALE" >/dev/null 2>&1 &
-$bin sim-replica --port 18202 --kv-tokens 122636 --time-scale "$SCALE" >/dev/null 2>&1 &
-$bin serve --listen 127.0.0.1:18210 --admin-listen 127.0.0.1:18220 \
-  --replica a=http://127.0.0.1:18201 --replica b=http://127.0.0.1:18202 >/dev/null 2>&1 &
-admin=http://127.0.0.1:18220/admin/v1
-# Both replicas must be up before measuring (a replica probed before it
-# listened is down until it passes health checks again).
-for _ in $(seq 1 150); do
-  [ "$(curl -sf "$admin/replicas" 2>/dev/null | grep -o '"health":"up"' | wc -l)" = 2 ] && break
-  sleep 0.2
-done
+source bench/lib.sh
+bench_init
+start_sim a --kv-tokens 122636 --time-scale "$SCALE"
+start_sim b --kv-tokens 122636 --time-scale "$SCALE"
+start_gateway repro "$bin" --replica "a=${SIM_URL[a]}" --replica "b=${SIM_URL[b]}"
+# Both replicas must be up before measuring.
+wait_replicas_up "${GW_ADMIN[repro]}" 2
+admin=${GW_ADMIN[repro]}/admin/v1
 policy() { curl -sf -XPUT "$admin/policy" -H 'content-type: application/json' \
   -d "{\"mode\":\"$1\",\"identity\":{\"block_bytes\":1024,\"block_tokens\":256}}" >/dev/null; }
 limit() { for r in a b; do curl -sf -XPATCH "$admin/replicas/$r" -H 'content-type: application/json' -d "$1" >/dev/null; done; }
-run() { echo "+ prefixgate bench $*" >&2; $bin bench "$@" --base-url http://127.0.0.1:18210 --json; }
+run() { echo "+ prefixgate bench $*" >&2; $bin bench "$@" --base-url "${GW_URL[repro]}" --json; }
 
 for mode in roundrobin affinity shape; do
   policy "$mode"

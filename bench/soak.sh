@@ -14,15 +14,15 @@ persist=()
 if [ -n "$DATA_DIR" ]; then rm -rf "$DATA_DIR"; persist=(--data-dir "$DATA_DIR"); fi
 ulimit -n 65536 2>/dev/null || true
 cargo build --release -q || exit 1
-bin=target/release/prefixgate
-trap 'kill $(jobs -p) 2>/dev/null' EXIT
+bin=$PWD/target/release/prefixgate
+source bench/lib.sh
+bench_init
 # 20 tokens at 10 tok/s: every stream lasts ~2 s, so CONC streams are open at once.
-$bin sim-replica --port 18501 --decode-tps 10 >/dev/null 2>&1 &
-$bin sim-replica --port 18502 --decode-tps 10 >/dev/null 2>&1 &
-$bin serve --listen 127.0.0.1:18510 --admin-listen 127.0.0.1:18520 \
-  --replica a=http://127.0.0.1:18501 --replica b=http://127.0.0.1:18502 "${persist[@]}" >/dev/null 2>&1 &
-gw=$!
-sleep 2
+start_sim a --decode-tps 10
+start_sim b --decode-tps 10
+start_gateway soak "$bin" --replica "a=${SIM_URL[a]}" --replica "b=${SIM_URL[b]}" "${persist[@]}"
+gw=${GW_PID[soak]}; base=${GW_URL[soak]}; admin=${GW_ADMIN[soak]}
+wait_replicas_up "$admin" 2 || exit 1
 lua=$(mktemp)
 cat > "$lua" <<'LUA'
 local threads = 0
@@ -34,13 +34,17 @@ request = function()
   return wrk.format("POST", "/v1/chat/completions", {["content-type"] = "application/json"}, body)
 end
 LUA
-sample() { echo "$(date +%s) rss_kib=$(awk '/VmRSS/ {print $2}' /proc/$gw/status) fds=$(ls /proc/$gw/fd | wc -l) inflight=$(curl -s 127.0.0.1:18520/metrics | awk '/^prefixgate_inflight_requests/ {s+=$2} END {print s}')"; }
+sample() { echo "$(date +%s) rss_kib=$(awk '/VmRSS/ {print $2}' /proc/$gw/status) fds=$(ls /proc/$gw/fd | wc -l) inflight=$(curl -s "$admin/metrics" | awk '/^prefixgate_inflight_requests/ {s+=$2} END {print s}')"; }
 echo "before: $(sample)"
 ( while kill -0 $gw 2>/dev/null; do sleep 5; echo "during: $(sample)"; done ) &
-wrk -t2 -c"$CONC" -d"${DURATION}s" --timeout 30s --latency -s "$lua" http://127.0.0.1:18510
-sleep 3
+wrk -t2 -c"$CONC" -d"${DURATION}s" --timeout 30s --latency -s "$lua" "$base"
+# Streams still closing: wait until nothing is in flight (60 s at most).
+for _ in $(seq 1 300); do
+  [ "$(curl -s "$admin/metrics" | awk '/^prefixgate_inflight_requests/ {s+=$2} END {print s+0}')" = 0 ] && break
+  sleep 0.2
+done
 echo "after: $(sample)"
-curl -s 127.0.0.1:18520/metrics | grep -E '^prefixgate_requests_total' 
+curl -s "$admin/metrics" | grep -E '^prefixgate_requests_total' 
 if [ -n "$DATA_DIR" ]; then
   kill -TERM $gw; wait $gw 2>/dev/null
   echo "persisted: $(du -sk "$DATA_DIR" | cut -f1) KiB in $DATA_DIR"
