@@ -150,35 +150,6 @@ pub struct Metrics {
     pub pins_persisted: Counter,
 }
 
-/// Every metric name as it appears in the exposition (the README lists these).
-pub const METRIC_NAMES: &[&str] = &[
-    "prefixgate_requests_total",
-    "prefixgate_upstream_ttfb_seconds",
-    "prefixgate_request_duration_seconds",
-    "prefixgate_failovers_total",
-    "prefixgate_pin_lookups_total",
-    "prefixgate_rejected_requests_total",
-    "prefixgate_prompt_tokens_total",
-    "prefixgate_cached_tokens_total",
-    "prefixgate_usage_measured_total",
-    "prefixgate_admission_waits_total",
-    "prefixgate_admission_rejections_total",
-    "prefixgate_inflight_requests",
-    "prefixgate_large_inflight_requests",
-    "prefixgate_pins",
-    "prefixgate_replica_up",
-    "prefixgate_admission_queue_depth",
-    "prefixgate_working_set_tokens",
-    "prefixgate_kv_capacity_tokens",
-    "prefixgate_bytes_per_token",
-    "prefixgate_capacity_warning",
-    "prefixgate_store_up",
-    "prefixgate_shared_announcements_total",
-    "prefixgate_shared_propagation_seconds",
-    "prefixgate_stored_response_lookups_total",
-    "prefixgate_pins_persisted_total",
-];
-
 impl Metrics {
     pub fn new() -> Metrics {
         let mut registry = Registry::default();
@@ -373,6 +344,18 @@ impl Metrics {
         self.capacity_warning
             .get_or_create(&replica_label("_aggregate"))
             .set(i64::from(report.aggregate.over_capacity));
+    }
+
+    /// Every metric's name as samples carry it (counters end in `_total`),
+    /// in registration order: read from the registry itself, so the list
+    /// the README keeps (and a test compares) is typed nowhere else.
+    pub fn exposed_names(&self) -> Vec<String> {
+        self.encode()
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter_map(|l| l.split_once(' '))
+            .map(|(name, kind)| if kind == "counter" { format!("{name}_total") } else { name.to_string() })
+            .collect()
     }
 
     pub fn encode(&self) -> String {

@@ -29,8 +29,9 @@ use std::borrow::Cow;
 use std::fmt;
 
 use serde::Deserialize;
-use serde_json::Value;
 use xxhash_rust::xxh3::Xxh3;
+
+pub(super) use super::json::{canonical, Json};
 
 /// A 128-bit key naming one prompt prefix (model included).
 pub type PrefixKey = u128;
@@ -147,7 +148,7 @@ impl Chain {
     /// salts never share cache), and a dialect's instructions, system prompt
     /// and tools (tagged values). With none of these it is exactly the
     /// original `h0 = xxh3(tag ++ field(model))`, so persisted keys hold.
-    pub(super) fn first_link(model: Option<&str>, salt: Option<&str>, extra: &[(u8, &Value, &[&str])]) -> Chain {
+    pub(super) fn first_link(model: Option<&str>, salt: Option<&str>, extra: &[(u8, &Json, &[&str])]) -> Chain {
         let mut h = Xxh3::new();
         h.update(b"prefixgate/v1\0");
         field(&mut h, b'm', model.unwrap_or("").as_bytes());
@@ -156,7 +157,7 @@ impl Chain {
         }
         for (tag, v, skip) in extra {
             h.update(&[*tag]);
-            canonical_value_skipping(&mut h, v, skip);
+            canonical(&mut h, v, skip);
         }
         Chain { prev: h.digest128(), h }
     }
@@ -183,66 +184,17 @@ pub(super) fn field(h: &mut Xxh3, tag: u8, bytes: &[u8]) {
     h.update(bytes);
 }
 
-/// Hashes a JSON value independently of formatting and key order; returns the
-/// content bytes it saw (for the token estimate).
-pub(super) fn canonical_value(h: &mut Xxh3, v: &Value) -> usize {
-    canonical_value_skipping(h, v, &[])
-}
-
-/// `canonical_value`, ignoring object keys in `skip` at every depth: fields a
-/// client changes between turns without changing the prompt (Anthropic's
-/// `cache_control` markers move to the newest message each turn; Responses
-/// items carry server ids some clients strip when they send them back).
-pub(super) fn canonical_value_skipping(h: &mut Xxh3, v: &Value, skip: &[&str]) -> usize {
-    match v {
-        Value::Null => {
-            h.update(b"N");
-            0
-        }
-        Value::Bool(b) => {
-            h.update(if *b { b"T" } else { b"F" });
-            1
-        }
-        Value::Number(n) => {
-            let s = n.to_string();
-            field(h, b'#', s.as_bytes());
-            s.len()
-        }
-        Value::String(s) => {
-            field(h, b's', s.as_bytes());
-            s.len()
-        }
-        Value::Array(items) => {
-            h.update(b"[");
-            h.update(&(items.len() as u64).to_le_bytes());
-            items.iter().map(|i| canonical_value_skipping(h, i, skip)).sum()
-        }
-        Value::Object(map) => {
-            let mut keys: Vec<&String> = map.keys().filter(|k| !skip.contains(&k.as_str())).collect();
-            keys.sort_unstable();
-            h.update(b"{");
-            h.update(&(keys.len() as u64).to_le_bytes());
-            let mut n = 0;
-            for k in keys {
-                field(h, b'k', k.as_bytes());
-                n += canonical_value_skipping(h, &map[k], skip);
-            }
-            n
-        }
-    }
-}
-
 /// Hashes one message-like unit: role, then content (a string is the same
 /// content as one text part would be for the engine, but clients resend
 /// what they sent, so the two forms are kept apart rather than guessed at).
 /// Returns the unit's content bytes; `chain.close()` then gives its key.
-pub(super) fn message_unit(chain: &mut Chain, role: &str, content: Option<&Value>, skip: &[&str]) -> usize {
+pub(super) fn message_unit(chain: &mut Chain, role: &str, content: Option<&Json>, skip: &[&str]) -> usize {
     let h = chain.unit();
     field(h, b'r', role.as_bytes());
     let mut bytes = role.len();
     if let Some(c) = content {
         h.update(b"c");
-        bytes += canonical_value_skipping(h, c, skip);
+        bytes += canonical(h, c, skip);
     }
     bytes
 }
@@ -270,9 +222,9 @@ pub(super) fn shape(
 
 /// The tagged first-link values a request carries (absent ones are left out,
 /// so a request without them keeps the plain first link).
-pub(super) fn present<'v>(
-    fields: &[(u8, &'v Option<Value>)],
+pub(super) fn present<'v, 'a>(
+    fields: &[(u8, &'v Option<Json<'a>>)],
     skip: &'static [&'static str],
-) -> Vec<(u8, &'v Value, &'static [&'static str])> {
+) -> Vec<(u8, &'v Json<'a>, &'static [&'static str])> {
     fields.iter().filter_map(|(tag, v)| v.as_ref().map(|v| (*tag, v, skip))).collect()
 }

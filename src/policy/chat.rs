@@ -5,7 +5,6 @@ use std::fmt;
 
 use serde::de::{self, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
-use serde_json::Value;
 
 use super::chain::*;
 
@@ -29,17 +28,17 @@ struct Message<'a> {
     name: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
     content: Option<Content<'a>>,
-    #[serde(default)]
-    tool_calls: Option<Value>,
+    #[serde(borrow, default)]
+    tool_calls: Option<Json<'a>>,
     #[serde(borrow, default)]
     tool_call_id: Option<Cow<'a, str>>,
 }
 
 /// Message content: plain text (borrowed when it has no escapes) or anything
-/// else (parts), kept as a JSON value. One pass over the body either way.
+/// else (parts), kept as a borrowed JSON value. One pass over the body either way.
 enum Content<'a> {
     Text(Cow<'a, str>),
-    Structured(Value),
+    Structured(Json<'a>),
 }
 
 impl<'de: 'a, 'a> Deserialize<'de> for Content<'a> {
@@ -60,10 +59,10 @@ impl<'de: 'a, 'a> Deserialize<'de> for Content<'a> {
                 Ok(Content::Text(Cow::Owned(v)))
             }
             fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
-                Value::deserialize(de::value::SeqAccessDeserializer::new(seq)).map(Content::Structured)
+                Json::deserialize(de::value::SeqAccessDeserializer::new(seq)).map(Content::Structured)
             }
             fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
-                Value::deserialize(de::value::MapAccessDeserializer::new(map)).map(Content::Structured)
+                Json::deserialize(de::value::MapAccessDeserializer::new(map)).map(Content::Structured)
             }
         }
         d.deserialize_any(V(std::marker::PhantomData))
@@ -91,13 +90,13 @@ pub(super) fn extract_chat(body: &[u8]) -> Result<RequestShape, ShapeError> {
             }
             Some(Content::Structured(v)) => {
                 h.update(b"p");
-                bytes += canonical_value(h, v);
+                bytes += canonical(h, v, &[]);
             }
             None => {}
         }
         if let Some(calls) = &m.tool_calls {
             h.update(b"t");
-            bytes += canonical_value(h, calls);
+            bytes += canonical(h, calls, &[]);
         }
         if let Some(id) = &m.tool_call_id {
             field(h, b'i', id.as_bytes());

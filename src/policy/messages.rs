@@ -9,7 +9,6 @@
 use std::borrow::Cow;
 
 use serde::Deserialize;
-use serde_json::Value;
 
 use super::chain::*;
 
@@ -19,11 +18,12 @@ const MESSAGES_SKIP: &[&str] = &["cache_control"];
 struct MessagesBody<'a> {
     #[serde(borrow, default)]
     model: Option<Cow<'a, str>>,
-    #[serde(default)]
-    system: Option<Value>,
-    #[serde(default)]
-    tools: Option<Value>,
-    messages: Vec<Value>,
+    #[serde(borrow, default)]
+    system: Option<Json<'a>>,
+    #[serde(borrow, default)]
+    tools: Option<Json<'a>>,
+    #[serde(borrow)]
+    messages: Vec<Json<'a>>,
     #[serde(borrow, default)]
     cache_salt: Option<Cow<'a, str>>,
 }
@@ -36,11 +36,11 @@ pub(super) fn extract_messages(body: &[u8]) -> Result<RequestShape, ShapeError> 
     let extra = present(&[(b's', &b.system), (b't', &b.tools)], MESSAGES_SKIP);
     let mut chain = Chain::first_link(b.model.as_deref(), b.cache_salt.as_deref(), &extra);
     let mut boundaries = Vec::with_capacity(b.messages.len());
-    let mut bytes = b.system.as_ref().and_then(Value::as_str).map_or(0, str::len);
+    let mut bytes = b.system.as_ref().and_then(Json::as_str).map_or(0, str::len);
     for m in &b.messages {
         let role = m
             .get("role")
-            .and_then(Value::as_str)
+            .and_then(Json::as_str)
             .ok_or_else(|| ShapeError("every message needs a string 'role'".into()))?;
         bytes += message_unit(&mut chain, role, m.get("content"), MESSAGES_SKIP);
         boundaries.push(Boundary { key: chain.close(), bytes });

@@ -12,6 +12,7 @@ mod chain;
 mod chat;
 mod completions;
 pub mod identity;
+mod json;
 mod messages;
 mod responses;
 pub mod sessions;

@@ -12,7 +12,6 @@
 use std::borrow::Cow;
 
 use serde::Deserialize;
-use serde_json::Value;
 
 use super::chain::*;
 
@@ -22,12 +21,12 @@ const RESPONSES_SKIP: &[&str] = &["id", "status"];
 struct ResponsesBody<'a> {
     #[serde(borrow, default)]
     model: Option<Cow<'a, str>>,
-    #[serde(default)]
-    instructions: Option<Value>,
-    #[serde(default)]
-    tools: Option<Value>,
-    #[serde(default)]
-    input: Option<Value>,
+    #[serde(borrow, default)]
+    instructions: Option<Json<'a>>,
+    #[serde(borrow, default)]
+    tools: Option<Json<'a>>,
+    #[serde(borrow, default)]
+    input: Option<Json<'a>>,
     #[serde(borrow, default)]
     previous_response_id: Option<Cow<'a, str>>,
     #[serde(default)]
@@ -50,28 +49,27 @@ pub(super) fn extract_responses(body: &[u8]) -> Result<RequestShape, ShapeError>
     };
     match &b.input {
         // A plain string is one user message.
-        Some(Value::String(text)) => {
-            let unit = message_unit(&mut chain, "user", Some(&Value::String(text.clone())), RESPONSES_SKIP);
+        Some(text @ Json::String(_)) => {
+            let unit = message_unit(&mut chain, "user", Some(text), RESPONSES_SKIP);
             push(&mut chain, unit);
         }
-        Some(Value::Array(items)) => {
+        Some(Json::Array(items)) => {
             for item in items {
-                let message = item
-                    .as_object()
-                    .filter(|o| o.get("type").is_none_or(|t| t == "message"))
+                let message = Some(item)
+                    .filter(|o| o.is_object() && o.get("type").is_none_or(|t| t.as_str() == Some("message")))
                     .and_then(|o| Some((o.get("role")?.as_str()?, o.get("content"))));
                 let unit = match message {
                     Some((role, content)) => message_unit(&mut chain, role, content, RESPONSES_SKIP),
                     None => {
                         let h = chain.unit();
                         h.update(b"j");
-                        canonical_value_skipping(h, item, RESPONSES_SKIP)
+                        canonical(h, item, RESPONSES_SKIP)
                     }
                 };
                 push(&mut chain, unit);
             }
         }
-        None | Some(Value::Null) => {}
+        None | Some(Json::Null) => {}
         Some(_) => return Err(ShapeError("'input' must be a string or an array of input items".into())),
     }
     if b.previous_response_id.is_some() {
@@ -82,7 +80,7 @@ pub(super) fn extract_responses(body: &[u8]) -> Result<RequestShape, ShapeError>
         // response routes it.
         boundaries.clear();
     }
-    let instructions_bytes = b.instructions.as_ref().and_then(Value::as_str).map_or(0, str::len);
+    let instructions_bytes = b.instructions.as_ref().and_then(Json::as_str).map_or(0, str::len);
     let stores_response = b.store.unwrap_or(true);
     let shape = shape(
         Dialect::Responses,
