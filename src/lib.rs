@@ -124,24 +124,7 @@ fn spawn_background(state: &Arc<AppState>, admin_addr: SocketAddr) -> Vec<actix_
         state.fleet.clone(),
         state.health.clone(),
     ));
-    let flush_every = Duration::from_millis(state.config.pins.flush_interval_ms);
-    let flusher = actix_web::rt::spawn({
-        let state = state.clone();
-        let admin_url = Some(format!("http://{admin_addr}"));
-        async move {
-            loop {
-                tokio::time::sleep(flush_every).await;
-                // fsync (or a network round trip to a shared store) off the runtime thread.
-                let (state, admin_url) = (state.clone(), admin_url.clone());
-                let flushed = tokio::task::spawn_blocking(move || state.sync_with_store(admin_url));
-                match flushed.await {
-                    Ok(Err(e)) => tracing::error!("pin flush failed (will retry): {e}"),
-                    Err(e) => tracing::error!("pin flusher panicked: {e}"),
-                    Ok(Ok(_)) => {}
-                }
-            }
-        }
-    });
+    let flusher = actix_web::rt::spawn(flusher(state.clone(), Some(format!("http://{admin_addr}"))));
     let housekeeping = actix_web::rt::spawn({
         let (fleet, pins, capacity, calibration, events, access) = (
             state.fleet.clone(),
@@ -169,6 +152,23 @@ fn spawn_background(state: &Arc<AppState>, admin_addr: SocketAddr) -> Vec<actix_
         }
     });
     vec![health, flusher, housekeeping]
+}
+
+/// The pin and event flusher: every `pins.flush_interval_ms`, the heartbeat
+/// and one batch of pins and events, off the runtime thread (fsync, or a
+/// round trip to a shared store). Forever; a failed batch is retried at the
+/// next tick.
+pub async fn flusher(state: Arc<AppState>, admin_url: Option<String>) {
+    let every = Duration::from_millis(state.config.pins.flush_interval_ms);
+    loop {
+        tokio::time::sleep(every).await;
+        let (state, admin_url) = (state.clone(), admin_url.clone());
+        match tokio::task::spawn_blocking(move || state.sync_with_store(admin_url)).await {
+            Ok(Err(e)) => tracing::error!("pin flush failed (will retry): {e}"),
+            Err(e) => tracing::error!("pin flusher panicked: {e}"),
+            Ok(Ok(_)) => {}
+        }
+    }
 }
 
 /// The client-facing app: `/v1/*` and `/healthz`.

@@ -155,11 +155,21 @@ pub async fn run(cfg: HealthConfig, connect_timeout: Duration, fleet: Arc<Fleet>
         .connector(crate::connector::connector(connect_timeout))
         .timeout(Duration::from_millis(cfg.timeout_ms))
         .finish();
+    let interval = Duration::from_millis(cfg.interval_ms);
+    probe_every(interval, &fleet, |r| check(&tracker, &client, r)).await
+}
+
+/// The prober's schedule, apart from its I/O so that it runs on paused time
+/// in tests: every replica checked at once, then `interval`, forever.
+pub async fn probe_every<F, Fut>(interval: Duration, fleet: &Fleet, check: F)
+where
+    F: Fn(Arc<Replica>) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
     loop {
         let snapshot = fleet.snapshot_owned();
-        let probes = snapshot.iter().map(|r| check(&tracker, &client, r.clone()));
-        futures_util::future::join_all(probes).await;
-        tokio::time::sleep(Duration::from_millis(cfg.interval_ms)).await;
+        futures_util::future::join_all(snapshot.iter().map(|r| check(r.clone()))).await;
+        tokio::time::sleep(interval).await;
     }
 }
 

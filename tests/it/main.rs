@@ -12,6 +12,7 @@ mod agents;
 mod browser;
 mod capacity;
 mod contract;
+mod paused;
 mod persistence;
 mod qualitative;
 mod regressions;
