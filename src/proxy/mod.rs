@@ -32,7 +32,8 @@ use futures_util::StreamExt;
 use crate::admission::{Admitted, Permit};
 use crate::error::ApiError;
 use crate::fleet::{Replica, ReplicaSpec};
-use crate::policy::{self, sessions, Dialect, Endpoint, Mode, PrefixMatch, RouteReason};
+use crate::pins::Pin;
+use crate::policy::{self, sessions, Dialect, Endpoint, Mode, PolicySettings, PrefixMatch, RouteReason};
 use crate::state::AppState;
 use body::GuardedBody;
 use outcome::{Outcome, OutcomeRecorder, Responded, Routed};
@@ -110,22 +111,36 @@ fn stored_response_in_path(path: &str) -> Option<&str> {
     (!id.is_empty()).then_some(id)
 }
 
-async fn forward_request(
+/// What a request is, looked up once before any attempt: its shape and
+/// every pin that names a home for it.
+struct Lookup {
+    shape: policy::RequestShape,
+    session: Option<sessions::SessionKey>,
+    /// Counts against `max_large_inflight`.
+    large: bool,
+    /// The longest pinned prefix of the request.
+    pinned: Option<(PrefixMatch, Pin)>,
+    /// Where the request's session key points.
+    named: Option<Arc<str>>,
+    /// A stored response the request names, and the replica holding it.
+    stored: Option<(String, Arc<str>)>,
+}
+
+async fn look_up(
     req: &HttpRequest,
     endpoint: Endpoint,
-    payload: web::Payload,
+    body: &[u8],
     state: &AppState,
-    upstream: web::Data<Upstream>,
-    recorder: web::Data<OutcomeRecorder>,
-) -> Result<HttpResponse, ApiError> {
+    upstream: &Upstream,
+    recorder: &OutcomeRecorder,
+    settings: &PolicySettings,
+) -> Result<Lookup, ApiError> {
     let config = &state.config;
-    let body = read_body(payload, config.limits.max_body_bytes).await?;
-    let settings = state.policy.get();
     let bad_request = |e: policy::ShapeError| {
         recorder.rejected("bad_request");
         ApiError::BadRequest(e.0)
     };
-    let mut shape = policy::identity::extract(endpoint, &body, settings.identity).map_err(bad_request)?;
+    let mut shape = policy::identity::extract(endpoint, body, settings.identity).map_err(bad_request)?;
     let stored_in_path = stored_response_in_path(req.path());
     // Responses from other paths (GET /v1/responses/{id}, ...) still speak their API.
     if stored_in_path.is_some() {
@@ -149,6 +164,9 @@ async fn forward_request(
     } else {
         None
     };
+    if settings.mode == Mode::Shape && shape.multi_unit {
+        recorder.pin_lookup(pinned.is_some());
+    }
     let named = session.and_then(|s| state.pins.replica_of(s.key));
     // A stored response unknown here is looked for (`locate.rs`); one
     // nobody holds is forwarded like anything else, and the engine that does
@@ -156,51 +174,97 @@ async fn forward_request(
     let stored_id = shape.previous_response.as_deref().or(stored_in_path);
     let stored = match stored_id {
         Some(id) => match state.pins.replica_of(sessions::response_key(id)) {
-            Some(home) => Some((id, home)),
-            None => locate::stored_response(state, &upstream, &recorder, req, id, shape.model.as_deref())
+            Some(home) => Some((id.to_string(), home)),
+            None => locate::stored_response(state, upstream, recorder, req, id, shape.model.as_deref())
                 .await
-                .map(|home| (id, home)),
+                .map(|home| (id.to_string(), home)),
         },
         None => None,
     };
-    if settings.mode == Mode::Shape && shape.multi_unit {
-        recorder.pin_lookup(pinned.is_some());
-    }
+    Ok(Lookup { shape, session, large, pinned, named, stored })
+}
 
-    let mut tried: Vec<Arc<str>> = Vec::new();
-    // The first replica this request failed over from, and whether this
-    // request was the one that marked it down (one event per transition).
-    let mut failed_from: Option<(Arc<str>, bool)> = None;
-    // The replica whose connection closed after the write once already.
-    let mut closed_once_on: Option<Arc<str>> = None;
-    // The same replica once more, on another connection (a close after the write).
-    let mut resend: Option<(Arc<Replica>, RouteReason)> = None;
+/// Where a request's attempts stand (the retry rule: `attempt.rs`).
+#[derive(Default)]
+struct Retries {
+    /// Replicas this request failed on, in order.
+    tried: Vec<Arc<str>>,
+    /// The first replica it failed over from, and whether this request was
+    /// the one that marked it down (one event per transition).
+    failed_from: Option<(Arc<str>, bool)>,
+    /// The replica whose connection closed after the write once already.
+    closed_once_on: Option<Arc<str>>,
+    /// The next attempt, when it is the same replica once more.
+    resend: Option<(Arc<Replica>, RouteReason)>,
+}
+
+impl Retries {
+    /// After a retry-safe failure: a close after the write is re-sent to the
+    /// same replica once, on another connection (an idle pooled connection
+    /// it closed); anything else, or a second close, sends it elsewhere.
+    fn failed(&mut self, replica: Arc<Replica>, reason: RouteReason, e: &attempt::AttemptError, took_down: bool) {
+        let closed = e.failure == attempt::AttemptFailure::ClosedAfterWrite;
+        if closed && self.closed_once_on.as_ref() != Some(&replica.id) {
+            self.closed_once_on = Some(replica.id.clone());
+            self.resend = Some((replica, reason));
+        } else {
+            self.tried.push(replica.id.clone());
+            self.failed_from.get_or_insert((replica.id.clone(), took_down));
+        }
+    }
+}
+
+/// The replica for the next attempt, and why: the same one once more, or a plan.
+fn next_target(
+    state: &AppState,
+    settings: &PolicySettings,
+    lookup: &Lookup,
+    retries: &mut Retries,
+    recorder: &OutcomeRecorder,
+) -> Result<(Arc<Replica>, RouteReason), ApiError> {
+    if let Some(again) = retries.resend.take() {
+        return Ok(again);
+    }
+    // The fleet is read while planning only (no guard across an await).
+    let fleet = state.fleet.snapshot();
+    let input = PlanInput {
+        mode: settings.mode,
+        shape: &lookup.shape,
+        pinned: lookup.pinned.as_ref(),
+        named: lookup.named.as_deref(),
+        stored: lookup.stored.as_ref().map(|(id, home)| (id.as_str(), &**home)),
+        tried: &retries.tried,
+        large: lookup.large,
+    };
+    let has_slot = |r: &Replica| state.admission.has_free_slot(&r.id, r.spec().max_large_inflight);
+    let route =
+        plan::plan(&input, &fleet, has_slot, &state.spread).map_err(|e| recorder.plan_failed(e, &retries.tried))?;
+    let reason = if retries.failed_from.is_some() { RouteReason::Failover } else { route.reason };
+    Ok((fleet[route.replica].clone(), reason))
+}
+
+/// The request path: look the request up once, then plan and attempt until
+/// a replica answers or nothing is left to try.
+async fn forward_request(
+    req: &HttpRequest,
+    endpoint: Endpoint,
+    payload: web::Payload,
+    state: &AppState,
+    upstream: web::Data<Upstream>,
+    recorder: web::Data<OutcomeRecorder>,
+) -> Result<HttpResponse, ApiError> {
+    let config = &state.config;
+    let body = read_body(payload, config.limits.max_body_bytes).await?;
+    let settings = state.policy.get();
+    let lookup = look_up(req, endpoint, &body, state, &upstream, &recorder, &settings).await?;
+    let Lookup { shape, session, large, pinned, .. } = &lookup;
+    let mut retries = Retries::default();
     loop {
-        let (replica, reason) = match resend.take() {
-            Some(again) => again,
-            None => {
-                // The fleet is read while planning only (no guard across an await).
-                let fleet = state.fleet.snapshot();
-                let input = PlanInput {
-                    mode: settings.mode,
-                    shape: &shape,
-                    pinned: pinned.as_ref(),
-                    named: named.as_deref(),
-                    stored: stored.as_ref().map(|(id, home)| (*id, &**home)),
-                    tried: &tried,
-                    large,
-                };
-                let has_slot = |r: &Replica| state.admission.has_free_slot(&r.id, r.spec().max_large_inflight);
-                let route =
-                    plan::plan(&input, &fleet, has_slot, &state.spread).map_err(|e| recorder.plan_failed(e, &tried))?;
-                let reason = if failed_from.is_some() { RouteReason::Failover } else { route.reason };
-                (fleet[route.replica].clone(), reason)
-            }
-        };
+        let (replica, reason) = next_target(state, &settings, &lookup, &mut retries, &recorder)?;
         let started = Instant::now();
-        let permit = if large { Some(admit(state, &recorder, &replica).await?) } else { None };
+        let permit = if *large { Some(admit(state, &recorder, &replica).await?) } else { None };
         // The guard holds the replica from here on (one reference, not two).
-        let guard = replica.begin(large);
+        let guard = replica.begin(*large);
         let replica = &guard.replica;
         let est_tokens = state.calibration.estimate(&replica.id, shape.prompt_bytes);
         let family = pinned.as_ref().map(|(_, p)| p.family).or(shape.pin_at);
@@ -209,7 +273,7 @@ async fn forward_request(
             replica: &replica.id,
             pin_at: shape.pin_at,
             pinned: pinned.as_ref(),
-            session,
+            session: *session,
             dialect: shape.dialect,
             est_tokens,
         });
@@ -221,11 +285,11 @@ async fn forward_request(
                     reason,
                     success: resp.status().is_success(),
                     ttfb: started.elapsed(),
-                    tried: &tried,
-                    failed_from: failed_from.as_ref(),
+                    tried: &retries.tried,
+                    failed_from: retries.failed_from.as_ref(),
                     pin_at: shape.pin_at,
                     pinned: pinned.as_ref(),
-                    session,
+                    session: *session,
                     dialect: shape.dialect,
                     est_tokens,
                 });
@@ -249,17 +313,7 @@ async fn forward_request(
                 if !e.retry_safe() {
                     return Err(e.into_api_error());
                 }
-                // A close after the write is re-sent to the same replica
-                // once, on another connection (`attempt.rs`: an idle pooled
-                // connection it closed); a second one sends it elsewhere.
-                let closed = e.failure == attempt::AttemptFailure::ClosedAfterWrite;
-                if closed && closed_once_on.as_ref() != Some(&replica.id) {
-                    closed_once_on = Some(replica.id.clone());
-                    resend = Some((replica, reason));
-                    continue;
-                }
-                tried.push(replica.id.clone());
-                failed_from.get_or_insert((replica.id.clone(), took_down));
+                retries.failed(replica, reason, &e, took_down);
             }
         }
     }
