@@ -17,7 +17,7 @@ use crate::admission::Admission;
 use crate::capacity::Capacity;
 use crate::error::ApiError;
 use crate::events::{EventKind, EventLog};
-use crate::fleet::{normalize_url, validate_url, AdminState, Fleet, Replica, ReplicaSpec};
+use crate::fleet::{normalize_url, validate_url, AdminState, Fleet, Replica, ReplicaSpec, ReplicaUrl};
 use crate::pins::{PinChange, PinSource, PinTable};
 use crate::policy::{CurrentPolicy, PolicySettings, PrefixKey};
 use crate::store::{Store, StoreError, StoredReplica};
@@ -30,10 +30,7 @@ pub const INSTANCE_TIMEOUT_MS: u64 = 2_000;
 #[serde(deny_unknown_fields)]
 #[schema(example = json!({"max_large_inflight": 2}))]
 pub struct ReplicaPatch {
-    #[schema(
-        pattern = "^https?://(((25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])\\.){3}(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])|([a-z0-9](([a-z0-9-]?[a-z0-9])|[a-z0-9-]([a-z0-9][a-z0-9-]{0,59}[a-z0-9]|-[a-z0-9]([a-z0-9-]{0,58}[a-z0-9])?))?\\.)*[a-z](([a-z0-9-]?[a-z0-9])|[a-z0-9-]([a-z0-9][a-z0-9-]{0,59}[a-z0-9]|-[a-z0-9]([a-z0-9-]{0,58}[a-z0-9])?))?)(:([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5]))?(/[A-Za-z0-9_~-]*)*$"
-    )]
-    pub url: Option<String>,
+    pub url: Option<ReplicaUrl>,
     /// Sets the upstream API key (write-only; empty changes nothing).
     #[schema(pattern = "^[!-~]{0,4096}$")]
     pub api_key: Option<String>,
@@ -55,7 +52,7 @@ pub struct ReplicaPatch {
 impl ReplicaPatch {
     fn apply_to(self, mut spec: ReplicaSpec) -> ReplicaSpec {
         if let Some(url) = self.url {
-            spec.url = normalize_url(&url);
+            spec.url = normalize_url(&url.0);
         }
         if self.clear_api_key {
             spec.api_key = None;
@@ -167,7 +164,7 @@ impl Operator {
     /// hands the new slots to requests already waiting.
     pub fn update_replica(&self, id: &str, patch: ReplicaPatch) -> Result<Arc<Replica>, ApiError> {
         if let Some(url) = &patch.url {
-            validate_url(url).map_err(ApiError::Unprocessable)?;
+            validate_url(&url.0).map_err(ApiError::Unprocessable)?;
         }
         let _serial = self.serial();
         let r = self.replica(id)?;

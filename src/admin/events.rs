@@ -18,7 +18,7 @@ pub struct EventQuery {
     /// Only this kind.
     pub kind: Option<EventKind>,
     /// Only events naming this replica (as source or destination).
-    #[param(pattern = "^[a-z0-9_-]{1,64}$")]
+    #[param(value_type = Option<crate::fleet::ReplicaId>)]
     pub replica: Option<String>,
     /// Only events at or after this RFC 3339 time.
     #[param(format = DateTime)]

@@ -49,7 +49,7 @@ fn view(key: PrefixKey, p: &Pin) -> PinView {
 #[derive(Debug, Deserialize, IntoParams)]
 pub struct PinQuery {
     /// Only pins held by this replica.
-    #[param(pattern = "^[a-z0-9_-]{1,64}$")]
+    #[param(value_type = Option<crate::fleet::ReplicaId>)]
     pub replica: Option<String>,
     /// Only pins whose key starts with these hex digits.
     #[param(pattern = "^[0-9a-fA-F]{0,32}$")]

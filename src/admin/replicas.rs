@@ -10,7 +10,7 @@ use utoipa_actix_web::service_config::ServiceConfig;
 
 use super::rfc3339;
 use crate::error::{ApiError, ErrorBody};
-use crate::fleet::{validate_id, AdminState, Health, Replica, ReplicaSpec};
+use crate::fleet::{validate_id, AdminState, Health, Replica, ReplicaId, ReplicaSpec, ReplicaUrl};
 use crate::operator::{Operator, ReplicaPatch};
 use crate::state::AppState;
 
@@ -30,9 +30,9 @@ pub fn routes(cfg: &mut ServiceConfig) {
 /// A replica as the API shows it.
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub struct ReplicaView {
-    #[schema(example = "gpu-0")]
+    #[schema(value_type = ReplicaId)]
     pub id: String,
-    #[schema(example = "http://10.0.0.5:8000")]
+    #[schema(value_type = ReplicaUrl)]
     pub url: String,
     /// Whether an upstream API key is set (the key itself is never returned).
     pub api_key_set: bool,
@@ -107,7 +107,7 @@ async fn list(s: web::Data<AppState>) -> web::Json<Vec<ReplicaView>> {
     web::Json(s.fleet.snapshot().iter().map(|r| view_with_pins(&s, r, &counts)).collect())
 }
 
-#[utoipa::path(tag = "replicas", params(("id" = String, Path, description = "replica id", pattern = "^[a-z0-9_-]{1,64}$")),
+#[utoipa::path(tag = "replicas", params(("id" = ReplicaId, Path, description = "replica id")),
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody)))]
 #[get("/replicas/{id}")]
 async fn get_one(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
@@ -120,12 +120,8 @@ async fn get_one(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::J
 #[serde(deny_unknown_fields)]
 #[schema(example = json!({"id": "gpu-2", "url": "http://10.0.0.7:8000", "max_large_inflight": 1, "kv_tokens": 122636}))]
 pub struct NewReplica {
-    #[schema(pattern = "^[a-z0-9_-]{1,64}$")]
-    pub id: String,
-    #[schema(
-        pattern = "^https?://(((25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])\\.){3}(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])|([a-z0-9](([a-z0-9-]?[a-z0-9])|[a-z0-9-]([a-z0-9][a-z0-9-]{0,59}[a-z0-9]|-[a-z0-9]([a-z0-9-]{0,58}[a-z0-9])?))?\\.)*[a-z](([a-z0-9-]?[a-z0-9])|[a-z0-9-]([a-z0-9][a-z0-9-]{0,59}[a-z0-9]|-[a-z0-9]([a-z0-9-]{0,58}[a-z0-9])?))?)(:([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5]))?(/[A-Za-z0-9_~-]*)*$"
-    )]
-    pub url: String,
+    pub id: ReplicaId,
+    pub url: ReplicaUrl,
     /// Upstream API key (write-only; empty means none).
     #[schema(pattern = "^[!-~]{0,4096}$")]
     pub api_key: Option<String>,
@@ -145,8 +141,8 @@ pub struct NewReplica {
 async fn add(s: web::Data<AppState>, body: web::Json<NewReplica>) -> Result<HttpResponse, ApiError> {
     let b = body.into_inner();
     // The documented format applies to what the client sent, before normalizing.
-    crate::fleet::validate_url(&b.url).map_err(ApiError::Unprocessable)?;
-    let mut spec = ReplicaSpec::new(&b.id, &b.url);
+    crate::fleet::validate_url(&b.url.0).map_err(ApiError::Unprocessable)?;
+    let mut spec = ReplicaSpec::new(&b.id.0, &b.url.0);
     spec.api_key = b.api_key.filter(|k| !k.is_empty());
     spec.health_path = b.health_path;
     spec.max_large_inflight = b.max_large_inflight;
@@ -155,7 +151,7 @@ async fn add(s: web::Data<AppState>, body: web::Json<NewReplica>) -> Result<Http
     Ok(HttpResponse::Created().json(view(&s, &r)))
 }
 
-#[utoipa::path(tag = "replicas", params(("id" = String, Path, description = "replica id", pattern = "^[a-z0-9_-]{1,64}$")), request_body = ReplicaPatch,
+#[utoipa::path(tag = "replicas", params(("id" = ReplicaId, Path, description = "replica id")), request_body = ReplicaPatch,
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody), (status = 422, body = ErrorBody)))]
 #[patch("/replicas/{id}")]
 async fn update(
@@ -167,7 +163,7 @@ async fn update(
     Ok(web::Json(view(&s, &r)))
 }
 
-#[utoipa::path(tag = "replicas", params(("id" = String, Path, description = "replica id", pattern = "^[a-z0-9_-]{1,64}$")),
+#[utoipa::path(tag = "replicas", params(("id" = ReplicaId, Path, description = "replica id")),
     responses((status = 204, description = "removed, with its pins (ids of responses it stored are kept until they expire, so a follow-up hears its replica is gone)"), (status = 404, body = ErrorBody)))]
 #[delete("/replicas/{id}")]
 async fn remove(operator: web::Data<Operator>, id: web::Path<String>) -> Result<HttpResponse, ApiError> {
@@ -185,7 +181,7 @@ pub struct DrainQuery {
     pub timeout: Option<u64>,
 }
 
-#[utoipa::path(tag = "replicas", params(("id" = String, Path, description = "replica id", pattern = "^[a-z0-9_-]{1,64}$"), DrainQuery),
+#[utoipa::path(tag = "replicas", params(("id" = ReplicaId, Path, description = "replica id"), DrainQuery),
     description = "Stops new requests (pinned conversations are re-pinned elsewhere); in-flight requests finish. \
                    With `wait=true` answers once nothing is in flight: 504 at the timeout, 409 if resumed meanwhile.",
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 504, body = ErrorBody)))]
@@ -206,7 +202,7 @@ async fn drain(
     Ok(web::Json(view(&s, &r)))
 }
 
-#[utoipa::path(tag = "replicas", params(("id" = String, Path, description = "replica id", pattern = "^[a-z0-9_-]{1,64}$")), description = "Undoes a drain.",
+#[utoipa::path(tag = "replicas", params(("id" = ReplicaId, Path, description = "replica id")), description = "Undoes a drain.",
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 #[post("/replicas/{id}/resume")]
 async fn resume(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
@@ -214,7 +210,7 @@ async fn resume(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::Js
     Ok(web::Json(view(&s, &r)))
 }
 
-#[utoipa::path(tag = "replicas", params(("id" = String, Path, description = "replica id", pattern = "^[a-z0-9_-]{1,64}$")), description = "Demotes a replica by hand; sticky until enable.",
+#[utoipa::path(tag = "replicas", params(("id" = ReplicaId, Path, description = "replica id")), description = "Demotes a replica by hand; sticky until enable.",
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody)))]
 #[post("/replicas/{id}/disable")]
 async fn disable(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
@@ -222,7 +218,7 @@ async fn disable(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::J
     Ok(web::Json(view(&s, &r)))
 }
 
-#[utoipa::path(tag = "replicas", params(("id" = String, Path, description = "replica id", pattern = "^[a-z0-9_-]{1,64}$")),
+#[utoipa::path(tag = "replicas", params(("id" = ReplicaId, Path, description = "replica id")),
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody)))]
 #[post("/replicas/{id}/enable")]
 async fn enable(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
@@ -235,7 +231,7 @@ pub struct Removed {
     pub removed: usize,
 }
 
-#[utoipa::path(tag = "pins", params(("id" = String, Path, description = "replica id", pattern = "^[a-z0-9_-]{1,64}$")), description = "Deletes every pin held by the replica.",
+#[utoipa::path(tag = "pins", params(("id" = ReplicaId, Path, description = "replica id")), description = "Deletes every pin held by the replica.",
     responses((status = 200, body = Removed), (status = 404, body = ErrorBody)))]
 #[delete("/replicas/{id}/pins")]
 async fn remove_pins(operator: web::Data<Operator>, id: web::Path<String>) -> Result<web::Json<Removed>, ApiError> {

@@ -20,8 +20,10 @@ use utoipa::ToSchema;
 #[serde(deny_unknown_fields)]
 pub struct ReplicaSpec {
     /// Slug: lowercase letters, digits, '-' and '_', at most 64 characters.
+    #[schema(value_type = ReplicaId)]
     pub id: String,
     /// Base URL without `/v1`, e.g. `http://10.0.0.5:8000`.
+    #[schema(value_type = ReplicaUrl)]
     pub url: String,
     /// Sent to the replica as `Authorization: Bearer ...` instead of the client's header.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -40,6 +42,55 @@ pub struct ReplicaSpec {
 /// The wire formats the admin API documents (`openapi/admin.json` carries
 /// these exact strings; a test checks they match) and the server enforces,
 /// so a contract tester and the server agree on every input.
+/// A replica's id on the admin API's wire (bodies, paths, queries): one
+/// schema in the spec, carrying `patterns::ID` (checked by `validate_id`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct ReplicaId(pub String);
+
+/// A replica's base URL on the admin API's wire: one schema in the spec,
+/// carrying `patterns::URL` (checked by `validate_url`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct ReplicaUrl(pub String);
+
+fn string_schema(
+    pattern: &str,
+    description: &str,
+    example: &str,
+) -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+    utoipa::openapi::schema::ObjectBuilder::new()
+        .schema_type(utoipa::openapi::schema::Type::String)
+        .pattern(Some(pattern))
+        .description(Some(description))
+        .examples([serde_json::Value::from(example)])
+        .into()
+}
+
+impl utoipa::PartialSchema for ReplicaId {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        string_schema(
+            patterns::ID,
+            "A replica id: lowercase letters, digits, '-' and '_', 1 to 64 characters.",
+            "gpu-0",
+        )
+    }
+}
+
+impl utoipa::ToSchema for ReplicaId {}
+
+impl utoipa::PartialSchema for ReplicaUrl {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        string_schema(
+            patterns::URL,
+            "A replica's base URL without /v1: http(s), a lowercase host name or IPv4 address, an optional port and plain path.",
+            "http://10.0.0.5:8000",
+        )
+    }
+}
+
+impl utoipa::ToSchema for ReplicaUrl {}
+
 pub mod patterns {
     /// A replica id: a slug.
     pub const ID: &str = "^[a-z0-9_-]{1,64}$";
