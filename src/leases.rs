@@ -72,50 +72,82 @@ impl Leases {
         wait: Duration,
     ) -> Result<(Option<FleetLease>, bool), ApiError> {
         let Some(instance) = store.instance() else { return Ok((None, false)) };
-        let mut waited = false;
         let id = format!("{instance}:{}", self.next.fetch_add(1, Ordering::Relaxed));
-        let deadline = tokio::time::Instant::now() + wait;
-        loop {
-            let attempt = {
-                let (store, replica, id) = (store.clone(), replica.to_string(), id.clone());
-                tokio::time::timeout(
+        let try_take = || {
+            let (store, replica, id) = (store.clone(), replica.to_string(), id.clone());
+            async move {
+                let asked = tokio::time::timeout(
                     LEASE_BUDGET,
                     tokio::task::spawn_blocking(move || store.try_lease(&replica, &id, limit, LEASE_TTL_MS)),
                 )
-                .await
-            };
-            match attempt {
-                Ok(Ok(Ok(true))) => {
-                    self.held.lock().expect("leases lock").insert(id.clone(), replica.to_string());
-                    let leases = self.clone();
-                    let lease = FleetLease { store: store.clone(), leases, replica: replica.to_string(), id };
-                    return Ok((Some(lease), waited));
-                }
-                Ok(Ok(Ok(false))) => {}
-                unreachable => {
-                    tracing::warn!(
-                        replica,
-                        "the store could not be asked for a large-context lease ({}); admitting under this instance's limit",
-                        match unreachable {
-                            Err(_) => "timed out".to_string(),
-                            Ok(Err(e)) => e.to_string(),
-                            Ok(Ok(Err(e))) => e.to_string(),
-                            Ok(Ok(Ok(_))) => unreachable!("handled above"),
-                        }
-                    );
-                    return Ok((None, waited));
+                .await;
+                match asked {
+                    Ok(Ok(Ok(took))) => Ok(took),
+                    Ok(Ok(Err(e))) => Err(e.to_string()),
+                    Ok(Err(e)) => Err(e.to_string()),
+                    Err(_) => Err("timed out".to_string()),
                 }
             }
-            if tokio::time::Instant::now() + RETRY_EVERY >= deadline {
-                return Err(ApiError::Overloaded {
-                    message: format!(
-                        "replica '{replica}' is at its large-context limit across the gateway fleet and no slot freed up in time; retry later"
-                    ),
-                    retry_after: (wait / 2).max(Duration::from_secs(1)),
-                });
+        };
+        match wait_for_slot(wait, try_take).await {
+            SlotWait::Taken { waited } => {
+                self.held.lock().expect("leases lock").insert(id.clone(), replica.to_string());
+                let lease = FleetLease { store: store.clone(), leases: self.clone(), replica: replica.to_string(), id };
+                Ok((Some(lease), waited))
             }
-            waited = true;
-            tokio::time::sleep(RETRY_EVERY).await;
+            SlotWait::Unreachable { why, waited } => {
+                tracing::warn!(
+                    replica,
+                    "the store could not be asked for a large-context lease ({why}); admitting under this instance's limit"
+                );
+                Ok((None, waited))
+            }
+            SlotWait::TimedOut => Err(ApiError::Overloaded {
+                message: format!(
+                    "replica '{replica}' is at its large-context limit across the gateway fleet and no slot freed up in time; retry later"
+                ),
+                retry_after: (wait / 2).max(Duration::from_secs(1)),
+            }),
         }
+    }
+}
+
+/// How waiting for a fleet-wide slot ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SlotWait {
+    Taken {
+        waited: bool,
+    },
+    /// The store did not answer: the local limit applies alone.
+    Unreachable {
+        why: String,
+        waited: bool,
+    },
+    /// Every slot stayed leased for the whole wait.
+    TimedOut,
+}
+
+/// The waiting, apart from the store so that it runs on paused time in
+/// tests: asks `try_take` until it says yes, every `RETRY_EVERY`, for at most
+/// `wait`. A slot a killed instance held comes free when its lease expires
+/// (it stops renewing it), and the next ask takes it.
+pub async fn wait_for_slot<F, Fut>(wait: Duration, mut try_take: F) -> SlotWait
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<bool, String>>,
+{
+    let deadline = tokio::time::Instant::now() + wait;
+    let mut waited = false;
+    loop {
+        match try_take().await {
+            Ok(true) => return SlotWait::Taken { waited },
+            Ok(false) => {}
+            Err(why) => return SlotWait::Unreachable { why, waited },
+        }
+        if tokio::time::Instant::now() + RETRY_EVERY >= deadline {
+            return SlotWait::TimedOut;
+        }
+        waited = true;
+        tokio::time::sleep(RETRY_EVERY).await;
     }
 }

@@ -16,6 +16,7 @@ use std::fmt;
 
 use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::Number;
+use smallvec::SmallVec;
 use xxhash_rust::xxh3::Xxh3;
 
 use super::chain::field;
@@ -80,16 +81,19 @@ pub(super) fn canonical(h: &mut Xxh3, v: &Json, skip: &[&str]) -> usize {
             items.iter().map(|i| canonical(h, i, skip)).sum()
         }
         Json::Object(pairs) => {
-            // Sorted by key; stable, so among duplicates the last stays last.
-            let mut kept: Vec<&(Cow<str>, Json)> = pairs.iter().filter(|(k, _)| !skip.contains(&&**k)).collect();
-            kept.sort_by(|a, b| a.0.cmp(&b.0));
-            let mut unique: Vec<&(Cow<str>, Json)> = Vec::with_capacity(kept.len());
-            for pair in kept {
-                match unique.last_mut() {
-                    Some(last) if last.0 == pair.0 => *last = pair,
-                    _ => unique.push(pair),
+            // Sorted by key; stable, so among duplicates the last stays last,
+            // and `dedup_by` keeps it (it hands the later one first). On the
+            // stack for objects of up to 8 keys (content blocks, tool calls).
+            let mut unique: SmallVec<[&(Cow<str>, Json); 8]> =
+                pairs.iter().filter(|(k, _)| !skip.contains(&&**k)).collect();
+            unique.sort_by(|a, b| a.0.cmp(&b.0));
+            unique.dedup_by(|later, kept| {
+                let same = later.0 == kept.0;
+                if same {
+                    *kept = *later;
                 }
-            }
+                same
+            });
             h.update(b"{");
             h.update(&(unique.len() as u64).to_le_bytes());
             let mut n = 0;

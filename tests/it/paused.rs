@@ -111,3 +111,47 @@ async fn the_flusher_writes_pins_behind_the_requests_once_per_interval() {
     assert_eq!(store.pins().unwrap()[0].0, 7);
     flusher.abort();
 }
+
+/// One card's fleet-wide slots as the shared store keeps them (the Redis
+/// script's rule: a lease expires `ttl` after it was taken or last renewed),
+/// on tokio's clock.
+struct LeaseTable {
+    limit: usize,
+    ttl: Duration,
+    leases: std::sync::Mutex<Vec<(String, tokio::time::Instant)>>,
+}
+
+impl LeaseTable {
+    fn try_take(&self, who: &str) -> bool {
+        let now = tokio::time::Instant::now();
+        let mut leases = self.leases.lock().unwrap();
+        leases.retain(|(_, expires)| *expires > now);
+        if leases.len() >= self.limit {
+            return false;
+        }
+        leases.push((who.to_string(), now + self.ttl));
+        true
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_slot_held_by_a_killed_instance_frees_up_when_its_lease_expires_and_not_before() {
+    use prefixgate::leases::{wait_for_slot, SlotWait, LEASE_TTL_MS};
+    let ttl = Duration::from_millis(LEASE_TTL_MS);
+    let table = Arc::new(LeaseTable { limit: 1, ttl, leases: Default::default() });
+    assert!(table.try_take("killed"), "the instance that then dies without releasing or renewing");
+    let started = tokio::time::Instant::now();
+    let ask = |table: Arc<LeaseTable>| move || std::future::ready(Ok::<bool, String>(table.try_take("waiting")));
+    // A wait shorter than the lease's life ends without the slot...
+    let short = wait_for_slot(ttl - Duration::from_secs(1), ask(table.clone())).await;
+    assert_eq!(short, SlotWait::TimedOut);
+    assert!(started.elapsed() < ttl);
+    // ...a longer one gets it once the lease has expired, within one retry.
+    let long = wait_for_slot(Duration::from_secs(30), ask(table.clone())).await;
+    assert_eq!(long, SlotWait::Taken { waited: true });
+    let at = started.elapsed();
+    assert!(at >= ttl && at <= ttl + Duration::from_millis(25), "taken {at:?} after the other instance died");
+    // A store that does not answer is not a wait: the local limit applies.
+    let down = wait_for_slot(Duration::from_secs(30), || std::future::ready(Err::<bool, String>("down".into()))).await;
+    assert_eq!(down, SlotWait::Unreachable { why: "down".into(), waited: false });
+}
