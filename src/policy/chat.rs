@@ -1,9 +1,7 @@
 //! Chat completions (`/v1/chat/completions`): a unit is one message.
 
 use std::borrow::Cow;
-use std::fmt;
 
-use serde::de::{self, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 
 use super::chain::*;
@@ -26,47 +24,13 @@ struct Message<'a> {
     role: Cow<'a, str>,
     #[serde(borrow, default)]
     name: Option<Cow<'a, str>>,
+    /// Plain text (borrowed when it has no escapes) or parts.
     #[serde(borrow, default)]
-    content: Option<Content<'a>>,
+    content: Option<Json<'a>>,
     #[serde(borrow, default)]
     tool_calls: Option<Json<'a>>,
     #[serde(borrow, default)]
     tool_call_id: Option<Cow<'a, str>>,
-}
-
-/// Message content: plain text (borrowed when it has no escapes) or anything
-/// else (parts), kept as a borrowed JSON value. One pass over the body either way.
-enum Content<'a> {
-    Text(Cow<'a, str>),
-    Structured(Json<'a>),
-}
-
-impl<'de: 'a, 'a> Deserialize<'de> for Content<'a> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V<'a>(std::marker::PhantomData<&'a ()>);
-        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
-            type Value = Content<'a>;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a string or an array of content parts")
-            }
-            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
-                Ok(Content::Text(Cow::Borrowed(v)))
-            }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
-                Ok(Content::Text(Cow::Owned(v.to_owned())))
-            }
-            fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
-                Ok(Content::Text(Cow::Owned(v)))
-            }
-            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
-                Json::deserialize(de::value::SeqAccessDeserializer::new(seq)).map(Content::Structured)
-            }
-            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
-                Json::deserialize(de::value::MapAccessDeserializer::new(map)).map(Content::Structured)
-            }
-        }
-        d.deserialize_any(V(std::marker::PhantomData))
-    }
 }
 
 pub(super) fn extract_chat(body: &[u8]) -> Result<RequestShape, ShapeError> {
@@ -84,14 +48,15 @@ pub(super) fn extract_chat(body: &[u8]) -> Result<RequestShape, ShapeError> {
             field(h, b'n', name.as_bytes());
         }
         match &m.content {
-            Some(Content::Text(t)) => {
+            Some(Json::String(t)) => {
                 field(h, b'c', t.as_bytes());
                 bytes += t.len();
             }
-            Some(Content::Structured(v)) => {
+            Some(parts @ (Json::Array(_) | Json::Object(_))) => {
                 h.update(b"p");
-                bytes += canonical(h, v, &[]);
+                bytes += canonical(h, parts, &[]);
             }
+            Some(_) => return Err(ShapeError("'content' must be a string or an array of content parts".into())),
             None => {}
         }
         if let Some(calls) = &m.tool_calls {

@@ -264,3 +264,16 @@ impl Drop for GatewayProcess {
         self.kill();
     }
 }
+
+/// A "replica" that accepts connections and never answers.
+pub async fn black_hole() -> (String, tokio::task::JoinHandle<()>) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    let task = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = l.accept().await {
+            held.push(s);
+        }
+    });
+    (url, task)
+}

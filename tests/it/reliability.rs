@@ -7,19 +7,6 @@ use prefixgate::fleet::Health;
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// A "replica" that accepts connections and never answers.
-async fn black_hole() -> (String, tokio::task::JoinHandle<()>) {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    let task = tokio::spawn(async move {
-        let mut held = Vec::new();
-        while let Ok((s, _)) = l.accept().await {
-            held.push(s);
-        }
-    });
-    (url, task)
-}
-
 /// A "replica" that answers every request with `reply` and closes.
 async fn scripted(reply: &'static [u8]) -> (String, tokio::task::JoinHandle<()>) {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

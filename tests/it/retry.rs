@@ -188,15 +188,7 @@ async fn a_replica_killed_after_reading_the_body_gets_one_re_send_then_the_reque
 #[actix_web::test]
 async fn a_timeout_before_the_head_is_a_504_and_is_never_re_sent() {
     let ok = start_sim("ok", fast_sim()).await;
-    // Accepts, reads, never answers.
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let hole = format!("http://{}", l.local_addr().unwrap());
-    let _hole = tokio::spawn(async move {
-        let mut held = Vec::new();
-        while let Ok((s, _)) = l.accept().await {
-            held.push(s);
-        }
-    });
+    let (hole, _task) = black_hole().await;
     let gw = gateway_with("slow", &hole, &ok, |c| c.timeouts.response_head_ms = 300).await;
     let (url, body) = chat_to(&gw, "timeout");
     let r = post(&url, &body).await;
