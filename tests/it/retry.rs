@@ -149,13 +149,14 @@ async fn an_idle_pooled_connection_closed_by_the_replica_is_re_sent_to_the_same_
     let ok = start_sim("ok", fast_sim()).await;
     let (flaky, posts) = misbehaving(Misbehaviour::CloseSecondOnConnection).await;
     let gw = gateway_with("keepalive", &flaky, &ok, |_| {}).await;
-    // Four turns of one conversation, pinned to the replica. Each traffic
-    // worker keeps its own pool; with two workers, at least one turn goes
-    // out on a connection an earlier turn left in the pool, which the
-    // replica closes as the request arrives.
+    // Turns of one conversation, pinned to the replica, one more than the
+    // gateway has traffic workers (one per core). Each worker keeps its own
+    // pool, so at least one turn goes out on a connection an earlier turn
+    // left in the pool, which the replica closes as the request arrives.
+    let turns = std::thread::available_parallelism().map_or(2, |n| n.get()) + 1;
     let url = format!("{}/v1/chat/completions", gw.base);
     let mut msgs = vec![("user".to_string(), "turn 0".to_string())];
-    for turn in 0..4 {
+    for turn in 0..turns {
         let view: Vec<(&str, &str)> = msgs.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
         let r = post(&url, &chat_body(&view, json!({}))).await;
         assert_eq!((r.status, r.replica.as_str()), (200, "keepalive"), "turn {turn}");
@@ -165,7 +166,7 @@ async fn an_idle_pooled_connection_closed_by_the_replica_is_re_sent_to_the_same_
         msgs.push(("assistant".into(), "ok".into()));
         msgs.push(("user".into(), format!("turn {}", turn + 1)));
     }
-    let closed = posts.load(Ordering::SeqCst) - 4;
+    let closed = posts.load(Ordering::SeqCst) - turns;
     assert!(closed >= 1, "some turn met a closed pooled connection and was re-sent");
     assert_ne!(gw.gw.fleet.get("keepalive").unwrap().health(), Health::Down, "a healthy replica stays up");
     assert_eq!(ok.state.received(), 1, "only the warm-up");
