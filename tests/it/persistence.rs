@@ -97,6 +97,8 @@ async fn after_kill_9_flushed_pins_survive_and_continuations_stay_pinned() {
     }
     // ...and the crash comes under load: requests in flight, pins being written.
     let base = p.base.clone();
+    let received = || a.state.received() + b.state.received();
+    let before = received();
     let load: Vec<_> = (0..20)
         .map(|i| {
             let base = base.clone();
@@ -106,7 +108,7 @@ async fn after_kill_9_flushed_pins_survive_and_continuations_stay_pinned() {
             })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(20)).await;
+    wait_until("the load reached the replicas", Duration::from_secs(10), || received() > before).await;
     p.kill();
     for l in load {
         let _ = l.await;
