@@ -16,6 +16,7 @@ pub mod clock;
 pub mod config;
 pub mod config_flags;
 pub mod connector;
+pub mod discovery;
 pub mod error;
 pub mod events;
 pub mod fleet;
