@@ -1,0 +1,111 @@
+//! Resolving the DNS sources: A/AAAA records of `NAME` (one replica per
+//! address, on the source's port) and SRV records (host and port per
+//! replica), through the system's resolver or the one the source names.
+//! An answer carries how long it stays valid (the shortest record TTL), so
+//! the caller re-resolves no later than that.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use hickory_resolver::config::{NameServerConfig, ResolverConfig, ResolverOpts};
+use hickory_resolver::net::runtime::TokioRuntimeProvider;
+use hickory_resolver::proto::rr::RData;
+use hickory_resolver::Resolver;
+
+use super::source::replica_name;
+use crate::fleet::ReplicaSpec;
+
+/// One DNS answer: the replicas it names, and how long it is valid.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Answer {
+    pub replicas: Vec<ReplicaSpec>,
+    pub valid_for: Duration,
+}
+
+/// A resolver: the system's, or the server at `at` (tests, or a cluster's DNS).
+pub fn resolver(at: Option<SocketAddr>, timeout: Duration) -> Result<Resolver<TokioRuntimeProvider>, String> {
+    let mut options = ResolverOpts::default();
+    options.timeout = timeout;
+    options.attempts = 1;
+    // Answers are re-read on an interval: a cached answer would hide a
+    // scale-down for as long as its TTL, which is the source's own business.
+    options.cache_size = 0;
+    let builder = match at {
+        Some(addr) => {
+            let mut server = NameServerConfig::udp(addr.ip());
+            for c in &mut server.connections {
+                c.port = addr.port();
+            }
+            Resolver::builder_with_config(
+                ResolverConfig::from_name_servers(vec![server]),
+                TokioRuntimeProvider::default(),
+            )
+        }
+        None => Resolver::builder_tokio().map_err(|e| format!("the system resolver: {e}"))?,
+    };
+    builder.with_options(options).build().map_err(|e| format!("cannot build a resolver: {e}"))
+}
+
+fn valid_for(until: Instant) -> Duration {
+    until.saturating_duration_since(Instant::now())
+}
+
+/// A/AAAA records of `name`: one replica per address, `http://ADDR:PORT`.
+/// No record is an answer with no replicas (the lifecycle holds a sudden
+/// empty answer); a server that does not answer is an error.
+pub async fn resolve_addresses(r: &Resolver<TokioRuntimeProvider>, name: &str, port: u16) -> Result<Answer, String> {
+    match r.lookup_ip(fqdn(name)).await {
+        Ok(found) => {
+            let mut replicas: Vec<ReplicaSpec> = found
+                .iter()
+                .map(|ip| {
+                    let host = match ip {
+                        std::net::IpAddr::V4(v4) => v4.to_string(),
+                        std::net::IpAddr::V6(v6) => format!("[{v6}]"),
+                    };
+                    ReplicaSpec::new(&replica_name(&ip.to_string(), port), &format!("http://{host}:{port}"))
+                })
+                .collect();
+            replicas.sort_by(|a, b| a.id.cmp(&b.id));
+            replicas.dedup_by(|a, b| a.id == b.id);
+            Ok(Answer { replicas, valid_for: valid_for(found.valid_until()) })
+        }
+        Err(e) if e.is_no_records_found() => Ok(Answer { replicas: Vec::new(), valid_for: Duration::ZERO }),
+        Err(e) => Err(format!("{name}: {e}")),
+    }
+}
+
+/// SRV records of `name`: one replica per target and port, named after them.
+pub async fn resolve_srv(r: &Resolver<TokioRuntimeProvider>, name: &str) -> Result<Answer, String> {
+    match r.srv_lookup(fqdn(name)).await {
+        Ok(found) => {
+            let mut replicas: Vec<ReplicaSpec> = found
+                .answers()
+                .iter()
+                .filter_map(|record| match &record.data {
+                    RData::SRV(srv) => Some(srv),
+                    _ => None,
+                })
+                .map(|srv| {
+                    let target = srv.target.to_utf8();
+                    let host = target.trim_end_matches('.');
+                    ReplicaSpec::new(&replica_name(host, srv.port), &format!("http://{host}:{}", srv.port))
+                })
+                .collect();
+            replicas.sort_by(|a, b| a.id.cmp(&b.id));
+            replicas.dedup_by(|a, b| a.id == b.id);
+            Ok(Answer { replicas, valid_for: valid_for(found.valid_until()) })
+        }
+        Err(e) if e.is_no_records_found() => Ok(Answer { replicas: Vec::new(), valid_for: Duration::ZERO }),
+        Err(e) => Err(format!("{name}: {e}")),
+    }
+}
+
+/// Names are looked up as given, not under the host's search domains.
+fn fqdn(name: &str) -> String {
+    if name.ends_with('.') {
+        name.to_string()
+    } else {
+        format!("{name}.")
+    }
+}
