@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use hickory_resolver::config::{NameServerConfig, ResolverConfig, ResolverOpts};
 use hickory_resolver::net::runtime::TokioRuntimeProvider;
+use hickory_resolver::net::NetError;
 use hickory_resolver::proto::rr::RData;
 use hickory_resolver::Resolver;
 
@@ -46,58 +47,53 @@ pub fn resolver(at: Option<SocketAddr>, timeout: Duration) -> Result<Resolver<To
     builder.with_options(options).build().map_err(|e| format!("cannot build a resolver: {e}"))
 }
 
-fn valid_for(until: Instant) -> Duration {
-    until.saturating_duration_since(Instant::now())
-}
-
 /// A/AAAA records of `name`: one replica per address, `http://ADDR:PORT`.
 /// No record is an answer with no replicas (the lifecycle holds a sudden
 /// empty answer); a server that does not answer is an error.
 pub async fn resolve_addresses(r: &Resolver<TokioRuntimeProvider>, name: &str, port: u16) -> Result<Answer, String> {
-    match r.lookup_ip(fqdn(name)).await {
-        Ok(found) => {
-            let mut replicas: Vec<ReplicaSpec> = found
-                .iter()
-                .map(|ip| {
-                    let host = match ip {
-                        std::net::IpAddr::V4(v4) => v4.to_string(),
-                        std::net::IpAddr::V6(v6) => format!("[{v6}]"),
-                    };
-                    ReplicaSpec::new(&replica_name(&ip.to_string(), port), &format!("http://{host}:{port}"))
-                })
-                .collect();
-            replicas.sort_by(|a, b| a.id.cmp(&b.id));
-            replicas.dedup_by(|a, b| a.id == b.id);
-            Ok(Answer { replicas, valid_for: valid_for(found.valid_until()) })
-        }
-        Err(e) if e.is_no_records_found() => Ok(Answer { replicas: Vec::new(), valid_for: Duration::ZERO }),
-        Err(e) => Err(format!("{name}: {e}")),
-    }
+    let found = r.lookup_ip(fqdn(name)).await.map(|found| {
+        let replicas = found.iter().map(|ip| {
+            let host = match ip {
+                std::net::IpAddr::V4(v4) => v4.to_string(),
+                std::net::IpAddr::V6(v6) => format!("[{v6}]"),
+            };
+            ReplicaSpec::new(&replica_name(&ip.to_string(), port), &format!("http://{host}:{port}"))
+        });
+        answer(replicas, found.valid_until())
+    });
+    taken(name, found)
 }
 
 /// SRV records of `name`: one replica per target and port, named after them.
 pub async fn resolve_srv(r: &Resolver<TokioRuntimeProvider>, name: &str) -> Result<Answer, String> {
-    match r.srv_lookup(fqdn(name)).await {
-        Ok(found) => {
-            let mut replicas: Vec<ReplicaSpec> = found
-                .answers()
-                .iter()
-                .filter_map(|record| match &record.data {
-                    RData::SRV(srv) => Some(srv),
-                    _ => None,
-                })
-                .map(|srv| {
-                    let target = srv.target.to_utf8();
-                    let host = target.trim_end_matches('.');
-                    ReplicaSpec::new(&replica_name(host, srv.port), &format!("http://{host}:{}", srv.port))
-                })
-                .collect();
-            replicas.sort_by(|a, b| a.id.cmp(&b.id));
-            replicas.dedup_by(|a, b| a.id == b.id);
-            Ok(Answer { replicas, valid_for: valid_for(found.valid_until()) })
-        }
+    let found = r.srv_lookup(fqdn(name)).await.map(|found| {
+        let srvs = found.answers().iter().filter_map(|record| match &record.data {
+            RData::SRV(srv) => Some(srv),
+            _ => None,
+        });
+        let replicas = srvs.map(|srv| {
+            let target = srv.target.to_utf8();
+            let host = target.trim_end_matches('.');
+            ReplicaSpec::new(&replica_name(host, srv.port), &format!("http://{host}:{}", srv.port))
+        });
+        answer(replicas, found.valid_until())
+    });
+    taken(name, found)
+}
+
+/// The replicas of one answer, each name once, in a stable order.
+fn answer(replicas: impl Iterator<Item = ReplicaSpec>, valid_until: Instant) -> Answer {
+    let mut replicas: Vec<ReplicaSpec> = replicas.collect();
+    replicas.sort_by(|a, b| a.id.cmp(&b.id));
+    replicas.dedup_by(|a, b| a.id == b.id);
+    Answer { replicas, valid_for: valid_until.saturating_duration_since(Instant::now()) }
+}
+
+/// A lookup's outcome: no records is an empty answer, anything else an error.
+fn taken(name: &str, found: Result<Answer, NetError>) -> Result<Answer, String> {
+    match found {
         Err(e) if e.is_no_records_found() => Ok(Answer { replicas: Vec::new(), valid_for: Duration::ZERO }),
-        Err(e) => Err(format!("{name}: {e}")),
+        other => other.map_err(|e| format!("{name}: {e}")),
     }
 }
 
