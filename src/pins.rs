@@ -215,6 +215,39 @@ impl Interner {
     }
 }
 
+/// The slot `record` writes at `key`: the one held there a turn later, or a
+/// new one continuing the parent's (turns, family); `origin` as
+/// (dialect, source) bytes.
+fn next_slot(
+    held: Option<&Slot>,
+    parent: Option<(u32, PrefixKey)>,
+    key: PrefixKey,
+    replica: ReplicaIdx,
+    est_tokens: u64,
+    now_ms: u64,
+    (dialect, source): (u8, u8),
+) -> Slot {
+    match held {
+        Some(old) => Slot {
+            last_used_ms: now_ms,
+            replica,
+            turns: old.turns.saturating_add(1),
+            est_tokens: tokens32(est_tokens),
+            ..*old
+        },
+        None => Slot {
+            family: parent.map_or(key, |(_, f)| f),
+            created_ms: now_ms,
+            last_used_ms: now_ms,
+            est_tokens: tokens32(est_tokens),
+            turns: parent.map_or(1, |(t, _)| t.saturating_add(1)),
+            replica,
+            dialect,
+            source,
+        },
+    }
+}
+
 /// What `record` did, for the callers that keep derived state (the working set).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Recorded {
@@ -328,27 +361,28 @@ impl PinTable {
             Some((slot.turns, slot.family))
         });
         let mut shard = self.shard(key).write().expect("pins lock");
-        let slot = match shard.map.get(&key) {
-            Some(old) => Slot {
-                last_used_ms: now_ms,
-                replica: idx,
-                turns: old.turns.saturating_add(1),
-                est_tokens: tokens32(est_tokens),
-                ..*old
-            },
-            None => Slot {
-                family: parent_info.map_or(key, |(_, f)| f),
-                created_ms: now_ms,
-                last_used_ms: now_ms,
-                est_tokens: tokens32(est_tokens),
-                turns: parent_info.map_or(1, |(t, _)| t.saturating_add(1)),
-                replica: idx,
-                dialect,
-                source,
-            },
-        };
+        let slot = next_slot(shard.map.get(&key), parent_info, key, idx, est_tokens, now_ms, (dialect, source));
         shard.insert(key, slot);
         Recorded { turns: slot.turns, family: slot.family, moved_from }
+    }
+
+    /// The pin `record` would write at `key` now, continuing `parent` (the
+    /// conversation's pinned prefix, if any), without writing it: what the
+    /// other instances are told at the routing decision.
+    pub fn next_pin(
+        &self,
+        key: PrefixKey,
+        replica: &Arc<str>,
+        parent: Option<&Pin>,
+        est_tokens: u64,
+        now_ms: u64,
+        origin: PinOrigin,
+    ) -> Pin {
+        let idx = self.replicas.intern(replica);
+        let parent = parent.map(|p| (p.turns, p.family));
+        let held = self.read(key);
+        let origin = (dialect_to_u8(origin.dialect), origin.source.to_u8());
+        self.to_pin(next_slot(held.as_ref(), parent, key, idx, est_tokens, now_ms, origin))
     }
 
     /// Applies pin changes that are in the store already (another
@@ -559,6 +593,21 @@ mod tests {
         assert_eq!(t.get(3).unwrap().family, 1);
         assert_eq!(t.take_dirty().len(), 3);
         assert!(t.take_dirty().is_empty());
+    }
+
+    #[test]
+    fn the_pin_announced_ahead_is_the_pin_record_writes() {
+        let t = PinTable::default();
+        let origin = PinOrigin { dialect: Dialect::Messages, source: PinSource::Prefix };
+        t.record(1, &id("a"), None, 10, 100, origin);
+        let parent = t.get(1).unwrap();
+        // A new prefix continuing a conversation, then the same prefix again.
+        for (now, tokens) in [(200, 20), (300, 30)] {
+            let ahead = t.next_pin(2, &id("b"), Some(&parent), tokens, now, origin);
+            t.record(2, &id("b"), Some(1), tokens, now, origin);
+            assert_eq!(t.get(2).unwrap(), ahead, "at {now}");
+        }
+        assert_eq!((t.get(2).unwrap().turns, t.get(2).unwrap().family), (3, 1));
     }
 
     #[test]

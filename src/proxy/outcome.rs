@@ -192,47 +192,17 @@ impl OutcomeRecorder {
                 KeyKind::SessionHeader => PinSource::SessionHeader,
             };
             let pin =
-                self.next_pin(s.key, r.replica, None, r.est_tokens, now, PinOrigin { dialect: r.dialect, source });
+                self.pins.next_pin(s.key, r.replica, None, r.est_tokens, now, PinOrigin { dialect: r.dialect, source });
             self.announcer.announce((s.key, Some(pin)));
         }
         let Some(pin_at) = r.pin_at else { return };
         let parent = r.pinned.map(|(_, p)| p);
         let origin = PinOrigin { dialect: r.dialect, source: PinSource::Prefix };
-        let pin = self.next_pin(pin_at, r.replica, parent, r.est_tokens, now, origin);
+        let pin = self.pins.next_pin(pin_at, r.replica, parent, r.est_tokens, now, origin);
         self.announcer.announce((pin_at, Some(pin)));
         if let Some((m, p)) = r.pinned.filter(|(_, p)| p.replica != *r.replica) {
             // The conversation moves: its parent prefix lives where it goes.
             self.announcer.announce((m.key, Some(Pin { replica: r.replica.clone(), last_used_ms: now, ..p.clone() })));
-        }
-    }
-
-    /// The pin `PinTable::record` will write at `key`, computed ahead.
-    fn next_pin(
-        &self,
-        key: PrefixKey,
-        replica: &Arc<str>,
-        parent: Option<&Pin>,
-        est_tokens: u64,
-        now: u64,
-        origin: PinOrigin,
-    ) -> Pin {
-        match self.pins.get(key) {
-            Some(held) => Pin {
-                replica: replica.clone(),
-                last_used_ms: now,
-                turns: held.turns.saturating_add(1),
-                est_tokens,
-                ..held
-            },
-            None => Pin {
-                replica: replica.clone(),
-                created_ms: now,
-                last_used_ms: now,
-                turns: parent.map_or(1, |p| p.turns.saturating_add(1)),
-                est_tokens,
-                family: parent.map_or(key, |p| p.family),
-                origin,
-            },
         }
     }
 
