@@ -391,15 +391,17 @@ impl PinTable {
     /// announces its batch again after persisting, and that second notice
     /// must not undo a turn served since.
     pub fn apply(&self, changes: impl IntoIterator<Item = PinChange>) {
+        let mut newer = Vec::new();
         for (key, pin) in changes {
             match pin {
                 Some(pin) => {
-                    if self.read(key).is_some_and(|held| held.last_used_ms > pin.last_used_ms) {
-                        continue;
+                    if self.read(key).is_none_or(|held| held.last_used_ms <= pin.last_used_ms) {
+                        newer.push((key, pin));
                     }
-                    self.restore([(key, pin)]);
                 }
                 None => {
+                    // In order: what came before the deletion is applied first.
+                    self.restore(std::mem::take(&mut newer));
                     let mut shard = self.shard(key).write().expect("pins lock");
                     if let Some(old) = shard.map.remove(&key) {
                         shard.uncount(old.replica);
@@ -407,6 +409,8 @@ impl PinTable {
                 }
             }
         }
+        // One call: `restore` interns each replica name once per batch.
+        self.restore(newer);
     }
 
     /// The keys of every pin `replica` holds.

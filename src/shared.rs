@@ -22,16 +22,15 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 
-use crate::events::EventLog;
 use crate::metrics::Metrics;
 use crate::operator::Operator;
 use crate::store::{Change, Store, StoreError};
 
 /// What applying changes needs: the operator (whose apply path is the one
-/// every change takes), the history, and where to count propagation delays.
+/// every change takes, and whose history other instances' events join),
+/// and where to count propagation delays.
 pub struct Follower {
     pub operator: Weak<Operator>,
-    pub events: Weak<EventLog>,
     pub metrics: Weak<Metrics>,
     /// Set when the listener lost its connection: re-read everything.
     pub resync: AtomicBool,
@@ -40,9 +39,7 @@ pub struct Follower {
 impl Follower {
     /// Applies one change; false once the gateway is gone (the listener stops).
     pub fn apply(&self, change: Change) -> bool {
-        let (Some(operator), Some(events), Some(metrics)) =
-            (self.operator.upgrade(), self.events.upgrade(), self.metrics.upgrade())
-        else {
+        let (Some(operator), Some(metrics)) = (self.operator.upgrade(), self.metrics.upgrade()) else {
             return false;
         };
         let result = match change {
@@ -59,7 +56,7 @@ impl Follower {
             Change::Setting { name } if name == "policy" => operator.reload_policy(),
             Change::Setting { .. } => Ok(()),
             Change::Event { event } => {
-                events.insert_remote(event);
+                operator.events.insert_remote(event);
                 Ok(())
             }
             Change::Lost => {

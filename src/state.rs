@@ -119,7 +119,6 @@ impl AppState {
         let metrics = Arc::new(Metrics::new());
         let follower = Arc::new(crate::shared::Follower {
             operator: Arc::downgrade(&operator),
-            events: Arc::downgrade(&events),
             metrics: Arc::downgrade(&metrics),
             // Re-read once the listener runs: another instance may have
             // changed something between our reads above and the subscription.
