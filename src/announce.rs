@@ -57,29 +57,26 @@ impl Announcer {
     pub fn announce(&self, change: PinChange) {
         let Some(queue) = &self.queue else { return };
         if let Err(TrySendError::Full(_)) = queue.try_send(change) {
-            self.count("dropped", 1);
+            count(&self.metrics, "dropped", 1);
         }
     }
+}
 
-    fn count(&self, result: &'static str, n: u64) {
-        self.metrics.announcements.get_or_create(&ResultLabels { result }).inc_by(n);
-    }
+fn count(metrics: &Metrics, result: &'static str, n: u64) {
+    metrics.announcements.get_or_create(&ResultLabels { result }).inc_by(n);
 }
 
 /// The thread's loop: wait for a change, take whatever else is queued, and
 /// publish them together. Ends when the announcer (the gateway) is dropped.
 fn publish(queue: &Receiver<PinChange>, store: &dyn Store, metrics: &Metrics) {
-    let count = |result, n| {
-        metrics.announcements.get_or_create(&ResultLabels { result }).inc_by(n);
-    };
     while let Ok(first) = queue.recv() {
         let mut batch = vec![first];
         batch.extend(queue.try_iter().take(BATCH - 1));
         match store.publish_pins(&batch) {
-            Ok(()) => count("sent", batch.len() as u64),
+            Ok(()) => count(metrics, "sent", batch.len() as u64),
             Err(e) => {
                 tracing::debug!("could not announce {} pin(s) (the flusher will): {e}", batch.len());
-                count("failed", batch.len() as u64);
+                count(metrics, "failed", batch.len() as u64);
             }
         }
     }

@@ -71,15 +71,11 @@ async fn address_records_name_one_replica_each_and_follow_the_server() {
     let Some(mut dns) = Dnsmasq::start("127.0.0.2 engines.test\n127.0.0.3 engines.test\n", &[]) else { return };
     let r = resolver(Some(dns.addr), Duration::from_millis(500)).unwrap();
     // dnsmasq takes a moment to listen: ask until it answers.
-    let mut answer = Err(String::new());
-    for _ in 0..100 {
-        answer = resolve_addresses(&r, "engines.test", 8000).await;
-        if answer.as_ref().is_ok_and(|a| !a.replicas.is_empty()) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let answer = answer.unwrap();
+    wait_until_async("dnsmasq answers", || async {
+        resolve_addresses(&r, "engines.test", 8000).await.is_ok_and(|a| !a.replicas.is_empty())
+    })
+    .await;
+    let answer = resolve_addresses(&r, "engines.test", 8000).await.unwrap();
     let found: Vec<(&str, &str)> = answer.replicas.iter().map(|s| (s.id.as_str(), s.url.as_str())).collect();
     assert_eq!(found, [("127-0-0-2-8000", "http://127.0.0.2:8000"), ("127-0-0-3-8000", "http://127.0.0.3:8000")]);
     assert!(answer.valid_for <= Duration::from_secs(1), "the record TTL bounds the answer: {:?}", answer.valid_for);
@@ -101,15 +97,11 @@ async fn srv_records_give_each_replica_its_own_host_and_port() {
     let srv = ["_http._tcp.engines.test,node-a.test,8001", "_http._tcp.engines.test,node-b.test,8002"];
     let Some(dns) = Dnsmasq::start("", &srv) else { return };
     let r = resolver(Some(dns.addr), Duration::from_millis(500)).unwrap();
-    let mut answer = Err(String::new());
-    for _ in 0..100 {
-        answer = resolve_srv(&r, "_http._tcp.engines.test").await;
-        if answer.as_ref().is_ok_and(|a| !a.replicas.is_empty()) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let answer = answer.unwrap();
+    wait_until_async("dnsmasq answers", || async {
+        resolve_srv(&r, "_http._tcp.engines.test").await.is_ok_and(|a| !a.replicas.is_empty())
+    })
+    .await;
+    let answer = resolve_srv(&r, "_http._tcp.engines.test").await.unwrap();
     let found: Vec<(&str, &str)> = answer.replicas.iter().map(|s| (s.id.as_str(), s.url.as_str())).collect();
     assert_eq!(
         found,
