@@ -120,7 +120,8 @@ fn decision(c: &mut Criterion) {
     }));
     pins.record(shape.boundaries[shape.boundaries.len() - 3].key, &r0, None, 1, 1, Default::default());
     let ids = ["r0", "r1", "r2", "r3"];
-    let candidates: Vec<Candidate> = ids.iter().map(|id| Candidate { id, routable: true, spare: true }).collect();
+    let candidates: Vec<Candidate> =
+        ids.iter().map(|id| Candidate { id, routable: true, spare: true, weight: 1 }).collect();
     let route = |s: &policy::RequestShape| {
         let found = pins.lookup_longest(&s.boundaries);
         let pinned = found

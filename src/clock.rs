@@ -10,3 +10,8 @@ pub fn unix_ms(t: SystemTime) -> u64 {
 pub fn now_ms() -> u64 {
     unix_ms(SystemTime::now())
 }
+
+/// Milliseconds since the epoch as an RFC 3339 timestamp.
+pub fn rfc3339(ms: u64) -> String {
+    humantime::format_rfc3339_millis(UNIX_EPOCH + std::time::Duration::from_millis(ms)).to_string()
+}

@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 // Each component's settings live with it; the config gathers them.
 pub use crate::fleet::health::HealthConfig;
 
+pub use crate::discovery::SourceConfig;
 use crate::fleet::ReplicaSpec;
 use crate::policy::{IdentityBlocks, Mode};
 
@@ -63,6 +64,9 @@ pub struct Config {
     pub store: StoreConfig,
     /// Replicas as `ID=URL` (repeatable); they seed an empty database only.
     pub replicas: Vec<ReplicaSpec>,
+    /// Where to find more replicas: `dns://NAME:PORT`, `dns+srv://_SERVICE._PROTO.NAME`
+    /// (optional `?resolver=IP:PORT`) or `file://PATH` (repeatable; `[[discovery]]` tables in the file).
+    pub discovery: Vec<SourceConfig>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
@@ -196,6 +200,7 @@ impl Default for Config {
             sessions: SessionConfig::default(),
             store: StoreConfig::default(),
             replicas: Vec::new(),
+            discovery: Vec::new(),
         }
     }
 }
@@ -343,6 +348,13 @@ impl Config {
                 return Err(format!("replicas[{i}].id: duplicate replica id '{}'", r.id));
             }
         }
+        let mut urls = std::collections::HashSet::new();
+        for (i, d) in self.discovery.iter().enumerate() {
+            d.validate().map_err(|e| format!("discovery[{i}]: {e}"))?;
+            if !urls.insert(d.url.as_str()) {
+                return Err(format!("discovery[{i}].url: '{}' is listed twice", d.url));
+            }
+        }
         if self.identity.block_bytes == 0 || self.identity.block_tokens == 0 {
             return Err("identity.block_bytes and identity.block_tokens must be at least 1".into());
         }
@@ -397,9 +409,19 @@ fn apply_env(table: &mut toml::Table, key: &str, value: &str) -> Result<(), Stri
 }
 
 /// Sets `section.key` (or a top-level `key`) to `value`, read as a TOML
-/// value; `replicas` takes `ID=URL[,ID=URL...]`. The one way a key is set
+/// value; `replicas` takes `ID=URL[,ID=URL...]` and `discovery` takes
+/// `URL[,URL...]` (or a TOML array of tables). The one way a key is set
 /// from outside the file: environment variables and `--set` both come here.
 pub fn apply_key(table: &mut toml::Table, key: &str, value: &str) -> Result<(), String> {
+    if key == "discovery" && !value.trim_start().starts_with('[') {
+        let list = value
+            .split(',')
+            .filter(|s| !s.trim().is_empty())
+            .map(|url| toml::Value::try_from(SourceConfig::new(url.trim())).expect("serializable"))
+            .collect();
+        table.insert("discovery".into(), toml::Value::Array(list));
+        return Ok(());
+    }
     if key == "replicas" {
         let list = value
             .split(',')
@@ -499,6 +521,33 @@ mod tests {
             migrate_renamed_keys(&mut t),
             vec!["config key 'pins.max_events' is deprecated: use 'history.max_events'"]
         );
+    }
+
+    #[test]
+    fn discovery_sources_come_from_the_file_the_environment_and_flags() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(
+            &path,
+            "[[discovery]]\nurl = \"dns+srv://_http._tcp.engines\"\ninterval_ms = 1000\nmax_large_inflight = 1\n",
+        )
+        .unwrap();
+        let c = Config::load(Some(&path), std::iter::empty(), &[]).unwrap();
+        assert_eq!((c.discovery.len(), c.discovery[0].interval_ms), (1, 1000));
+        assert_eq!(c.discovery[0].max_large_inflight, Some(1));
+        let c = Config::load(
+            Some(&path),
+            env(&[("PREFIXGATE_DISCOVERY", "dns://engines:8000,file:///etc/engines.toml")]),
+            &[],
+        )
+        .unwrap();
+        let urls: Vec<&str> = c.discovery.iter().map(|d| d.url.as_str()).collect();
+        assert_eq!(urls, ["dns://engines:8000", "file:///etc/engines.toml"]);
+        assert_eq!(c.discovery[0].grace_secs, 600, "defaults fill what a URL does not say");
+        let err = Config::load(None, env(&[("PREFIXGATE_DISCOVERY", "dns://engines")]), &[]).unwrap_err();
+        assert!(err.contains("discovery[0]") && err.contains("NAME:PORT"), "{err}");
+        let err = Config::load(None, env(&[("PREFIXGATE_DISCOVERY", "file:///a,file:///a")]), &[]).unwrap_err();
+        assert!(err.contains("twice"), "{err}");
     }
 
     #[test]

@@ -36,6 +36,7 @@ const SHORTHANDS: &[(&str, &str)] = &[
     ("store", "store.url"),
     ("policy", "policy"),
     ("replica", "replicas"),
+    ("discover", "discovery"),
 ];
 
 fn description(s: &RefOr<Schema>) -> String {
@@ -120,11 +121,15 @@ impl clap::Args for ServeArgs {
             );
         for (flag, key) in SHORTHANDS {
             let d = doc(key);
-            let many = *key == "replicas";
+            let (many, value_name) = match *key {
+                "replicas" => (true, "ID=URL"),
+                "discovery" => (true, "URL"),
+                _ => (false, "VALUE"),
+            };
             cmd = cmd.arg(
                 Arg::new(*flag)
                     .long(*flag)
-                    .value_name(if many { "ID=URL" } else { "VALUE" })
+                    .value_name(value_name)
                     .action(if many { ArgAction::Append } else { ArgAction::Set })
                     .help(format!("{} [key: {key}; default: {}]", d.doc, d.default)),
             );

@@ -40,6 +40,20 @@ pub enum EventKind {
     StoreUnreachable,
     /// The store answers again; queued writes went through.
     StoreReachable,
+    /// A discovery source listed a new replica.
+    ReplicaDiscovered,
+    /// A discovered replica left its source: it drains, then is removed.
+    ReplicaLeftSource,
+    /// A discovered replica came back to its source under the same name.
+    ReplicaReturned,
+    /// A discovery source failed (DNS down, unreadable or malformed file):
+    /// the last good answer stands.
+    DiscoveryFailed,
+    /// A discovery source answers again.
+    DiscoveryRecovered,
+    /// An answer that would remove too many of a source's replicas at once
+    /// was held until seen twice.
+    DiscoveryHeld,
 }
 
 impl std::str::FromStr for EventKind {

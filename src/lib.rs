@@ -152,7 +152,9 @@ fn spawn_background(state: &Arc<AppState>, admin_addr: SocketAddr) -> Vec<actix_
             }
         }
     });
-    vec![health, flusher, housekeeping]
+    let mut tasks = vec![health, flusher, housekeeping];
+    tasks.extend(state.discovery.spawn(&state.operator, &state.metrics));
+    tasks
 }
 
 /// The pin and event flusher: every `pins.flush_interval_ms`, the heartbeat
@@ -206,12 +208,21 @@ async fn no_route() -> Result<HttpResponse, ApiError> {
     Err(ApiError::NotFound("no such route; the API lives under /v1".into()))
 }
 
-/// 200 while any replica is routable. An unreachable shared store does not
-/// make the gateway unhealthy (it routes from memory), but it is reported.
+/// 200 while any replica is routable. An unreachable shared store or a
+/// failing discovery source does not make the gateway unhealthy (it routes
+/// from memory, and from the source's last good answer), but both are
+/// reported: a probe that failed every gateway while DNS is down would empty
+/// the service exactly when its replicas are still there.
 async fn healthz(state: web::Data<AppState>) -> HttpResponse {
     let routable = state.fleet.snapshot().iter().filter(|r| r.routable()).count();
     let store = if state.store_up.load(std::sync::atomic::Ordering::Acquire) { "ok" } else { "unreachable" };
-    let body = serde_json::json!({"status": if routable > 0 { "ok" } else { "degraded" }, "routable_replicas": routable, "store": store});
+    let stale: Vec<String> = state.discovery.statuses().into_iter().filter(|s| s.stale).map(|s| s.source).collect();
+    let body = serde_json::json!({
+        "status": if routable > 0 { "ok" } else { "degraded" },
+        "routable_replicas": routable,
+        "store": store,
+        "stale_sources": stale,
+    });
     if routable > 0 {
         HttpResponse::Ok().json(body)
     } else {

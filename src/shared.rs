@@ -54,6 +54,7 @@ impl Follower {
             }
             Change::Replica { id } => operator.reload_replica(&id).map(|_| ()),
             Change::Setting { name } if name == "policy" => operator.reload_policy(),
+            Change::Setting { name } if name == crate::operator::DISCOVERED_ADMIN => operator.reload_discovered_admin(),
             Change::Setting { .. } => Ok(()),
             Change::Event { event } => {
                 operator.events.insert_remote(event);
@@ -87,9 +88,11 @@ fn resync(operator: &Operator) -> Result<(), StoreError> {
         // its loss is not an operator removing every replica. Put this
         // instance's state back instead; the flusher rewrites every pin.
         tracing::warn!("the shared store came back empty; restoring it from this instance's state");
-        for r in fleet.iter() {
-            store.put_replica(&crate::store::StoredReplica { spec: (**r.spec()).clone(), admin: r.admin() })?;
+        for r in fleet.iter().filter(|r| !r.source.is_discovered()) {
+            let (spec, source) = ((**r.spec()).clone(), r.source.clone());
+            store.put_replica(&crate::store::StoredReplica { spec, admin: r.admin(), source })?;
         }
+        operator.persist_discovered_admin()?;
         store.put_setting("policy", &serde_json::to_value(operator.policy.get()).expect("serializable"))?;
         operator.pins.mark_all_dirty();
     } else {
@@ -99,6 +102,7 @@ fn resync(operator: &Operator) -> Result<(), StoreError> {
             operator.reload_replica(&id)?;
         }
         operator.reload_policy()?;
+        operator.reload_discovered_admin()?;
     }
     // Read in both cases: an instance that reconnected first may already
     // have written its pins into the emptied store (announced before this
@@ -158,6 +162,7 @@ mod tests {
             .put_replica(&crate::store::StoredReplica {
                 spec: ReplicaSpec::new("a", "http://127.0.0.1:1"),
                 admin: AdminState::Active,
+                source: Default::default(),
             })
             .unwrap();
         local.remove_replica("a").unwrap();

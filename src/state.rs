@@ -13,7 +13,7 @@ use crate::capacity::Capacity;
 use crate::config::Config;
 use crate::events::EventLog;
 use crate::fleet::health::HealthTracker;
-use crate::fleet::{AdminState, Fleet, Replica};
+use crate::fleet::{AdminState, Fleet, Replica, ReplicaSource};
 use crate::metrics::Metrics;
 use crate::operator::Operator;
 use crate::pins::PinTable;
@@ -41,6 +41,8 @@ pub struct AppState {
     pub operator: Arc<Operator>,
     /// Fleet-wide large-context leases this instance holds (a shared store).
     pub leases: Arc<crate::leases::Leases>,
+    /// The discovery sources and their last status.
+    pub discovery: Arc<crate::discovery::Discovery>,
     /// False while the last write to the store failed (a shared store that is
     /// unreachable): routing goes on from memory, writes are retried.
     pub store_up: std::sync::atomic::AtomicBool,
@@ -75,7 +77,7 @@ impl AppState {
         let stored = store.replicas()?;
         if store.is_new() {
             for spec in &config.replicas {
-                let r = StoredReplica { spec: spec.clone(), admin: AdminState::Active };
+                let r = StoredReplica { spec: spec.clone(), admin: AdminState::Active, source: ReplicaSource::Static };
                 store.put_replica(&r)?;
                 fleet.add(Replica::new(r.spec, r.admin));
             }
@@ -88,7 +90,7 @@ impl AppState {
                 );
             }
             for r in stored {
-                fleet.add(Replica::new(r.spec, r.admin));
+                fleet.add(Replica::from_source(r.spec, r.admin, r.source));
             }
         }
         let policy = match store.setting("policy")? {
@@ -114,6 +116,7 @@ impl AppState {
             policy: policy.clone(),
             admission: admission.clone(),
             capacity: capacity.clone(),
+            discovered_admin: std::sync::Mutex::new(crate::operator::read_discovered_admin(store.as_ref())?),
             serial: Default::default(),
         });
         let metrics = Arc::new(Metrics::new());
@@ -136,6 +139,7 @@ impl AppState {
             spread: Arc::new(SpreadCounter::starting_at(
                 store.instance().map_or(0, |name| xxhash_rust::xxh3::xxh3_64(name.as_bytes())),
             )),
+            discovery: Arc::new(crate::discovery::Discovery::new(&config.discovery)),
             config: Arc::new(config),
             fleet,
             pins,

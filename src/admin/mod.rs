@@ -4,6 +4,7 @@
 //! without its OpenAPI entry.
 
 mod capacity;
+mod discovery;
 mod events;
 mod instances;
 mod pins;
@@ -36,7 +37,8 @@ use crate::state::AppState;
         (name = "events", description = "History: failovers, pin moves, drains, health changes"),
         (name = "policy", description = "The routing mode and identity block sizes"),
         (name = "capacity", description = "KV working set against capacity"),
-        (name = "instances", description = "Gateway instances sharing the fleet (a shared store)")
+        (name = "instances", description = "Gateway instances sharing the fleet (a shared store)"),
+        (name = "discovery", description = "Sources replicas are found in (DNS, SRV, files)")
     )
 )]
 struct ApiDoc;
@@ -110,6 +112,7 @@ fn api_scope() -> scope::Scope<
         .configure(policy::routes)
         .configure(capacity::routes)
         .configure(instances::routes)
+        .configure(discovery::routes)
 }
 
 /// The OpenAPI document, as served at `/openapi.json` and committed under `openapi/`.
@@ -246,10 +249,7 @@ fn page_limit(limit: Option<usize>, default: usize) -> Result<usize, ApiError> {
     }
 }
 
-/// Milliseconds since the epoch as an RFC 3339 timestamp.
-fn rfc3339(ms: u64) -> String {
-    humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms)).to_string()
-}
+use crate::clock::rfc3339;
 
 #[cfg(test)]
 mod tests {

@@ -32,6 +32,14 @@ pub fn routes(cfg: &mut ServiceConfig) {
 pub struct ReplicaView {
     #[schema(value_type = ReplicaId)]
     pub id: String,
+    /// Where it comes from: `static` (the config file), `api`, or the
+    /// discovery source that found it (`dns:...`, `dns+srv:...`, `file:...`).
+    pub source: String,
+    /// When a discovered replica left its source (it drains, then is removed).
+    pub left_source_at: Option<String>,
+    /// Share of spread traffic relative to the other replicas.
+    pub weight: u32,
+    pub labels: std::collections::BTreeMap<String, String>,
     #[schema(value_type = ReplicaUrl)]
     pub url: String,
     /// Whether an upstream API key is set (the key itself is never returned).
@@ -75,6 +83,10 @@ fn view_with_pins(
     let cap = s.capacity.replica(&r.id);
     ReplicaView {
         id: r.id.to_string(),
+        source: r.source.label().to_string(),
+        left_source_at: r.left_source_ms().map(rfc3339),
+        weight: spec.weight(),
+        labels: spec.labels.clone(),
         url: spec.url.clone(),
         api_key_set: spec.api_key.is_some(),
         health_path: spec.health_path().to_string(),
@@ -152,7 +164,8 @@ async fn add(s: web::Data<AppState>, body: web::Json<NewReplica>) -> Result<Http
 }
 
 #[utoipa::path(tag = "replicas", params(("id" = ReplicaId, Path, description = "replica id")), request_body = ReplicaPatch,
-    responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody), (status = 422, body = ErrorBody)))]
+    description = "A discovered replica's settings are its source's: changing them here answers 409.",
+    responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 422, body = ErrorBody)))]
 #[patch("/replicas/{id}")]
 async fn update(
     s: web::Data<AppState>,
@@ -164,7 +177,8 @@ async fn update(
 }
 
 #[utoipa::path(tag = "replicas", params(("id" = ReplicaId, Path, description = "replica id")),
-    responses((status = 204, description = "removed, with its pins (ids of responses it stored are kept until they expire, so a follow-up hears its replica is gone)"), (status = 404, body = ErrorBody)))]
+    description = "A discovered replica belongs to its source: deleting it answers 409 (disable it, or change the source).",
+    responses((status = 204, description = "removed, with its pins (ids of responses it stored are kept until they expire, so a follow-up hears its replica is gone)"), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 #[delete("/replicas/{id}")]
 async fn remove(operator: web::Data<Operator>, id: web::Path<String>) -> Result<HttpResponse, ApiError> {
     operator.remove_replica(checked_id(&id)?)?;

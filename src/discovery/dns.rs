@@ -53,32 +53,43 @@ pub fn resolver(at: Option<SocketAddr>, timeout: Duration) -> Result<Resolver<To
 pub async fn resolve_addresses(r: &Resolver<TokioRuntimeProvider>, name: &str, port: u16) -> Result<Answer, String> {
     let found = r.lookup_ip(fqdn(name)).await.map(|found| {
         let replicas = found.iter().map(|ip| {
-            let host = match ip {
-                std::net::IpAddr::V4(v4) => v4.to_string(),
-                std::net::IpAddr::V6(v6) => format!("[{v6}]"),
-            };
-            ReplicaSpec::new(&replica_name(&ip.to_string(), port), &format!("http://{host}:{port}"))
+            ReplicaSpec::new(&replica_name(&ip.to_string(), port), &format!("http://{}:{port}", url_host(ip)))
         });
         answer(replicas, found.valid_until())
     });
     taken(name, found)
 }
 
-/// SRV records of `name`: one replica per target and port, named after them.
+/// SRV records of `name`: one replica per target and port, named after
+/// them. Each target is resolved through the same resolver, so the replica's
+/// URL holds its address (a target the resolver cannot resolve keeps its
+/// name, for the system's resolver to try at connect time).
 pub async fn resolve_srv(r: &Resolver<TokioRuntimeProvider>, name: &str) -> Result<Answer, String> {
-    let found = r.srv_lookup(fqdn(name)).await.map(|found| {
-        let srvs = found.answers().iter().filter_map(|record| match &record.data {
-            RData::SRV(srv) => Some(srv),
+    let found = match r.srv_lookup(fqdn(name)).await {
+        Ok(found) => found,
+        Err(e) => return taken(name, Err(e)),
+    };
+    let targets: Vec<(String, u16)> = found
+        .answers()
+        .iter()
+        .filter_map(|record| match &record.data {
+            RData::SRV(srv) => Some((srv.target.to_utf8().trim_end_matches('.').to_string(), srv.port)),
             _ => None,
-        });
-        let replicas = srvs.map(|srv| {
-            let target = srv.target.to_utf8();
-            let host = target.trim_end_matches('.');
-            ReplicaSpec::new(&replica_name(host, srv.port), &format!("http://{host}:{}", srv.port))
-        });
-        answer(replicas, found.valid_until())
+        })
+        .collect();
+    let addresses = futures_util::future::join_all(targets.iter().map(|(host, _)| r.lookup_ip(fqdn(host)))).await;
+    let replicas = targets.iter().zip(addresses).map(|((host, port), address)| {
+        let at = address.ok().and_then(|a| a.iter().next()).map_or_else(|| host.clone(), url_host);
+        ReplicaSpec::new(&replica_name(host, *port), &format!("http://{at}:{port}"))
     });
-    taken(name, found)
+    Ok(answer(replicas, found.valid_until()))
+}
+
+fn url_host(ip: std::net::IpAddr) -> String {
+    match ip {
+        std::net::IpAddr::V4(v4) => v4.to_string(),
+        std::net::IpAddr::V6(v6) => format!("[{v6}]"),
+    }
 }
 
 /// The replicas of one answer, each name once, in a stable order.

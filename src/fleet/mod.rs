@@ -37,6 +37,17 @@ pub struct ReplicaSpec {
     /// KV cache capacity in tokens, when the replica does not report it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_tokens: Option<u64>,
+    /// Share of spread traffic relative to the other replicas (default 1;
+    /// 0 takes spread traffic only when no other replica can).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight: Option<u32>,
+    /// Free-form labels, shown in the API and the UI (e.g. `zone`, `gpu`).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub labels: std::collections::BTreeMap<String, String>,
+    /// The models the replica is expected to serve, used for routing until
+    /// its own `/v1/models` answers (empty: any model).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub models: Vec<String>,
 }
 
 /// The wire formats the admin API documents (`openapi/admin.json` carries
@@ -133,6 +144,9 @@ impl ReplicaSpec {
             health_path: None,
             max_large_inflight: None,
             kv_tokens: None,
+            weight: None,
+            labels: Default::default(),
+            models: Vec::new(),
         }
     }
 
@@ -152,11 +166,25 @@ impl ReplicaSpec {
                 return Err("api_key: must be visible ASCII characters, at most 4096".into());
             }
         }
+        if let Some((k, v)) = self.labels.iter().find(|(k, v)| k.is_empty() || k.len() > 63 || v.len() > 255) {
+            return Err(format!(
+                "labels: '{}' = '{}': keys are 1-63 bytes, values at most 255",
+                k.escape_debug(),
+                v.escape_debug()
+            ));
+        }
+        if self.models.iter().any(String::is_empty) {
+            return Err("models: a model name must not be empty".into());
+        }
         Ok(())
     }
 
     pub fn health_path(&self) -> &str {
         self.health_path.as_deref().unwrap_or("/health")
+    }
+
+    pub fn weight(&self) -> u32 {
+        self.weight.unwrap_or(1)
     }
 }
 
@@ -220,6 +248,14 @@ pub enum Health {
 }
 
 impl AdminState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AdminState::Active => "active",
+            AdminState::Draining => "draining",
+            AdminState::Disabled => "disabled",
+        }
+    }
+
     fn from_u8(v: u8) -> AdminState {
         match v {
             1 => AdminState::Draining,
@@ -251,9 +287,56 @@ pub struct ProbeState {
     pub epoch: u64,
 }
 
+/// Where a replica comes from: the config file (`static`), the admin API
+/// (`api`), or a discovery source (its label, `dns:...`, `dns+srv:...`,
+/// `file:...`). A discovered replica belongs to its source: the source adds,
+/// changes and removes it; an operator can drain or disable it by name.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(into = "String", from = "String")]
+pub enum ReplicaSource {
+    #[default]
+    Static,
+    Api,
+    Discovered(Arc<str>),
+}
+
+impl ReplicaSource {
+    pub fn label(&self) -> &str {
+        match self {
+            ReplicaSource::Static => "static",
+            ReplicaSource::Api => "api",
+            ReplicaSource::Discovered(label) => label,
+        }
+    }
+
+    pub fn is_discovered(&self) -> bool {
+        matches!(self, ReplicaSource::Discovered(_))
+    }
+}
+
+impl From<ReplicaSource> for String {
+    fn from(s: ReplicaSource) -> String {
+        s.label().to_string()
+    }
+}
+
+impl From<String> for ReplicaSource {
+    fn from(s: String) -> ReplicaSource {
+        match s.as_str() {
+            "static" => ReplicaSource::Static,
+            "api" => ReplicaSource::Api,
+            _ => ReplicaSource::Discovered(s.into()),
+        }
+    }
+}
+
 #[derive(Debug)]
 pub struct Replica {
     pub id: Arc<str>,
+    pub source: ReplicaSource,
+    /// When a discovered replica left its source (ms since the epoch; 0:
+    /// listed). It drains meanwhile, whatever the operator's state.
+    left_source_ms: AtomicU64,
     // Read on every request by both workers: ArcSwap reads touch no shared
     // cache line (a lock or a reference count would, on every read).
     spec: ArcSwap<ReplicaSpec>,
@@ -274,8 +357,14 @@ pub struct Replica {
 
 impl Replica {
     pub fn new(spec: ReplicaSpec, admin: AdminState) -> Replica {
+        Replica::from_source(spec, admin, ReplicaSource::Static)
+    }
+
+    pub fn from_source(spec: ReplicaSpec, admin: AdminState, source: ReplicaSource) -> Replica {
         Replica {
             id: Arc::from(spec.id.as_str()),
+            source,
+            left_source_ms: AtomicU64::new(0),
             spec: ArcSwap::from_pointee(spec),
             admin: AtomicU8::new(admin as u8),
             health: AtomicU8::new(Health::Unknown as u8),
@@ -370,11 +459,25 @@ impl Replica {
         self.models.store(Arc::new(models));
     }
 
-    /// True when the replica serves `model`, or when its list is not known
-    /// yet (an unknown list must not make a fresh replica unroutable).
+    /// True when the replica serves `model`: by the list it reported, else
+    /// by the list its spec expects, else yes (an unknown list must not make
+    /// a fresh replica unroutable).
     pub fn serves(&self, model: &str) -> bool {
-        let models = self.models();
-        models.is_empty() || models.iter().any(|m| m == model)
+        let reported = self.models();
+        if !reported.is_empty() {
+            return reported.iter().any(|m| m == model);
+        }
+        let expected = &self.spec().models;
+        expected.is_empty() || expected.iter().any(|m| m == model)
+    }
+
+    /// When a discovered replica left its source, if it did.
+    pub fn left_source_ms(&self) -> Option<u64> {
+        Some(self.left_source_ms.load(Ordering::Acquire)).filter(|ms| *ms > 0)
+    }
+
+    pub fn set_left_source(&self, at_ms: Option<u64>) {
+        self.left_source_ms.store(at_ms.unwrap_or(0), Ordering::Release);
     }
 }
 

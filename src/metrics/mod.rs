@@ -69,6 +69,23 @@ pub struct ReplicaLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceLabels {
+    pub source: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceResultLabels {
+    pub source: String,
+    pub result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceChangeLabels {
+    pub source: String,
+    pub change: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct FailoverLabels {
     pub from: Name,
     pub to: Name,
@@ -148,6 +165,15 @@ pub struct Metrics {
     pub stored_response_lookups: Family<ResultLabels, Counter>,
     /// Pin changes the flusher wrote to the store.
     pub pins_persisted: Counter,
+    /// Discovery sources read, by source and result (ok|failed|held).
+    pub discovery_reads: Family<SourceResultLabels, Counter>,
+    /// Replicas each discovery source lists now.
+    pub discovery_replicas: Family<SourceLabels, Gauge>,
+    /// 1 while a discovery source fails (its last good answer stands).
+    pub discovery_stale: Family<SourceLabels, Gauge>,
+    /// What discovery did to the fleet, by source and change
+    /// (added|updated|drained|returned|removed|conflict).
+    pub discovery_changes: Family<SourceChangeLabels, Counter>,
 }
 
 impl Metrics {
@@ -180,6 +206,10 @@ impl Metrics {
             propagation: Histogram::new(exponential_buckets(0.000_05, 2.0, 16)),
             stored_response_lookups: Family::default(),
             pins_persisted: Counter::default(),
+            discovery_reads: Family::default(),
+            discovery_replicas: Family::default(),
+            discovery_stale: Family::default(),
+            discovery_changes: Family::default(),
             registry: Registry::default(),
         };
         // Registration clones the families (they share state through Arcs).
@@ -296,6 +326,26 @@ impl Metrics {
             "Pin changes written to the store by the flusher (batched behind the requests)",
             m.pins_persisted.clone(),
         );
+        registry.register(
+            "prefixgate_discovery_reads",
+            "Discovery sources read, by source and result (ok|failed|held)",
+            m.discovery_reads.clone(),
+        );
+        registry.register(
+            "prefixgate_discovery_replicas",
+            "Replicas each discovery source lists now",
+            m.discovery_replicas.clone(),
+        );
+        registry.register(
+            "prefixgate_discovery_stale",
+            "1 while a discovery source fails and its last good answer stands",
+            m.discovery_stale.clone(),
+        );
+        registry.register(
+            "prefixgate_discovery_changes",
+            "Fleet changes made by discovery (change=added|updated|drained|returned|removed|conflict)",
+            m.discovery_changes.clone(),
+        );
         // Every result starts at zero, so a rate over a quiet series is 0, not absent.
         for result in ["sent", "dropped", "failed"] {
             m.announcements.get_or_create(&ResultLabels { result }).inc_by(0);
@@ -304,6 +354,18 @@ impl Metrics {
             m.stored_response_lookups.get_or_create(&ResultLabels { result }).inc_by(0);
         }
         Metrics { registry, ..m }
+    }
+
+    /// Counts one read of a discovery source and sets its gauges.
+    pub fn discovery_read(&self, source: &str, result: &'static str, replicas: usize, stale: bool) {
+        let labels = SourceLabels { source: source.to_string() };
+        self.discovery_reads.get_or_create(&SourceResultLabels { source: source.to_string(), result }).inc();
+        self.discovery_replicas.get_or_create(&labels).set(replicas as i64);
+        self.discovery_stale.get_or_create(&labels).set(i64::from(stale));
+    }
+
+    pub fn discovery_change(&self, source: &str, change: &'static str) {
+        self.discovery_changes.get_or_create(&SourceChangeLabels { source: source.to_string(), change }).inc();
     }
 
     /// Sets the gauges that mirror fleet and capacity state (at scrape time,

@@ -147,6 +147,8 @@ pub struct Candidate<'a> {
     /// or no limit). Spread picks prefer such replicas; pins ignore it,
     /// because moving a continuation throws its cache away.
     pub spare: bool,
+    /// Its share of spread picks relative to the others (`ReplicaSpec::weight`).
+    pub weight: u32,
 }
 
 /// The prefix a continuation matched.
@@ -251,14 +253,24 @@ pub fn decide(
     }
 }
 
-/// The `at`-th routable candidate (modulo their number); among those with
-/// spare room when there are any. At least one candidate must be routable.
+/// The `at`-th routable candidate (modulo their number), each counted as
+/// many times as its weight; among those with spare room when there are
+/// any. Weight 0 counts only when every eligible candidate has weight 0.
+/// At least one candidate must be routable.
 pub fn spread_pick(candidates: &[Candidate], at: u64) -> usize {
     let any_spare = candidates.iter().any(|c| c.routable && c.spare);
     let eligible = |c: &&Candidate| c.routable && (c.spare || !any_spare);
-    let count = candidates.iter().filter(eligible).count() as u64;
-    let nth = (at % count) as usize;
-    candidates.iter().enumerate().filter(|(_, c)| eligible(c)).nth(nth).map(|(i, _)| i).expect("nth < eligible count")
+    let any_weighted = candidates.iter().filter(eligible).any(|c| c.weight > 0);
+    let weight = |c: &Candidate| if any_weighted { u64::from(c.weight) } else { 1 };
+    let total: u64 = candidates.iter().filter(eligible).map(weight).sum();
+    let mut nth = at % total;
+    for (i, c) in candidates.iter().enumerate().filter(|(_, c)| eligible(c)) {
+        if nth < weight(c) {
+            return i;
+        }
+        nth -= weight(c);
+    }
+    unreachable!("nth < the eligible candidates' total weight")
 }
 
 /// Highest-random-weight hashing: stable per key, and only the keys of a

@@ -47,8 +47,12 @@ impl Router {
 
     fn route(&mut self, body: &str) -> Option<(&'static str, RouteReason)> {
         let shape = identity::extract(Endpoint::Chat, body.as_bytes(), IdentityBlocks::default()).unwrap();
-        let candidates: Vec<Candidate> =
-            self.ids.iter().zip(&self.down).map(|(id, down)| Candidate { id, routable: !down, spare: true }).collect();
+        let candidates: Vec<Candidate> = self
+            .ids
+            .iter()
+            .zip(&self.down)
+            .map(|(id, down)| Candidate { id, routable: !down, spare: true, weight: 1 })
+            .collect();
         let pinned = longest(&shape, |k| self.pins.get(&k).cloned());
         let d = decide(
             self.mode,
@@ -156,8 +160,10 @@ fn every_mode_picks_the_live_replica_and_none_when_all_are_down() {
 #[test]
 fn spread_prefers_a_replica_with_a_free_slot_but_pins_do_not_move() {
     let ids = ["a", "b"];
-    let candidates =
-        [Candidate { id: ids[0], routable: true, spare: false }, Candidate { id: ids[1], routable: true, spare: true }];
+    let candidates = [
+        Candidate { id: ids[0], routable: true, spare: false, weight: 1 },
+        Candidate { id: ids[1], routable: true, spare: true, weight: 1 },
+    ];
     let counter = SpreadCounter::default();
     for i in 0..4 {
         let shape = identity::extract(Endpoint::Chat, single(i).as_bytes(), IdentityBlocks::default()).unwrap();
@@ -204,7 +210,7 @@ proptest! {
     #[test]
     fn spread_never_picks_an_unroutable_replica(routable in prop::collection::vec(any::<bool>(), 1..8), start in 0u64..1000, n in 1usize..20) {
         let ids: Vec<String> = (0..routable.len()).map(|i| format!("r{i}")).collect();
-        let candidates: Vec<Candidate> = ids.iter().zip(&routable).map(|(id, r)| Candidate { id, routable: *r, spare: true }).collect();
+        let candidates: Vec<Candidate> = ids.iter().zip(&routable).map(|(id, r)| Candidate { id, routable: *r, spare: true, weight: 1 }).collect();
         let counter = SpreadCounter(AtomicU64::new(start));
         let shape = RequestShape::default();
         let live = routable.iter().filter(|r| **r).count();
@@ -227,7 +233,7 @@ proptest! {
     ) {
         let ids: Vec<String> = (0..routable.len()).map(|i| format!("r{i}")).collect();
         let pinned = pinned % ids.len();
-        let candidates: Vec<Candidate> = ids.iter().zip(&routable).map(|(id, r)| Candidate { id, routable: *r, spare: true }).collect();
+        let candidates: Vec<Candidate> = ids.iter().zip(&routable).map(|(id, r)| Candidate { id, routable: *r, spare: true, weight: 1 }).collect();
         let first = identity::extract(Endpoint::Chat, conversation("p", 1).as_bytes(), IdentityBlocks::default()).unwrap();
         let later = identity::extract(Endpoint::Chat, conversation("p", turns).as_bytes(), IdentityBlocks::default()).unwrap();
         let pin_key = first.pin_at.unwrap();
@@ -248,7 +254,8 @@ proptest! {
 #[test]
 fn a_session_key_decides_only_without_prefix_evidence() {
     let ids = ["a", "b"];
-    let candidates: Vec<Candidate> = ids.iter().map(|id| Candidate { id, routable: true, spare: true }).collect();
+    let candidates: Vec<Candidate> =
+        ids.iter().map(|id| Candidate { id, routable: true, spare: true, weight: 1 }).collect();
     let counter = SpreadCounter::default();
     // A compacted history (no pinned prefix) follows its session.
     let shape = identity::extract(Endpoint::Chat, single(1).as_bytes(), IdentityBlocks::default()).unwrap();
@@ -261,11 +268,27 @@ fn a_session_key_decides_only_without_prefix_evidence() {
     let d = decide(Mode::Shape, &shape, &candidates, longest(&shape, |_| Some("a")), Some("b"), &counter).unwrap();
     assert_eq!((d.replica, d.reason), (0, RouteReason::Pinned));
     // The session's replica gone: spread, and the session moves.
-    let gone =
-        [Candidate { id: "a", routable: true, spare: true }, Candidate { id: "b", routable: false, spare: true }];
+    let gone = [
+        Candidate { id: "a", routable: true, spare: true, weight: 1 },
+        Candidate { id: "b", routable: false, spare: true, weight: 1 },
+    ];
     let d = decide(Mode::Shape, &shape, &gone, None, Some("b"), &counter).unwrap();
     assert_eq!((d.replica, d.reason), (0, RouteReason::Repinned));
     // The baselines ignore keys.
     let d = decide(Mode::RoundRobin, &shape, &candidates, None, Some("b"), &counter).unwrap();
     assert_eq!(d.reason, RouteReason::RoundRobin);
+}
+
+#[test]
+fn spread_picks_follow_the_weights_and_weight_zero_is_a_last_resort() {
+    let c = |id, routable, weight| Candidate { id, routable, spare: true, weight };
+    let picks = |candidates: &[Candidate]| (0..8).map(|at| spread_pick(candidates, at)).collect::<Vec<_>>();
+    let share = |picks: &[usize], i| picks.iter().filter(|p| **p == i).count();
+    let weighted = [c("a", true, 3), c("b", true, 1)];
+    let p = picks(&weighted);
+    assert_eq!((share(&p, 0), share(&p, 1)), (6, 2), "{p:?}");
+    let standby = [c("a", true, 1), c("b", true, 0)];
+    assert!(picks(&standby).iter().all(|i| *i == 0));
+    let only_standby = [c("a", false, 1), c("b", true, 0)];
+    assert!(picks(&only_standby).iter().all(|i| *i == 1));
 }

@@ -71,6 +71,7 @@ pub fn plan(
             id: &r.id,
             routable: serves && r.routable() && !input.tried.contains(&r.id),
             spare: !input.large || has_free_slot(r),
+            weight: r.spec().weight(),
         })
         .collect();
     let pinned = input.pinned.map(|(m, pin)| (*m, &*pin.replica));

@@ -17,7 +17,7 @@ pub use sled_store::SledStore;
 use serde::{Deserialize, Serialize};
 
 use crate::events::Event;
-use crate::fleet::{AdminState, ReplicaSpec};
+use crate::fleet::{AdminState, ReplicaSource, ReplicaSpec};
 use crate::pins::{Pin, PinChange, PinOrigin, PinSource};
 use crate::policy::PrefixKey;
 
@@ -40,11 +40,16 @@ impl From<sled::Error> for StoreError {
     }
 }
 
-/// A replica as persisted: its spec and the operator's decision about it.
+/// A replica as persisted: its spec, the operator's decision about it, and
+/// whether the config file (`static`, the default of records written before
+/// sources were kept) or the admin API (`api`) named it. Discovered
+/// replicas are not persisted: each instance finds them again.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StoredReplica {
     pub spec: ReplicaSpec,
     pub admin: AdminState,
+    #[serde(default)]
+    pub source: ReplicaSource,
 }
 
 /// A change one gateway instance made to shared state, as the others hear of

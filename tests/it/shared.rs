@@ -300,6 +300,7 @@ fn store_copy_moves_everything_from_sled_to_redis_and_back() {
     src.put_replica(&prefixgate::store::StoredReplica {
         spec: prefixgate::fleet::ReplicaSpec::new("gpu-0", "http://127.0.0.1:1"),
         admin: AdminState::Draining,
+        source: Default::default(),
     })
     .unwrap();
     let pins: Vec<prefixgate::pins::PinChange> = (0..1_000u128)

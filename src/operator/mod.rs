@@ -6,6 +6,15 @@
 //!
 //! Actions are serialized by one lock (they are rare), so two concurrent
 //! PATCHes cannot persist in one order and apply in the other.
+//!
+//! Discovered replicas (`discovered.rs`) belong to their source, not to the
+//! store: the source adds, changes and removes them on each instance; the
+//! operator's drain or disable of one is kept by name in the store, shared
+//! with the other instances, and outlives the replica's absence.
+
+mod discovered;
+
+pub use discovered::{in_force, read_discovered_admin, AdminByName, NotApplied, DISCOVERED_ADMIN};
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -17,7 +26,7 @@ use crate::admission::Admission;
 use crate::capacity::Capacity;
 use crate::error::ApiError;
 use crate::events::{EventKind, EventLog};
-use crate::fleet::{normalize_url, validate_url, AdminState, Fleet, Replica, ReplicaSpec, ReplicaUrl};
+use crate::fleet::{normalize_url, validate_url, AdminState, Fleet, Replica, ReplicaSource, ReplicaSpec, ReplicaUrl};
 use crate::pins::{PinChange, PinSource, PinTable};
 use crate::policy::{CurrentPolicy, PolicySettings, PrefixKey};
 use crate::store::{Store, StoreError, StoredReplica};
@@ -85,6 +94,8 @@ pub struct Operator {
     pub(crate) policy: Arc<CurrentPolicy>,
     pub(crate) admission: Arc<Admission>,
     pub(crate) capacity: Arc<Capacity>,
+    /// The operator's state of discovered replicas, by name (`discovered.rs`).
+    pub(crate) discovered_admin: Mutex<discovered::AdminByName>,
     pub(crate) serial: Mutex<()>,
 }
 
@@ -94,6 +105,17 @@ fn internal(e: StoreError) -> ApiError {
 
 fn not_found(id: &str) -> ApiError {
     ApiError::NotFound(format!("no replica with id '{id}'"))
+}
+
+/// A discovered replica's spec and presence are its source's: 409 with what to do instead.
+fn owned_by_source(r: &Replica, instead: &str) -> Result<(), ApiError> {
+    match &r.source {
+        ReplicaSource::Discovered(label) => Err(ApiError::Conflict(format!(
+            "replica '{}' was found by the discovery source {label} and belongs to it: {instead}",
+            r.id
+        ))),
+        _ => Ok(()),
+    }
 }
 
 impl Operator {
@@ -110,6 +132,7 @@ impl Operator {
             policy: Arc::new(CurrentPolicy::new(policy)),
             admission: Arc::default(),
             capacity: Arc::new(Capacity::new(300)),
+            discovered_admin: Default::default(),
             serial: Default::default(),
         }
     }
@@ -152,7 +175,7 @@ impl Operator {
         if self.fleet.get(&spec.id).is_some() {
             return Err(ApiError::Conflict(format!("a replica with id '{}' already exists", spec.id)));
         }
-        let stored = StoredReplica { spec, admin: AdminState::Active };
+        let stored = StoredReplica { spec, admin: AdminState::Active, source: ReplicaSource::Api };
         self.store.put_replica(&stored).map_err(internal)?;
         let (id, url) = (stored.spec.id.clone(), stored.spec.url.clone());
         self.apply_replica(&id, Some(stored));
@@ -168,10 +191,11 @@ impl Operator {
         }
         let _serial = self.serial();
         let r = self.replica(id)?;
+        owned_by_source(&r, "change it in its source")?;
         let spec = patch.apply_to((**r.spec()).clone());
         spec.validate().map_err(ApiError::Unprocessable)?;
         let url = spec.url.clone();
-        let stored = StoredReplica { spec, admin: r.admin() };
+        let stored = StoredReplica { spec, admin: r.admin(), source: r.source.clone() };
         self.store.put_replica(&stored).map_err(internal)?;
         self.apply_replica(id, Some(stored));
         self.events.record(EventKind::ReplicaUpdated, Some(&r.id), None, url);
@@ -180,7 +204,7 @@ impl Operator {
 
     pub fn remove_replica(&self, id: &str) -> Result<(), ApiError> {
         let _serial = self.serial();
-        self.replica(id)?;
+        owned_by_source(&*self.replica(id)?, "disable it, or change the source")?;
         self.store.delete_replica(id).map_err(internal)?;
         let pins = match self.apply_replica(id, None) {
             Applied::Removed { pins } => pins,
@@ -196,6 +220,9 @@ impl Operator {
     /// other instances made. Records no event (the instance that acted did).
     pub(crate) fn apply_replica(&self, id: &str, stored: Option<StoredReplica>) -> Applied {
         match (stored, self.fleet.get(id)) {
+            // Its source owns it here; a stored replica of the same name
+            // (added on an instance that did not find it) does not replace it.
+            (_, Some(r)) if r.source.is_discovered() => Applied::Nothing,
             (Some(s), Some(r)) => {
                 let limit = s.spec.max_large_inflight;
                 r.set_spec(s.spec);
@@ -204,7 +231,7 @@ impl Operator {
                 Applied::Changed { was }
             }
             (Some(s), None) => {
-                self.fleet.add(Replica::new(s.spec, s.admin));
+                self.fleet.add(Replica::from_source(s.spec, s.admin, s.source));
                 Applied::Added
             }
             (None, Some(_)) => {
@@ -275,11 +302,15 @@ impl Operator {
     pub fn set_admin(&self, id: &str, next: AdminState) -> Result<Arc<Replica>, ApiError> {
         let _serial = self.serial();
         let r = self.replica(id)?;
-        let stored = StoredReplica { spec: (**r.spec()).clone(), admin: next };
-        self.store.put_replica(&stored).map_err(internal)?;
-        let prev = match self.apply_replica(id, Some(stored)) {
-            Applied::Changed { was } => was,
-            _ => next,
+        let prev = if r.source.is_discovered() {
+            self.set_discovered_admin(&r, next)?
+        } else {
+            let stored = StoredReplica { spec: (**r.spec()).clone(), admin: next, source: r.source.clone() };
+            self.store.put_replica(&stored).map_err(internal)?;
+            match self.apply_replica(id, Some(stored)) {
+                Applied::Changed { was } => was,
+                _ => next,
+            }
         };
         if prev != next {
             let kind = match (prev, next) {

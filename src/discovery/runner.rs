@@ -1,0 +1,269 @@
+//! One task per discovery source: read it (DNS on its interval or sooner
+//! when the records' TTL says so; a file when it changed), take the answer
+//! through the lifecycle (`lifecycle.rs`), apply the actions through the
+//! operator, and report: an event and a log line per failure, recovery and
+//! held answer, metrics per read, and a status the admin API and `/healthz`
+//! show.
+//!
+//! Each gateway instance runs its own tasks against the same sources, so
+//! they find the same replicas under the same names; nothing here is written
+//! to the store (see `operator/discovered.rs`).
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use hickory_resolver::net::runtime::TokioRuntimeProvider;
+use hickory_resolver::Resolver;
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use super::lifecycle::{Action, SourceState, Verdict};
+use super::source::{read_file, Source};
+use super::SourceConfig;
+use crate::clock::now_ms;
+use crate::events::EventKind;
+use crate::fleet::ReplicaSpec;
+use crate::metrics::Metrics;
+use crate::operator::Operator;
+
+/// How often a task wakes: to notice a changed file, and to remove a
+/// departed replica soon after its last request ended.
+const TICK: Duration = Duration::from_millis(250);
+/// A DNS answer is not read again sooner than this, whatever its TTL.
+const MIN_REREAD: Duration = Duration::from_secs(1);
+
+/// A source as the admin API shows it.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, ToSchema)]
+pub struct SourceStatus {
+    /// `dns:NAME:PORT`, `dns+srv:NAME` or `file:PATH`: the `source` of its replicas.
+    pub source: String,
+    pub url: String,
+    pub interval_ms: u64,
+    /// When it was last read (RFC 3339), whatever the result.
+    pub last_resolution: Option<String>,
+    /// `pending` (not read yet), `ok`, `failed` or `held` (an answer that
+    /// would remove too many replicas at once, waiting to be seen twice).
+    pub result: String,
+    /// Why the last read failed, or what was held.
+    pub error: Option<String>,
+    /// Replicas the source lists now (the last good answer's, while stale).
+    pub replicas: usize,
+    /// True while reads fail: the fleet is the last good answer's.
+    pub stale: bool,
+    /// Since when reads fail (RFC 3339).
+    pub stale_since: Option<String>,
+}
+
+/// Every configured source, with its last status.
+#[derive(Default)]
+pub struct Discovery {
+    sources: Vec<(SourceConfig, Source, Mutex<SourceStatus>)>,
+}
+
+impl Discovery {
+    /// The sources of a validated config.
+    pub fn new(configs: &[SourceConfig]) -> Discovery {
+        let sources = configs
+            .iter()
+            .filter_map(|c| {
+                let source = Source::parse(&c.url).ok()?;
+                let status = SourceStatus {
+                    source: source.label(),
+                    url: c.url.clone(),
+                    interval_ms: c.interval_ms,
+                    last_resolution: None,
+                    result: "pending".into(),
+                    error: None,
+                    replicas: 0,
+                    stale: false,
+                    stale_since: None,
+                };
+                Some((c.clone(), source, Mutex::new(status)))
+            })
+            .collect();
+        Discovery { sources }
+    }
+
+    pub fn statuses(&self) -> Vec<SourceStatus> {
+        self.sources.iter().map(|(_, _, s)| s.lock().unwrap_or_else(|e| e.into_inner()).clone()).collect()
+    }
+
+    /// Starts one task per source; they end when the gateway drops.
+    pub fn spawn(
+        self: &Arc<Self>,
+        operator: &Arc<Operator>,
+        metrics: &Arc<Metrics>,
+    ) -> Vec<tokio::task::JoinHandle<()>> {
+        (0..self.sources.len())
+            .map(|i| {
+                let run =
+                    Run { discovery: self.clone(), index: i, operator: operator.clone(), metrics: metrics.clone() };
+                tokio::spawn(run.forever())
+            })
+            .collect()
+    }
+}
+
+/// One source's task.
+struct Run {
+    discovery: Arc<Discovery>,
+    index: usize,
+    operator: Arc<Operator>,
+    metrics: Arc<Metrics>,
+}
+
+/// A file's identity between two looks: a change in any part is a change.
+type FileStamp = Option<(SystemTime, u64, u64)>;
+
+fn stamp(path: &std::path::Path) -> FileStamp {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).ok()?;
+    Some((m.modified().ok()?, m.len(), m.ino()))
+}
+
+impl Run {
+    fn config(&self) -> &SourceConfig {
+        &self.discovery.sources[self.index].0
+    }
+
+    fn source(&self) -> &Source {
+        &self.discovery.sources[self.index].1
+    }
+
+    fn status(&self) -> std::sync::MutexGuard<'_, SourceStatus> {
+        self.discovery.sources[self.index].2.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    async fn forever(self) {
+        let interval = Duration::from_millis(self.config().interval_ms);
+        let label = self.source().label();
+        let resolver = match self.source() {
+            Source::Dns { resolver, .. } | Source::Srv { resolver, .. } => Some(super::dns::resolver(
+                *resolver,
+                interval.clamp(Duration::from_millis(500), Duration::from_secs(5)),
+            )),
+            Source::File { .. } => None,
+        };
+        let mut state = SourceState::default();
+        let mut next_read = tokio::time::Instant::now();
+        let mut seen: FileStamp = None;
+        loop {
+            let now = tokio::time::Instant::now();
+            let changed = match self.source() {
+                Source::File { path } => {
+                    let current = stamp(path);
+                    let changed = current != seen;
+                    seen = current;
+                    changed
+                }
+                _ => false,
+            };
+            if changed || now >= next_read {
+                let (answer, valid_for) = self.read(resolver.as_ref()).await;
+                let wait = valid_for
+                    .filter(|v| !v.is_zero())
+                    .map_or(interval, |v| v.clamp(MIN_REREAD, interval.max(MIN_REREAD)));
+                next_read = tokio::time::Instant::now() + wait.min(interval);
+                self.take(&label, &mut state, answer);
+            }
+            let settings = self.config().lifecycle();
+            let fleet = &self.operator.fleet;
+            let due = state.due(now_ms(), |id| fleet.get(id).is_none_or(|r| r.inflight() == 0), settings);
+            for action in due {
+                self.apply(&label, action);
+            }
+            tokio::time::sleep(TICK.min(interval)).await;
+        }
+    }
+
+    /// Reads the source once: its replicas (with the source's settings), or
+    /// why not; and for DNS, how long the answer is valid.
+    async fn read(
+        &self,
+        resolver: Option<&Result<Resolver<TokioRuntimeProvider>, String>>,
+    ) -> (Result<Vec<ReplicaSpec>, String>, Option<Duration>) {
+        let answer = match (self.source(), resolver) {
+            (Source::File { path }, _) => {
+                let path = path.clone();
+                let read = tokio::task::spawn_blocking(move || read_file(&path)).await;
+                (read.unwrap_or_else(|e| Err(format!("reading the file failed: {e}"))), None)
+            }
+            (_, Some(Err(e))) => (Err(e.clone()), None),
+            (Source::Dns { name, port, .. }, Some(Ok(r))) => split(super::dns::resolve_addresses(r, name, *port).await),
+            (Source::Srv { name, .. }, Some(Ok(r))) => split(super::dns::resolve_srv(r, name).await),
+            (_, None) => (Err("no resolver".into()), None),
+        };
+        let config = self.config();
+        (answer.0.map(|found| found.into_iter().map(|spec| config.dress(spec)).collect()), answer.1)
+    }
+
+    /// Takes one answer through the lifecycle, applies its actions and reports.
+    fn take(&self, label: &str, state: &mut SourceState, answer: Result<Vec<ReplicaSpec>, String>) {
+        let was_stale = state.stale();
+        let now = now_ms();
+        let (verdict, actions) = state.answer(answer, now, self.config().lifecycle());
+        for action in actions {
+            self.apply(label, action);
+        }
+        let events = &self.operator.events;
+        let (result, error) = match &verdict {
+            Verdict::Applied => {
+                if was_stale {
+                    tracing::info!(source = label, "discovery source answers again");
+                    events.record(EventKind::DiscoveryRecovered, None, None, format!("{label} answers again"));
+                }
+                ("ok", None)
+            }
+            Verdict::Failed(why) => {
+                // One event and one warning per outage; every failed read is counted.
+                if !was_stale {
+                    tracing::warn!(source = label, "discovery source failed, keeping its last answer: {why}");
+                    events.record(EventKind::DiscoveryFailed, None, None, format!("{label}: {why}; last answer kept"));
+                } else {
+                    tracing::debug!(source = label, "discovery source still failing: {why}");
+                }
+                ("failed", Some(why.clone()))
+            }
+            Verdict::Held { would_remove, of } => {
+                let what = format!(
+                    "would remove {would_remove} of {of} replicas at once; applied if the next answer says the same"
+                );
+                tracing::warn!(source = label, "discovery answer held: {what}");
+                events.record(EventKind::DiscoveryHeld, None, None, format!("{label}: {what}"));
+                ("held", Some(what))
+            }
+        };
+        self.metrics.discovery_read(label, result, state.present(), state.stale());
+        let mut status = self.status();
+        status.last_resolution = Some(crate::clock::rfc3339(now));
+        status.result = result.into();
+        status.error = error;
+        status.replicas = state.present();
+        status.stale = state.stale();
+        status.stale_since = state.failing_since_ms.map(crate::clock::rfc3339);
+    }
+
+    fn apply(&self, label: &str, action: Action) {
+        let change = match &action {
+            Action::Add(_) => "added",
+            Action::Update(_) => "updated",
+            Action::Drain(_) => "drained",
+            Action::Return(_) => "returned",
+            Action::Remove(_) => "removed",
+        };
+        match self.operator.apply_discovered(label, action, now_ms()) {
+            Ok(()) => self.metrics.discovery_change(label, change),
+            Err(refused) => {
+                tracing::warn!(source = label, "discovered replica not {change}: {refused}");
+                self.metrics.discovery_change(label, "conflict");
+            }
+        }
+    }
+}
+
+fn split(r: Result<super::dns::Answer, String>) -> (Result<Vec<ReplicaSpec>, String>, Option<Duration>) {
+    match r {
+        Ok(a) => (Ok(a.replicas), Some(a.valid_for)),
+        Err(e) => (Err(e), None),
+    }
+}
