@@ -160,10 +160,12 @@ impl Run {
             };
             if changed || now >= next_read {
                 let (answer, valid_for) = self.read(resolver.as_ref()).await;
-                let wait = valid_for
-                    .filter(|v| !v.is_zero())
-                    .map_or(interval, |v| v.clamp(MIN_REREAD, interval.max(MIN_REREAD)));
-                next_read = tokio::time::Instant::now() + wait.min(interval);
+                // Records that expire sooner than the interval are read again when they do.
+                let wait = match valid_for {
+                    Some(ttl) if !ttl.is_zero() => interval.min(ttl.max(MIN_REREAD)),
+                    _ => interval,
+                };
+                next_read = tokio::time::Instant::now() + wait;
                 self.take(&label, &mut state, answer);
             }
             let settings = self.config().lifecycle();

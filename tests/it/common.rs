@@ -39,7 +39,11 @@ pub fn slow_decoder(tokens_per_sec: f64) -> SimConfig {
 }
 
 pub async fn start_sim(id: &str, cfg: SimConfig) -> Sim {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    start_sim_on(id, TcpListener::bind("127.0.0.1:0").unwrap(), cfg)
+}
+
+/// A simulated replica on a listener the test bound (a given loopback address).
+pub fn start_sim_on(id: &str, listener: TcpListener, cfg: SimConfig) -> Sim {
     let url = format!("http://{}", listener.local_addr().unwrap());
     let state = SimState::new(cfg);
     let server = sim::serve(listener, state.clone()).unwrap();

@@ -1,12 +1,19 @@
-//! Issue 21 (in progress): resolving the DNS sources against a real DNS
-//! server, dnsmasq (installed by `.ci/run`), started on a free loopback port
-//! with its own records, changed between steps and reloaded with SIGHUP.
+//! Finding replicas (issue 21) against a real DNS server, dnsmasq
+//! (installed by `.ci/run`), started on a free loopback port with its own
+//! records, changed between steps and reloaded with SIGHUP; simulated
+//! replicas bound to distinct loopback addresses (127.0.0.2, 127.0.0.3, ...).
+//! Every wait is for a condition, never a fixed sleep.
 
+use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use serde_json::{json, Value};
+
 use crate::common::*;
+use prefixgate::config::{Config, SourceConfig};
 use prefixgate::discovery::dns::{resolve_addresses, resolve_srv, resolver};
+use prefixgate::fleet::{AdminState, Health};
 
 struct Dnsmasq {
     child: Child,
@@ -95,7 +102,7 @@ async fn address_records_name_one_replica_each_and_follow_the_server() {
 #[actix_web::test]
 async fn srv_records_give_each_replica_its_own_host_and_port() {
     let srv = ["_http._tcp.engines.test,node-a.test,8001", "_http._tcp.engines.test,node-b.test,8002"];
-    let Some(dns) = Dnsmasq::start("", &srv) else { return };
+    let Some(dns) = Dnsmasq::start("127.0.0.2 node-a.test\n", &srv) else { return };
     let r = resolver(Some(dns.addr), Duration::from_millis(500)).unwrap();
     wait_until_async("dnsmasq answers", || async {
         resolve_srv(&r, "_http._tcp.engines.test").await.is_ok_and(|a| !a.replicas.is_empty())
@@ -105,7 +112,8 @@ async fn srv_records_give_each_replica_its_own_host_and_port() {
     let found: Vec<(&str, &str)> = answer.replicas.iter().map(|s| (s.id.as_str(), s.url.as_str())).collect();
     assert_eq!(
         found,
-        [("node-a-test-8001", "http://node-a.test:8001"), ("node-b-test-8002", "http://node-b.test:8002")]
+        [("node-a-test-8001", "http://127.0.0.2:8001"), ("node-b-test-8002", "http://node-b.test:8002")],
+        "a target the server resolves is reached at its address; one it cannot keeps its name"
     );
 }
 
@@ -119,5 +127,310 @@ where
     while !cond().await {
         assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Simulated replicas on 127.0.0.2, 127.0.0.3, ... all on one port (a DNS
+/// A record carries no port: the source gives it). Returns the port.
+fn sims_on_one_port(n: u8, cfg: prefixgate::sim::SimConfig) -> (u16, Vec<Sim>) {
+    'port: loop {
+        let first = TcpListener::bind("127.0.0.2:0").unwrap();
+        let port = first.local_addr().unwrap().port();
+        let mut listeners = vec![first];
+        for i in 3..2 + n {
+            match TcpListener::bind(format!("127.0.0.{i}:{port}")) {
+                Ok(l) => listeners.push(l),
+                // Taken on that address: try another port.
+                Err(_) => continue 'port,
+            }
+        }
+        let sims =
+            listeners.into_iter().enumerate().map(|(i, l)| start_sim_on(&format!("s{i}"), l, cfg.clone())).collect();
+        return (port, sims);
+    }
+}
+
+/// A gateway config with one discovery source and no static replicas.
+fn discovering(source: SourceConfig) -> Config {
+    Config { discovery: vec![source], ..test_config(&[]) }
+}
+
+fn dns_source(dns: &Dnsmasq, name: &str, port: u16, interval_ms: u64) -> SourceConfig {
+    SourceConfig { interval_ms, ..SourceConfig::new(&format!("dns://{name}:{port}?resolver={}", dns.addr)) }
+}
+
+fn hosts(ips: &[u8]) -> String {
+    ips.iter().map(|i| format!("127.0.0.{i} engines.test\n")).collect()
+}
+
+fn id(ip: u8, port: u16) -> String {
+    format!("127-0-0-{ip}-{port}")
+}
+
+/// The ids of the replicas in the fleet, sorted.
+fn fleet_ids(gw: &Gw) -> Vec<String> {
+    let mut ids: Vec<String> = gw.gw.fleet.snapshot().iter().map(|r| r.id.to_string()).collect();
+    ids.sort();
+    ids
+}
+
+fn routable(gw: &Gw, id: &str) -> bool {
+    gw.gw.fleet.get(id).is_some_and(|r| r.routable() && r.health() == Health::Up)
+}
+
+async fn source_status(gw: &Gw) -> Value {
+    let (status, sources) = admin("GET", &format!("{}/admin/v1/discovery", gw.admin), None, None).await;
+    assert_eq!(status, 200);
+    sources[0].clone()
+}
+
+async fn wait_for_status(gw: &Gw, what: &str, cond: impl Fn(&Value) -> bool) -> Value {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let s = source_status(gw).await;
+        if cond(&s) {
+            return s;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what} (last: {s})");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn kinds(gw: &Gw) -> Vec<(String, Option<String>)> {
+    gw.gw
+        .events
+        .query(&prefixgate::events::EventFilter { limit: 10_000, ..Default::default() })
+        .into_iter()
+        .map(|e| (serde_json::to_value(e.kind).unwrap().as_str().unwrap().to_string(), e.replica))
+        .collect()
+}
+
+#[actix_web::test]
+async fn a_dns_source_scales_the_fleet_up_and_down_and_survives_its_server_stopping() {
+    let Some(mut dns) = Dnsmasq::start(&hosts(&[2, 3]), &[]) else { return };
+    let (port, _sims) = sims_on_one_port(3, slow_decoder(40.0));
+    let gw = start_gateway(discovering(dns_source(&dns, "engines.test", port, 200))).await;
+    let label = format!("dns:engines.test:{port}");
+    wait_until("both records routable", Duration::from_secs(15), || {
+        routable(&gw, &id(2, port)) && routable(&gw, &id(3, port))
+    })
+    .await;
+    assert_eq!(fleet_ids(&gw), [id(2, port), id(3, port)]);
+    let (_, view) = admin("GET", &format!("{}/admin/v1/replicas/{}", gw.admin, id(2, port)), None, None).await;
+    assert_eq!(
+        (view["source"].as_str(), view["url"].as_str()),
+        (Some(label.as_str()), Some(&*format!("http://127.0.0.2:{port}")))
+    );
+    let status = wait_for_status(&gw, "first read", |s| s["result"] == "ok").await;
+    assert_eq!(
+        (status["source"].as_str(), status["replicas"].as_u64(), status["stale"].as_bool()),
+        (Some(label.as_str()), Some(2), Some(false))
+    );
+    assert!(status["last_resolution"].is_string());
+
+    // Scale up: the new record is probed, then takes spread traffic.
+    dns.set_hosts(&hosts(&[2, 3, 4]));
+    wait_until("the new record routable", Duration::from_secs(15), || routable(&gw, &id(4, port))).await;
+    let mut served = std::collections::BTreeSet::new();
+    for i in 0..6 {
+        served.insert(chat(&gw, &[("user", &format!("one-shot {i}"))]).await.replica);
+    }
+    assert!(served.contains(&id(4, port)), "spread reaches the new replica: {served:?}");
+
+    // Scale down with a stream in flight on the replica that leaves.
+    let leaving = id(3, port);
+    let mut stream = None;
+    for i in 0..6 {
+        let body = chat_body(&[("user", &format!("long {i}"))], json!({"stream": true, "max_tokens": 40}));
+        let resp = client().post(format!("{}/v1/chat/completions", gw.base)).send_json(&body).await.unwrap();
+        if resp.headers().get("x-prefixgate-replica").unwrap() == leaving.as_str() {
+            stream = Some(resp);
+            break;
+        }
+    }
+    let mut stream = stream.expect("spread reached the replica that will leave");
+    let r = gw.gw.fleet.get(&leaving).unwrap();
+    dns.set_hosts(&hosts(&[2, 4]));
+    wait_until("it drains", Duration::from_secs(15), || r.admin() == AdminState::Draining).await;
+    assert_eq!(r.inflight(), 1, "the stream still runs");
+    for i in 0..6 {
+        let reply = chat(&gw, &[("user", &format!("after {i}"))]).await;
+        assert_ne!(reply.replica, leaving, "no new traffic to a replica that left its source");
+    }
+    let body = stream.body().limit(1 << 20).await.unwrap();
+    assert!(String::from_utf8_lossy(&body).contains("[DONE]"), "the in-flight stream completed");
+    wait_until("it leaves once idle", Duration::from_secs(15), || gw.gw.fleet.get(&leaving).is_none()).await;
+    let events = kinds(&gw);
+    for kind in ["replica_discovered", "replica_left_source", "replica_removed"] {
+        assert!(events.contains(&(kind.to_string(), Some(leaving.clone()))), "{kind} for {leaving}: {events:?}");
+    }
+
+    // The DNS server stops: nothing changes but the source's staleness.
+    dns.stop();
+    let status = wait_for_status(&gw, "stale", |s| s["stale"] == true).await;
+    assert_eq!((status["result"].as_str(), status["replicas"].as_u64()), (Some("failed"), Some(2)));
+    assert!(status["error"].is_string() && status["stale_since"].is_string());
+    assert_eq!(fleet_ids(&gw), [id(2, port), id(4, port)]);
+    let (code, health) = admin("GET", &format!("{}/healthz", gw.base), None, None).await;
+    assert_eq!((code, health["stale_sources"][0].as_str()), (200, Some(label.as_str())), "{health}");
+    assert_eq!(chat(&gw, &[("user", "during the outage")]).await.status, 200);
+    assert!(kinds(&gw).iter().any(|(k, _)| k == "discovery_failed"));
+    let metrics = client().get(format!("{}/metrics", gw.admin)).send().await.unwrap().body().await.unwrap();
+    let metrics = String::from_utf8_lossy(&metrics);
+    assert!(metrics.contains(&format!("prefixgate_discovery_stale{{source=\"{label}\"}} 1")), "{metrics}");
+    gw.stop().await;
+}
+
+#[actix_web::test]
+async fn an_answer_that_empties_most_of_a_source_is_applied_only_when_seen_twice() {
+    let Some(dns) = Dnsmasq::start(&hosts(&[2, 3, 4, 5]), &[]) else { return };
+    let (port, _sims) = sims_on_one_port(4, fast_sim());
+    // A second between reads: room to put the records back after one read.
+    let gw = start_gateway(discovering(dns_source(&dns, "engines.test", port, 1_000))).await;
+    wait_until("four replicas", Duration::from_secs(15), || fleet_ids(&gw).len() == 4).await;
+    // A resolver that restarts answers with one record, then all four.
+    dns.set_hosts(&hosts(&[2]));
+    let held = wait_for_status(&gw, "held", |s| s["result"] == "held").await;
+    dns.set_hosts(&hosts(&[2, 3, 4, 5]));
+    assert!(held["error"].as_str().unwrap().contains("3 of 4"), "{held}");
+    wait_for_status(&gw, "read again", |s| s["result"] == "ok").await;
+    let fleet = gw.gw.fleet.snapshot();
+    assert!(fleet.iter().all(|r| r.admin() == AdminState::Active && r.left_source_ms().is_none()), "nothing drained");
+    assert!(kinds(&gw).iter().any(|(k, _)| k == "discovery_held"));
+    // A real scale-down to one: held once, applied at the second answer.
+    dns.set_hosts(&hosts(&[2]));
+    wait_until("three drained", Duration::from_secs(15), || {
+        gw.gw.fleet.snapshot().iter().filter(|r| r.left_source_ms().is_some()).count() == 3 || fleet_ids(&gw).len() == 1
+    })
+    .await;
+    wait_until("three removed", Duration::from_secs(15), || fleet_ids(&gw) == [id(2, port)]).await;
+    gw.stop().await;
+}
+
+#[actix_web::test]
+async fn srv_records_bring_replicas_on_their_own_ports() {
+    let (a, b) = (TcpListener::bind("127.0.0.2:0").unwrap(), TcpListener::bind("127.0.0.3:0").unwrap());
+    let (pa, pb) = (a.local_addr().unwrap().port(), b.local_addr().unwrap().port());
+    let _sims = [start_sim_on("a", a, fast_sim()), start_sim_on("b", b, fast_sim())];
+    let srv =
+        [format!("_http._tcp.engines.test,node-a.test,{pa}"), format!("_http._tcp.engines.test,node-b.test,{pb}")];
+    let srv: Vec<&str> = srv.iter().map(String::as_str).collect();
+    let Some(dns) = Dnsmasq::start("127.0.0.2 node-a.test\n127.0.0.3 node-b.test\n", &srv) else { return };
+    let source = SourceConfig {
+        interval_ms: 200,
+        ..SourceConfig::new(&format!("dns+srv://_http._tcp.engines.test?resolver={}", dns.addr))
+    };
+    let gw = start_gateway(discovering(source)).await;
+    let (ia, ib) = (format!("node-a-test-{pa}"), format!("node-b-test-{pb}"));
+    wait_until("both SRV targets routable", Duration::from_secs(15), || routable(&gw, &ia) && routable(&gw, &ib)).await;
+    assert_eq!(gw.gw.fleet.get(&ib).unwrap().spec().url, format!("http://127.0.0.3:{pb}"));
+    let mut served = std::collections::BTreeSet::new();
+    for i in 0..4 {
+        served.insert(chat(&gw, &[("user", &format!("q {i}"))]).await.replica);
+    }
+    assert_eq!(served, [ia, ib].into_iter().collect());
+    gw.stop().await;
+}
+
+#[actix_web::test]
+async fn an_operators_disable_outlives_the_replica_leaving_and_coming_back() {
+    let Some(dns) = Dnsmasq::start(&hosts(&[2, 3]), &[]) else { return };
+    let (port, _sims) = sims_on_one_port(2, fast_sim());
+    let gw = start_gateway(discovering(dns_source(&dns, "engines.test", port, 200))).await;
+    let (kept, gone) = (id(2, port), id(3, port));
+    wait_until("both routable", Duration::from_secs(15), || routable(&gw, &kept) && routable(&gw, &gone)).await;
+    let url = |tail: &str| format!("{}/admin/v1/replicas/{gone}{tail}", gw.admin);
+    let (code, err) = admin("DELETE", &url(""), None, None).await;
+    assert_eq!(code, 409);
+    let message = err["error"]["message"].as_str().unwrap();
+    assert!(message.contains("disable") && message.contains("dns:engines.test"), "{message}");
+    let (code, _) = admin("PATCH", &url(""), None, Some(json!({"max_large_inflight": 1}))).await;
+    assert_eq!(code, 409, "its settings are its source's");
+    assert_eq!(admin("POST", &url("/disable"), None, None).await.0, 200);
+    dns.set_hosts(&hosts(&[2]));
+    wait_until("removed", Duration::from_secs(15), || gw.gw.fleet.get(&gone).is_none()).await;
+    dns.set_hosts(&hosts(&[2, 3]));
+    wait_until("back", Duration::from_secs(15), || gw.gw.fleet.get(&gone).is_some()).await;
+    let (_, view) = admin("GET", &url(""), None, None).await;
+    assert_eq!(view["admin_state"], "disabled", "{view}");
+    for i in 0..4 {
+        assert_eq!(chat(&gw, &[("user", &format!("q {i}"))]).await.replica, kept);
+    }
+    // Enabled: back in rotation.
+    assert_eq!(admin("POST", &url("/enable"), None, None).await.0, 200);
+    wait_until("routable", Duration::from_secs(15), || routable(&gw, &gone)).await;
+    gw.stop().await;
+}
+
+#[actix_web::test]
+async fn a_file_source_is_reloaded_when_it_changes_and_a_malformed_one_changes_nothing() {
+    let sims = [start_sim("a", fast_sim()).await, start_sim("b", fast_sim()).await, start_sim("c", fast_sim()).await];
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("engines.toml");
+    let tables = |n: usize| -> String {
+        sims[..n].iter().map(|s| format!("[[replicas]]\nid = \"node-{}\"\nurl = \"{}\"\n\n", s.id, s.url)).collect()
+    };
+    std::fs::write(&path, tables(2)).unwrap();
+    // A long interval: only a change to the file makes it read again.
+    let mut source =
+        SourceConfig { interval_ms: 3_600_000, ..SourceConfig::new(&format!("file://{}", path.display())) };
+    source.max_large_inflight = Some(3);
+    let gw = start_gateway(discovering(source)).await;
+    wait_until("two replicas", Duration::from_secs(15), || fleet_ids(&gw) == ["node-a", "node-b"]).await;
+    assert_eq!(gw.gw.fleet.get("node-a").unwrap().spec().max_large_inflight, Some(3), "the source's settings");
+    std::fs::write(&path, tables(3)).unwrap();
+    wait_until("reloaded", Duration::from_secs(15), || fleet_ids(&gw).len() == 3).await;
+    // Caught mid-write: refused whole, the fleet stays, the source is stale.
+    std::fs::write(&path, "[[replicas]]\nid = \"node-a\"\nurl = ").unwrap();
+    let status = wait_for_status(&gw, "malformed", |s| s["stale"] == true).await;
+    assert_eq!(status["result"], "failed");
+    assert_eq!(fleet_ids(&gw), ["node-a", "node-b", "node-c"]);
+    std::fs::write(&path, tables(3)).unwrap();
+    wait_for_status(&gw, "fixed", |s| s["result"] == "ok").await;
+    assert!(kinds(&gw).iter().any(|(k, _)| k == "discovery_recovered"));
+    gw.stop().await;
+}
+
+#[actix_web::test]
+async fn two_instances_on_one_redis_and_one_dns_server_share_the_operators_state_and_never_fight() {
+    let Some(redis) = crate::shared::Redis::start() else { return };
+    let Some(dns) = Dnsmasq::start(&hosts(&[2, 3]), &[]) else { return };
+    let (port, _sims) = sims_on_one_port(2, fast_sim());
+    let mut gws = Vec::new();
+    for name in ["gw-a", "gw-b"] {
+        let mut c = discovering(dns_source(&dns, "engines.test", port, 200));
+        c.store.url = Some(redis.url.clone());
+        c.store.instance = Some(name.into());
+        gws.push(start_gateway(c).await);
+    }
+    let (a, b) = (&gws[0], &gws[1]);
+    let both = [id(2, port), id(3, port)];
+    for gw in [a, b] {
+        wait_until("both found", Duration::from_secs(15), || fleet_ids(gw) == both).await;
+    }
+    // Nothing discovered is written where the other instance reads replicas.
+    assert!(a.gw.store.replicas().unwrap().is_empty());
+    // Disabled on one instance: disabled on the other.
+    let disable = format!("{}/admin/v1/replicas/{}/disable", a.admin, both[1]);
+    assert_eq!(admin("POST", &disable, None, None).await.0, 200);
+    wait_until("shared", Duration::from_secs(10), || {
+        b.gw.fleet.get(&both[1]).is_some_and(|r| r.admin() == AdminState::Disabled)
+    })
+    .await;
+    // It leaves and comes back: disabled on both, and both agree on the fleet.
+    dns.set_hosts(&hosts(&[2]));
+    for gw in [a, b] {
+        wait_until("removed", Duration::from_secs(15), || fleet_ids(gw) == both[..1]).await;
+    }
+    dns.set_hosts(&hosts(&[2, 3]));
+    for gw in [a, b] {
+        wait_until("back, disabled", Duration::from_secs(15), || {
+            gw.gw.fleet.get(&both[1]).is_some_and(|r| r.admin() == AdminState::Disabled)
+        })
+        .await;
+    }
+    assert!(a.gw.store.replicas().unwrap().is_empty());
+    for gw in gws {
+        gw.stop().await;
     }
 }

@@ -14,9 +14,9 @@ use prefixgate::fleet::AdminState;
 use prefixgate::store::{RedisStore, Store};
 use serde_json::json;
 
-struct Redis {
+pub struct Redis {
     child: Child,
-    url: String,
+    pub url: String,
     socket: std::path::PathBuf,
     _dir: tempfile::TempDir,
 }
@@ -31,7 +31,7 @@ fn answers(socket: &std::path::Path) -> bool {
 }
 
 impl Redis {
-    fn start() -> Option<Redis> {
+    pub fn start() -> Option<Redis> {
         let dir = tempfile::tempdir().unwrap();
         Redis::start_in(dir)
     }
