@@ -18,7 +18,9 @@ fn main() {
     // The replicas too: a database that holds anything is no longer seeded from flags.
     for id in ["a", "b"] {
         let spec = ReplicaSpec::new(id, &args.next().expect(usage));
-        store.put_replica(&StoredReplica { spec, admin: AdminState::Active }).expect("write replica");
+        store
+            .put_replica(&StoredReplica { spec, admin: AdminState::Active, source: Default::default() })
+            .expect("write replica");
     }
     let replicas: [Arc<str>; 2] = [Arc::from("a"), Arc::from("b")];
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;

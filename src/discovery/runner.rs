@@ -144,6 +144,7 @@ impl Run {
             )),
             Source::File { .. } => None,
         };
+        self.metrics.discovery_source(&label);
         let mut state = SourceState::default();
         let mut next_read = tokio::time::Instant::now();
         let mut seen: FileStamp = None;

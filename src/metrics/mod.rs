@@ -356,6 +356,20 @@ impl Metrics {
         Metrics { registry, ..m }
     }
 
+    /// Starts a discovery source's series at zero, so a rate over a quiet
+    /// series is 0, not absent.
+    pub fn discovery_source(&self, source: &str) {
+        for result in ["ok", "failed", "held"] {
+            self.discovery_reads.get_or_create(&SourceResultLabels { source: source.to_string(), result }).inc_by(0);
+        }
+        for change in ["added", "updated", "drained", "returned", "removed", "conflict"] {
+            self.discovery_change_by(source, change, 0);
+        }
+        let labels = SourceLabels { source: source.to_string() };
+        self.discovery_replicas.get_or_create(&labels).set(0);
+        self.discovery_stale.get_or_create(&labels).set(0);
+    }
+
     /// Counts one read of a discovery source and sets its gauges.
     pub fn discovery_read(&self, source: &str, result: &'static str, replicas: usize, stale: bool) {
         let labels = SourceLabels { source: source.to_string() };
@@ -365,7 +379,11 @@ impl Metrics {
     }
 
     pub fn discovery_change(&self, source: &str, change: &'static str) {
-        self.discovery_changes.get_or_create(&SourceChangeLabels { source: source.to_string(), change }).inc();
+        self.discovery_change_by(source, change, 1);
+    }
+
+    fn discovery_change_by(&self, source: &str, change: &'static str, n: u64) {
+        self.discovery_changes.get_or_create(&SourceChangeLabels { source: source.to_string(), change }).inc_by(n);
     }
 
     /// Sets the gauges that mirror fleet and capacity state (at scrape time,

@@ -183,6 +183,11 @@ async fn every_documented_metric_is_exposed_with_sane_values_and_receipts_join_u
     let mut config = test_config(&[&a, &b]);
     config.health.interval_ms = 3_600_000;
     config.replicas[0].max_large_inflight = Some(4);
+    // A discovery source (listing nothing more) has its series too.
+    let dir = tempfile::tempdir().unwrap();
+    let more = dir.path().join("more.toml");
+    std::fs::write(&more, "").unwrap();
+    config.discovery = vec![prefixgate::config::SourceConfig::new(&format!("file://{}", more.display()))];
     let gw = start_gateway(config).await;
     let ctx = text("receipts", 5_000);
     let mut msgs = vec![("user".to_string(), ctx)];
