@@ -109,10 +109,14 @@ function renderReplicas(replicas, capacity) {
     } else {
       actions.append(el("button", { type: "button", "data-action": "enable", onclick: () => action(r.id, "enable") }, "Enable"));
     }
-    actions.append(el("button", { type: "button", class: "danger", "data-action": "remove", onclick: () => action(r.id, "remove", `Remove ${r.id} and its pins?`) }, "Remove"));
+    // A discovered replica belongs to its source: it is disabled here, removed there.
+    if (r.source === "static" || r.source === "api") {
+      actions.append(el("button", { type: "button", class: "danger", "data-action": "remove", onclick: () => action(r.id, "remove", `Remove ${r.id} and its pins?`) }, "Remove"));
+    }
     const inflight = r.admin_state === "draining" ? `${r.inflight} (draining…)` : `${r.inflight}` + (r.large_inflight ? ` / ${r.large_inflight} large` : "");
     body.append(el("tr", { "data-replica": r.id },
-      el("td", {}, el("strong", {}, r.id), el("br"), el("small", {}, r.url)),
+      el("td", {}, el("strong", {}, r.id), el("br"), el("small", {}, r.url), el("br"),
+        el("small", { class: "source" }, r.left_source_at ? `${r.source} (left it; draining)` : r.source)),
       el("td", {}, el("span", { class: "badge health " + r.health }, r.health)),
       el("td", {}, el("span", { class: "badge state " + r.admin_state }, r.admin_state)),
       el("td", { class: "inflight" }, inflight),
@@ -178,7 +182,9 @@ async function loadPins() {
 }
 
 const KINDS = ["failover", "replica_down", "replica_up", "pin_moved", "drain_started", "drain_completed", "resumed", "disabled",
-  "enabled", "replica_added", "replica_removed", "replica_updated", "policy_changed", "capacity_warning", "capacity_cleared"];
+  "enabled", "replica_added", "replica_removed", "replica_updated", "policy_changed", "pins_deleted", "capacity_warning",
+  "capacity_cleared", "store_unreachable", "store_reachable", "replica_discovered", "replica_left_source", "replica_returned",
+  "discovery_failed", "discovery_recovered", "discovery_held"];
 
 async function loadEvents() {
   const params = new URLSearchParams({ limit: 100 });
@@ -202,6 +208,18 @@ async function loadInstances() {
       (list.length > alive.length ? ` (${list.length - alive.length} gone quiet)` : "");
 }
 
+// Discovery sources: when each was last read, with what result.
+async function loadDiscovery() {
+  const sources = await call("GET", `${api}/discovery`);
+  $("#discovery").hidden = sources.length === 0;
+  $("#discovery-table tbody").replaceChildren(...sources.map((s) => el("tr", { "data-source": s.source },
+    el("td", {}, el("strong", {}, s.source)),
+    el("td", {}, el("span", { class: "badge result " + s.result }, s.stale ? "stale" : s.result)),
+    el("td", {}, s.replicas),
+    el("td", {}, s.last_resolution ? new Date(s.last_resolution).toLocaleTimeString() : "not yet"),
+    el("td", {}, s.error || ""))));
+}
+
 async function refresh() {
   try {
     const [replicas, capacity, policy] = await Promise.all([
@@ -214,7 +232,7 @@ async function refresh() {
     if (document.activeElement !== $("#policy-mode")) $("#policy-mode").value = policy.mode;
     renderReplicas(replicas, capacity);
     renderCapacity(capacity);
-    await Promise.all([loadPins(), loadEvents(), loadInstances()]);
+    await Promise.all([loadPins(), loadEvents(), loadInstances(), loadDiscovery()]);
   } catch (e) {
     if (e instanceof AuthError) {
       const hadToken = !!sessionStorage.getItem("prefixgate-token");

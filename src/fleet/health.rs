@@ -160,7 +160,8 @@ pub async fn run(cfg: HealthConfig, connect_timeout: Duration, fleet: Arc<Fleet>
 }
 
 /// The prober's schedule, apart from its I/O so that it runs on paused time
-/// in tests: every replica checked at once, then `interval`, forever.
+/// in tests: every replica checked at once, then every `interval`, and
+/// again when asked (`Fleet::probe_now`: a replica was discovered).
 pub async fn probe_every<F, Fut>(interval: Duration, fleet: &Fleet, check: F)
 where
     F: Fn(Arc<Replica>) -> Fut,
@@ -169,7 +170,10 @@ where
     loop {
         let snapshot = fleet.snapshot_owned();
         futures_util::future::join_all(snapshot.iter().map(|r| check(r.clone()))).await;
-        tokio::time::sleep(interval).await;
+        tokio::select! {
+            _ = tokio::time::sleep(interval) => {}
+            _ = fleet.probe_now.notified() => {}
+        }
     }
 }
 

@@ -413,9 +413,17 @@ impl Replica {
         self.probe.lock().expect("probe lock").clone()
     }
 
-    /// Takes new traffic: active and not known to be down.
+    /// Takes new traffic: active and not known to be down. A replica named
+    /// by hand is trusted until a probe says otherwise (a restarted gateway
+    /// routes at once); a discovered one only once a probe said it is up
+    /// (a pod listed as it starts may not serve yet).
     pub fn routable(&self) -> bool {
-        self.admin() == AdminState::Active && self.health() != Health::Down
+        self.admin() == AdminState::Active
+            && match self.health() {
+                Health::Up => true,
+                Health::Down => false,
+                Health::Unknown => !self.source.is_discovered(),
+            }
     }
 
     pub fn inflight(&self) -> i64 {
@@ -501,6 +509,9 @@ impl Drop for InflightGuard {
 pub struct Fleet {
     /// Read by every request, replaced by admin actions.
     list: ReadMostly<Vec<Arc<Replica>>>,
+    /// Asks the prober for a round now instead of at its next interval
+    /// (a discovered replica takes traffic only once a probe said it is up).
+    pub probe_now: tokio::sync::Notify,
 }
 
 impl Fleet {
@@ -582,6 +593,21 @@ mod tests {
             proptest::prop_assert!(validate_url(&url).is_ok(), "{url}");
             proptest::prop_assert!(validate_url(&normalize_url(&url)).is_ok(), "{url}");
         }
+    }
+
+    #[test]
+    fn a_discovered_replica_is_routable_only_once_a_probe_said_it_is_up() {
+        let by_hand = Replica::new(ReplicaSpec::new("a", "http://x"), AdminState::Active);
+        let found = Replica::from_source(
+            ReplicaSpec::new("b", "http://y"),
+            AdminState::Active,
+            ReplicaSource::Discovered("dns:e:8000".into()),
+        );
+        assert!(by_hand.routable() && !found.routable());
+        found.set_health(Health::Up);
+        assert!(found.routable());
+        assert_eq!(serde_json::to_value(&found.source).unwrap(), "dns:e:8000");
+        assert_eq!(serde_json::from_value::<ReplicaSource>("api".into()).unwrap(), ReplicaSource::Api);
     }
 
     #[test]

@@ -125,6 +125,8 @@ impl Operator {
                 let url = spec.url.clone();
                 let admin = in_force(self.admin_of(&id), false);
                 self.fleet.add(Replica::from_source(spec, admin, ReplicaSource::Discovered(Arc::from(source))));
+                // It takes traffic once probed: probe it now, not at the next round.
+                self.fleet.probe_now.notify_one();
                 let kept = match admin {
                     AdminState::Active => String::new(),
                     kept => format!(", {} by an operator", kept.as_str()),

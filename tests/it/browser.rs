@@ -193,7 +193,14 @@ async fn the_admin_ui_steers_the_fleet_in_a_real_browser() {
     for r in &mut config.replicas {
         r.kv_tokens = Some(122_636);
     }
+    // A third replica comes from a discovery source (a file listing it).
+    let c = start_sim("c", fast_sim()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let listing = dir.path().join("engines.toml");
+    std::fs::write(&listing, format!("[[replicas]]\nid = \"c\"\nurl = \"{}\"\nkv_tokens = 122636\n", c.url)).unwrap();
+    config.discovery = vec![prefixgate::config::SourceConfig::new(&format!("file://{}", listing.display()))];
     let gw = start_gateway(config).await;
+    wait_until("c found", Duration::from_secs(10), || gw.gw.fleet.get("c").is_some_and(|r| r.routable())).await;
     for i in 0..4 {
         chat(&gw, &[("user", &format!("a question {i}"))]).await;
     }
@@ -211,7 +218,28 @@ async fn the_admin_ui_steers_the_fleet_in_a_real_browser() {
     page.eval(&sign_in("wrong")).await;
     page.wait_for("the refusal", "document.querySelector('#login-error').textContent.includes('refused')").await;
     page.eval(&sign_in("ui-token")).await;
-    page.wait_for("two replicas", "document.querySelectorAll('#replicas tbody tr').length === 2").await;
+    page.wait_for("three replicas", "document.querySelectorAll('#replicas tbody tr').length === 3").await;
+    // The discovered one shows its source, has no Remove button, and its source is listed.
+    let source = format!("file:{}", listing.display());
+    page.wait_for(
+        "c's source",
+        &format!("document.querySelector('tr[data-replica=\"c\"] .source').textContent === '{source}'"),
+    )
+    .await;
+    page.wait_for("no remove for c", "!document.querySelector('tr[data-replica=\"c\"] button[data-action=\"remove\"]') && !!document.querySelector('tr[data-replica=\"a\"] button[data-action=\"remove\"]')").await;
+    page.wait_for(
+        "the discovery source",
+        &format!("(() => {{ const row = document.querySelector('#discovery-table tr[data-source=\"{source}\"]'); return !!row && row.textContent.includes('ok') && row.cells[2].textContent === '1'; }})()"),
+    )
+    .await;
+    // Disabled with a click, as any replica.
+    page.eval("window.confirm = () => true; document.querySelector('tr[data-replica=\"c\"] button[data-action=\"disable\"]').click(); true").await;
+    page.wait_for(
+        "c disabled in the page",
+        "document.querySelector('tr[data-replica=\"c\"] .badge.state').textContent === 'disabled'",
+    )
+    .await;
+    assert_eq!(gw.gw.fleet.get("c").unwrap().admin(), AdminState::Disabled);
     page.wait_for(
         "the instance line",
         "document.querySelector('#instances').textContent.includes('One gateway instance')",

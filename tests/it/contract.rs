@@ -19,7 +19,14 @@ async fn schemathesis_finds_no_contract_violation_in_the_admin_api() {
     // (the ignored_auth check): the limits are raised for this test only.
     config.rate_limits.admin_rps = 0;
     config.rate_limits.admin_auth_failures_per_minute = 0;
+    // A discovered replica and its source are in the answers too.
+    let found = start_sim("found", fast_sim()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let listing = dir.path().join("engines.toml");
+    std::fs::write(&listing, format!("[[replicas]]\nid = \"found\"\nurl = \"{}\"\n", found.url)).unwrap();
+    config.discovery = vec![prefixgate::config::SourceConfig::new(&format!("file://{}", listing.display()))];
     let gw = start_gateway(config).await;
+    wait_until("found", std::time::Duration::from_secs(10), || gw.gw.fleet.get("found").is_some()).await;
     // schemathesis keeps a cache in its working directory: not in the repository.
     let scratch = tempfile::tempdir().unwrap();
     let out = tokio::process::Command::new(st)

@@ -29,12 +29,26 @@ impl Dnsmasq {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("hosts");
         std::fs::write(&file, hosts).unwrap();
-        // A free UDP port: the one the kernel hands out, released for dnsmasq.
-        let port = std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         // Debian puts it in /usr/sbin, which a non-root PATH may lack.
         let program = if std::path::Path::new("/usr/sbin/dnsmasq").exists() { "/usr/sbin/dnsmasq" } else { "dnsmasq" };
-        let mut cmd = Command::new(program);
-        cmd.args(["--keep-in-foreground", "--conf-file=/dev/null", "--no-resolv", "--no-hosts", "--bind-interfaces"])
+        loop {
+            // A port free for UDP and TCP (dnsmasq serves both), released
+            // for dnsmasq; if another process takes it first, dnsmasq exits
+            // and the next port is tried.
+            let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+            let port = udp.local_addr().unwrap().port();
+            if TcpListener::bind(("127.0.0.1", port)).is_err() {
+                continue;
+            }
+            drop(udp);
+            let mut cmd = Command::new(program);
+            cmd.args([
+                "--keep-in-foreground",
+                "--conf-file=/dev/null",
+                "--no-resolv",
+                "--no-hosts",
+                "--bind-interfaces",
+            ])
             .args(["--listen-address=127.0.0.1", "--local-ttl=1", "--user=root", "--pid-file="])
             // Names under .test it does not have are NXDOMAIN (no upstream to ask).
             .arg("--local=/test/")
@@ -43,16 +57,25 @@ impl Dnsmasq {
             .args(srv.iter().map(|s| format!("--srv-host={s}")))
             .stdout(Stdio::null())
             .stderr(Stdio::null());
-        let child = cmd.spawn();
-        if !require("dnsmasq", child.is_ok(), "apt-get install -y dnsmasq-base") {
-            return None;
+            let child = cmd.spawn();
+            if !require("dnsmasq", child.is_ok(), "apt-get install -y dnsmasq-base") {
+                return None;
+            }
+            let mut child = child.unwrap();
+            // Up once its TCP side accepts; gone if it could not bind.
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            loop {
+                if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                    let addr = format!("127.0.0.1:{port}").parse().unwrap();
+                    return Some(Dnsmasq { child, addr, hosts: file, _dir: dir });
+                }
+                if child.try_wait().unwrap().is_some() {
+                    break;
+                }
+                assert!(std::time::Instant::now() < deadline, "dnsmasq did not start");
+                std::thread::sleep(Duration::from_millis(10));
+            }
         }
-        Some(Dnsmasq {
-            child: child.unwrap(),
-            addr: format!("127.0.0.1:{port}").parse().unwrap(),
-            hosts: file,
-            _dir: dir,
-        })
     }
 
     /// New A records, read again by dnsmasq on SIGHUP.
