@@ -42,6 +42,12 @@ enum Command {
         /// Simulated-time factor for the replicas (0.05: a 22 s cold prefill takes 1.1 s).
         #[arg(long, default_value_t = 0.05)]
         time_scale: f64,
+        /// Find the replicas through a file source instead of naming them:
+        /// their `[[replicas]]` tables are written to FILE, and the gateway
+        /// follows the file as it is edited (add a `prefixgate sim-replica`,
+        /// remove one).
+        #[arg(long, value_name = "FILE")]
+        discovery_file: Option<std::path::PathBuf>,
     },
     /// Print the admin API's OpenAPI document.
     Openapi,
@@ -76,7 +82,9 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Serve(args) => serve(args),
         Command::SimReplica { port, host, sim } => sim_replica(&host, port, sim),
-        Command::Demo { port, admin_port, time_scale } => demo(port, admin_port, time_scale),
+        Command::Demo { port, admin_port, time_scale, discovery_file } => {
+            demo(port, admin_port, time_scale, discovery_file)
+        }
         Command::Bench(args) => prefixgate::bench::run(args),
         Command::Store(StoreCommand::Copy { from, to }) => store_copy(&from, &to),
         Command::Openapi => {
@@ -140,7 +148,7 @@ fn sim_replica(host: &str, port: u16, cfg: SimConfig) -> Result<(), String> {
     })
 }
 
-fn demo(port: u16, admin_port: u16, time_scale: f64) -> Result<(), String> {
+fn demo(port: u16, admin_port: u16, time_scale: f64, discovery_file: Option<std::path::PathBuf>) -> Result<(), String> {
     let mut replicas = Vec::new();
     let mut sims = Vec::new();
     for id in ["sim-a", "sim-b"] {
@@ -149,13 +157,25 @@ fn demo(port: u16, admin_port: u16, time_scale: f64) -> Result<(), String> {
         replicas.push(ReplicaSpec { kv_tokens: Some(122_636), ..ReplicaSpec::new(id, &url) });
         sims.push(l);
     }
-    let config = Config {
+    let mut config = Config {
         listen: SocketAddr::from(([127, 0, 0, 1], port)),
         admin_listen: SocketAddr::from(([127, 0, 0, 1], admin_port)),
         replicas: replicas.clone(),
         health: prefixgate::config::HealthConfig { interval_ms: 1_000, ..Default::default() },
         ..Config::default()
     };
+    let mut found_in = String::new();
+    if let Some(file) = discovery_file {
+        let tables: String = replicas
+            .iter()
+            .map(|r| format!("[[replicas]]\nid = \"{}\"\nurl = \"{}\"\nkv_tokens = 122636\n\n", r.id, r.url))
+            .collect();
+        std::fs::write(&file, tables).map_err(|e| format!("--discovery-file {}: {e}", file.display()))?;
+        let file = std::fs::canonicalize(&file).map_err(|e| format!("--discovery-file {}: {e}", file.display()))?;
+        config.replicas.clear();
+        config.discovery = vec![prefixgate::config::SourceConfig::new(&format!("file://{}", file.display()))];
+        found_in = format!(" (found in {}: edit it and the gateway follows)", file.display());
+    }
     // The replicas run on their own runtime thread, like separate processes.
     std::thread::spawn(move || {
         actix_web::rt::System::new().block_on(async move {
@@ -171,7 +191,7 @@ fn demo(port: u16, admin_port: u16, time_scale: f64) -> Result<(), String> {
     let banner = format!(
         "\nprefixgate demo is up.\n  OpenAI endpoint:  http://127.0.0.1:{port}/v1   (model: sim-model, any API key)\n  \
          Admin web UI:     http://127.0.0.1:{admin_port}/\n  Swagger UI:       http://127.0.0.1:{admin_port}/swagger-ui/\n  \
-         Metrics:          http://127.0.0.1:{admin_port}/metrics\n  Replicas:         {}\n\nTry:\n  curl -s http://127.0.0.1:{port}/v1/chat/completions -H 'content-type: application/json' \\\n    \
+         Metrics:          http://127.0.0.1:{admin_port}/metrics\n  Replicas:         {}{found_in}\n\nTry:\n  curl -s http://127.0.0.1:{port}/v1/chat/completions -H 'content-type: application/json' \\\n    \
          -d '{{\"model\":\"sim-model\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}]}}' -i\n\nCtrl-C stops it.",
         replicas.iter().map(|r| format!("{}={}", r.id, r.url)).collect::<Vec<_>>().join(", ")
     );

@@ -225,9 +225,14 @@ impl GatewayProcess {
     /// `env` on top of the environment, and stderr to `stderr`; returns once
     /// it printed where it listens.
     pub fn spawn(args: &[&str], env: &[(&str, &str)], stderr: std::process::Stdio) -> GatewayProcess {
+        let serve = ["serve", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"];
+        GatewayProcess::run(&[&serve, args].concat(), env, stderr)
+    }
+
+    /// Starts the binary with exactly `args` (a command that serves, like `demo`).
+    pub fn run(args: &[&str], env: &[(&str, &str)], stderr: std::process::Stdio) -> GatewayProcess {
         use std::io::BufRead;
         let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_prefixgate"))
-            .args(["serve", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
             .args(args)
             .envs(env.iter().copied())
             .stdout(std::process::Stdio::piped())
@@ -235,7 +240,11 @@ impl GatewayProcess {
             .spawn()
             .unwrap();
         let mut line = String::new();
-        std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        stdout.read_line(&mut line).unwrap();
+        // Keep reading what it prints after (the demo's banner): a closed
+        // pipe would fail its next write.
+        std::thread::spawn(move || std::io::copy(&mut stdout, &mut std::io::sink()));
         let field = |n: &str| line.split_whitespace().find_map(|w| w.strip_prefix(n)).unwrap_or_default().to_string();
         let process = GatewayProcess { base: field("traffic="), admin: field("admin="), child };
         assert!(process.base.starts_with("http://"), "unexpected first line: {line:?}");

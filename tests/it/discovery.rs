@@ -457,3 +457,38 @@ async fn two_instances_on_one_redis_and_one_dns_server_share_the_operators_state
         gw.stop().await;
     }
 }
+
+#[actix_web::test]
+async fn the_demo_runs_with_a_file_source_and_follows_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("engines.toml");
+    let file_arg = file.to_str().unwrap();
+    let demo = GatewayProcess::run(
+        &["demo", "--port", "0", "--admin-port", "0", "--time-scale", "0.001", "--discovery-file", file_arg],
+        &[],
+        std::process::Stdio::null(),
+    );
+    demo.wait_until_up().await;
+    let replicas = || async {
+        let (_, list) = admin("GET", &format!("{}/admin/v1/replicas", demo.admin), None, None).await;
+        list.as_array()
+            .unwrap()
+            .iter()
+            .map(|r| (r["id"].as_str().unwrap().to_string(), r["source"].clone()))
+            .collect::<Vec<_>>()
+    };
+    let label = format!("file:{}", std::fs::canonicalize(&file).unwrap().display());
+    assert_eq!(replicas().await, [("sim-a".to_string(), json!(label)), ("sim-b".to_string(), json!(label))]);
+    // One more replica written into the file joins the fleet.
+    let c = start_sim("c", fast_sim()).await;
+    let mut tables = std::fs::read_to_string(&file).unwrap();
+    tables.push_str(&format!("[[replicas]]\nid = \"sim-c\"\nurl = \"{}\"\n", c.url));
+    std::fs::write(&file, tables).unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while replicas().await.len() < 3 {
+        assert!(tokio::time::Instant::now() < deadline, "sim-c never joined");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let reply = post(&format!("{}/v1/chat/completions", demo.base), &chat_body(&[("user", "hi")], json!({}))).await;
+    assert_eq!(reply.status, 200);
+}
