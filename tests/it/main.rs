@@ -12,6 +12,7 @@ mod agents;
 mod browser;
 mod capacity;
 mod contract;
+mod deploy;
 mod discovery;
 mod paused;
 mod persistence;

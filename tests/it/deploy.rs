@@ -1,0 +1,187 @@
+//! The deployment examples under `deploy/` cannot drift from the binary:
+//! nothing here can pull an image or reach a cluster, so this reads every
+//! file and checks that each flag, environment variable, config key, port
+//! and path it names exists: the gateway commands are parsed by the real
+//! `serve` flags into a config that must load, every `PREFIXGATE_*` name is
+//! a config key, every TOML file loads (unknown keys are errors), the
+//! gateway's ports are the ones its listeners are given, and the paths its
+//! probes ask for are served.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use clap::{Args, Command, FromArgMatches};
+use prefixgate::config::Config;
+use prefixgate::config_flags::{keys, ServeArgs};
+
+use crate::common::*;
+
+fn deploy() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy")
+}
+
+fn files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            files(&path, out);
+        } else {
+            out.push(path);
+        }
+    }
+}
+
+/// Flags of the other programs the examples run (vLLM, Redis, the
+/// Containerfile's COPY): listed, so that any new one is a decision.
+const FOREIGN_FLAGS: &[&str] = &["--model", "--port", "--enable-prefix-caching", "--appendonly", "--from"];
+
+/// A gateway command line in a file: `serve` and its flags.
+fn gateway_commands(path: &Path, text: &str) -> Vec<Vec<String>> {
+    let mut out = Vec::new();
+    let mut lines = text.lines().peekable();
+    while let Some(line) = lines.next() {
+        let t = line.trim();
+        // The Containerfile's CMD and a manifest's `args: [...]`: JSON arrays.
+        for prefix in ["CMD ", "args: "] {
+            if let Some(array) = t.strip_prefix(prefix) {
+                let args: Vec<String> = serde_json::from_str(array).unwrap_or_else(|e| panic!("{path:?}: {t}: {e}"));
+                if args.first().map(String::as_str) == Some("serve") {
+                    out.push(args);
+                }
+            }
+        }
+        // Compose: `command:` then one `- item` per line.
+        if t == "command:" {
+            let mut args = Vec::new();
+            while let Some(item) = lines.peek().and_then(|l| l.trim().strip_prefix("- ")) {
+                args.push(item.to_string());
+                lines.next();
+            }
+            if args.first().map(String::as_str) == Some("serve") {
+                out.push(args);
+            }
+        }
+    }
+    out
+}
+
+/// Loads the config a gateway command line describes; a `--config` path is
+/// read from the file of that name beside the manifest.
+fn load(path: &Path, args: &[String]) -> Config {
+    let m = ServeArgs::augment_args(Command::new("serve"))
+        .try_get_matches_from(args)
+        .unwrap_or_else(|e| panic!("{path:?}: {args:?}: {e}"));
+    let parsed = ServeArgs::from_arg_matches(&m).unwrap();
+    let file = parsed.config.map(|c| path.parent().unwrap().join(c.file_name().unwrap()));
+    let env = [("PREFIXGATE_ADMIN_TOKEN".to_string(), "example".to_string())];
+    Config::load(file.as_deref(), env.into_iter(), &parsed.overrides)
+        .unwrap_or_else(|e| panic!("{path:?}: {args:?}: {e}"))
+}
+
+/// The numbers after `key` on each line that has it (`containerPort: 8080`).
+fn numbers_after(text: &str, key: &str) -> Vec<u64> {
+    let re = regex::Regex::new(&format!(r"{key}\s*(\d+)")).unwrap();
+    re.captures_iter(text).map(|c| c[1].parse().unwrap()).collect()
+}
+
+#[actix_web::test]
+async fn every_flag_variable_key_port_and_path_in_the_deployment_examples_exists() {
+    let mut all = Vec::new();
+    files(&deploy(), &mut all);
+    let help = std::process::Command::new(env!("CARGO_BIN_EXE_prefixgate")).args(["serve", "--help"]).output().unwrap();
+    let help = String::from_utf8(help.stdout).unwrap();
+    let env_names: BTreeSet<String> = keys()
+        .iter()
+        .map(|k| format!("PREFIXGATE_{}", k.key.replace('.', "_").to_ascii_uppercase()))
+        .chain(["PREFIXGATE_LOG".to_string()])
+        .collect();
+    let flag = regex::Regex::new(r"(^|[\s\[,])(--[a-z][a-z0-9-]*)").unwrap();
+    let variable = regex::Regex::new(r"PREFIXGATE_[A-Z0-9_]+").unwrap();
+    let mut gateways = Vec::new();
+    let mut checked = 0;
+    for path in &all {
+        let text = std::fs::read_to_string(path).unwrap();
+        let mut in_run = false;
+        for line in text.lines() {
+            let t = line.trim();
+            // Build steps run cargo and apt-get, not the gateway.
+            let run = in_run || t.starts_with("RUN ");
+            in_run = run && t.ends_with('\\');
+            if t.starts_with('#') || run {
+                continue;
+            }
+            for c in flag.captures_iter(line) {
+                let f = &c[2];
+                if !FOREIGN_FLAGS.contains(&f) {
+                    let listed = help.split(|ch: char| ch.is_whitespace() || ch == ',').any(|w| w == f);
+                    assert!(listed, "{path:?}: flag {f} is not in `prefixgate serve --help`");
+                    checked += 1;
+                }
+            }
+        }
+        for name in variable.find_iter(&text) {
+            assert!(env_names.contains(name.as_str()), "{path:?}: {} is not a config key's variable", name.as_str());
+            checked += 1;
+        }
+        if path.extension().is_some_and(|e| e == "toml") {
+            let env = [("PREFIXGATE_ADMIN_TOKEN".to_string(), "example".to_string())];
+            Config::load(Some(path), env.into_iter(), &[]).unwrap_or_else(|e| panic!("{path:?}: {e}"));
+            checked += 1;
+        }
+        for args in gateway_commands(path, &text) {
+            gateways.push((path.clone(), load(path, &args)));
+        }
+    }
+    let names: BTreeSet<&str> = gateways.iter().map(|(p, _)| p.file_name().unwrap().to_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        ["Containerfile", "compose.yaml", "gateway.yaml"].into_iter().collect(),
+        "every example runs a gateway"
+    );
+
+    // Ports: what the gateway's listeners are given, in every file that runs it.
+    for (path, config) in &gateways {
+        let ports = [config.listen.port() as u64, config.admin_listen.port() as u64];
+        let text = std::fs::read_to_string(path).unwrap();
+        let named: Vec<u64> = match path.file_name().unwrap().to_str().unwrap() {
+            "Containerfile" => text
+                .lines()
+                .filter_map(|l| l.strip_prefix("EXPOSE "))
+                .flat_map(|l| l.split_whitespace().map(|p| p.parse().unwrap()))
+                .collect(),
+            "gateway.yaml" => numbers_after(&text, "containerPort:"),
+            // Compose's "HOST:CONTAINER" mappings: the container side.
+            _ => numbers_after(&text, r#"- "(?:[0-9.]+:)?\d+:"#),
+        };
+        assert!(!named.is_empty(), "{path:?} names the gateway's ports");
+        for p in named {
+            assert!(ports.contains(&p), "{path:?}: port {p} is not a listener's ({ports:?})");
+        }
+        // A stop must wait for the in-flight streams the gateway lets finish.
+        let grace = config.timeouts.shutdown_grace_secs;
+        let waits = numbers_after(&text, "terminationGracePeriodSeconds:")
+            .into_iter()
+            .chain(numbers_after(&text, "stop_grace_period:"))
+            .collect::<Vec<_>>();
+        if path.extension().is_some_and(|e| e == "yaml") {
+            assert!(!waits.is_empty() && waits.iter().all(|w| *w > grace), "{path:?}: grace {waits:?} vs {grace} s");
+        }
+    }
+
+    // Paths the probes and health checks ask for are served (not 404).
+    let sim = start_sim("a", fast_sim()).await;
+    let gw = start_gateway(test_config(&[&sim])).await;
+    let probe = regex::Regex::new(r"path: (/[^\s,}]*)|http://127\.0\.0\.1:\d+(/[^\s\x22]*)").unwrap();
+    let mut paths = 0;
+    for name in ["deploy/kubernetes/gateway.yaml", "deploy/compose.yaml"] {
+        let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(name)).unwrap();
+        for c in probe.captures_iter(&text) {
+            let path = c.get(1).or(c.get(2)).unwrap().as_str();
+            let traffic = client().get(format!("{}{path}", gw.base)).send().await.unwrap().status().as_u16();
+            assert_eq!(traffic, 200, "{name}: {path} is not served on the traffic listener");
+            paths += 1;
+        }
+    }
+    assert!(paths >= 3 && checked >= 10, "the examples were read ({paths} paths, {checked} names)");
+    gw.stop().await;
+}
