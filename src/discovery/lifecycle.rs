@@ -22,7 +22,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::fleet::ReplicaSpec;
+use crate::fleet::{ReplicaSpec, SourceAction};
 
 /// The lifecycle's settings.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -32,22 +32,6 @@ pub struct Settings {
     /// An answer removing more than this fraction of the source's replicas
     /// is applied only when seen twice in a row.
     pub max_removal_fraction: f64,
-}
-
-/// What the caller does with the fleet.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Action {
-    /// A replica appeared: add it.
-    Add(ReplicaSpec),
-    /// Its settings changed in the source.
-    Update(ReplicaSpec),
-    /// It left its source: drain it (no new traffic; in-flight work finishes).
-    Drain(String),
-    /// It came back under the same name: back to rotation, unless an
-    /// operator disabled or drained it.
-    Return(String),
-    /// It left, and is idle or past the grace period: remove it.
-    Remove(String),
 }
 
 /// How an answer was taken.
@@ -93,7 +77,7 @@ impl SourceState {
         answer: Result<Vec<ReplicaSpec>, String>,
         now_ms: u64,
         settings: Settings,
-    ) -> (Verdict, Vec<Action>) {
+    ) -> (Verdict, Vec<SourceAction>) {
         let found = match answer {
             Ok(found) => found,
             Err(why) => {
@@ -108,15 +92,15 @@ impl SourceState {
         for spec in found {
             match self.known.get_mut(&spec.id) {
                 None => {
-                    actions.push(Action::Add(spec.clone()));
+                    actions.push(SourceAction::Add(spec.clone()));
                     self.known.insert(spec.id.clone(), (spec, None));
                 }
                 Some((known, gone)) => {
                     if gone.take().is_some() {
-                        actions.push(Action::Return(spec.id.clone()));
+                        actions.push(SourceAction::Return(spec.id.clone()));
                     }
                     if *known != spec {
-                        actions.push(Action::Update(spec.clone()));
+                        actions.push(SourceAction::Update(spec.clone()));
                         *known = spec;
                     }
                 }
@@ -139,14 +123,14 @@ impl SourceState {
             if let Some((_, gone)) = self.known.get_mut(&id) {
                 *gone = Some(now_ms);
             }
-            actions.push(Action::Drain(id));
+            actions.push(SourceAction::Drain(id));
         }
         (Verdict::Applied, actions)
     }
 
     /// The removals due at `now_ms`: replicas gone from the source that are
     /// idle (`idle(id)`), or gone for longer than the grace period.
-    pub fn due(&mut self, now_ms: u64, idle: impl Fn(&str) -> bool, settings: Settings) -> Vec<Action> {
+    pub fn due(&mut self, now_ms: u64, idle: impl Fn(&str) -> bool, settings: Settings) -> Vec<SourceAction> {
         let done: Vec<String> = self
             .known
             .iter()
@@ -158,7 +142,7 @@ impl SourceState {
         for id in &done {
             self.known.remove(id);
         }
-        done.into_iter().map(Action::Remove).collect()
+        done.into_iter().map(SourceAction::Remove).collect()
     }
 }
 
@@ -172,7 +156,7 @@ mod tests {
         ids.iter().map(|id| ReplicaSpec::new(id, &format!("http://{id}.engines.local:8000"))).collect()
     }
 
-    fn ok(s: &mut SourceState, ids: &[&str], now: u64) -> (Verdict, Vec<Action>) {
+    fn ok(s: &mut SourceState, ids: &[&str], now: u64) -> (Verdict, Vec<SourceAction>) {
         s.answer(Ok(specs(ids)), now, SETTINGS)
     }
 
@@ -182,17 +166,17 @@ mod tests {
         let (v, a) = ok(&mut s, &["e-1", "e-2", "e-3"], 0);
         assert_eq!(v, Verdict::Applied);
         assert_eq!(a.len(), 3, "{a:?}");
-        assert!(a.iter().all(|a| matches!(a, Action::Add(_))));
+        assert!(a.iter().all(|a| matches!(a, SourceAction::Add(_))));
         let (v, a) = ok(&mut s, &["e-1", "e-2"], 1_000);
-        assert_eq!((v, a), (Verdict::Applied, vec![Action::Drain("e-3".into())]));
+        assert_eq!((v, a), (Verdict::Applied, vec![SourceAction::Drain("e-3".into())]));
         // Still busy: stays until idle...
         assert!(s.due(2_000, |_| false, SETTINGS).is_empty());
-        assert_eq!(s.due(3_000, |id| id == "e-3", SETTINGS), vec![Action::Remove("e-3".into())]);
+        assert_eq!(s.due(3_000, |id| id == "e-3", SETTINGS), vec![SourceAction::Remove("e-3".into())]);
         assert_eq!(s.present(), 2);
         // ...or until the grace period is over.
         ok(&mut s, &["e-1"], 10_000);
         assert!(s.due(10_000 + 59_999, |_| false, SETTINGS).is_empty());
-        assert_eq!(s.due(10_000 + 60_000, |_| false, SETTINGS), vec![Action::Remove("e-2".into())]);
+        assert_eq!(s.due(10_000 + 60_000, |_| false, SETTINGS), vec![SourceAction::Remove("e-2".into())]);
     }
 
     #[test]
@@ -201,12 +185,12 @@ mod tests {
         ok(&mut s, &["e-1", "e-2", "e-3"], 0);
         ok(&mut s, &["e-1", "e-2"], 1_000);
         let (_, a) = ok(&mut s, &["e-1", "e-2", "e-3"], 2_000);
-        assert_eq!(a, vec![Action::Return("e-3".into())]);
+        assert_eq!(a, vec![SourceAction::Return("e-3".into())]);
         assert!(s.due(3_000, |_| true, SETTINGS).is_empty(), "it is not gone any more");
         let mut moved = specs(&["e-1", "e-2", "e-3"]);
         moved[0].url = "http://e-1.engines.local:9000".into();
         let (_, a) = s.answer(Ok(moved.clone()), 4_000, SETTINGS);
-        assert_eq!(a, vec![Action::Update(moved[0].clone())]);
+        assert_eq!(a, vec![SourceAction::Update(moved[0].clone())]);
     }
 
     #[test]
@@ -248,6 +232,6 @@ mod tests {
         assert_eq!(ok(&mut t, &["e-1", "e-2", "e-3"], 1_000).0, Verdict::Applied);
         let (v, a) = ok(&mut t, &["e-5"], 2_000);
         assert!(matches!(v, Verdict::Held { .. }));
-        assert!(matches!(&a[..], [Action::Add(spec)] if spec.id == "e-5"), "{a:?}");
+        assert!(matches!(&a[..], [SourceAction::Add(spec)] if spec.id == "e-5"), "{a:?}");
     }
 }

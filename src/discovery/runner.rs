@@ -17,12 +17,12 @@ use hickory_resolver::Resolver;
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use super::lifecycle::{Action, SourceState, Verdict};
+use super::lifecycle::{SourceState, Verdict};
 use super::source::{read_file, Source};
 use super::SourceConfig;
 use crate::clock::now_ms;
 use crate::events::EventKind;
-use crate::fleet::ReplicaSpec;
+use crate::fleet::{ReplicaSpec, SourceAction};
 use crate::metrics::Metrics;
 use crate::operator::Operator;
 
@@ -246,13 +246,13 @@ impl Run {
         status.stale_since = state.failing_since_ms.map(crate::clock::rfc3339);
     }
 
-    fn apply(&self, label: &str, action: Action) {
+    fn apply(&self, label: &str, action: SourceAction) {
         let change = match &action {
-            Action::Add(_) => "added",
-            Action::Update(_) => "updated",
-            Action::Drain(_) => "drained",
-            Action::Return(_) => "returned",
-            Action::Remove(_) => "removed",
+            SourceAction::Add(_) => "added",
+            SourceAction::Update(_) => "updated",
+            SourceAction::Drain(_) => "drained",
+            SourceAction::Return(_) => "returned",
+            SourceAction::Remove(_) => "removed",
         };
         match self.operator.apply_discovered(label, action, now_ms()) {
             Ok(()) => self.metrics.discovery_change(label, change),

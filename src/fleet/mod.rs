@@ -330,6 +330,23 @@ impl From<String> for ReplicaSource {
     }
 }
 
+/// What a discovery source's answer does to a replica (`discovery::lifecycle`
+/// decides, `Operator::apply_discovered` applies).
+#[derive(Debug, Clone, PartialEq)]
+pub enum SourceAction {
+    /// A replica appeared: add it.
+    Add(ReplicaSpec),
+    /// Its settings changed in the source.
+    Update(ReplicaSpec),
+    /// It left its source: drain it (no new traffic; in-flight work finishes).
+    Drain(String),
+    /// It came back under the same name: back to rotation, unless an
+    /// operator disabled or drained it.
+    Return(String),
+    /// It left, and is idle or past the grace period: remove it.
+    Remove(String),
+}
+
 #[derive(Debug)]
 pub struct Replica {
     pub id: Arc<str>,

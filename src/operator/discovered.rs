@@ -16,10 +16,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::{internal, Operator};
-use crate::discovery::lifecycle::Action;
 use crate::error::ApiError;
 use crate::events::EventKind;
-use crate::fleet::{AdminState, Replica, ReplicaSource};
+use crate::fleet::{AdminState, Replica, ReplicaSource, SourceAction};
 use crate::store::{Store, StoreError};
 
 /// The setting the operator's states of discovered replicas live in.
@@ -107,11 +106,11 @@ impl Operator {
 
     /// Applies one action of discovery source `source` (its label) at
     /// `now_ms`, and records its event.
-    pub fn apply_discovered(&self, source: &str, action: Action, now_ms: u64) -> Result<(), NotApplied> {
+    pub fn apply_discovered(&self, source: &str, action: SourceAction, now_ms: u64) -> Result<(), NotApplied> {
         let _serial = self.serial();
         let id = match &action {
-            Action::Add(spec) | Action::Update(spec) => spec.id.clone(),
-            Action::Drain(id) | Action::Return(id) | Action::Remove(id) => id.clone(),
+            SourceAction::Add(spec) | SourceAction::Update(spec) => spec.id.clone(),
+            SourceAction::Drain(id) | SourceAction::Return(id) | SourceAction::Remove(id) => id.clone(),
         };
         let existing = self.fleet.get(&id);
         if let Some(r) = &existing {
@@ -121,7 +120,7 @@ impl Operator {
         }
         let record = |kind, detail: String| self.events.record(kind, Some(&id), None, detail);
         match (action, existing) {
-            (Action::Add(spec), None) => {
+            (SourceAction::Add(spec), None) => {
                 let url = spec.url.clone();
                 let admin = in_force(self.admin_of(&id), false);
                 self.fleet.add(Replica::from_source(spec, admin, ReplicaSource::Discovered(Arc::from(source))));
@@ -133,18 +132,18 @@ impl Operator {
                 };
                 record(EventKind::ReplicaDiscovered, format!("found by {source} at {url}{kept}"));
             }
-            (Action::Add(spec) | Action::Update(spec), Some(r)) => {
+            (SourceAction::Add(spec) | SourceAction::Update(spec), Some(r)) => {
                 let (url, limit) = (spec.url.clone(), spec.max_large_inflight);
                 r.set_spec(spec);
                 self.admission.rebalance(&r.id, limit);
                 record(EventKind::ReplicaUpdated, format!("changed in {source}: {url}"));
             }
-            (Action::Drain(_), Some(r)) => {
+            (SourceAction::Drain(_), Some(r)) => {
                 r.set_left_source(Some(now_ms));
                 r.set_admin(in_force(self.admin_of(&id), true));
                 record(EventKind::ReplicaLeftSource, format!("left {source}: draining, {} in flight", r.inflight()));
             }
-            (Action::Return(_), Some(r)) => {
+            (SourceAction::Return(_), Some(r)) => {
                 r.set_left_source(None);
                 let admin = in_force(self.admin_of(&id), false);
                 r.set_admin(admin);
@@ -154,7 +153,7 @@ impl Operator {
                 };
                 record(EventKind::ReplicaReturned, format!("back in {source}: {state}"));
             }
-            (Action::Remove(_), Some(r)) => {
+            (SourceAction::Remove(_), Some(r)) => {
                 self.fleet.remove(&id);
                 let pins = self.pins.remove_replica_pins(&id, true);
                 self.capacity.forget_replica(&id);
@@ -193,17 +192,17 @@ mod tests {
         let store: Arc<dyn Store> = Arc::new(MemoryStore::default());
         let (here, there) = (Operator::for_tests(store.clone()), Operator::for_tests(store.clone()));
         for op in [&here, &there] {
-            op.apply_discovered("dns:e:8000", Action::Add(spec("e-1")), 1).unwrap();
+            op.apply_discovered("dns:e:8000", SourceAction::Add(spec("e-1")), 1).unwrap();
         }
         here.disable("e-1").unwrap();
         there.reload_discovered_admin().unwrap();
         assert_eq!(there.replica("e-1").unwrap().admin(), AdminState::Disabled, "shared by name");
         // It leaves its source, is removed, and comes back: still disabled.
-        here.apply_discovered("dns:e:8000", Action::Drain("e-1".into()), 2).unwrap();
+        here.apply_discovered("dns:e:8000", SourceAction::Drain("e-1".into()), 2).unwrap();
         assert_eq!(here.replica("e-1").unwrap().admin(), AdminState::Disabled);
-        here.apply_discovered("dns:e:8000", Action::Remove("e-1".into()), 3).unwrap();
+        here.apply_discovered("dns:e:8000", SourceAction::Remove("e-1".into()), 3).unwrap();
         assert!(here.fleet.get("e-1").is_none());
-        here.apply_discovered("dns:e:8000", Action::Add(spec("e-1")), 4).unwrap();
+        here.apply_discovered("dns:e:8000", SourceAction::Add(spec("e-1")), 4).unwrap();
         assert_eq!(here.replica("e-1").unwrap().admin(), AdminState::Disabled);
         // Enabling forgets the decision: the next appearance is active.
         here.enable("e-1").unwrap();
@@ -213,19 +212,19 @@ mod tests {
     #[test]
     fn a_departed_replica_drains_until_it_returns_and_the_api_cannot_delete_it() {
         let op = Operator::for_tests(Arc::new(MemoryStore::default()));
-        op.apply_discovered("file:/e.toml", Action::Add(spec("e-1")), 1).unwrap();
-        op.apply_discovered("file:/e.toml", Action::Drain("e-1".into()), 2).unwrap();
+        op.apply_discovered("file:/e.toml", SourceAction::Add(spec("e-1")), 1).unwrap();
+        op.apply_discovered("file:/e.toml", SourceAction::Drain("e-1".into()), 2).unwrap();
         let r = op.replica("e-1").unwrap();
         assert_eq!((r.admin(), r.left_source_ms()), (AdminState::Draining, Some(2)));
         // A resume while it is gone keeps it draining: its source does not list it.
         op.resume("e-1").unwrap();
         assert_eq!(r.admin(), AdminState::Draining);
-        op.apply_discovered("file:/e.toml", Action::Return("e-1".into()), 3).unwrap();
+        op.apply_discovered("file:/e.toml", SourceAction::Return("e-1".into()), 3).unwrap();
         assert_eq!((r.admin(), r.left_source_ms()), (AdminState::Active, None));
         let refused = op.remove_replica("e-1").unwrap_err().to_string();
         assert!(refused.contains("file:/e.toml") && refused.contains("disable"), "{refused}");
         // Another source cannot take the name.
-        let taken = op.apply_discovered("dns:other:1", Action::Add(spec("e-1")), 4).unwrap_err();
+        let taken = op.apply_discovered("dns:other:1", SourceAction::Add(spec("e-1")), 4).unwrap_err();
         assert_eq!(taken, NotApplied::NameTaken { id: "e-1".into(), by: "file:/e.toml".into() });
         // The store's replica records do not touch it.
         assert_eq!(op.apply_replica("e-1", None), super::super::Applied::Nothing);
