@@ -54,7 +54,7 @@ impl Follower {
             }
             Change::Replica { id } => operator.reload_replica(&id).map(|_| ()),
             Change::Setting { name } if name == "policy" => operator.reload_policy(),
-            Change::Setting { name } if name == crate::operator::DISCOVERED_ADMIN => operator.reload_discovered_admin(),
+            Change::Setting { name } if name == crate::store::DISCOVERED_ADMIN => operator.reload_discovered_admin(),
             Change::Setting { .. } => Ok(()),
             Change::Event { event } => {
                 operator.events.insert_remote(event);

@@ -19,10 +19,7 @@ use super::{internal, Operator};
 use crate::error::ApiError;
 use crate::events::EventKind;
 use crate::fleet::{AdminState, Replica, ReplicaSource, SourceAction};
-use crate::store::{Store, StoreError};
-
-/// The setting the operator's states of discovered replicas live in.
-pub const DISCOVERED_ADMIN: &str = "discovered_admin";
+use crate::store::{Store, StoreError, DISCOVERED_ADMIN};
 
 /// The operator's state of discovered replicas, by name. Active is the
 /// default and is not kept.

@@ -14,7 +14,7 @@
 
 mod discovered;
 
-pub use discovered::{in_force, read_discovered_admin, AdminByName, NotApplied, DISCOVERED_ADMIN};
+pub use discovered::{in_force, read_discovered_admin, AdminByName, NotApplied};
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

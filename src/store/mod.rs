@@ -154,6 +154,10 @@ pub trait Store: Send + Sync {
     }
 }
 
+/// The setting the operator's states of discovered replicas live in (by
+/// name; see `operator/discovered.rs`).
+pub const DISCOVERED_ADMIN: &str = "discovered_admin";
+
 /// What `copy` moved.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Copied {
@@ -164,7 +168,8 @@ pub struct Copied {
 }
 
 /// Copies everything a gateway persists from `src` to `dst` (replicas,
-/// pins, events, the policy), then makes it durable. Existing records with
+/// pins, events, the policy, the operator's states of discovered replicas),
+/// then makes it durable. Existing records with
 /// the same keys are overwritten; others in `dst` are left alone.
 pub fn copy(src: &dyn Store, dst: &dyn Store) -> Result<Copied, StoreError> {
     let mut copied = Copied::default();
@@ -181,7 +186,7 @@ pub fn copy(src: &dyn Store, dst: &dyn Store) -> Result<Copied, StoreError> {
         dst.append_event(&e, None)?;
         copied.events += 1;
     }
-    for name in ["policy"] {
+    for name in ["policy", DISCOVERED_ADMIN] {
         if let Some(v) = src.setting(name)? {
             dst.put_setting(name, &v)?;
             copied.settings += 1;

@@ -333,6 +333,8 @@ fn store_copy_moves_everything_from_sled_to_redis_and_back() {
     }
     src.put_setting("policy", &json!({"mode": "roundrobin", "identity": {"block_bytes": 64, "block_tokens": 8}}))
         .unwrap();
+    // An operator's disable of a discovered replica, kept by name.
+    src.put_setting(prefixgate::store::DISCOVERED_ADMIN, &json!({"engine-0-8000": "disabled"})).unwrap();
     drop(src);
     for (from, to) in [(&sled_url, &redis.url), (&redis.url, &back_url)] {
         let out = Command::new(env!("CARGO_BIN_EXE_prefixgate"))
@@ -340,7 +342,7 @@ fn store_copy_moves_everything_from_sled_to_redis_and_back() {
             .output()
             .unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        assert!(String::from_utf8_lossy(&out.stdout).contains("1 replica(s), 1000 pin(s), 5 event(s), 1 setting(s)"));
+        assert!(String::from_utf8_lossy(&out.stdout).contains("1 replica(s), 1000 pin(s), 5 event(s), 2 setting(s)"));
     }
     let (a, b) =
         (prefixgate::store::open_url(&sled_url, "t").unwrap(), prefixgate::store::open_url(&back_url, "t").unwrap());
@@ -353,6 +355,8 @@ fn store_copy_moves_everything_from_sled_to_redis_and_back() {
     assert_eq!(a.replicas().unwrap(), b.replicas().unwrap());
     assert_eq!(a.events().unwrap(), b.events().unwrap());
     assert_eq!(a.setting("policy").unwrap(), b.setting("policy").unwrap());
+    let kept = b.setting(prefixgate::store::DISCOVERED_ADMIN).unwrap();
+    assert_eq!(kept, Some(json!({"engine-0-8000": "disabled"})));
 }
 
 #[actix_web::test]
