@@ -12,11 +12,10 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use hickory_resolver::net::runtime::TokioRuntimeProvider;
-use hickory_resolver::Resolver;
 use serde::Serialize;
 use utoipa::ToSchema;
 
+use super::dns;
 use super::lifecycle::{SourceState, Verdict};
 use super::source::{read_file, Source};
 use super::SourceConfig;
@@ -54,10 +53,18 @@ pub struct SourceStatus {
     pub stale_since: Option<String>,
 }
 
+/// One configured source and its last status.
+struct Entry {
+    config: SourceConfig,
+    source: Source,
+    label: String,
+    status: Mutex<SourceStatus>,
+}
+
 /// Every configured source, with its last status.
 #[derive(Default)]
 pub struct Discovery {
-    sources: Vec<(SourceConfig, Source, Mutex<SourceStatus>)>,
+    sources: Vec<Arc<Entry>>,
 }
 
 impl Discovery {
@@ -78,26 +85,24 @@ impl Discovery {
                     stale: false,
                     stale_since: None,
                 };
-                Some((c.clone(), source, Mutex::new(status)))
+                let label = source.label();
+                Some(Arc::new(Entry { config: c.clone(), source, label, status: Mutex::new(status) }))
             })
             .collect();
         Discovery { sources }
     }
 
     pub fn statuses(&self) -> Vec<SourceStatus> {
-        self.sources.iter().map(|(_, _, s)| s.lock().unwrap_or_else(|e| e.into_inner()).clone()).collect()
+        self.sources.iter().map(|e| e.status.lock().unwrap_or_else(|e| e.into_inner()).clone()).collect()
     }
 
-    /// Starts one task per source; they end when the gateway drops.
-    pub fn spawn(
-        self: &Arc<Self>,
-        operator: &Arc<Operator>,
-        metrics: &Arc<Metrics>,
-    ) -> Vec<tokio::task::JoinHandle<()>> {
-        (0..self.sources.len())
-            .map(|i| {
-                let run =
-                    Run { discovery: self.clone(), index: i, operator: operator.clone(), metrics: metrics.clone() };
+    /// Starts one task per source (aborted with the other background tasks
+    /// when the gateway stops).
+    pub fn spawn(&self, operator: &Arc<Operator>, metrics: &Arc<Metrics>) -> Vec<tokio::task::JoinHandle<()>> {
+        self.sources
+            .iter()
+            .map(|entry| {
+                let run = Run { entry: entry.clone(), operator: operator.clone(), metrics: metrics.clone() };
                 tokio::spawn(run.forever())
             })
             .collect()
@@ -106,8 +111,7 @@ impl Discovery {
 
 /// One source's task.
 struct Run {
-    discovery: Arc<Discovery>,
-    index: usize,
+    entry: Arc<Entry>,
     operator: Arc<Operator>,
     metrics: Arc<Metrics>,
 }
@@ -122,91 +126,71 @@ fn stamp(path: &std::path::Path) -> FileStamp {
 }
 
 impl Run {
-    fn config(&self) -> &SourceConfig {
-        &self.discovery.sources[self.index].0
-    }
-
-    fn source(&self) -> &Source {
-        &self.discovery.sources[self.index].1
-    }
-
-    fn status(&self) -> std::sync::MutexGuard<'_, SourceStatus> {
-        self.discovery.sources[self.index].2.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     async fn forever(self) {
-        let interval = Duration::from_millis(self.config().interval_ms);
-        let label = self.source().label();
-        let resolver = match self.source() {
-            Source::Dns { resolver, .. } | Source::Srv { resolver, .. } => Some(super::dns::resolver(
-                *resolver,
-                interval.clamp(Duration::from_millis(500), Duration::from_secs(5)),
-            )),
-            Source::File { .. } => None,
-        };
-        self.metrics.discovery_source(&label);
+        let interval = Duration::from_millis(self.entry.config.interval_ms);
+        self.metrics.discovery_source(&self.entry.label);
         let mut state = SourceState::default();
         let mut next_read = tokio::time::Instant::now();
         let mut seen: FileStamp = None;
         loop {
-            let now = tokio::time::Instant::now();
-            let changed = match self.source() {
+            let changed = match &self.entry.source {
                 Source::File { path } => {
                     let current = stamp(path);
-                    let changed = current != seen;
-                    seen = current;
-                    changed
+                    std::mem::replace(&mut seen, current) != current
                 }
                 _ => false,
             };
-            if changed || now >= next_read {
-                let (answer, valid_for) = self.read(resolver.as_ref()).await;
+            if changed || tokio::time::Instant::now() >= next_read {
+                let (answer, valid_for) = self.read(interval).await;
                 // Records that expire sooner than the interval are read again when they do.
                 let wait = match valid_for {
                     Some(ttl) if !ttl.is_zero() => interval.min(ttl.max(MIN_REREAD)),
                     _ => interval,
                 };
                 next_read = tokio::time::Instant::now() + wait;
-                self.take(&label, &mut state, answer);
+                self.take(&mut state, answer);
             }
-            let settings = self.config().lifecycle();
             let fleet = &self.operator.fleet;
-            let due = state.due(now_ms(), |id| fleet.get(id).is_none_or(|r| r.inflight() == 0), settings);
-            for action in due {
-                self.apply(&label, action);
+            let idle = |id: &str| fleet.get(id).is_none_or(|r| r.inflight() == 0);
+            for action in state.due(now_ms(), idle, self.entry.config.lifecycle()) {
+                self.apply(action);
             }
             tokio::time::sleep(TICK.min(interval)).await;
         }
     }
 
     /// Reads the source once: its replicas (with the source's settings), or
-    /// why not; and for DNS, how long the answer is valid.
-    async fn read(
-        &self,
-        resolver: Option<&Result<Resolver<TokioRuntimeProvider>, String>>,
-    ) -> (Result<Vec<ReplicaSpec>, String>, Option<Duration>) {
-        let answer = match (self.source(), resolver) {
-            (Source::File { path }, _) => {
+    /// why not; and for DNS, how long the answer is valid. The resolver is
+    /// made for each read, so a changed `/etc/resolv.conf` is followed.
+    async fn read(&self, interval: Duration) -> (Result<Vec<ReplicaSpec>, String>, Option<Duration>) {
+        let timeout = interval.clamp(Duration::from_millis(500), Duration::from_secs(5));
+        let (found, valid_for) = match &self.entry.source {
+            Source::File { path } => {
                 let path = path.clone();
                 let read = tokio::task::spawn_blocking(move || read_file(&path)).await;
                 (read.unwrap_or_else(|e| Err(format!("reading the file failed: {e}"))), None)
             }
-            (_, Some(Err(e))) => (Err(e.clone()), None),
-            (Source::Dns { name, port, .. }, Some(Ok(r))) => split(super::dns::resolve_addresses(r, name, *port).await),
-            (Source::Srv { name, .. }, Some(Ok(r))) => split(super::dns::resolve_srv(r, name).await),
-            (_, None) => (Err("no resolver".into()), None),
+            Source::Dns { name, port, resolver } => match dns::resolver(*resolver, timeout) {
+                Ok(r) => split(dns::resolve_addresses(&r, name, *port).await),
+                Err(e) => (Err(e), None),
+            },
+            Source::Srv { name, resolver } => match dns::resolver(*resolver, timeout) {
+                Ok(r) => split(dns::resolve_srv(&r, name).await),
+                Err(e) => (Err(e), None),
+            },
         };
-        let config = self.config();
-        (answer.0.map(|found| found.into_iter().map(|spec| config.dress(spec)).collect()), answer.1)
+        let config = &self.entry.config;
+        (found.map(|found| found.into_iter().map(|spec| config.dress(spec)).collect()), valid_for)
     }
 
     /// Takes one answer through the lifecycle, applies its actions and reports.
-    fn take(&self, label: &str, state: &mut SourceState, answer: Result<Vec<ReplicaSpec>, String>) {
+    fn take(&self, state: &mut SourceState, answer: Result<Vec<ReplicaSpec>, String>) {
+        let label = self.entry.label.as_str();
         let was_stale = state.stale();
         let now = now_ms();
-        let (verdict, actions) = state.answer(answer, now, self.config().lifecycle());
+        let (verdict, actions) = state.answer(answer, now, self.entry.config.lifecycle());
         for action in actions {
-            self.apply(label, action);
+            self.apply(action);
         }
         let events = &self.operator.events;
         let (result, error) = match &verdict {
@@ -237,7 +221,7 @@ impl Run {
             }
         };
         self.metrics.discovery_read(label, result, state.present(), state.stale());
-        let mut status = self.status();
+        let mut status = self.entry.status.lock().unwrap_or_else(|e| e.into_inner());
         status.last_resolution = Some(crate::clock::rfc3339(now));
         status.result = result.into();
         status.error = error;
@@ -246,7 +230,8 @@ impl Run {
         status.stale_since = state.failing_since_ms.map(crate::clock::rfc3339);
     }
 
-    fn apply(&self, label: &str, action: SourceAction) {
+    fn apply(&self, action: SourceAction) {
+        let label = self.entry.label.as_str();
         let change = match &action {
             SourceAction::Add(_) => "added",
             SourceAction::Update(_) => "updated",
@@ -264,7 +249,7 @@ impl Run {
     }
 }
 
-fn split(r: Result<super::dns::Answer, String>) -> (Result<Vec<ReplicaSpec>, String>, Option<Duration>) {
+fn split(r: Result<dns::Answer, String>) -> (Result<Vec<ReplicaSpec>, String>, Option<Duration>) {
     match r {
         Ok(a) => (Ok(a.replicas), Some(a.valid_for)),
         Err(e) => (Err(e), None),
