@@ -151,9 +151,7 @@ impl Operator {
                 record(EventKind::ReplicaReturned, format!("back in {source}: {state}"));
             }
             (SourceAction::Remove(_), Some(r)) => {
-                self.fleet.remove(&id);
-                let pins = self.pins.remove_replica_pins(&id, true);
-                self.capacity.forget_replica(&id);
+                let pins = self.forget_replica(&id);
                 record(
                     EventKind::ReplicaRemoved,
                     format!("left {source}, removed with {} in flight; {pins} pin(s) dropped", r.inflight()),

@@ -234,16 +234,19 @@ impl Operator {
                 self.fleet.add(Replica::from_source(s.spec, s.admin, s.source));
                 Applied::Added
             }
-            (None, Some(_)) => {
-                self.fleet.remove(id);
-                // A follow-up naming a response the replica stored must hear
-                // that its replica is gone: those pins stay (see `PinTable`).
-                let pins = self.pins.remove_replica_pins(id, true);
-                self.capacity.forget_replica(id);
-                Applied::Removed { pins }
-            }
+            (None, Some(_)) => Applied::Removed { pins: self.forget_replica(id) },
             (None, None) => Applied::Nothing,
         }
+    }
+
+    /// Takes replica `id` out of the fleet with its pins and capacity state;
+    /// returns how many pins went. A follow-up naming a response the replica
+    /// stored must hear that its replica is gone: those pins stay (see `PinTable`).
+    pub(crate) fn forget_replica(&self, id: &str) -> usize {
+        self.fleet.remove(id);
+        let pins = self.pins.remove_replica_pins(id, true);
+        self.capacity.forget_replica(id);
+        pins
     }
 
     /// Re-reads replica `id` from the store and applies it (another
