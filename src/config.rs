@@ -544,6 +544,10 @@ mod tests {
         let urls: Vec<&str> = c.discovery.iter().map(|d| d.url.as_str()).collect();
         assert_eq!(urls, ["dns://engines:8000", "file:///etc/engines.toml"]);
         assert_eq!(c.discovery[0].grace_secs, 600, "defaults fill what a URL does not say");
+        // Whole tables from the environment, as a TOML array.
+        let tables = r#"[{url = "dns://engines:8000", interval_ms = 250, weight = 2}]"#;
+        let c = Config::load(None, env(&[("PREFIXGATE_DISCOVERY", tables)]), &[]).unwrap();
+        assert_eq!((c.discovery[0].interval_ms, c.discovery[0].weight), (250, Some(2)));
         let err = Config::load(None, env(&[("PREFIXGATE_DISCOVERY", "dns://engines")]), &[]).unwrap_err();
         assert!(err.contains("discovery[0]") && err.contains("NAME:PORT"), "{err}");
         let err = Config::load(None, env(&[("PREFIXGATE_DISCOVERY", "file:///a,file:///a")]), &[]).unwrap_err();
