@@ -252,8 +252,10 @@ async fn a_dns_source_scales_the_fleet_up_and_down_and_survives_its_server_stopp
     assert!(status["last_resolution"].is_string());
 
     // Scale up: the new record is probed, then takes spread traffic.
+    let asked = std::time::Instant::now();
     dns.set_hosts(&hosts(&[2, 3, 4]));
     wait_until("the new record routable", Duration::from_secs(15), || routable(&gw, &id(4, port))).await;
+    eprintln!("scale-up: the new record was routable {:?} after the DNS change", asked.elapsed());
     let mut served = std::collections::BTreeSet::new();
     for i in 0..6 {
         served.insert(chat(&gw, &[("user", &format!("one-shot {i}"))]).await.replica);
