@@ -494,3 +494,44 @@ async fn the_demo_runs_with_a_file_source_and_follows_the_file() {
     let reply = post(&format!("{}/v1/chat/completions", demo.base), &chat_body(&[("user", "hi")], json!({}))).await;
     assert_eq!(reply.status, 200);
 }
+
+#[actix_web::test]
+async fn after_a_restart_discovered_replicas_are_found_again_and_their_pins_and_disables_hold() {
+    let (a, b) = (start_sim("a", fast_sim()).await, start_sim("b", fast_sim()).await);
+    let dir = tempfile::tempdir().unwrap();
+    let listing = dir.path().join("engines.toml");
+    let tables =
+        format!("[[replicas]]\nid = \"a\"\nurl = \"{}\"\n\n[[replicas]]\nid = \"b\"\nurl = \"{}\"\n", a.url, b.url);
+    std::fs::write(&listing, tables).unwrap();
+    let mut config = discovering(SourceConfig::new(&format!("file://{}", listing.display())));
+    config.data_dir = Some(dir.path().join("db"));
+    let both_routable = |gw: &Gw| routable(gw, "a") && routable(gw, "b");
+
+    let gw = start_gateway(config.clone()).await;
+    wait_until("both found", Duration::from_secs(15), || both_routable(&gw)).await;
+    let first = chat(&gw, &[("user", "a conversation that outlives a restart")]).await;
+    let turn2 =
+        chat(&gw, &[("user", "a conversation that outlives a restart"), ("assistant", "x"), ("user", "y")]).await;
+    assert_eq!((turn2.route.as_str(), turn2.replica.as_str()), ("pinned", first.replica.as_str()));
+    let other = if first.replica == "a" { "b" } else { "a" };
+    gw.gw.operator.disable(other).unwrap();
+    gw.stop().await;
+
+    let gw = start_gateway(config).await;
+    wait_until("found again", Duration::from_secs(15), || routable(&gw, &first.replica)).await;
+    assert_eq!(gw.gw.fleet.get(other).unwrap().admin(), AdminState::Disabled, "the operator's disable persisted");
+    let turn3 = chat(
+        &gw,
+        &[
+            ("user", "a conversation that outlives a restart"),
+            ("assistant", "x"),
+            ("user", "y"),
+            ("assistant", "z"),
+            ("user", "after the restart"),
+        ],
+    )
+    .await;
+    assert_eq!((turn3.route.as_str(), turn3.replica.as_str()), ("pinned", first.replica.as_str()));
+    assert!(gw.gw.store.replicas().unwrap().is_empty(), "discovered replicas are not stored");
+    gw.stop().await;
+}
