@@ -535,3 +535,18 @@ async fn after_a_restart_discovered_replicas_are_found_again_and_their_pins_and_
     assert!(gw.gw.store.replicas().unwrap().is_empty(), "discovered replicas are not stored");
     gw.stop().await;
 }
+
+#[actix_web::test]
+async fn records_with_a_short_ttl_are_read_again_before_the_interval() {
+    let Some(dns) = Dnsmasq::start(&hosts(&[2]), &[]) else { return };
+    let (port, _sims) = sims_on_one_port(2, fast_sim());
+    // An hour between reads, but dnsmasq's records live one second.
+    let gw = start_gateway(discovering(dns_source(&dns, "engines.test", port, 3_600_000))).await;
+    wait_until("the first record", Duration::from_secs(15), || routable(&gw, &id(2, port))).await;
+    dns.set_hosts(&hosts(&[2, 3]));
+    wait_until("the second record, read when the first answer expired", Duration::from_secs(15), || {
+        routable(&gw, &id(3, port))
+    })
+    .await;
+    gw.stop().await;
+}
