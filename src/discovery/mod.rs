@@ -29,7 +29,7 @@ pub struct SourceConfig {
     /// `dns://NAME:PORT`, `dns+srv://_SERVICE._PROTO.NAME` (both with an
     /// optional `?resolver=IP:PORT`) or `file://PATH`.
     pub url: String,
-    /// How often the source is read again. A DNS answer whose records have a
+    /// How often the source is read again (at least 100). A DNS answer whose records have a
     /// shorter TTL is read again when it expires; a file is checked for
     /// changes every 250 ms and read when it changed.
     pub interval_ms: u64,
@@ -98,8 +98,10 @@ impl SourceConfig {
 
     pub fn validate(&self) -> Result<source::Source, String> {
         let parsed = source::Source::parse(&self.url)?;
-        if self.interval_ms == 0 {
-            return Err("interval_ms must be greater than 0".into());
+        // Each source's task wakes at least this often anyway; reading a
+        // DNS server or a file faster only costs it and us.
+        if self.interval_ms < 100 {
+            return Err(format!("interval_ms: {} is below the smallest interval, 100 ms", self.interval_ms));
         }
         if !(0.0..=1.0).contains(&self.max_removal_fraction) {
             return Err("max_removal_fraction must be from 0 to 1".into());

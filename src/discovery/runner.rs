@@ -73,7 +73,8 @@ impl Discovery {
         let sources = configs
             .iter()
             .filter_map(|c| {
-                let source = Source::parse(&c.url).ok()?;
+                // A loaded config has validated its sources; one built by hand may not have.
+                let source = Source::parse(&c.url).inspect_err(|e| tracing::error!("{e}; not read")).ok()?;
                 let status = SourceStatus {
                     source: source.label(),
                     url: c.url.clone(),
