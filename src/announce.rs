@@ -130,6 +130,9 @@ mod tests {
         fn put_setting(&self, key: &str, value: &serde_json::Value) -> Result<(), crate::store::StoreError> {
             self.inner.put_setting(key, value)
         }
+        fn settings(&self, prefix: &str) -> Result<Vec<(String, serde_json::Value)>, crate::store::StoreError> {
+            self.inner.settings(prefix)
+        }
         fn flush(&self) -> Result<(), crate::store::StoreError> {
             Ok(())
         }

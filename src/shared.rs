@@ -54,7 +54,9 @@ impl Follower {
             }
             Change::Replica { id } => operator.reload_replica(&id).map(|_| ()),
             Change::Setting { name } if name == "policy" => operator.reload_policy(),
-            Change::Setting { name } if name == crate::store::DISCOVERED_ADMIN => operator.reload_discovered_admin(),
+            Change::Setting { name } if name.starts_with(crate::store::DISCOVERED_ADMIN_PREFIX) => {
+                operator.reload_discovered_admin_of(&name[crate::store::DISCOVERED_ADMIN_PREFIX.len()..])
+            }
             Change::Setting { .. } => Ok(()),
             Change::Event { event } => {
                 operator.events.insert_remote(event);

@@ -3,11 +3,13 @@
 //!
 //! Each gateway instance runs its own discovery and keeps its own copy of
 //! the replicas a source lists; nothing about them is persisted but the
-//! operator's decision (drain, disable), stored under the replica's name in
-//! one setting. That way two instances never fight over a discovered replica
-//! (neither writes it where the other reads it), the operator's decision is
-//! shared (a setting change is announced like any other), and it outlives
-//! the replica leaving its source and coming back.
+//! operator's decision (drain, disable), stored under the replica's name
+//! (the setting `discovered_admin/NAME`, one per name). That way two
+//! instances never fight over a discovered replica (neither writes it where
+//! the other reads it), two operators acting on two replicas never
+//! overwrite each other, the decision is shared (a setting change is
+//! announced like any other), and it outlives the replica leaving its
+//! source and coming back.
 //!
 //! A replica that left its source drains whatever the operator said, and a
 //! disabled one stays disabled: the state in force is `in_force`.
@@ -19,19 +21,30 @@ use super::{internal, Operator};
 use crate::error::ApiError;
 use crate::events::EventKind;
 use crate::fleet::{AdminState, Replica, ReplicaSource, SourceAction};
-use crate::store::{Store, StoreError, DISCOVERED_ADMIN};
+use crate::store::{Store, StoreError, DISCOVERED_ADMIN_PREFIX};
 
 /// The operator's state of discovered replicas, by name. Active is the
 /// default and is not kept.
 pub type AdminByName = BTreeMap<String, AdminState>;
 
+fn key(id: &str) -> String {
+    format!("{DISCOVERED_ADMIN_PREFIX}{id}")
+}
+
+fn parse(name: &str, v: serde_json::Value) -> Result<AdminState, StoreError> {
+    serde_json::from_value(v).map_err(|e| StoreError::Corrupt { tree: "settings", detail: format!("{name}: {e}") })
+}
+
 /// Reads the operator's states of discovered replicas from the store.
 pub fn read_discovered_admin(store: &dyn Store) -> Result<AdminByName, StoreError> {
-    match store.setting(DISCOVERED_ADMIN)? {
-        Some(v) => serde_json::from_value(v)
-            .map_err(|e| StoreError::Corrupt { tree: "settings", detail: format!("{DISCOVERED_ADMIN}: {e}") }),
-        None => Ok(AdminByName::new()),
+    let mut states = AdminByName::new();
+    for (name, v) in store.settings(DISCOVERED_ADMIN_PREFIX)? {
+        let state = parse(&name, v)?;
+        if state != AdminState::Active {
+            states.insert(name[DISCOVERED_ADMIN_PREFIX.len()..].to_string(), state);
+        }
     }
+    Ok(states)
 }
 
 /// The state in force: the operator's, except that a replica gone from its
@@ -67,19 +80,36 @@ impl Operator {
     /// first), then applies the state in force. Returns the state before.
     /// Called under the operator lock.
     pub(super) fn set_discovered_admin(&self, r: &Replica, next: AdminState) -> Result<AdminState, ApiError> {
-        let mut states = self.discovered_admin.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        match next {
-            AdminState::Active => states.remove(&*r.id),
-            other => states.insert(r.id.to_string(), other),
-        };
-        let value = serde_json::to_value(&states).expect("serializable");
-        self.store.put_setting(DISCOVERED_ADMIN, &value).map_err(internal)?;
-        *self.discovered_admin.lock().unwrap_or_else(|e| e.into_inner()) = states;
+        let value = serde_json::to_value(next).expect("serializable");
+        self.store.put_setting(&key(&r.id), &value).map_err(internal)?;
+        self.keep_discovered_admin(&r.id, next);
         Ok(r.set_admin(in_force(next, r.left_source_ms().is_some())))
     }
 
-    /// Re-reads the operator's states of discovered replicas (another
-    /// instance changed one) and applies them.
+    fn keep_discovered_admin(&self, id: &str, state: AdminState) {
+        let mut states = self.discovered_admin.lock().unwrap_or_else(|e| e.into_inner());
+        match state {
+            AdminState::Active => states.remove(id),
+            other => states.insert(id.to_string(), other),
+        };
+    }
+
+    /// Re-reads the operator's state of discovered replica `id` (another
+    /// instance changed it) and applies it.
+    pub(crate) fn reload_discovered_admin_of(&self, id: &str) -> Result<(), StoreError> {
+        let _serial = self.serial();
+        let state = match self.store.setting(&key(id))? {
+            Some(v) => parse(&key(id), v)?,
+            None => AdminState::Active,
+        };
+        self.keep_discovered_admin(id, state);
+        if let Some(r) = self.fleet.get(id).filter(|r| r.source.is_discovered()) {
+            r.set_admin(in_force(state, r.left_source_ms().is_some()));
+        }
+        Ok(())
+    }
+
+    /// Re-reads every operator state of discovered replicas (a resync) and applies them.
     pub(crate) fn reload_discovered_admin(&self) -> Result<(), StoreError> {
         let _serial = self.serial();
         let states = read_discovered_admin(self.store.as_ref())?;
@@ -95,10 +125,10 @@ impl Operator {
     /// came back empty).
     pub(crate) fn persist_discovered_admin(&self) -> Result<(), StoreError> {
         let states = self.discovered_admin.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        if states.is_empty() {
-            return Ok(());
+        for (id, state) in states {
+            self.store.put_setting(&key(&id), &serde_json::to_value(state).expect("serializable"))?;
         }
-        self.store.put_setting(DISCOVERED_ADMIN, &serde_json::to_value(&states).expect("serializable"))
+        Ok(())
     }
 
     /// Applies one action of discovery source `source` (its label) at
@@ -190,7 +220,7 @@ mod tests {
             op.apply_discovered("dns:e:8000", SourceAction::Add(spec("e-1")), 1).unwrap();
         }
         here.disable("e-1").unwrap();
-        there.reload_discovered_admin().unwrap();
+        there.reload_discovered_admin_of("e-1").unwrap();
         assert_eq!(there.replica("e-1").unwrap().admin(), AdminState::Disabled, "shared by name");
         // It leaves its source, is removed, and comes back: still disabled.
         here.apply_discovered("dns:e:8000", SourceAction::Drain("e-1".into()), 2).unwrap();
@@ -199,9 +229,17 @@ mod tests {
         assert!(here.fleet.get("e-1").is_none());
         here.apply_discovered("dns:e:8000", SourceAction::Add(spec("e-1")), 4).unwrap();
         assert_eq!(here.replica("e-1").unwrap().admin(), AdminState::Disabled);
+        // Two names are two keys: deciding on one never overwrites the other.
+        there.apply_discovered("dns:e:8000", SourceAction::Add(spec("e-2")), 5).unwrap();
+        there.drain("e-2").unwrap();
+        let both = AdminByName::from([("e-1".into(), AdminState::Disabled), ("e-2".into(), AdminState::Draining)]);
+        assert_eq!(read_discovered_admin(store.as_ref()).unwrap(), both);
+        there.reload_discovered_admin().unwrap();
+        assert_eq!(there.replica("e-1").unwrap().admin(), AdminState::Disabled);
         // Enabling forgets the decision: the next appearance is active.
         here.enable("e-1").unwrap();
-        assert_eq!(read_discovered_admin(store.as_ref()).unwrap(), AdminByName::new());
+        let left = AdminByName::from([("e-2".into(), AdminState::Draining)]);
+        assert_eq!(read_discovered_admin(store.as_ref()).unwrap(), left);
     }
 
     #[test]

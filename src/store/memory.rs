@@ -62,6 +62,10 @@ impl Store for MemoryStore {
         self.settings.lock().expect("lock").insert(key.to_string(), value.clone());
         Ok(())
     }
+    fn settings(&self, prefix: &str) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
+        let settings = self.settings.lock().expect("lock");
+        Ok(settings.iter().filter(|(k, _)| k.starts_with(prefix)).map(|(k, v)| (k.clone(), v.clone())).collect())
+    }
     fn flush(&self) -> Result<(), StoreError> {
         Ok(())
     }

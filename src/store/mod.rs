@@ -108,6 +108,8 @@ pub trait Store: Send + Sync {
     fn events(&self) -> Result<Vec<Event>, StoreError>;
     fn setting(&self, key: &str) -> Result<Option<serde_json::Value>, StoreError>;
     fn put_setting(&self, key: &str, value: &serde_json::Value) -> Result<(), StoreError>;
+    /// Every setting whose name starts with `prefix`, by name.
+    fn settings(&self, prefix: &str) -> Result<Vec<(String, serde_json::Value)>, StoreError>;
     /// Makes everything written so far durable.
     fn flush(&self) -> Result<(), StoreError>;
 
@@ -154,9 +156,11 @@ pub trait Store: Send + Sync {
     }
 }
 
-/// The setting the operator's states of discovered replicas live in (by
-/// name; see `operator/discovered.rs`).
-pub const DISCOVERED_ADMIN: &str = "discovered_admin";
+/// The operator's state of a discovered replica is the setting of this
+/// prefix and the replica's name: one key per name, so two instances acting
+/// on two replicas at once never overwrite each other (see
+/// `operator/discovered.rs`).
+pub const DISCOVERED_ADMIN_PREFIX: &str = "discovered_admin/";
 
 /// What `copy` moved.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -186,11 +190,11 @@ pub fn copy(src: &dyn Store, dst: &dyn Store) -> Result<Copied, StoreError> {
         dst.append_event(&e, None)?;
         copied.events += 1;
     }
-    for name in ["policy", DISCOVERED_ADMIN] {
-        if let Some(v) = src.setting(name)? {
-            dst.put_setting(name, &v)?;
-            copied.settings += 1;
-        }
+    let mut settings = src.settings(DISCOVERED_ADMIN_PREFIX)?;
+    settings.extend(src.setting("policy")?.map(|v| ("policy".to_string(), v)));
+    for (name, v) in settings {
+        dst.put_setting(&name, &v)?;
+        copied.settings += 1;
     }
     dst.flush()?;
     Ok(copied)

@@ -279,6 +279,15 @@ impl Store for RedisStore {
         self.announce(Change::Setting { name: name.to_string() })
     }
 
+    fn settings(&self, prefix: &str) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
+        // The settings hash holds a handful of names: read it whole.
+        let all: Vec<(String, String)> = self.run(|c| c.hgetall(key("settings")))?;
+        all.into_iter()
+            .filter(|(name, _)| name.starts_with(prefix))
+            .map(|(name, v)| Ok((name, serde_json::from_str(&v).map_err(|e| corrupt("settings")(e.to_string()))?)))
+            .collect()
+    }
+
     /// Redis persists on its own terms (RDB/AOF, configured on the server).
     fn flush(&self) -> Result<(), StoreError> {
         Ok(())

@@ -136,6 +136,17 @@ impl Store for SledStore {
         Ok(())
     }
 
+    fn settings(&self, prefix: &str) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
+        self.settings
+            .scan_prefix(prefix)
+            .map(|item| {
+                let (k, v) = item?;
+                let name = String::from_utf8(k.to_vec()).map_err(|e| corrupt("settings")(e.to_string()))?;
+                Ok((name, serde_json::from_slice(&v).map_err(|e| corrupt("settings")(e.to_string()))?))
+            })
+            .collect()
+    }
+
     fn flush(&self) -> Result<(), StoreError> {
         self.db.flush()?;
         Ok(())

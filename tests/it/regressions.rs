@@ -66,6 +66,9 @@ impl Store for FlakyStore {
         self.check()?;
         self.inner.put_setting(key, value)
     }
+    fn settings(&self, prefix: &str) -> Result<Vec<(String, Value)>, StoreError> {
+        self.inner.settings(prefix)
+    }
     fn flush(&self) -> Result<(), StoreError> {
         self.inner.flush()
     }

@@ -334,7 +334,8 @@ fn store_copy_moves_everything_from_sled_to_redis_and_back() {
     src.put_setting("policy", &json!({"mode": "roundrobin", "identity": {"block_bytes": 64, "block_tokens": 8}}))
         .unwrap();
     // An operator's disable of a discovered replica, kept by name.
-    src.put_setting(prefixgate::store::DISCOVERED_ADMIN, &json!({"engine-0-8000": "disabled"})).unwrap();
+    let kept = format!("{}engine-0-8000", prefixgate::store::DISCOVERED_ADMIN_PREFIX);
+    src.put_setting(&kept, &json!("disabled")).unwrap();
     drop(src);
     for (from, to) in [(&sled_url, &redis.url), (&redis.url, &back_url)] {
         let out = Command::new(env!("CARGO_BIN_EXE_prefixgate"))
@@ -355,8 +356,7 @@ fn store_copy_moves_everything_from_sled_to_redis_and_back() {
     assert_eq!(a.replicas().unwrap(), b.replicas().unwrap());
     assert_eq!(a.events().unwrap(), b.events().unwrap());
     assert_eq!(a.setting("policy").unwrap(), b.setting("policy").unwrap());
-    let kept = b.setting(prefixgate::store::DISCOVERED_ADMIN).unwrap();
-    assert_eq!(kept, Some(json!({"engine-0-8000": "disabled"})));
+    assert_eq!(b.setting(&kept).unwrap(), Some(json!("disabled")));
 }
 
 #[actix_web::test]
