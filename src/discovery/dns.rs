@@ -7,7 +7,7 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use hickory_resolver::config::{NameServerConfig, ResolverConfig, ResolverOpts};
+use hickory_resolver::config::{LookupIpStrategy, NameServerConfig, ResolverConfig, ResolverOpts};
 use hickory_resolver::net::runtime::TokioRuntimeProvider;
 use hickory_resolver::net::NetError;
 use hickory_resolver::proto::rr::RData;
@@ -31,6 +31,10 @@ pub fn resolver(at: Option<SocketAddr>, timeout: Duration) -> Result<Resolver<To
     // Answers are re-read on an interval: a cached answer would hide a
     // scale-down for as long as its TTL, which is the source's own business.
     options.cache_size = 0;
+    // One address family per answer: a dual-stack pod has an A and an AAAA
+    // record, and both would be two replicas on one engine (hickory's
+    // default asks for both). IPv4 when there is any, else IPv6.
+    options.ip_strategy = LookupIpStrategy::Ipv4thenIpv6;
     let builder = match at {
         Some(addr) => {
             let mut server = NameServerConfig::udp(addr.ip());

@@ -98,7 +98,9 @@ impl Drop for Dnsmasq {
 
 #[actix_web::test]
 async fn address_records_name_one_replica_each_and_follow_the_server() {
-    let Some(mut dns) = Dnsmasq::start("127.0.0.2 engines.test\n127.0.0.3 engines.test\n", &[]) else { return };
+    // A dual-stack name (A and AAAA records) and a name with an AAAA record only.
+    let records = "127.0.0.2 engines.test\n127.0.0.3 engines.test\n::1 engines.test\n::1 v6.test\n";
+    let Some(mut dns) = Dnsmasq::start(records, &[]) else { return };
     let r = resolver(Some(dns.addr), Duration::from_millis(500)).unwrap();
     // dnsmasq takes a moment to listen: ask until it answers.
     wait_until_async("dnsmasq answers", || async {
@@ -109,6 +111,9 @@ async fn address_records_name_one_replica_each_and_follow_the_server() {
     let found: Vec<(&str, &str)> = answer.replicas.iter().map(|s| (s.id.as_str(), s.url.as_str())).collect();
     assert_eq!(found, [("127-0-0-2-8000", "http://127.0.0.2:8000"), ("127-0-0-3-8000", "http://127.0.0.3:8000")]);
     assert!(answer.valid_for <= Duration::from_secs(1), "the record TTL bounds the answer: {:?}", answer.valid_for);
+    // One address family per answer (not two replicas on a dual-stack engine); IPv6 when that is all there is.
+    let v6 = resolve_addresses(&r, "v6.test", 8000).await.unwrap();
+    assert_eq!(v6.replicas.iter().map(|s| s.url.as_str()).collect::<Vec<_>>(), ["http://[::1]:8000"]);
     // Scaled down: the next answers follow.
     dns.set_hosts("127.0.0.2 engines.test\n");
     wait_until_async("one address left", || async {
