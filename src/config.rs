@@ -413,22 +413,15 @@ fn apply_env(table: &mut toml::Table, key: &str, value: &str) -> Result<(), Stri
 /// `URL[,URL...]` (or a TOML array of tables). The one way a key is set
 /// from outside the file: environment variables and `--set` both come here.
 pub fn apply_key(table: &mut toml::Table, key: &str, value: &str) -> Result<(), String> {
-    if key == "discovery" && !value.trim_start().starts_with('[') {
-        let list = value
-            .split(',')
-            .filter(|s| !s.trim().is_empty())
-            .map(|url| toml::Value::try_from(SourceConfig::new(url.trim())).expect("serializable"))
-            .collect();
-        table.insert("discovery".into(), toml::Value::Array(list));
-        return Ok(());
-    }
-    if key == "replicas" {
-        let list = value
-            .split(',')
-            .filter(|s| !s.trim().is_empty())
-            .map(|s| parse_replica_flag(s.trim()).map(|r| toml::Value::try_from(r).expect("serializable")))
-            .collect::<Result<Vec<_>, _>>()?;
-        table.insert("replicas".into(), toml::Value::Array(list));
+    let list = match key {
+        "replicas" => Some(comma_list(value, parse_replica_flag)?),
+        "discovery" if !value.trim_start().starts_with('[') => {
+            Some(comma_list(value, |url| Ok(SourceConfig::new(url)))?)
+        }
+        _ => None,
+    };
+    if let Some(list) = list {
+        table.insert(key.into(), list);
         return Ok(());
     }
     let value = parse_env_value(value);
@@ -445,6 +438,13 @@ pub fn apply_key(table: &mut toml::Table, key: &str, value: &str) -> Result<(), 
         }
     }
     Ok(())
+}
+
+/// `A,B,...` as a TOML array, one table per item (`item` parses one).
+fn comma_list<T: Serialize>(value: &str, item: impl Fn(&str) -> Result<T, String>) -> Result<toml::Value, String> {
+    let items = value.split(',').map(str::trim).filter(|s| !s.is_empty());
+    let list = items.map(|s| item(s).map(|t| toml::Value::try_from(t).expect("serializable")));
+    list.collect::<Result<Vec<_>, _>>().map(toml::Value::Array)
 }
 
 /// `42`, `true`, `["a"]` are TOML values; anything else is a string.
