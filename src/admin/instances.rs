@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use utoipa_actix_web::service_config::ServiceConfig;
 
-use super::rfc3339;
+use crate::clock::rfc3339;
 use crate::error::ApiError;
 use crate::operator::INSTANCE_TIMEOUT_MS;
 use crate::state::AppState;

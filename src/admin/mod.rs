@@ -249,8 +249,6 @@ fn page_limit(limit: Option<usize>, default: usize) -> Result<usize, ApiError> {
     }
 }
 
-use crate::clock::rfc3339;
-
 #[cfg(test)]
 mod tests {
     use crate::fleet::patterns;

@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 use utoipa_actix_web::service_config::ServiceConfig;
 
-use super::rfc3339;
+use crate::clock::rfc3339;
 use crate::error::{ApiError, ErrorBody};
 use crate::operator::Operator;
 use crate::pins::Pin;

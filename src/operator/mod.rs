@@ -14,7 +14,7 @@
 
 mod discovered;
 
-pub use discovered::{in_force, read_discovered_admin, AdminByName, NotApplied};
+pub use discovered::{read_discovered_admin, NotApplied};
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
