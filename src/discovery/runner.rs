@@ -53,12 +53,43 @@ pub struct SourceStatus {
     pub stale_since: Option<String>,
 }
 
-/// One configured source and its last status.
+/// One configured source, and what its task knows of it.
 struct Entry {
     config: SourceConfig,
     source: Source,
     label: String,
-    status: Mutex<SourceStatus>,
+    read: Mutex<LastRead>,
+}
+
+/// The source's lifecycle state and its last read, kept by the task and
+/// shown by the views (which derive the replica count and staleness from
+/// the lifecycle state itself).
+struct LastRead {
+    state: SourceState,
+    at_ms: Option<u64>,
+    result: &'static str,
+    error: Option<String>,
+}
+
+impl Entry {
+    fn read(&self) -> std::sync::MutexGuard<'_, LastRead> {
+        self.read.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn status(&self) -> SourceStatus {
+        let read = self.read();
+        SourceStatus {
+            source: self.label.clone(),
+            url: self.config.url.clone(),
+            interval_ms: self.config.interval_ms,
+            last_resolution: read.at_ms.map(crate::clock::rfc3339),
+            result: read.result.into(),
+            error: read.error.clone(),
+            replicas: read.state.present(),
+            stale: read.state.stale(),
+            stale_since: read.state.failing_since_ms.map(crate::clock::rfc3339),
+        }
+    }
 }
 
 /// Every configured source, with its last status.
@@ -75,26 +106,16 @@ impl Discovery {
             .filter_map(|c| {
                 // A loaded config has validated its sources; one built by hand may not have.
                 let source = Source::parse(&c.url).inspect_err(|e| tracing::error!("{e}; not read")).ok()?;
-                let status = SourceStatus {
-                    source: source.label(),
-                    url: c.url.clone(),
-                    interval_ms: c.interval_ms,
-                    last_resolution: None,
-                    result: "pending".into(),
-                    error: None,
-                    replicas: 0,
-                    stale: false,
-                    stale_since: None,
-                };
+                let read = LastRead { state: SourceState::default(), at_ms: None, result: "pending", error: None };
                 let label = source.label();
-                Some(Arc::new(Entry { config: c.clone(), source, label, status: Mutex::new(status) }))
+                Some(Arc::new(Entry { config: c.clone(), source, label, read: Mutex::new(read) }))
             })
             .collect();
         Discovery { sources }
     }
 
     pub fn statuses(&self) -> Vec<SourceStatus> {
-        self.sources.iter().map(|e| e.status.lock().unwrap_or_else(|e| e.into_inner()).clone()).collect()
+        self.sources.iter().map(|e| e.status()).collect()
     }
 
     /// Starts one task per source (aborted with the other background tasks
@@ -130,7 +151,6 @@ impl Run {
     async fn forever(self) {
         let interval = Duration::from_millis(self.entry.config.interval_ms);
         self.metrics.discovery_source(&self.entry.label);
-        let mut state = SourceState::default();
         let mut next_read = tokio::time::Instant::now();
         let mut seen: FileStamp = None;
         loop {
@@ -149,11 +169,12 @@ impl Run {
                     _ => interval,
                 };
                 next_read = tokio::time::Instant::now() + wait;
-                self.take(&mut state, answer);
+                self.take(answer);
             }
             let fleet = &self.operator.fleet;
             let idle = |id: &str| fleet.get(id).is_none_or(|r| r.inflight() == 0);
-            for action in state.due(now_ms(), idle, self.entry.config.lifecycle()) {
+            let due = self.entry.read().state.due(now_ms(), idle, self.entry.config.lifecycle());
+            for action in due {
                 self.apply(action);
             }
             tokio::time::sleep(TICK.min(interval)).await;
@@ -185,50 +206,51 @@ impl Run {
     }
 
     /// Takes one answer through the lifecycle, applies its actions and reports.
-    fn take(&self, state: &mut SourceState, answer: Result<Vec<ReplicaSpec>, String>) {
+    fn take(&self, answer: Result<Vec<ReplicaSpec>, String>) {
         let label = self.entry.label.as_str();
-        let was_stale = state.stale();
         let now = now_ms();
-        let (verdict, actions) = state.answer(answer, now, self.entry.config.lifecycle());
+        let mut read = self.entry.read();
+        let was_stale = read.state.stale();
+        let (verdict, actions) = read.state.answer(answer, now, self.entry.config.lifecycle());
+        let (result, error) = match &verdict {
+            Verdict::Applied => ("ok", None),
+            Verdict::Failed(why) => ("failed", Some(why.clone())),
+            Verdict::Held { would_remove, of } => (
+                "held",
+                Some(format!(
+                    "would remove {would_remove} of {of} replicas at once; applied if the next answer says the same"
+                )),
+            ),
+        };
+        (read.at_ms, read.result, read.error) = (Some(now), result, error.clone());
+        let (present, stale) = (read.state.present(), read.state.stale());
+        drop(read);
         for action in actions {
             self.apply(action);
         }
+        self.metrics.discovery_read(label, result, present, stale);
+        // One event and one log line per outage, recovery and held answer;
+        // every failed read is counted.
         let events = &self.operator.events;
-        let (result, error) = match &verdict {
-            Verdict::Applied => {
-                if was_stale {
-                    tracing::info!(source = label, "discovery source answers again");
-                    events.record(EventKind::DiscoveryRecovered, None, None, format!("{label} answers again"));
-                }
-                ("ok", None)
+        let error = error.unwrap_or_default();
+        match verdict {
+            Verdict::Applied if was_stale => {
+                tracing::info!(source = label, "discovery source answers again");
+                events.record(EventKind::DiscoveryRecovered, None, None, format!("{label} answers again"));
             }
-            Verdict::Failed(why) => {
-                // One event and one warning per outage; every failed read is counted.
-                if !was_stale {
-                    tracing::warn!(source = label, "discovery source failed, keeping its last answer: {why}");
-                    events.record(EventKind::DiscoveryFailed, None, None, format!("{label}: {why}; last answer kept"));
-                } else {
-                    tracing::debug!(source = label, "discovery source still failing: {why}");
-                }
-                ("failed", Some(why.clone()))
+            Verdict::Applied => {}
+            Verdict::Failed(_) if was_stale => {
+                tracing::debug!(source = label, "discovery source still failing: {error}")
             }
-            Verdict::Held { would_remove, of } => {
-                let what = format!(
-                    "would remove {would_remove} of {of} replicas at once; applied if the next answer says the same"
-                );
-                tracing::warn!(source = label, "discovery answer held: {what}");
-                events.record(EventKind::DiscoveryHeld, None, None, format!("{label}: {what}"));
-                ("held", Some(what))
+            Verdict::Failed(_) => {
+                tracing::warn!(source = label, "discovery source failed, keeping its last answer: {error}");
+                events.record(EventKind::DiscoveryFailed, None, None, format!("{label}: {error}; last answer kept"));
             }
-        };
-        self.metrics.discovery_read(label, result, state.present(), state.stale());
-        let mut status = self.entry.status.lock().unwrap_or_else(|e| e.into_inner());
-        status.last_resolution = Some(crate::clock::rfc3339(now));
-        status.result = result.into();
-        status.error = error;
-        status.replicas = state.present();
-        status.stale = state.stale();
-        status.stale_since = state.failing_since_ms.map(crate::clock::rfc3339);
+            Verdict::Held { .. } => {
+                tracing::warn!(source = label, "discovery answer held: {error}");
+                events.record(EventKind::DiscoveryHeld, None, None, format!("{label}: {error}"));
+            }
+        }
     }
 
     fn apply(&self, action: SourceAction) {
