@@ -145,17 +145,36 @@ async fn srv_records_give_each_replica_its_own_host_and_port() {
     );
 }
 
-/// Polls an async condition every 20 ms for at most 10 s.
+/// Polls an async check every 20 ms for at most 15 s, until it gives a value.
+async fn poll<T, F, Fut>(what: &str, check: F) -> T
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<T, String>>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        match check().await {
+            Ok(value) => return value,
+            Err(last) => assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what} ({last})"),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Polls an async condition until it holds.
 async fn wait_until_async<F, Fut>(what: &str, cond: F)
 where
     F: Fn() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !cond().await {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    poll(what, || async {
+        if cond().await {
+            Ok(())
+        } else {
+            Err("not yet".to_string())
+        }
+    })
+    .await
 }
 
 /// Simulated replicas on 127.0.0.2, 127.0.0.3, ... all on one port (a DNS
@@ -213,15 +232,15 @@ async fn source_status(gw: &Gw) -> Value {
 }
 
 async fn wait_for_status(gw: &Gw, what: &str, cond: impl Fn(&Value) -> bool) -> Value {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
-    loop {
+    poll(what, || async {
         let s = source_status(gw).await;
         if cond(&s) {
-            return s;
+            Ok(s)
+        } else {
+            Err(format!("last: {s}"))
         }
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what} (last: {s})");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    })
+    .await
 }
 
 fn kinds(gw: &Gw) -> Vec<(String, Option<String>)> {
@@ -491,11 +510,7 @@ async fn the_demo_runs_with_a_file_source_and_follows_the_file() {
     let mut tables = std::fs::read_to_string(&file).unwrap();
     tables.push_str(&format!("[[replicas]]\nid = \"sim-c\"\nurl = \"{}\"\n", c.url));
     std::fs::write(&file, tables).unwrap();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
-    while replicas().await.len() < 3 {
-        assert!(tokio::time::Instant::now() < deadline, "sim-c never joined");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until_async("sim-c joined", || async { replicas().await.len() == 3 }).await;
     let reply = post(&format!("{}/v1/chat/completions", demo.base), &chat_body(&[("user", "hi")], json!({}))).await;
     assert_eq!(reply.status, 200);
 }
