@@ -625,6 +625,10 @@ mod tests {
         assert!(found.routable());
         assert_eq!(serde_json::to_value(&found.source).unwrap(), "dns:e:8000");
         assert_eq!(serde_json::from_value::<ReplicaSource>("api".into()).unwrap(), ReplicaSource::Api);
+        // The names events spell are the ones the API serializes.
+        for state in [AdminState::Active, AdminState::Draining, AdminState::Disabled] {
+            assert_eq!(serde_json::to_value(state).unwrap(), state.as_str());
+        }
     }
 
     #[test]
