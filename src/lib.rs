@@ -144,8 +144,11 @@ fn spawn_background(state: &Arc<AppState>, admin_addr: SocketAddr) -> Vec<actix_
                 capacity.evaluate(&fleet.capacity_inputs(&calibration), &events, clock::now_ms());
                 if tick.is_multiple_of(10) {
                     let pruned = pins.prune(clock::now_ms(), ttl_ms, max_pins);
-                    if pruned > 0 {
-                        tracing::debug!("pruned {pruned} pin(s)");
+                    let names: std::collections::HashSet<Arc<str>> =
+                        fleet.snapshot().iter().map(|r| r.id.clone()).collect();
+                    let released = pins.release_unused(|name| names.contains(name));
+                    if pruned + released > 0 {
+                        tracing::debug!("pruned {pruned} pin(s), released {released} replica name(s)");
                     }
                     access.prune();
                 }

@@ -9,8 +9,8 @@
 //! shard's read lock only for the one probe it needs.
 //!
 //! Why compact: a million pins is a normal fleet. A pin in memory is a
-//! 48-byte `Slot` (replica as a 2-byte index into an interner, tokens as
-//! u32) beside its 16-byte key; the public `Pin` (with the replica's name)
+//! 48-byte `Slot` (replica as an index and generation into an interner,
+//! tokens as u32) beside its 16-byte key; the public `Pin` (with the replica's name)
 //! is built only for callers outside the hot path.
 //!
 //! Pruning is per shard: TTL exactly, the size cap as `max / SHARDS` per
@@ -105,10 +105,18 @@ pub fn dialect_from_u8(v: u8) -> Dialect {
 /// A change waiting to be persisted: `None` means deleted.
 pub type PinChange = (PrefixKey, Option<Pin>);
 
-/// Index into the replica-name interner.
-type ReplicaIdx = u16;
+/// A replica name in the interner: its index, and the generation the index
+/// had when the name was interned. An index is reused once its name is
+/// released; a pin that still carries the old generation names nobody (it
+/// reads as absent), so a stale pin never reaches the index's next replica.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct ReplicaRef {
+    index: u32,
+    generation: u16,
+}
 
-/// A pin as stored in memory.
+/// A pin as stored in memory: 48 bytes (the replica's index and generation
+/// are two fields, not a struct, so they share the padding with the origin).
 #[derive(Debug, Clone, Copy)]
 struct Slot {
     family: PrefixKey,
@@ -116,10 +124,21 @@ struct Slot {
     last_used_ms: u64,
     est_tokens: u32,
     turns: u32,
-    replica: ReplicaIdx,
+    replica_index: u32,
+    replica_generation: u16,
     /// `dialect_to_u8` and `PinSource::to_u8`: two bytes that fit in the padding.
     dialect: u8,
     source: u8,
+}
+
+impl Slot {
+    fn replica(&self) -> ReplicaRef {
+        ReplicaRef { index: self.replica_index, generation: self.replica_generation }
+    }
+
+    fn set_replica(&mut self, r: ReplicaRef) {
+        (self.replica_index, self.replica_generation) = (r.index, r.generation);
+    }
 }
 
 // The request path's maps hash with foldhash (seeded per process): their
@@ -132,30 +151,30 @@ struct Shard {
     /// value (absent: deleted), so a key written twice is written once.
     dirty: foldhash::HashSet<PrefixKey>,
     /// Pins per replica in this shard (kept in step, so counting is O(shards)).
-    counts: foldhash::HashMap<ReplicaIdx, usize>,
+    counts: foldhash::HashMap<ReplicaRef, usize>,
 }
 
 impl Shard {
     fn insert(&mut self, key: PrefixKey, slot: Slot) {
-        let was = self.map.insert(key, slot).map(|old| old.replica);
+        let was = self.map.insert(key, slot).map(|old| old.replica());
         // The same replica (a returning conversation): its count stands.
-        if was != Some(slot.replica) {
+        if was != Some(slot.replica()) {
             if let Some(was) = was {
                 self.uncount(was);
             }
-            *self.counts.entry(slot.replica).or_default() += 1;
+            *self.counts.entry(slot.replica()).or_default() += 1;
         }
         self.dirty.insert(key);
     }
 
     fn remove(&mut self, key: PrefixKey) -> Option<Slot> {
         let old = self.map.remove(&key)?;
-        self.uncount(old.replica);
+        self.uncount(old.replica());
         self.dirty.insert(key);
         Some(old)
     }
 
-    fn uncount(&mut self, r: ReplicaIdx) {
+    fn uncount(&mut self, r: ReplicaRef) {
         if let Some(n) = self.counts.get_mut(&r) {
             *n -= 1;
             if *n == 0 {
@@ -173,45 +192,87 @@ impl Shard {
     }
 }
 
-/// Replica names, each stored once; pins refer to them by index. Names are
-/// never removed (a removed replica's index stays valid for stale readers),
-/// and there are at most 65,536 of them over a process's life.
+/// Replica names, each stored once; pins refer to them by `ReplicaRef`. A
+/// name is released when its replica leaves with no pin left on it (or, for
+/// names only other instances' pins carried, when its last pin went), and
+/// its index is reused under the next generation: the table holds the names
+/// in use, not every name the process ever saw.
 #[derive(Default)]
 struct Interner {
-    /// Read by every pin write (from both workers); grows when a name comes
-    /// for the first time.
+    /// Read by every pin write (from both workers); written when a name
+    /// comes or goes.
     table: ReadMostly<InternTable>,
 }
 
 #[derive(Default, Clone)]
 struct InternTable {
-    names: Vec<Arc<str>>,
-    index: foldhash::HashMap<Arc<str>, ReplicaIdx>,
+    /// By index: the name it holds now (None: free), and its generation.
+    entries: Vec<(Option<Arc<str>>, u16)>,
+    index: foldhash::HashMap<Arc<str>, ReplicaRef>,
+    free: Vec<u32>,
 }
 
 impl Interner {
-    fn intern(&self, name: &Arc<str>) -> ReplicaIdx {
-        if let Some(i) = self.find(name) {
-            return i;
+    fn intern(&self, name: &Arc<str>) -> ReplicaRef {
+        if let Some(r) = self.find(name) {
+            return r;
         }
         let added = self.table.update(|table| {
             if table.index.contains_key(name) {
                 return None; // interned while we waited for the writer lock
             }
-            let i = ReplicaIdx::try_from(table.names.len()).expect("at most 65,536 replica names per process");
-            table.names.push(name.clone());
-            table.index.insert(name.clone(), i);
-            Some(i)
+            let index = match table.free.pop() {
+                Some(i) => i,
+                None => {
+                    table.entries.push((None, 0));
+                    // More names at once than a u32 counts would be billions of pins.
+                    u32::try_from(table.entries.len() - 1).expect("fewer than 2^32 names in use")
+                }
+            };
+            let entry = &mut table.entries[index as usize];
+            entry.0 = Some(name.clone());
+            let r = ReplicaRef { index, generation: entry.1 };
+            table.index.insert(name.clone(), r);
+            Some(r)
         });
         added.or_else(|| self.find(name)).expect("interned")
     }
 
-    fn find(&self, name: &str) -> Option<ReplicaIdx> {
+    fn find(&self, name: &str) -> Option<ReplicaRef> {
         self.table.load().index.get(name).copied()
     }
 
-    fn name(&self, i: ReplicaIdx) -> Arc<str> {
-        self.table.load().names[i as usize].clone()
+    /// The name `r` refers to; None once it was released (a stale pin).
+    fn name(&self, r: ReplicaRef) -> Option<Arc<str>> {
+        match self.table.load().entries.get(r.index as usize) {
+            Some((Some(name), generation)) if *generation == r.generation => Some(name.clone()),
+            _ => None,
+        }
+    }
+
+    /// Frees the names `release` picks among those interned; their indexes
+    /// are reused under the next generation.
+    fn release(&self, mut release: impl FnMut(&str, ReplicaRef) -> bool) -> usize {
+        self.table
+            .update(|table| {
+                let gone: Vec<(Arc<str>, ReplicaRef)> =
+                    table.index.iter().filter(|(n, r)| release(n, **r)).map(|(n, r)| (n.clone(), *r)).collect();
+                if gone.is_empty() {
+                    return None;
+                }
+                for (name, r) in &gone {
+                    table.index.remove(name);
+                    let entry = &mut table.entries[r.index as usize];
+                    *entry = (None, entry.1.wrapping_add(1));
+                    table.free.push(r.index);
+                }
+                Some(gone.len())
+            })
+            .unwrap_or(0)
+    }
+
+    fn len(&self) -> usize {
+        self.table.load().index.len()
     }
 }
 
@@ -222,7 +283,7 @@ fn next_slot(
     held: Option<&Slot>,
     parent: Option<(u32, PrefixKey)>,
     key: PrefixKey,
-    replica: ReplicaIdx,
+    replica: ReplicaRef,
     est_tokens: u64,
     now_ms: u64,
     (dialect, source): (u8, u8),
@@ -230,7 +291,8 @@ fn next_slot(
     match held {
         Some(old) => Slot {
             last_used_ms: now_ms,
-            replica,
+            replica_index: replica.index,
+            replica_generation: replica.generation,
             turns: old.turns.saturating_add(1),
             est_tokens: tokens32(est_tokens),
             ..*old
@@ -241,10 +303,23 @@ fn next_slot(
             last_used_ms: now_ms,
             est_tokens: tokens32(est_tokens),
             turns: parent.map_or(1, |(t, _)| t.saturating_add(1)),
-            replica,
+            replica_index: replica.index,
+            replica_generation: replica.generation,
             dialect,
             source,
         },
+    }
+}
+
+fn pin_of(s: Slot, replica: Arc<str>) -> Pin {
+    Pin {
+        replica,
+        created_ms: s.created_ms,
+        last_used_ms: s.last_used_ms,
+        turns: s.turns,
+        est_tokens: u64::from(s.est_tokens),
+        family: s.family,
+        origin: PinOrigin { dialect: dialect_from_u8(s.dialect), source: PinSource::from_u8(s.source) },
     }
 }
 
@@ -285,37 +360,32 @@ impl PinTable {
         self.shard(key).read().expect("pins lock").map.get(&key).copied()
     }
 
-    fn to_pin(&self, s: Slot) -> Pin {
-        Pin {
-            replica: self.replicas.name(s.replica),
-            created_ms: s.created_ms,
-            last_used_ms: s.last_used_ms,
-            turns: s.turns,
-            est_tokens: u64::from(s.est_tokens),
-            family: s.family,
-            origin: PinOrigin { dialect: dialect_from_u8(s.dialect), source: PinSource::from_u8(s.source) },
-        }
+    /// The pin `s` is, with its replica's name; None when the name was
+    /// released under it (a stale pin, which reads as absent).
+    fn to_pin(&self, s: Slot) -> Option<Pin> {
+        Some(pin_of(s, self.replicas.name(s.replica())?))
     }
 
-    fn to_slot_with(&self, p: &Pin, replica: ReplicaIdx) -> Slot {
+    fn to_slot_with(&self, p: &Pin, replica: ReplicaRef) -> Slot {
         Slot {
             family: p.family,
             created_ms: p.created_ms,
             last_used_ms: p.last_used_ms,
             est_tokens: tokens32(p.est_tokens),
             turns: p.turns,
-            replica,
+            replica_index: replica.index,
+            replica_generation: replica.generation,
             dialect: dialect_to_u8(p.origin.dialect),
             source: p.origin.source.to_u8(),
         }
     }
 
     pub fn replica_of(&self, key: PrefixKey) -> Option<Arc<str>> {
-        self.read(key).map(|s| self.replicas.name(s.replica))
+        self.read(key).and_then(|s| self.replicas.name(s.replica()))
     }
 
     pub fn get(&self, key: PrefixKey) -> Option<Pin> {
-        self.read(key).map(|s| self.to_pin(s))
+        self.read(key).and_then(|s| self.to_pin(s))
     }
 
     /// The longest boundary that has a pin (walking from the end), with its
@@ -352,10 +422,10 @@ impl PinTable {
             let mut shard = self.shard(p).write().expect("pins lock");
             let mut slot = *shard.map.get(&p)?;
             slot.last_used_ms = now_ms;
-            if slot.replica != idx {
+            if slot.replica() != idx {
                 // The conversation moved: the old prefix lives where it moved to.
-                moved_from = Some(self.replicas.name(slot.replica));
-                slot.replica = idx;
+                moved_from = self.replicas.name(slot.replica());
+                slot.set_replica(idx);
             }
             shard.insert(p, slot);
             Some((slot.turns, slot.family))
@@ -382,7 +452,8 @@ impl PinTable {
         let parent = parent.map(|p| (p.turns, p.family));
         let held = self.read(key);
         let origin = (dialect_to_u8(origin.dialect), origin.source.to_u8());
-        self.to_pin(next_slot(held.as_ref(), parent, key, idx, est_tokens, now_ms, origin))
+        // Named by what we were given: `idx` may be released under us.
+        pin_of(next_slot(held.as_ref(), parent, key, idx, est_tokens, now_ms, origin), replica.clone())
     }
 
     /// Applies pin changes that are in the store already (another
@@ -404,7 +475,7 @@ impl PinTable {
                     self.restore(std::mem::take(&mut newer));
                     let mut shard = self.shard(key).write().expect("pins lock");
                     if let Some(old) = shard.map.remove(&key) {
-                        shard.uncount(old.replica);
+                        shard.uncount(old.replica());
                     }
                 }
             }
@@ -418,7 +489,7 @@ impl PinTable {
         let Some(idx) = self.replicas.find(replica) else { return Vec::new() };
         let mut keys = Vec::new();
         for shard in &self.shards {
-            keys.extend(shard.read().expect("pins lock").map.iter().filter(|(_, s)| s.replica == idx).map(|(k, _)| *k));
+            keys.extend(shard.read().expect("pins lock").map.iter().filter(|(_, s)| s.replica() == idx).map(|(k, _)| *k));
         }
         keys
     }
@@ -443,7 +514,7 @@ impl PinTable {
     /// Loads persisted pins at startup (not marked dirty).
     pub fn restore(&self, pins: impl IntoIterator<Item = (PrefixKey, Pin)>) {
         // A million pins name a handful of replicas: intern each name once.
-        let mut names: HashMap<Arc<str>, ReplicaIdx> = HashMap::new();
+        let mut names: HashMap<Arc<str>, ReplicaRef> = HashMap::new();
         for (key, pin) in pins {
             let idx = match names.get(&pin.replica) {
                 Some(i) => *i,
@@ -452,9 +523,9 @@ impl PinTable {
             let slot = self.to_slot_with(&pin, idx);
             let mut shard = self.shard(key).write().expect("pins lock");
             if let Some(old) = shard.map.insert(key, slot) {
-                shard.uncount(old.replica);
+                shard.uncount(old.replica());
             }
-            *shard.counts.entry(slot.replica).or_default() += 1;
+            *shard.counts.entry(slot.replica()).or_default() += 1;
         }
     }
 
@@ -471,17 +542,50 @@ impl PinTable {
     /// the ids of responses it stored: a follow-up naming one must hear that
     /// its replica is gone, not be sent to another that never had it. Those
     /// expire with the pin TTL.
+    ///
+    /// With no pin left on it, the name is released at once (its index is
+    /// reused); kept stored-response pins release it once they expire.
     pub fn remove_replica_pins(&self, replica: &str, keep_stored_responses: bool) -> usize {
         let Some(idx) = self.replicas.find(replica) else { return 0 };
         let response = PinSource::Response.to_u8();
-        self.shards
+        let removed = self
+            .shards
             .iter()
             .map(|s| {
                 s.write()
                     .expect("pins lock")
-                    .retain(|_, slot| slot.replica != idx || (keep_stored_responses && slot.source == response))
+                    .retain(|_, slot| slot.replica() != idx || (keep_stored_responses && slot.source == response))
             })
-            .sum()
+            .sum();
+        if self.pins_of(idx) == 0 {
+            self.replicas.release(|_, r| r == idx);
+        }
+        removed
+    }
+
+    fn pins_of(&self, r: ReplicaRef) -> usize {
+        self.shards.iter().map(|s| s.read().expect("pins lock").counts.get(&r).copied().unwrap_or(0)).sum()
+    }
+
+    /// Releases the names no pin refers to any more, except those `in_use`
+    /// keeps (the fleet's replicas, which will pin again): names that only
+    /// pins carried (another instance's replicas, a removed replica's kept
+    /// stored responses) leave with their last pin. The housekeeping task
+    /// calls it after pruning. Returns how many names went.
+    pub fn release_unused(&self, in_use: impl Fn(&str) -> bool) -> usize {
+        let mut pinned: foldhash::HashSet<ReplicaRef> = Default::default();
+        for shard in &self.shards {
+            pinned.extend(shard.read().expect("pins lock").counts.keys().copied());
+        }
+        // A name interned after this scan (a pin being written) is released
+        // only if nothing uses it; a pin written under it meanwhile carries
+        // the old generation and reads as absent: a lost pin, never a wrong one.
+        self.replicas.release(|name, r| !pinned.contains(&r) && !in_use(name))
+    }
+
+    /// Names interned now (for tests and the churn measurement).
+    pub fn interned(&self) -> usize {
+        self.replicas.len()
     }
 
     /// Forgets pins idle for longer than `ttl_ms`, then the least recently
@@ -514,18 +618,19 @@ impl PinTable {
             let keys = std::mem::take(&mut shard.dirty);
             out.extend(keys.into_iter().map(|k| (k, shard.map.get(&k).copied())));
         }
-        out.into_iter().map(|(k, s)| (k, s.map(|s| self.to_pin(s)))).collect()
+        // A stale pin (its name released under it) is written as deleted.
+        out.into_iter().map(|(k, s)| (k, s.and_then(|s| self.to_pin(s)))).collect()
     }
 
     /// Pins held per replica (kept incrementally: no scan of the table).
     pub fn count_by_replica(&self) -> HashMap<Arc<str>, usize> {
-        let mut by_idx: HashMap<ReplicaIdx, usize> = HashMap::new();
+        let mut by_idx: HashMap<ReplicaRef, usize> = HashMap::new();
         for shard in &self.shards {
             for (r, n) in &shard.read().expect("pins lock").counts {
                 *by_idx.entry(*r).or_default() += n;
             }
         }
-        by_idx.into_iter().map(|(r, n)| (self.replicas.name(r), n)).collect()
+        by_idx.into_iter().filter_map(|(r, n)| Some((self.replicas.name(r)?, n))).collect()
     }
 
     /// A page of pins, most recently used first, optionally only those of
@@ -553,15 +658,17 @@ impl PinTable {
                     .map
                     .iter()
                     .filter(|(k, s)| {
-                        idx.is_none_or(|i| s.replica == i)
+                        idx.is_none_or(|i| s.replica() == i)
                             && (key_prefix.is_empty() || format!("{k:032x}").starts_with(key_prefix))
                     })
                     .map(|(k, s)| (*k, *s)),
             );
         }
+        all.retain(|(_, s)| self.replicas.name(s.replica()).is_some());
         let total = all.len();
         all.sort_unstable_by(|a, b| b.1.last_used_ms.cmp(&a.1.last_used_ms).then(a.0.cmp(&b.0)));
-        (total, all.into_iter().skip(offset).take(limit).map(|(k, s)| (k, self.to_pin(s))).collect())
+        let page = all.into_iter().skip(offset).take(limit);
+        (total, page.filter_map(|(k, s)| Some((k, self.to_pin(s)?))).collect())
     }
 
     /// Pins of conversations that came back (a second turn or more), used
@@ -572,7 +679,7 @@ impl PinTable {
             let shard = shard.read().expect("pins lock");
             out.extend(shard.map.values().filter(|s| s.turns >= 2 && s.last_used_ms >= since_ms).copied());
         }
-        out.into_iter().map(|s| self.to_pin(s)).collect()
+        out.into_iter().filter_map(|s| self.to_pin(s)).collect()
     }
 }
 
@@ -676,5 +783,65 @@ mod tests {
         assert_eq!(t.get(42), Some(p));
         assert!(t.take_dirty().is_empty());
         assert_eq!(t.count_by_replica().get("gpu-1"), Some(&1));
+    }
+
+    #[test]
+    fn seventy_thousand_names_churn_through_the_table_and_nothing_grows() {
+        let t = PinTable::default();
+        let one = Boundary { key: 0, bytes: 0 };
+        // More names over the table's life than a u16 index ever held: each
+        // pins, is looked up, and leaves (a pod restarting under a new name).
+        for i in 0..70_000u32 {
+            let name: Arc<str> = Arc::from(format!("pod-{i}"));
+            let key = u128::from(i);
+            t.record(key, &name, None, 1, u64::from(i), PinOrigin::default());
+            assert_eq!(t.lookup_longest(&[Boundary { key, ..one }]).map(|(_, p)| p.replica), Some(name));
+            assert_eq!(t.remove_replica(&format!("pod-{i}")), 1);
+        }
+        assert_eq!((t.len(), t.interned()), (0, 0));
+        assert!(t.replicas.table.load().entries.len() <= 1, "one index, reused: {}", t.replicas.table.load().entries.len());
+    }
+
+    #[test]
+    fn a_stale_pin_never_reaches_the_replica_that_reuses_its_index() {
+        let t = PinTable::default();
+        t.record(1, &id("old"), None, 1, 1, PinOrigin::default());
+        // The name is released under a pin (a pin written as its replica
+        // left), and its index goes to a new replica.
+        assert_eq!(t.replicas.release(|name, _| name == "old"), 1);
+        t.record(2, &id("new"), None, 1, 2, PinOrigin::default());
+        assert_eq!(t.replicas.find("new").map(|r| r.index), Some(0), "the index was reused");
+        assert_eq!(t.get(1), None, "the stale pin reads as absent");
+        assert_eq!(t.replica_of(1), None);
+        assert_eq!(t.count_by_replica().get("new"), Some(&1));
+        assert_eq!(t.page(None, "", 0, 10).0, 1);
+        // The flusher writes it as deleted; pruning removes it.
+        assert!(t.take_dirty().iter().any(|(k, p)| *k == 1 && p.is_none()));
+    }
+
+    #[test]
+    fn names_only_pins_carried_leave_with_their_last_pin() {
+        let t = PinTable::default();
+        let mut response = Pin {
+            replica: id("gone"),
+            created_ms: 1,
+            last_used_ms: 1,
+            turns: 1,
+            est_tokens: 1,
+            family: 9,
+            origin: PinOrigin { dialect: Dialect::Responses, source: PinSource::Response },
+        };
+        t.restore([(9, response.clone())]);
+        t.record(10, &id("live"), None, 1, 100, PinOrigin::default());
+        // A removed replica's stored responses are kept: its name stays.
+        assert_eq!(t.remove_replica_pins("gone", true), 0);
+        assert_eq!(t.release_unused(|_| false), 0, "both names still carry pins");
+        t.prune(1_000, 500, usize::MAX);
+        assert_eq!(t.len(), 0, "both expired");
+        assert_eq!(t.release_unused(|n| n == "live"), 1, "'gone' left with its last pin");
+        assert_eq!(t.interned(), 1, "'live' is still in the fleet: its name stays");
+        response.replica = id("again");
+        t.restore([(9, response)]);
+        assert_eq!(t.replica_of(9).as_deref(), Some("again"));
     }
 }
