@@ -118,6 +118,16 @@ impl Admission {
         };
         slots.in_use = slots.in_use.saturating_sub(1);
         Admission::grant(slots, limit);
+        // An idle replica keeps no entry: entries leave with their last
+        // permit or waiter, so a replica that left the fleet leaves none.
+        if slots.in_use == 0 && slots.waiters.is_empty() {
+            map.remove(replica);
+        }
+    }
+
+    /// Replicas with a permit or a waiter now (for the churn test).
+    pub fn replicas_tracked(&self) -> usize {
+        self.replicas.lock().expect("lock").len()
     }
 
     /// Hands free slots to waiters in order, skipping those that left.
@@ -165,8 +175,14 @@ impl Drop for Waiter {
         let granted = rx.try_recv().is_ok();
         if granted {
             self.admission.release(&self.replica, (self.limit)());
-        } else if let Some(slots) = self.admission.replicas.lock().expect("lock").get_mut(&self.replica) {
-            slots.waiters.retain(|(id, _)| *id != self.id);
+        } else {
+            let mut map = self.admission.replicas.lock().expect("lock");
+            if let Some(slots) = map.get_mut(&self.replica) {
+                slots.waiters.retain(|(id, _)| *id != self.id);
+                if slots.in_use == 0 && slots.waiters.is_empty() {
+                    map.remove(&self.replica);
+                }
+            }
         }
     }
 }
@@ -200,6 +216,7 @@ mod tests {
         assert_eq!(a.in_use("r"), 1);
         drop(p);
         assert_eq!((a.in_use("r"), a.queued("r")), (0, 0));
+        assert_eq!(a.replicas_tracked(), 0, "an idle replica keeps no entry");
     }
 
     #[tokio::test]

@@ -19,6 +19,13 @@ impl<K: ?Sized, V> Default for ByArc<K, V> {
     }
 }
 
+impl<K: ?Sized, V> ByArc<K, V> {
+    /// Forgets everything derived so far.
+    pub fn clear(&self) {
+        self.0.borrow_mut().clear();
+    }
+}
+
 impl<K: ?Sized, V: Clone> ByArc<K, V> {
     /// The value derived from `key`, deriving it with `derive` the first time.
     pub fn get(&self, key: &Arc<K>, derive: impl FnOnce(&K) -> V) -> V {

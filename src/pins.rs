@@ -489,7 +489,9 @@ impl PinTable {
         let Some(idx) = self.replicas.find(replica) else { return Vec::new() };
         let mut keys = Vec::new();
         for shard in &self.shards {
-            keys.extend(shard.read().expect("pins lock").map.iter().filter(|(_, s)| s.replica() == idx).map(|(k, _)| *k));
+            keys.extend(
+                shard.read().expect("pins lock").map.iter().filter(|(_, s)| s.replica() == idx).map(|(k, _)| *k),
+            );
         }
         keys
     }
@@ -799,7 +801,11 @@ mod tests {
             assert_eq!(t.remove_replica(&format!("pod-{i}")), 1);
         }
         assert_eq!((t.len(), t.interned()), (0, 0));
-        assert!(t.replicas.table.load().entries.len() <= 1, "one index, reused: {}", t.replicas.table.load().entries.len());
+        assert!(
+            t.replicas.table.load().entries.len() <= 1,
+            "one index, reused: {}",
+            t.replicas.table.load().entries.len()
+        );
     }
 
     #[test]

@@ -108,6 +108,8 @@ impl AppState {
         let events = Arc::new(events);
         let policy = Arc::new(CurrentPolicy::new(policy));
         let admission = Arc::new(Admission::default());
+        let metrics = Arc::new(Metrics::new());
+        let calibration = Arc::new(Calibration::default());
         let operator = Arc::new(Operator {
             fleet: fleet.clone(),
             pins: pins.clone(),
@@ -116,10 +118,11 @@ impl AppState {
             policy: policy.clone(),
             admission: admission.clone(),
             capacity: capacity.clone(),
+            calibration: calibration.clone(),
+            metrics: metrics.clone(),
             discovered_admin: std::sync::Mutex::new(crate::operator::read_discovered_admin(store.as_ref())?),
             serial: Default::default(),
         });
-        let metrics = Arc::new(Metrics::new());
         let follower = Arc::new(crate::shared::Follower {
             operator: Arc::downgrade(&operator),
             metrics: Arc::downgrade(&metrics),
@@ -135,7 +138,7 @@ impl AppState {
             metrics,
             access: Arc::new(Access::new(&config)),
             health: Arc::new(HealthTracker::new(config.health.rise, config.health.fall, events.clone())),
-            calibration: Arc::default(),
+            calibration,
             spread: Arc::new(SpreadCounter::starting_at(
                 store.instance().map_or(0, |name| xxhash_rust::xxh3::xxh3_64(name.as_bytes())),
             )),

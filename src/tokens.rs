@@ -64,6 +64,20 @@ impl Calibration {
         (bytes as f64 / self.bytes_per_token(replica)).ceil() as u64
     }
 
+    /// Forgets a replica's ratio (it left the fleet).
+    pub fn forget_replica(&self, replica: &str) {
+        self.ratios.update(|m| m.remove(replica).map(|_| ()));
+    }
+
+    /// Replicas with a ratio (for the churn test).
+    pub fn len(&self) -> usize {
+        self.ratios.load().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// Feeds one measured (bytes, prompt_tokens) pair into the replica's ratio.
     pub fn calibrate(&self, replica: &Arc<str>, prompt_bytes: usize, prompt_tokens: u64) {
         if prompt_bytes == 0 || prompt_tokens == 0 {

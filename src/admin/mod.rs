@@ -236,7 +236,7 @@ async fn metrics(s: web::Data<AppState>) -> HttpResponse {
             bytes_per_token: s.calibration.bytes_per_token(&r.id),
         })
         .collect();
-    s.metrics.refresh_gauges(&replicas, &report);
+    s.metrics.refresh_gauges(&replicas, &report, |name| s.fleet.get(name).is_some());
     s.metrics.store_up.set(i64::from(s.store_up.load(std::sync::atomic::Ordering::Acquire)));
     HttpResponse::Ok().content_type("text/plain; version=0.0.4; charset=utf-8").body(s.metrics.encode())
 }

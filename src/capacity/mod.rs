@@ -108,8 +108,18 @@ impl Capacity {
         self.working_set.families_on(replica)
     }
 
+    /// Forgets what is kept about `replica`: its working set, its last
+    /// figures and its warning state (it left the fleet, or its pins were
+    /// deleted; the next evaluation starts it afresh).
     pub fn forget_replica(&self, replica: &str) {
         self.working_set.forget_replica(replica);
+        self.last.lock().expect("lock").remove(replica);
+        self.warnings.lock().expect("lock").replicas.remove(replica);
+    }
+
+    /// Replicas with a warning state kept (for the churn test).
+    pub fn replicas_tracked(&self) -> usize {
+        self.warnings.lock().expect("lock").replicas.len() + self.working_set.replicas()
     }
 
     /// The figures of the last evaluation (the background task runs one a second).

@@ -90,6 +90,11 @@ impl WorkingSet {
         }
     }
 
+    /// (replica, shard) entries held (for the churn test).
+    pub fn replicas(&self) -> usize {
+        self.shards.iter().map(|s| s.lock().expect("working set lock").len()).sum()
+    }
+
     /// Families held on `replica` (for tests).
     #[cfg(test)]
     pub fn families_on(&self, replica: &str) -> usize {

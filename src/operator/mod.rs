@@ -94,6 +94,9 @@ pub struct Operator {
     pub(crate) policy: Arc<CurrentPolicy>,
     pub(crate) admission: Arc<Admission>,
     pub(crate) capacity: Arc<Capacity>,
+    /// Per-replica calibration and metric series: they leave with their replica.
+    pub(crate) calibration: Arc<crate::tokens::Calibration>,
+    pub(crate) metrics: Arc<crate::metrics::Metrics>,
     /// The operator's state of discovered replicas, by name (`discovered.rs`).
     pub(crate) discovered_admin: Mutex<discovered::AdminByName>,
     pub(crate) serial: Mutex<()>,
@@ -132,6 +135,8 @@ impl Operator {
             policy: Arc::new(CurrentPolicy::new(policy)),
             admission: Arc::default(),
             capacity: Arc::new(Capacity::new(300)),
+            calibration: Arc::default(),
+            metrics: Arc::default(),
             discovered_admin: Default::default(),
             serial: Default::default(),
         }
@@ -239,13 +244,23 @@ impl Operator {
         }
     }
 
-    /// Takes replica `id` out of the fleet with its pins and capacity state;
-    /// returns how many pins went. A follow-up naming a response the replica
-    /// stored must hear that its replica is gone: those pins stay (see `PinTable`).
+    /// Takes replica `id` out of the fleet with everything kept about it:
+    /// its pins, its interned name, its capacity figures and warnings, its
+    /// working set, its calibration and its metric series (its counters and
+    /// admission slots live on the entry and its guards, and go with them).
+    /// Returns how many pins went. A follow-up naming a response the
+    /// replica stored must hear that its replica is gone: those pins stay
+    /// (see `PinTable`) until they expire, and the name with them.
+    ///
+    /// The one removal path: an operator's, a source's, and another
+    /// instance's removal all come here, so nothing kept per replica
+    /// outlives it (a fleet whose pods return under new names runs for months).
     pub(crate) fn forget_replica(&self, id: &str) -> usize {
         self.fleet.remove(id);
         let pins = self.pins.remove_replica_pins(id, true);
         self.capacity.forget_replica(id);
+        self.calibration.forget_replica(id);
+        self.metrics.forget_replica(id);
         pins
     }
 

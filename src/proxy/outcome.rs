@@ -19,7 +19,7 @@ use crate::error::ApiError;
 use crate::events::{EventKind, EventLog};
 use crate::fleet::health::{HealthTracker, Observation};
 use crate::fleet::{InflightGuard, Replica};
-use crate::metrics::{FailoverLabels, Metrics, ResultLabels, RouteMetrics, WorkerMetrics};
+use crate::metrics::{Metrics, ResultLabels, RouteMetrics, WorkerMetrics};
 use crate::pins::{Pin, PinOrigin, PinSource, PinTable};
 use crate::policy::sessions::{response_key, KeyKind, SessionKey};
 use crate::policy::{Dialect, PrefixKey, PrefixMatch, RouteReason};
@@ -106,11 +106,11 @@ impl OutcomeRecorder {
     }
 
     pub fn admission_waited(&self, replica: &str) {
-        self.metrics().admission_waits.get_or_create(&crate::metrics::replica_label(replica)).inc();
+        self.metrics().admission_waited(replica);
     }
 
     pub fn admission_rejected(&self, replica: &str) {
-        self.metrics().admission_rejections.get_or_create(&crate::metrics::replica_label(replica)).inc();
+        self.metrics().admission_rejected(replica);
     }
 
     /// No plan: the request ends here, after failing on `tried` (if anywhere).
@@ -126,9 +126,9 @@ impl OutcomeRecorder {
             }
             PlanError::NoReplica => {
                 self.rejected("no_replica");
+                let nowhere: Arc<str> = Arc::from("none");
                 for from in tried {
-                    let labels = FailoverLabels { from: from.into(), to: "none".into() };
-                    self.metrics().failovers.get_or_create(&labels).inc();
+                    self.metrics().failover(from, &nowhere);
                 }
                 ApiError::NoReplica
             }
@@ -218,8 +218,7 @@ impl OutcomeRecorder {
 
     fn record_response(&self, r: &Responded, route: &RouteMetrics) -> Option<u64> {
         for from in r.tried {
-            let labels = FailoverLabels { from: from.into(), to: r.replica.into() };
-            self.metrics().failovers.get_or_create(&labels).inc();
+            self.metrics().failover(from, r.replica);
         }
         if let Some((from, true)) = r.failed_from {
             self.events.record(
