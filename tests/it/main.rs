@@ -11,6 +11,7 @@ mod admin;
 mod agents;
 mod browser;
 mod capacity;
+mod churn;
 mod contract;
 mod deploy;
 mod discovery;

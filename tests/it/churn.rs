@@ -1,0 +1,72 @@
+//! Issue 25: a gateway lives for months through replica churn. Pods come
+//! back under new names; each name a replica ever had must leave with it:
+//! pins and interned names, metric series, calibration, capacity state.
+
+
+use crate::common::*;
+use serde_json::json;
+
+/// What the gateway keeps per replica name, summed.
+fn kept(gw: &Gw) -> [usize; 5] {
+    let g = &gw.gw;
+    [
+        g.pins.interned(),
+        g.metrics.replicas_with_series(),
+        g.calibration.len(),
+        g.capacity.replicas_tracked(),
+        g.admission.replicas_tracked(),
+    ]
+}
+
+#[actix_web::test]
+async fn thousands_of_names_churned_through_the_admin_api_leave_nothing_behind() {
+    let sim = start_sim("engine", fast_sim()).await;
+    let mut config = test_config(&[]);
+    config.rate_limits.admin_rps = 0;
+    let gw = start_gateway(config).await;
+    let replicas = format!("{}/admin/v1/replicas", gw.admin);
+    let metrics_lines = || async {
+        let mut resp = client().get(format!("{}/metrics", gw.admin)).send().await.unwrap();
+        let text = String::from_utf8(resp.body().limit(64 << 20).await.unwrap().to_vec()).unwrap();
+        text.lines().filter(|l| l.contains("replica=\"") || l.contains("from=\"")).map(str::to_string).collect::<Vec<_>>()
+    };
+    let mut previous: Option<String> = None;
+    let mut at_100 = None;
+    for i in 0..2_000 {
+        let name = format!("pod-{i}");
+        let (s, v) = admin("POST", &replicas, None, Some(json!({"id": name, "url": sim.url}))).await;
+        assert_eq!(s, 201, "{v}");
+        if let Some(old) = previous.take() {
+            let (s, _) = admin("DELETE", &format!("{replicas}/{old}"), None, None).await;
+            assert_eq!(s, 204);
+        }
+        // One family, two turns: pins, the working set, calibration, series.
+        let first = chat(&gw, &[("system", &text("sys", 300)), ("user", &format!("task {i}"))]).await;
+        assert_eq!((first.status, first.replica.as_str()), (200, name.as_str()));
+        let second =
+            chat(&gw, &[("system", &text("sys", 300)), ("user", &format!("task {i}")), ("assistant", "ok"), ("user", "more")])
+                .await;
+        assert_eq!((second.status, second.route.as_str()), (200, "pinned"));
+        if i == 100 {
+            at_100 = Some(kept(&gw));
+        }
+        previous = Some(name);
+    }
+    let last = previous.unwrap();
+    // A scrape shows the one replica that exists, whatever came before.
+    let lines = metrics_lines().await;
+    assert!(!lines.is_empty());
+    assert!(
+        lines.iter().all(|l| l.contains(&format!("\"{last}\"")) || l.contains("\"_aggregate\"")),
+        "series of removed replicas: {:?}",
+        lines.iter().find(|l| !l.contains(&last))
+    );
+    // Per-name state is what one replica needs, as it was after 100 names.
+    let now = kept(&gw);
+    assert_eq!(now, at_100.unwrap(), "[interned names, replicas with series, calibrated, capacity entries, admission entries]");
+    assert!(now.iter().all(|n| *n <= 16), "{now:?}");
+    assert_eq!(gw.gw.fleet.snapshot().len(), 1);
+    let (s, _) = admin("GET", &format!("{}/healthz", gw.base), None, None).await;
+    assert_eq!(s, 200);
+    gw.stop().await;
+}
