@@ -182,12 +182,21 @@ pub async fn check(tracker: &HealthTracker, client: &awc::Client, r: Arc<Replica
     let epoch = tracker.epoch(&r);
     let spec = r.spec_owned();
     let busy = r.inflight() > 0;
-    let (mut result, mut error) = probe(client, &spec.url, spec.health_path(), busy).await;
+    // A keyed engine refuses unkeyed calls, /v1/models and /metrics too:
+    // every probe carries the replica's key, as its requests do.
+    let get = |path: &str| {
+        let req = client.get(format!("{}{path}", spec.url));
+        match &spec.api_key {
+            Some(key) => req.insert_header((awc::http::header::AUTHORIZATION, format!("Bearer {key}"))),
+            None => req,
+        }
+    };
+    let (mut result, mut error) = probe(get(spec.health_path()), busy).await;
     if result == ProbeResult::Failed && spec.health_path.is_none() && error.as_deref() == Some("404") {
-        (result, error) = probe(client, &spec.url, "/v1/models", busy).await;
+        (result, error) = probe(get("/v1/models"), busy).await;
     }
     if result == ProbeResult::Ok && (!busy || r.models().is_empty()) {
-        if let Some(models) = fetch_models(client, &spec.url).await {
+        if let Some(models) = fetch_models(get("/v1/models")).await {
             r.set_models(models);
         }
     }
@@ -195,15 +204,14 @@ pub async fn check(tracker: &HealthTracker, client: &awc::Client, r: Arc<Replica
         // vLLM reports its KV capacity; other engines 404 here, which is fine.
         // An observation of the replica, as its models are: the capacity
         // verdict reads it from there.
-        let kv =
-            fetch_text(client, &format!("{}/metrics", spec.url)).await.and_then(|t| kv_tokens_from_vllm_metrics(&t));
+        let kv = fetch_text(get("/metrics")).await.and_then(|t| kv_tokens_from_vllm_metrics(&t));
         r.set_observed_kv(kv);
     }
     tracker.observe(&r, Observation::Probe { result, error, epoch }, crate::clock::now_ms());
 }
 
-async fn probe(client: &awc::Client, base: &str, path: &str, busy: bool) -> (ProbeResult, Option<String>) {
-    match client.get(format!("{base}{path}")).send().await {
+async fn probe(req: awc::ClientRequest, busy: bool) -> (ProbeResult, Option<String>) {
+    match req.send().await {
         Ok(resp) if resp.status().is_success() => (ProbeResult::Ok, None),
         Ok(resp) => (ProbeResult::Failed, Some(resp.status().as_u16().to_string())),
         Err(awc::error::SendRequestError::Timeout) if busy => (ProbeResult::Inconclusive, None),
@@ -211,8 +219,8 @@ async fn probe(client: &awc::Client, base: &str, path: &str, busy: bool) -> (Pro
     }
 }
 
-async fn fetch_text(client: &awc::Client, url: &str) -> Option<String> {
-    let mut resp = client.get(url).send().await.ok()?;
+async fn fetch_text(req: awc::ClientRequest) -> Option<String> {
+    let mut resp = req.send().await.ok()?;
     if !resp.status().is_success() {
         return None;
     }
@@ -220,8 +228,8 @@ async fn fetch_text(client: &awc::Client, url: &str) -> Option<String> {
     String::from_utf8(body.to_vec()).ok()
 }
 
-async fn fetch_models(client: &awc::Client, base: &str) -> Option<Vec<String>> {
-    let text = fetch_text(client, &format!("{base}/v1/models")).await?;
+async fn fetch_models(req: awc::ClientRequest) -> Option<Vec<String>> {
+    let text = fetch_text(req).await?;
     let list: ModelList = serde_json::from_str(&text).ok()?;
     Some(list.data.into_iter().map(|m| m.id).collect())
 }

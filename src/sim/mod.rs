@@ -47,6 +47,10 @@ pub struct SimConfig {
     /// The model id this replica serves.
     #[arg(long, default_value = "sim-model")]
     pub model: String,
+    /// Refuse every call (health, metrics and models included) without
+    /// `Authorization: Bearer KEY`, as a keyed engine does.
+    #[arg(long)]
+    pub api_key: Option<String>,
 }
 
 impl Default for SimConfig {
@@ -57,6 +61,7 @@ impl Default for SimConfig {
             decode_tps: 40.0,
             time_scale: 1.0,
             model: "sim-model".into(),
+            api_key: None,
         }
     }
 }
@@ -130,8 +135,28 @@ pub(crate) async fn elapse(d: Duration) {
 /// Starts a simulated replica on `listener` (bind `127.0.0.1:0` in tests).
 pub fn serve(listener: std::net::TcpListener, state: Arc<SimState>) -> std::io::Result<actix_web::dev::Server> {
     let data = web::Data::from(state);
+    let wanted: Option<Arc<str>> = data.cfg.api_key.as_ref().map(|k| Arc::from(format!("Bearer {k}")));
     Ok(HttpServer::new(move || {
+        let wanted = wanted.clone();
         App::new()
+            .wrap_fn(move |req, srv| {
+                use actix_web::dev::Service;
+                let refused = wanted.as_deref().is_some_and(|w| {
+                    req.headers().get(actix_web::http::header::AUTHORIZATION).and_then(|v| v.to_str().ok()) != Some(w)
+                });
+                let reply = (!refused).then(|| srv.call(req));
+                async move {
+                    match reply {
+                        Some(fut) => fut.await,
+                        None => Err(actix_web::error::InternalError::from_response(
+                            "unauthorized",
+                            HttpResponse::Unauthorized().json(json!({"error": {
+                                "message": "invalid or missing API key", "type": "authentication_error", "code": "invalid_api_key"}})),
+                        )
+                        .into()),
+                    }
+                }
+            })
             .app_data(data.clone())
             .app_data(web::PayloadConfig::new(256 * 1024 * 1024))
             .route("/health", web::get().to(|| async { HttpResponse::Ok().finish() }))

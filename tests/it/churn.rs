@@ -2,7 +2,6 @@
 //! back under new names; each name a replica ever had must leave with it:
 //! pins and interned names, metric series, calibration, capacity state.
 
-
 use crate::common::*;
 use serde_json::json;
 
@@ -28,7 +27,10 @@ async fn thousands_of_names_churned_through_the_admin_api_leave_nothing_behind()
     let metrics_lines = || async {
         let mut resp = client().get(format!("{}/metrics", gw.admin)).send().await.unwrap();
         let text = String::from_utf8(resp.body().limit(64 << 20).await.unwrap().to_vec()).unwrap();
-        text.lines().filter(|l| l.contains("replica=\"") || l.contains("from=\"")).map(str::to_string).collect::<Vec<_>>()
+        text.lines()
+            .filter(|l| l.contains("replica=\"") || l.contains("from=\""))
+            .map(str::to_string)
+            .collect::<Vec<_>>()
     };
     let mut previous: Option<String> = None;
     let mut at_100 = None;
@@ -43,9 +45,11 @@ async fn thousands_of_names_churned_through_the_admin_api_leave_nothing_behind()
         // One family, two turns: pins, the working set, calibration, series.
         let first = chat(&gw, &[("system", &text("sys", 300)), ("user", &format!("task {i}"))]).await;
         assert_eq!((first.status, first.replica.as_str()), (200, name.as_str()));
-        let second =
-            chat(&gw, &[("system", &text("sys", 300)), ("user", &format!("task {i}")), ("assistant", "ok"), ("user", "more")])
-                .await;
+        let second = chat(
+            &gw,
+            &[("system", &text("sys", 300)), ("user", &format!("task {i}")), ("assistant", "ok"), ("user", "more")],
+        )
+        .await;
         assert_eq!((second.status, second.route.as_str()), (200, "pinned"));
         if i == 100 {
             at_100 = Some(kept(&gw));
@@ -63,10 +67,38 @@ async fn thousands_of_names_churned_through_the_admin_api_leave_nothing_behind()
     );
     // Per-name state is what one replica needs, as it was after 100 names.
     let now = kept(&gw);
-    assert_eq!(now, at_100.unwrap(), "[interned names, replicas with series, calibrated, capacity entries, admission entries]");
+    assert_eq!(
+        now,
+        at_100.unwrap(),
+        "[interned names, replicas with series, calibrated, capacity entries, admission entries]"
+    );
     assert!(now.iter().all(|n| *n <= 16), "{now:?}");
     assert_eq!(gw.gw.fleet.snapshot().len(), 1);
     let (s, _) = admin("GET", &format!("{}/healthz", gw.base), None, None).await;
     assert_eq!(s, 200);
+    gw.stop().await;
+}
+
+/// A keyed engine refuses unkeyed calls, health and models included; the
+/// prober sends the replica's key, so it is up, its models are learned and
+/// its KV capacity read.
+#[actix_web::test]
+async fn a_keyed_replica_is_probed_with_its_key() {
+    let cfg =
+        prefixgate::sim::SimConfig { api_key: Some("sk-engine".into()), model: "keyed-model".into(), ..fast_sim() };
+    let sim = start_sim("keyed", cfg).await;
+    let (unkeyed, _) = admin("GET", &format!("{}/v1/models", sim.url), None, None).await;
+    assert_eq!(unkeyed, 401, "the engine refuses unkeyed calls");
+    let mut config = test_config(&[&sim]);
+    config.replicas[0].api_key = Some("sk-engine".into());
+    let gw = start_gateway(config).await;
+    let r = gw.gw.fleet.get("keyed").unwrap();
+    assert_eq!(r.health(), prefixgate::fleet::Health::Up);
+    wait_until("models learned", std::time::Duration::from_secs(5), || !r.models().is_empty()).await;
+    assert_eq!(**r.models(), vec!["keyed-model".to_string()]);
+    assert_eq!(r.observed_kv(), Some(122_624), "the KV capacity read from its metrics");
+    let body = json!({"model": "keyed-model", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]});
+    let reply = post(&format!("{}/v1/chat/completions", gw.base), &body).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
     gw.stop().await;
 }
