@@ -116,6 +116,10 @@ pub struct Timeouts {
     /// asked (`GET /v1/responses/{id}`, in parallel) before the request is
     /// forwarded as it is.
     pub locate_response_ms: u64,
+    /// A stored response id no replica held is not looked for again for
+    /// this long: each replica is asked at most once per id in the window
+    /// (0: asked on every request).
+    pub unknown_response_ms: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
@@ -213,6 +217,7 @@ impl Default for Timeouts {
             idle_stream_ms: 120_000,
             shutdown_grace_secs: 600,
             locate_response_ms: 500,
+            unknown_response_ms: 10_000,
         }
     }
 }

@@ -34,6 +34,7 @@ pub mod state;
 pub mod store;
 pub mod striped;
 pub mod tokens;
+pub mod unknown_ids;
 
 use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;

@@ -43,6 +43,8 @@ pub struct AppState {
     pub leases: Arc<crate::leases::Leases>,
     /// The discovery sources and their last status.
     pub discovery: Arc<crate::discovery::Discovery>,
+    /// Stored response ids no replica held, not looked for again for a while.
+    pub unknown_responses: crate::unknown_ids::UnknownIds,
     /// False while the last write to the store failed (a shared store that is
     /// unreachable): routing goes on from memory, writes are retried.
     pub store_up: std::sync::atomic::AtomicBool,
@@ -143,6 +145,7 @@ impl AppState {
                 store.instance().map_or(0, |name| xxhash_rust::xxh3::xxh3_64(name.as_bytes())),
             )),
             discovery: Arc::new(crate::discovery::Discovery::new(&config.discovery)),
+            unknown_responses: crate::unknown_ids::UnknownIds::new(config.timeouts.unknown_response_ms),
             config: Arc::new(config),
             fleet,
             pins,
@@ -154,6 +157,7 @@ impl AppState {
             policy,
             operator,
             leases: Arc::default(),
+
             store_up: std::sync::atomic::AtomicBool::new(true),
         }))
     }

@@ -89,6 +89,26 @@ pub fn session_key<'h>(
     Ok(Some(SessionKey { kind, key: h.digest128() }))
 }
 
+/// What a stored response id may be: letters, digits, `_` and `-`, 1 to 256
+/// characters (vLLM, SGLang and OpenAI write `resp_` and hex digits). An id
+/// goes into a replica's path (`GET /v1/responses/{id}`) when it is looked
+/// for; anything else could leave its one segment (`../`, `/`, `?`, `#`).
+pub const RESPONSE_ID_PATTERN: &str = "^[A-Za-z0-9_-]{1,256}$";
+
+/// Checks a stored response id named by `field` (`previous_response_id`,
+/// or the path): refused with a message naming the field, never sent on.
+pub fn check_response_id(field: &str, id: &str) -> Result<(), ShapeError> {
+    let ok = (1..=256).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if ok {
+        return Ok(());
+    }
+    let shown: String = id.chars().take(64).collect();
+    Err(ShapeError(format!(
+        "{field}: '{}' is not a response id (letters, digits, '_' and '-', 1 to 256 characters)",
+        shown.escape_debug()
+    )))
+}
+
 /// The key under which a stored response's replica is remembered.
 pub fn response_key(response_id: &str) -> PrefixKey {
     let mut h = Xxh3::new();
@@ -100,6 +120,17 @@ pub fn response_key(response_id: &str) -> PrefixKey {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn response_ids_are_one_path_segment_or_refused() {
+        for good in ["resp_0123abcdef", "a", "resp-X_9", &"x".repeat(256)] {
+            assert!(check_response_id("previous_response_id", good).is_ok(), "{good}");
+        }
+        for bad in ["", "../../v1/models", "a/b", "x?y=1", "x#y", "a b", "a%2Fb", "é", &"x".repeat(257)] {
+            let e = check_response_id("previous_response_id", bad).unwrap_err();
+            assert!(e.0.starts_with("previous_response_id: "), "{bad}: {}", e.0);
+        }
+    }
 
     fn key(headers: &[(&str, &str)], cache_key: Option<&str>) -> Option<SessionKey> {
         session_key(Some("m"), cache_key, |n| headers.iter().find(|(k, _)| *k == n).map(|(_, v)| *v), &[]).unwrap()

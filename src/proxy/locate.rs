@@ -17,7 +17,12 @@
 //!    answer 200 holds it (engines keep stored responses per process, and
 //!    their ids are random: no two replicas answer to one id);
 //! 3. nobody has it: the request is forwarded as it is, and the client gets
-//!    the engine's own 404.
+//!    the engine's own 404. The id is not asked about again for
+//!    `timeouts.unknown_response_ms` (`unknown_ids.rs`): each replica sees
+//!    at most one lookup per id in that window.
+//!
+//! An id reaches here only once checked (`sessions::check_response_id`:
+//! letters, digits, `_`, `-`), so it is one path segment of the lookup.
 //!
 //! A found answer is recorded as a pin (and announced), so the next
 //! follow-up needs no asking. No step needs a shared store: step 2 works for
@@ -48,8 +53,14 @@ pub async fn stored_response(
 ) -> Option<Arc<str>> {
     let found = match in_shared_store(state, id).await {
         Some(home) => Some(("store", home)),
-        None => ask_replicas(state, upstream, req, id, model).await.map(|home| ("replica", home)),
+        None if state.unknown_responses.claim(id, crate::clock::now_ms()) => {
+            ask_replicas(state, upstream, req, id, model).await.map(|home| ("replica", home))
+        }
+        None => None,
     };
+    if found.is_some() {
+        state.unknown_responses.found(id);
+    }
     let result = found.as_ref().map_or("unknown", |(how, _)| how);
     state.metrics.stored_response_lookups.get_or_create(&ResultLabels { result }).inc();
     let (how, home) = found?;

@@ -171,6 +171,12 @@ async fn look_up(
     // A stored response unknown here is looked for (`locate.rs`); one
     // nobody holds is forwarded like anything else, and the engine that does
     // not know it answers for itself.
+    if let Some(id) = stored_in_path {
+        sessions::check_response_id("path: the response id", id).map_err(bad_request)?;
+    }
+    if let Some(id) = shape.previous_response.as_deref() {
+        sessions::check_response_id("previous_response_id", id).map_err(bad_request)?;
+    }
     let stored_id = shape.previous_response.as_deref().or(stored_in_path);
     let stored = match stored_id {
         Some(id) => match state.pins.replica_of(sessions::response_key(id)) {

@@ -82,6 +82,9 @@ pub struct SimState {
     pub cancelled: AtomicU64,
     /// Generation requests received (valid or not).
     pub received: AtomicU64,
+    /// The last 1,000 requests' method and path with query, as received
+    /// (tests check what reached the engine).
+    pub seen: Mutex<std::collections::VecDeque<String>>,
     /// Responses API: responses stored by this process (as vLLM keeps them).
     responses: Mutex<std::collections::HashMap<String, agents::StoredResponse>>,
 }
@@ -93,6 +96,7 @@ impl SimState {
             cfg,
             kv_freed: Notify::new(),
             prefill_lane: tokio::sync::Mutex::new(()),
+            seen: Mutex::default(),
             running: AtomicU64::new(0),
             waiting: AtomicU64::new(0),
             queries: AtomicU64::new(0),
@@ -141,6 +145,14 @@ pub fn serve(listener: std::net::TcpListener, state: Arc<SimState>) -> std::io::
         App::new()
             .wrap_fn(move |req, srv| {
                 use actix_web::dev::Service;
+                if let Some(s) = req.app_data::<web::Data<SimState>>() {
+                    let mut seen = s.seen.lock().expect("seen lock");
+                    if seen.len() >= 1_000 {
+                        seen.pop_front();
+                    }
+                    let pq = req.uri().path_and_query().map_or("", |pq| pq.as_str());
+                    seen.push_back(format!("{} {pq}", req.method()));
+                }
                 let refused = wanted.as_deref().is_some_and(|w| {
                     req.headers().get(actix_web::http::header::AUTHORIZATION).and_then(|v| v.to_str().ok()) != Some(w)
                 });

@@ -255,3 +255,33 @@ async fn session_keys_pin_compacted_histories_and_subagents_are_spread() {
     wait_until("flushed", Duration::from_secs(1), || true).await;
     gw.stop().await;
 }
+
+/// Issue 25: a response id goes to a replica only as one path segment, and
+/// an id nobody holds is looked for once per window, not on every request.
+#[actix_web::test]
+async fn response_ids_stay_one_segment_and_an_unknown_id_is_asked_about_once() {
+    let (a, b, gw) = two_replicas().await;
+    let url = format!("{}/v1/responses", gw.base);
+    let lookups =
+        |sim: &Sim| sim.state.seen.lock().unwrap().iter().filter(|l| l.starts_with("GET /v1/responses/")).count();
+    for bad in ["../../v1/models", "a/b", "x?y=1", "x#y"] {
+        let r = post_with(&url, &json!({"model": "sim-model", "input": "x", "previous_response_id": bad}), &[]).await;
+        assert_eq!(r.status, 400, "{bad}: {}", r.body);
+        let message = r.body["error"]["message"].as_str().unwrap();
+        assert!(message.starts_with("previous_response_id: "), "{message}");
+    }
+    for path in ["/v1/responses/..%2F..%2Fv1%2Fmodels", "/v1/responses/a%3Fb"] {
+        let mut resp = client().get(format!("{}{path}", gw.base)).send().await.unwrap();
+        assert_eq!(resp.status(), 400, "{path}: {:?}", resp.body().await);
+    }
+    assert_eq!((lookups(&a), lookups(&b)), (0, 0), "a refused id reached no replica");
+    // The same unknown id ten times: each replica is asked once.
+    for _ in 0..10 {
+        let r =
+            post_with(&url, &json!({"model": "sim-model", "input": "x", "previous_response_id": "resp_nobody"}), &[])
+                .await;
+        assert_eq!(r.status, 404, "{}", r.body);
+    }
+    assert_eq!((lookups(&a), lookups(&b)), (1, 1));
+    gw.stop().await;
+}
