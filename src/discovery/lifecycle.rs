@@ -12,6 +12,10 @@
 //! - A replica that reappears under the same name goes back to rotation
 //!   (the caller keeps an operator's own disable or drain, which is keyed by
 //!   name and outlives the disappearance).
+//! - A replica is known to its source only once the operator accepted it
+//!   (`accepted`): a name another replica holds (static, added through the
+//!   API, another source's) is refused, and the addition is proposed again
+//!   at every answer, so the replica appears as soon as the name is free.
 //! - A failing source (DNS down, NXDOMAIN, an unreadable or malformed file)
 //!   changes nothing: the last good answer stands and the source is stale.
 //! - An answer that would take away more than a set fraction of the
@@ -55,6 +59,8 @@ pub struct SourceState {
     known: BTreeMap<String, (ReplicaSpec, Option<u64>)>,
     /// The replicas of an answer that was held (seen once).
     held: Option<BTreeSet<String>>,
+    /// Listed replicas whose addition was refused (their name is taken).
+    refused: BTreeSet<String>,
     /// The last answer that was not a failure, and the last failure since.
     pub last_ok_ms: Option<u64>,
     pub failing_since_ms: Option<u64>,
@@ -89,12 +95,12 @@ impl SourceState {
         self.last_ok_ms = Some(now_ms);
         let mut actions = Vec::new();
         let found_ids: BTreeSet<String> = found.iter().map(|s| s.id.clone()).collect();
+        self.refused.retain(|id| found_ids.contains(id));
         for spec in found {
             match self.known.get_mut(&spec.id) {
-                None => {
-                    actions.push(SourceAction::Add(spec.clone()));
-                    self.known.insert(spec.id.clone(), (spec, None));
-                }
+                // Known once accepted: refused (its name is taken), it is
+                // proposed again with every answer.
+                None => actions.push(SourceAction::Add(spec)),
                 Some((known, gone)) => {
                     if gone.take().is_some() {
                         actions.push(SourceAction::Return(spec.id.clone()));
@@ -128,6 +134,21 @@ impl SourceState {
         (Verdict::Applied, actions)
     }
 
+    /// The operator added `spec` (an `Add` this state proposed): from now
+    /// on it is this source's replica.
+    /// Returns true when it had been refused before (its name came free).
+    pub fn accepted(&mut self, spec: ReplicaSpec) -> bool {
+        let was_refused = self.refused.remove(&spec.id);
+        self.known.insert(spec.id.clone(), (spec, None));
+        was_refused
+    }
+
+    /// The operator refused to add `id` (its name is taken); true the first
+    /// time in a row, so the caller says it once.
+    pub fn refused(&mut self, id: &str) -> bool {
+        self.refused.insert(id.to_string())
+    }
+
     /// The removals due at `now_ms`: replicas gone from the source that are
     /// idle (`idle(id)`), or gone for longer than the grace period.
     pub fn due(&mut self, now_ms: u64, idle: impl Fn(&str) -> bool, settings: Settings) -> Vec<SourceAction> {
@@ -156,8 +177,31 @@ mod tests {
         ids.iter().map(|id| ReplicaSpec::new(id, &format!("http://{id}.engines.local:8000"))).collect()
     }
 
+    /// One answer, every addition accepted (no name conflict).
     fn ok(s: &mut SourceState, ids: &[&str], now: u64) -> (Verdict, Vec<SourceAction>) {
-        s.answer(Ok(specs(ids)), now, SETTINGS)
+        let (verdict, actions) = s.answer(Ok(specs(ids)), now, SETTINGS);
+        for a in &actions {
+            if let SourceAction::Add(spec) = a {
+                s.accepted(spec.clone());
+            }
+        }
+        (verdict, actions)
+    }
+
+    #[test]
+    fn a_refused_addition_is_proposed_again_until_accepted() {
+        let mut s = SourceState::default();
+        let add = |ids: &[&str]| specs(ids).into_iter().map(SourceAction::Add).collect::<Vec<_>>();
+        // The name is taken: the operator refuses, the state does not know it.
+        assert_eq!(s.answer(Ok(specs(&["e-1"])), 0, SETTINGS).1, add(&["e-1"]));
+        assert!(s.refused("e-1"));
+        assert_eq!(s.present(), 0);
+        assert_eq!(s.answer(Ok(specs(&["e-1"])), 1_000, SETTINGS).1, add(&["e-1"]), "proposed again");
+        assert!(!s.refused("e-1"), "said once");
+        // The name came free and the operator added it: known from now on.
+        assert!(s.accepted(specs(&["e-1"]).remove(0)), "it had been refused");
+        assert_eq!(s.answer(Ok(specs(&["e-1"])), 2_000, SETTINGS).1, vec![]);
+        assert_eq!(s.present(), 1);
     }
 
     #[test]

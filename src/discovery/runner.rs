@@ -255,6 +255,10 @@ impl Run {
 
     fn apply(&self, action: SourceAction) {
         let label = self.entry.label.as_str();
+        let adding = match &action {
+            SourceAction::Add(spec) => Some(spec.clone()),
+            _ => None,
+        };
         let change = match &action {
             SourceAction::Add(_) => "added",
             SourceAction::Update(_) => "updated",
@@ -263,9 +267,30 @@ impl Run {
             SourceAction::Remove(_) => "removed",
         };
         match self.operator.apply_discovered(label, action, now_ms()) {
-            Ok(()) => self.metrics.discovery_change(label, change),
+            Ok(()) => {
+                if let Some(spec) = adding {
+                    // Known to the source only now: a refused one is proposed again.
+                    let id = spec.id.clone();
+                    if self.entry.read().state.accepted(spec) {
+                        tracing::info!(source = label, replica = %id, "the name is free again: discovered replica added");
+                        self.operator.events.record(
+                            EventKind::ReplicaDiscovered,
+                            Some(&id),
+                            None,
+                            format!("its name was taken when {label} listed it; added now that the name is free"),
+                        );
+                    }
+                }
+                self.metrics.discovery_change(label, change);
+            }
             Err(refused) => {
-                tracing::warn!(source = label, "discovered replica not {change}: {refused}");
+                // Counted at every read while the name is taken; said once.
+                let first = match &refused {
+                    crate::operator::NotApplied::NameTaken { id, .. } => self.entry.read().state.refused(id),
+                };
+                if first {
+                    tracing::warn!(source = label, "discovered replica not {change}: {refused}; retried at every read");
+                }
                 self.metrics.discovery_change(label, "conflict");
             }
         }

@@ -570,3 +570,36 @@ async fn records_with_a_short_ttl_are_read_again_before_the_interval() {
     .await;
     gw.stop().await;
 }
+
+/// Issue 25: a discovered replica whose name a static replica holds is
+/// refused, retried at every read, and appears as soon as the name is free.
+#[actix_web::test]
+async fn a_discovered_replica_whose_name_was_taken_appears_once_the_name_is_free() {
+    let (a, b) = (start_sim("node-a", fast_sim()).await, start_sim("b", fast_sim()).await);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("engines.toml");
+    std::fs::write(&path, format!("[[replicas]]\nid = \"node-a\"\nurl = \"{}\"\n", b.url)).unwrap();
+    let source = SourceConfig { interval_ms: 200, ..SourceConfig::new(&format!("file://{}", path.display())) };
+    let gw = start_gateway(Config { discovery: vec![source], ..test_config(&[&a]) }).await;
+    wait_for_status(&gw, "read", |s| s["result"] == "ok").await;
+    let r = gw.gw.fleet.get("node-a").unwrap();
+    assert_eq!((r.source.label(), r.spec().url.as_str()), ("static", a.url.as_str()), "the static replica keeps it");
+    let (s, _) = admin("DELETE", &format!("{}/admin/v1/replicas/node-a", gw.admin), None, None).await;
+    assert_eq!(s, 204);
+    wait_until("the discovered node-a", Duration::from_secs(15), || {
+        gw.gw.fleet.get("node-a").is_some_and(|r| r.source.is_discovered() && r.spec().url == b.url)
+    })
+    .await;
+    let events = gw.gw.events.query(&prefixgate::events::EventFilter { limit: 100, ..Default::default() });
+    assert!(
+        events
+            .iter()
+            .any(|e| e.kind == prefixgate::events::EventKind::ReplicaDiscovered && e.detail.contains("name was taken")),
+        "{events:?}"
+    );
+    wait_until("routable", Duration::from_secs(15), || routable(&gw, "node-a")).await;
+    let reply = chat(&gw, &[("user", "hello")]).await;
+    assert_eq!((reply.status, reply.replica.as_str()), (200, "node-a"));
+    assert!(b.state.received.load(std::sync::atomic::Ordering::Relaxed) >= 1, "served by the discovered engine");
+    gw.stop().await;
+}
