@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 
-use crate::error::ApiError;
+use crate::domain_error::DomainError;
 
 #[derive(Default)]
 struct Slots {
@@ -75,7 +75,7 @@ impl Admission {
         limit: Arc<dyn Fn() -> Option<u32> + Send + Sync>,
         wait: Duration,
         max_queue: usize,
-    ) -> Result<(Permit, Admitted), ApiError> {
+    ) -> Result<(Permit, Admitted), DomainError> {
         let permit = || Permit { admission: self.clone(), replica: replica.clone(), limit: limit.clone() };
         let waiter = {
             let mut map = self.replicas.lock().expect("lock");
@@ -151,8 +151,8 @@ impl Admission {
     }
 }
 
-fn rejected(replica: &str, wait: Duration, why: &str) -> ApiError {
-    ApiError::Overloaded {
+fn rejected(replica: &str, wait: Duration, why: &str) -> DomainError {
+    DomainError::Overloaded {
         message: format!("replica '{replica}' is at its large-context limit and {why}; retry later"),
         retry_after: (wait / 2).max(Duration::from_secs(1)),
     }
@@ -224,10 +224,10 @@ mod tests {
         let a = Arc::new(Admission::default());
         let r: Arc<str> = Arc::from("r");
         let (held, _) = a.acquire(&r, limit(1), Duration::from_secs(1), 0).await.unwrap();
-        assert!(matches!(a.acquire(&r, limit(1), Duration::from_secs(1), 0).await, Err(ApiError::Overloaded { .. })));
+        assert!(matches!(a.acquire(&r, limit(1), Duration::from_secs(1), 0).await, Err(DomainError::Overloaded { .. })));
         assert!(matches!(
             a.acquire(&r, limit(1), Duration::from_millis(20), 4).await,
-            Err(ApiError::Overloaded { .. })
+            Err(DomainError::Overloaded { .. })
         ));
         assert_eq!((a.in_use("r"), a.queued("r")), (1, 0));
         drop(held);

@@ -171,6 +171,21 @@ impl ResponseError for ApiError {
     }
 }
 
+/// The HTTP edge of the domain's refusals: each to its status and code.
+impl From<crate::domain_error::DomainError> for ApiError {
+    fn from(e: crate::domain_error::DomainError) -> ApiError {
+        use crate::domain_error::DomainError::*;
+        match e {
+            NotFound(m) => ApiError::NotFound(m),
+            Conflict(m) => ApiError::Conflict(m),
+            Invalid(m) => ApiError::Unprocessable(m),
+            Timeout(m) => ApiError::Timeout(m),
+            Overloaded { message, retry_after } => ApiError::Overloaded { message, retry_after },
+            Store(e) => ApiError::Internal(e.to_string()),
+        }
+    }
+}
+
 impl From<actix_web::error::PayloadError> for ApiError {
     // The size limit is enforced while reading (BodyTooLarge with the real
     // limit); what arrives here is a client that broke off or sent bad framing.

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::error::ApiError;
+use crate::domain_error::DomainError;
 use crate::store::Store;
 
 /// How long a lease lives without renewal: the longest a killed instance's slot stays taken.
@@ -70,7 +70,7 @@ impl Leases {
         replica: &str,
         limit: u32,
         wait: Duration,
-    ) -> Result<(Option<FleetLease>, bool), ApiError> {
+    ) -> Result<(Option<FleetLease>, bool), DomainError> {
         let Some(instance) = store.instance() else { return Ok((None, false)) };
         let id = format!("{instance}:{}", self.next.fetch_add(1, Ordering::Relaxed));
         let try_take = || {
@@ -102,7 +102,7 @@ impl Leases {
                 );
                 Ok((None, waited))
             }
-            SlotWait::TimedOut => Err(ApiError::Overloaded {
+            SlotWait::TimedOut => Err(DomainError::Overloaded {
                 message: format!(
                     "replica '{replica}' is at its large-context limit across the gateway fleet and no slot freed up in time; retry later"
                 ),

@@ -17,6 +17,7 @@ pub mod config;
 pub mod config_flags;
 pub mod connector;
 pub mod discovery;
+pub mod domain_error;
 pub mod error;
 pub mod events;
 pub mod fleet;

@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::{internal, Operator};
-use crate::error::ApiError;
+use crate::domain_error::DomainError;
 use crate::events::EventKind;
 use crate::fleet::{AdminState, Replica, ReplicaSource, SourceAction};
 use crate::store::{Store, StoreError, DISCOVERED_ADMIN_PREFIX};
@@ -79,7 +79,7 @@ impl Operator {
     /// Keeps the operator's `next` state of discovered replica `r` (persisted
     /// first), then applies the state in force. Returns the state before.
     /// Called under the operator lock.
-    pub(super) fn set_discovered_admin(&self, r: &Replica, next: AdminState) -> Result<AdminState, ApiError> {
+    pub(super) fn set_discovered_admin(&self, r: &Replica, next: AdminState) -> Result<AdminState, DomainError> {
         let value = serde_json::to_value(next).expect("serializable");
         self.store.put_setting(&key(&r.id), &value).map_err(internal)?;
         self.keep_discovered_admin(&r.id, next);

@@ -24,7 +24,7 @@ use utoipa::ToSchema;
 
 use crate::admission::Admission;
 use crate::capacity::Capacity;
-use crate::error::ApiError;
+use crate::domain_error::DomainError;
 use crate::events::{EventKind, EventLog};
 use crate::fleet::{normalize_url, validate_url, AdminState, Fleet, Replica, ReplicaSource, ReplicaSpec, ReplicaUrl};
 use crate::pins::{PinChange, PinSource, PinTable};
@@ -102,18 +102,18 @@ pub struct Operator {
     pub(crate) serial: Mutex<()>,
 }
 
-fn internal(e: StoreError) -> ApiError {
-    ApiError::Internal(e.to_string())
+fn internal(e: StoreError) -> DomainError {
+    DomainError::Store(e)
 }
 
-fn not_found(id: &str) -> ApiError {
-    ApiError::NotFound(format!("no replica with id '{id}'"))
+fn not_found(id: &str) -> DomainError {
+    DomainError::NotFound(format!("no replica with id '{id}'"))
 }
 
 /// A discovered replica's spec and presence are its source's: 409 with what to do instead.
-fn owned_by_source(r: &Replica, instead: &str) -> Result<(), ApiError> {
+fn owned_by_source(r: &Replica, instead: &str) -> Result<(), DomainError> {
     match &r.source {
-        ReplicaSource::Discovered(label) => Err(ApiError::Conflict(format!(
+        ReplicaSource::Discovered(label) => Err(DomainError::Conflict(format!(
             "replica '{}' was found by the discovery source {label} and belongs to it: {instead}",
             r.id
         ))),
@@ -146,12 +146,12 @@ impl Operator {
         self.serial.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub fn replica(&self, id: &str) -> Result<Arc<Replica>, ApiError> {
+    pub fn replica(&self, id: &str) -> Result<Arc<Replica>, DomainError> {
         self.fleet.get(id).ok_or_else(|| not_found(id))
     }
 
-    pub fn set_policy(&self, next: PolicySettings) -> Result<PolicySettings, ApiError> {
-        next.validate().map_err(ApiError::Unprocessable)?;
+    pub fn set_policy(&self, next: PolicySettings) -> Result<PolicySettings, DomainError> {
+        next.validate().map_err(DomainError::Invalid)?;
         let _serial = self.serial();
         self.store.put_setting("policy", &serde_json::to_value(next).expect("serializable")).map_err(internal)?;
         let prev = self.policy.replace(next);
@@ -174,11 +174,11 @@ impl Operator {
         Ok(next)
     }
 
-    pub fn add_replica(&self, spec: ReplicaSpec) -> Result<Arc<Replica>, ApiError> {
-        spec.validate().map_err(ApiError::Unprocessable)?;
+    pub fn add_replica(&self, spec: ReplicaSpec) -> Result<Arc<Replica>, DomainError> {
+        spec.validate().map_err(DomainError::Invalid)?;
         let _serial = self.serial();
         if self.fleet.get(&spec.id).is_some() {
-            return Err(ApiError::Conflict(format!("a replica with id '{}' already exists", spec.id)));
+            return Err(DomainError::Conflict(format!("a replica with id '{}' already exists", spec.id)));
         }
         let stored = StoredReplica { spec, admin: AdminState::Active, source: ReplicaSource::Api };
         self.store.put_replica(&stored).map_err(internal)?;
@@ -190,15 +190,15 @@ impl Operator {
 
     /// Merges `patch` into the replica's spec. A raised `max_large_inflight`
     /// hands the new slots to requests already waiting.
-    pub fn update_replica(&self, id: &str, patch: ReplicaPatch) -> Result<Arc<Replica>, ApiError> {
+    pub fn update_replica(&self, id: &str, patch: ReplicaPatch) -> Result<Arc<Replica>, DomainError> {
         if let Some(url) = &patch.url {
-            validate_url(&url.0).map_err(ApiError::Unprocessable)?;
+            validate_url(&url.0).map_err(DomainError::Invalid)?;
         }
         let _serial = self.serial();
         let r = self.replica(id)?;
         owned_by_source(&r, "change it in its source")?;
         let spec = patch.apply_to((**r.spec()).clone());
-        spec.validate().map_err(ApiError::Unprocessable)?;
+        spec.validate().map_err(DomainError::Invalid)?;
         let url = spec.url.clone();
         let stored = StoredReplica { spec, admin: r.admin(), source: r.source.clone() };
         self.store.put_replica(&stored).map_err(internal)?;
@@ -207,7 +207,7 @@ impl Operator {
         Ok(r)
     }
 
-    pub fn remove_replica(&self, id: &str) -> Result<(), ApiError> {
+    pub fn remove_replica(&self, id: &str) -> Result<(), DomainError> {
         let _serial = self.serial();
         owned_by_source(&*self.replica(id)?, "disable it, or change the source")?;
         self.store.delete_replica(id).map_err(internal)?;
@@ -296,28 +296,28 @@ impl Operator {
         self.pins.apply(changes);
     }
 
-    pub fn drain(&self, id: &str) -> Result<Arc<Replica>, ApiError> {
+    pub fn drain(&self, id: &str) -> Result<Arc<Replica>, DomainError> {
         self.set_admin(id, AdminState::Draining)
     }
 
     /// Undoes a drain. A disabled replica stays disabled: that takes `enable`.
-    pub fn resume(&self, id: &str) -> Result<Arc<Replica>, ApiError> {
+    pub fn resume(&self, id: &str) -> Result<Arc<Replica>, DomainError> {
         if self.replica(id)?.admin() == AdminState::Disabled {
-            return Err(ApiError::Conflict(format!("replica '{id}' is disabled; use enable")));
+            return Err(DomainError::Conflict(format!("replica '{id}' is disabled; use enable")));
         }
         self.set_admin(id, AdminState::Active)
     }
 
-    pub fn disable(&self, id: &str) -> Result<Arc<Replica>, ApiError> {
+    pub fn disable(&self, id: &str) -> Result<Arc<Replica>, DomainError> {
         self.set_admin(id, AdminState::Disabled)
     }
 
-    pub fn enable(&self, id: &str) -> Result<Arc<Replica>, ApiError> {
+    pub fn enable(&self, id: &str) -> Result<Arc<Replica>, DomainError> {
         self.set_admin(id, AdminState::Active)
     }
 
     /// Changes the operator's state of a replica and records the event.
-    pub fn set_admin(&self, id: &str, next: AdminState) -> Result<Arc<Replica>, ApiError> {
+    pub fn set_admin(&self, id: &str, next: AdminState) -> Result<Arc<Replica>, DomainError> {
         let _serial = self.serial();
         let r = self.replica(id)?;
         let prev = if r.source.is_discovered() {
@@ -366,20 +366,20 @@ impl Operator {
 
     /// Waits until a draining replica has nothing in flight, on this
     /// instance and (with a shared store) on every live instance.
-    pub async fn wait_drained(&self, r: &Replica, timeout: Duration) -> Result<(), ApiError> {
+    pub async fn wait_drained(&self, r: &Replica, timeout: Duration) -> Result<(), DomainError> {
         let deadline = tokio::time::Instant::now() + timeout;
         // Beats must postdate the drain by a pub/sub hop to count (see `inflight_elsewhere`).
         let since_ms = crate::clock::now_ms() + 100;
         loop {
             if r.admin() != AdminState::Draining {
-                return Err(ApiError::Conflict(format!("replica '{}' is no longer draining", r.id)));
+                return Err(DomainError::Conflict(format!("replica '{}' is no longer draining", r.id)));
             }
             if r.inflight() == 0 && self.inflight_elsewhere(&r.id, since_ms).await == 0 {
                 self.events.record(EventKind::DrainCompleted, Some(&r.id), None, "nothing in flight");
                 return Ok(());
             }
             if tokio::time::Instant::now() >= deadline {
-                return Err(ApiError::Timeout(format!(
+                return Err(DomainError::Timeout(format!(
                     "replica '{}' still has {} request(s) in flight after {} s",
                     r.id,
                     r.inflight(),
@@ -392,10 +392,10 @@ impl Operator {
     }
 
     /// Deletes one pin: persisted first, as every operator action is.
-    pub fn delete_pin(&self, key: PrefixKey) -> Result<(), ApiError> {
+    pub fn delete_pin(&self, key: PrefixKey) -> Result<(), DomainError> {
         let _serial = self.serial();
         let Some(replica) = self.pins.replica_of(key) else {
-            return Err(ApiError::NotFound(format!("no pin {key:032x}")));
+            return Err(DomainError::NotFound(format!("no pin {key:032x}")));
         };
         self.store.write_pins(&[(key, None)]).map_err(internal)?;
         self.apply_pins([(key, None)]);
@@ -404,7 +404,7 @@ impl Operator {
     }
 
     /// Deletes every pin a replica holds (persisted first); returns how many.
-    pub fn delete_replica_pins(&self, id: &str) -> Result<usize, ApiError> {
+    pub fn delete_replica_pins(&self, id: &str) -> Result<usize, DomainError> {
         let _serial = self.serial();
         self.replica(id)?;
         let deleted: Vec<PinChange> = self.pins.keys_of(id).into_iter().map(|k| (k, None)).collect();

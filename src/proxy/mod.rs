@@ -354,7 +354,7 @@ async fn admit(state: &AppState, recorder: &OutcomeRecorder, replica: &Arc<Repli
         }
         (Err(e), _) | (_, Err(e)) => {
             recorder.admission_rejected(&replica.id);
-            Err(e)
+            Err(e.into())
         }
     }
 }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prefixgate::admission::Admission;
-use prefixgate::error::ApiError;
+use prefixgate::domain_error::DomainError;
 use prefixgate::events::EventLog;
 use prefixgate::fleet::health::{probe_every, HealthTracker, Observation, ProbeResult};
 use prefixgate::fleet::{AdminState, Fleet, Health, Replica, ReplicaSpec};
@@ -41,7 +41,7 @@ async fn an_admission_wait_ends_exactly_at_its_timeout_and_leaves_nothing_queued
     assert!(!waiting.is_finished(), "still waiting one millisecond before its timeout");
     tokio::time::advance(Duration::from_millis(1)).await;
     let result = waiting.await.unwrap();
-    assert!(matches!(result, Err(ApiError::Overloaded { .. })), "a 429 with Retry-After: {result:?}");
+    assert!(matches!(result, Err(DomainError::Overloaded { .. })), "a 429 with Retry-After: {result:?}");
     assert_eq!(started.elapsed(), Duration::from_secs(30));
     assert_eq!((admission.queued("r"), admission.in_use("r")), (0, 1), "the waiter left the queue");
 }
