@@ -224,7 +224,10 @@ mod tests {
         let a = Arc::new(Admission::default());
         let r: Arc<str> = Arc::from("r");
         let (held, _) = a.acquire(&r, limit(1), Duration::from_secs(1), 0).await.unwrap();
-        assert!(matches!(a.acquire(&r, limit(1), Duration::from_secs(1), 0).await, Err(DomainError::Overloaded { .. })));
+        assert!(matches!(
+            a.acquire(&r, limit(1), Duration::from_secs(1), 0).await,
+            Err(DomainError::Overloaded { .. })
+        ));
         assert!(matches!(
             a.acquire(&r, limit(1), Duration::from_millis(20), 4).await,
             Err(DomainError::Overloaded { .. })

@@ -147,6 +147,9 @@ pub struct PinConfig {
 pub struct HistoryConfig {
     /// Most events kept in history; the oldest go first.
     pub max_events: usize,
+    /// Most events waiting to be written to the store (while it is
+    /// unreachable); past it the oldest are dropped unwritten, and counted.
+    pub max_unwritten: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
@@ -236,7 +239,7 @@ impl Default for PinConfig {
 
 impl Default for HistoryConfig {
     fn default() -> Self {
-        HistoryConfig { max_events: 100_000 }
+        HistoryConfig { max_events: 100_000, max_unwritten: 10_000 }
     }
 }
 

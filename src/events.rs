@@ -1,17 +1,20 @@
 //! Pin and failover history: an append-only log with monotonic ids, capped
 //! in memory (oldest dropped) and mirrored to the store behind the requests.
 //!
-//! Why a channel: events are recorded from the request path (failovers, pin
+//! Why a backlog: events are recorded from the request path (failovers, pin
 //! moves); a synchronous store write there put disk latency into a client's
-//! response. `record` only appends to the ring and sends the event to the
-//! store's `EventWriter`, which the flusher drains with the pins (and
-//! shutdown drains last), so history is as durable as pins are.
+//! response. `record` only appends to the ring and to the backlog of events
+//! not yet written, which the store's `EventWriter` writes in batches with
+//! the pins (and shutdown last), so history is as durable as pins are.
+//!
+//! The backlog is bounded (`history.max_unwritten`): while a shared store
+//! is down for long, the oldest unwritten events are dropped and counted
+//! (`prefixgate_events_unwritten_dropped_total`), instead of a queue that
+//! grows with the outage. The in-memory history keeps them all (its own cap).
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, RwLock};
-
-use tokio::sync::mpsc;
+use std::sync::{Arc, Mutex, RwLock};
 
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -116,21 +119,62 @@ pub struct EventLog {
     next_id: AtomicU64,
     ring: RwLock<VecDeque<Event>>,
     cap: usize,
-    to_store: mpsc::UnboundedSender<Pending>,
+    unwritten: Arc<Backlog>,
     /// With a shared store: this instance's name (on each event) and its
     /// share of the id space (see `next_id`).
     instance: Option<(String, u64)>,
 }
 
-/// The receiving end of what `record` sends: drained by the store's
-/// `EventWriter` (`store/event_writer.rs`), which this module knows nothing of.
-pub struct RecordedEvents(Mutex<mpsc::UnboundedReceiver<Pending>>);
+/// Events recorded and not yet written, oldest first, at most `cap`.
+struct Backlog {
+    queue: Mutex<VecDeque<Pending>>,
+    cap: usize,
+    /// Events dropped unwritten (the backlog was full), over the process's life.
+    dropped: AtomicU64,
+}
+
+impl Backlog {
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Pending>> {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Drops the oldest past the cap, counted.
+    fn trim(&self, queue: &mut VecDeque<Pending>) {
+        while queue.len() > self.cap {
+            queue.pop_front();
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The writer's end of the backlog: taken by the store's `EventWriter`
+/// (`store/event_writer.rs`), which this module knows nothing of.
+pub struct RecordedEvents(Arc<Backlog>);
 
 impl RecordedEvents {
-    /// Every event recorded since the last call, in order.
-    pub fn drain(&self) -> Vec<Pending> {
-        let mut rx = self.0.lock().expect("recorded events lock");
-        std::iter::from_fn(|| rx.try_recv().ok()).collect()
+    /// Takes up to `max` of the oldest unwritten events, in order.
+    pub fn take(&self, max: usize) -> Vec<Pending> {
+        let mut queue = self.0.lock();
+        let n = queue.len().min(max);
+        queue.drain(..n).collect()
+    }
+
+    /// Puts back a batch whose write failed, ahead of what came since; past
+    /// the cap, the oldest go (counted).
+    pub fn put_back(&self, batch: Vec<Pending>) {
+        let mut queue = self.0.lock();
+        for p in batch.into_iter().rev() {
+            queue.push_front(p);
+        }
+        self.0.trim(&mut queue);
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -147,22 +191,34 @@ pub struct EventFilter {
 
 impl EventLog {
     /// `instance`: this gateway's name in a shared store (None: the only one).
-    pub fn new(cap: usize, instance: Option<&str>, restored: Vec<Event>) -> (EventLog, RecordedEvents) {
+    /// `max_unwritten`: the backlog's bound (see the module's comment).
+    pub fn new(
+        cap: usize,
+        max_unwritten: usize,
+        instance: Option<&str>,
+        restored: Vec<Event>,
+    ) -> (EventLog, RecordedEvents) {
         let next = restored.iter().map(|e| e.id + 1).max().unwrap_or(1);
         let mut ring: VecDeque<Event> = restored.into();
         while ring.len() > cap {
             ring.pop_front();
         }
-        let (tx, rx) = mpsc::unbounded_channel();
+        let unwritten =
+            Arc::new(Backlog { queue: Mutex::default(), cap: max_unwritten.max(1), dropped: AtomicU64::new(0) });
         let instance = instance.map(|name| (name.to_string(), xxhash_rust::xxh3::xxh3_64(name.as_bytes()) & 31));
         let log = EventLog {
             next_id: AtomicU64::new(next),
             ring: RwLock::new(ring),
             cap: cap.max(1),
-            to_store: tx,
+            unwritten: unwritten.clone(),
             instance,
         };
-        (log, RecordedEvents(Mutex::new(rx)))
+        (log, RecordedEvents(unwritten))
+    }
+
+    /// Events dropped before they were written (the backlog was full).
+    pub fn unwritten_dropped(&self) -> u64 {
+        self.unwritten.dropped.load(Ordering::Relaxed)
     }
 
     /// The next event id. With one instance, a counter. With several sharing
@@ -234,8 +290,9 @@ impl EventLog {
             dropped = ring.pop_front().map(|e| e.id);
         }
         drop(ring);
-        // Fails only when the writer is gone (the process is ending).
-        let _ = self.to_store.send((event.clone(), dropped));
+        let mut unwritten = self.unwritten.lock();
+        unwritten.push_back((event.clone(), dropped));
+        self.unwritten.trim(&mut unwritten);
         event
     }
 
@@ -268,7 +325,7 @@ mod tests {
 
     #[test]
     fn shared_store_ids_grow_with_time_and_never_repeat() {
-        let (mut log, _w) = EventLog::new(10, None, Vec::new());
+        let (mut log, _w) = EventLog::new(10, 10, None, Vec::new());
         log.instance = Some(("gw-1".into(), 5));
         let mut last = 0;
         for i in 0..200u64 {
@@ -280,5 +337,24 @@ mod tests {
         }
         assert!(log.next_id(5_000) >= 5_000 << 11, "a later millisecond starts a later run");
         assert!(last < 1 << 53);
+    }
+
+    #[test]
+    fn the_unwritten_backlog_is_bounded_and_drops_the_oldest_counted() {
+        let (log, unwritten) = EventLog::new(100, 10, None, Vec::new());
+        for i in 0..15 {
+            log.record(EventKind::ReplicaUp, Some("a"), None, format!("{i}"));
+        }
+        assert_eq!((unwritten.len(), log.unwritten_dropped()), (10, 5));
+        let batch = unwritten.take(4);
+        assert_eq!(batch[0].0.detail, "5", "the oldest kept");
+        log.record(EventKind::ReplicaUp, Some("a"), None, "15");
+        // A failed write goes back ahead of what came since; past the cap, the oldest go.
+        unwritten.put_back(batch);
+        assert_eq!((unwritten.len(), log.unwritten_dropped()), (10, 6));
+        let all = unwritten.take(100);
+        assert_eq!(all.first().unwrap().0.detail, "6");
+        assert_eq!(all.last().unwrap().0.detail, "15");
+        assert_eq!(log.query(&EventFilter { limit: 100, ..Default::default() }).len(), 16, "history keeps them all");
     }
 }

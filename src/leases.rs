@@ -74,17 +74,13 @@ impl Leases {
         let Some(instance) = store.instance() else { return Ok((None, false)) };
         let id = format!("{instance}:{}", self.next.fetch_add(1, Ordering::Relaxed));
         let try_take = || {
-            let (store, replica, id) = (store.clone(), replica.to_string(), id.clone());
+            let mut ask = LeaseAsk::start(store, replica, &id, limit);
             async move {
-                let asked = tokio::time::timeout(
-                    LEASE_BUDGET,
-                    tokio::task::spawn_blocking(move || store.try_lease(&replica, &id, limit, LEASE_TTL_MS)),
-                )
-                .await;
+                let asked = tokio::time::timeout(LEASE_BUDGET, ask.answer()).await;
                 match asked {
-                    Ok(Ok(Ok(took))) => Ok(took),
-                    Ok(Ok(Err(e))) => Err(e.to_string()),
-                    Ok(Err(e)) => Err(e.to_string()),
+                    Ok(Ok(took)) => Ok(took),
+                    Ok(Err(e)) => Err(e),
+                    // `ask` drops here unanswered: a lease it takes later is released.
                     Err(_) => Err("timed out".to_string()),
                 }
             }
@@ -109,6 +105,53 @@ impl Leases {
                 retry_after: (wait / 2).max(Duration::from_secs(1)),
             }),
         }
+    }
+}
+
+/// One ask for a lease, running on the blocking pool. Its answer may come
+/// after the asker stopped waiting (the budget ran out, or the client went
+/// away and the request's future was dropped): a lease granted then belongs
+/// to nobody, and would keep a slot of the card for its whole TTL. Dropped
+/// before its answer was read, the ask releases what it took, at once.
+struct LeaseAsk {
+    answer: Option<tokio::task::JoinHandle<Result<bool, crate::store::StoreError>>>,
+    store: Arc<dyn Store>,
+    replica: String,
+    id: String,
+}
+
+impl LeaseAsk {
+    fn start(store: &Arc<dyn Store>, replica: &str, id: &str, limit: u32) -> LeaseAsk {
+        let (s, r, i) = (store.clone(), replica.to_string(), id.to_string());
+        let answer = tokio::task::spawn_blocking(move || s.try_lease(&r, &i, limit, LEASE_TTL_MS));
+        LeaseAsk { answer: Some(answer), store: store.clone(), replica: replica.to_string(), id: id.to_string() }
+    }
+
+    /// The store's answer: whether the lease was taken.
+    async fn answer(&mut self) -> Result<bool, String> {
+        let answer = self.answer.as_mut().expect("asked once").await;
+        self.answer = None; // read: the caller owns what was taken
+        match answer {
+            Ok(Ok(took)) => Ok(took),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+}
+
+impl Drop for LeaseAsk {
+    fn drop(&mut self) {
+        let Some(answer) = self.answer.take() else { return };
+        if tokio::runtime::Handle::try_current().is_err() {
+            return; // the process is ending: the lease expires on its own
+        }
+        let (store, replica, id) = (self.store.clone(), self.replica.clone(), self.id.clone());
+        tokio::spawn(async move {
+            if let Ok(Ok(true)) = answer.await {
+                tracing::debug!(replica, "a lease granted after its asker gave up: released");
+                let _ = tokio::task::spawn_blocking(move || store.release_lease(&replica, &id)).await;
+            }
+        });
     }
 }
 
@@ -149,5 +192,93 @@ where
         }
         waited = true;
         tokio::time::sleep(RETRY_EVERY).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{MemoryStore, StoreError, StoredReplica};
+    use std::sync::atomic::AtomicUsize;
+
+    /// A shared store whose lease answers come after the budget.
+    #[derive(Default)]
+    struct SlowLeases {
+        inner: MemoryStore,
+        released: AtomicUsize,
+    }
+
+    impl Store for SlowLeases {
+        fn is_new(&self) -> bool {
+            true
+        }
+        fn replicas(&self) -> Result<Vec<StoredReplica>, StoreError> {
+            self.inner.replicas()
+        }
+        fn put_replica(&self, r: &StoredReplica) -> Result<(), StoreError> {
+            self.inner.put_replica(r)
+        }
+        fn delete_replica(&self, id: &str) -> Result<(), StoreError> {
+            self.inner.delete_replica(id)
+        }
+        fn pins(&self) -> Result<Vec<(u128, crate::pins::Pin)>, StoreError> {
+            self.inner.pins()
+        }
+        fn write_pins(&self, changes: &[crate::pins::PinChange]) -> Result<(), StoreError> {
+            self.inner.write_pins(changes)
+        }
+        fn append_event(&self, e: &crate::events::Event, up_to: Option<u64>) -> Result<(), StoreError> {
+            self.inner.append_event(e, up_to)
+        }
+        fn events(&self) -> Result<Vec<crate::events::Event>, StoreError> {
+            self.inner.events()
+        }
+        fn setting(&self, key: &str) -> Result<Option<serde_json::Value>, StoreError> {
+            self.inner.setting(key)
+        }
+        fn put_setting(&self, key: &str, value: &serde_json::Value) -> Result<(), StoreError> {
+            self.inner.put_setting(key, value)
+        }
+        fn settings(&self, prefix: &str) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
+            self.inner.settings(prefix)
+        }
+        fn flush(&self) -> Result<(), StoreError> {
+            Ok(())
+        }
+        fn instance(&self) -> Option<&str> {
+            Some("gw-1")
+        }
+        fn try_lease(&self, _replica: &str, _lease: &str, _limit: u32, _ttl_ms: u64) -> Result<bool, StoreError> {
+            std::thread::sleep(LEASE_BUDGET * 2);
+            Ok(true)
+        }
+        fn release_lease(&self, _replica: &str, _lease: &str) -> Result<(), StoreError> {
+            self.released.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_lease_granted_after_its_asker_gave_up_is_released_at_once() {
+        let slow = Arc::new(SlowLeases::default());
+        let store: Arc<dyn Store> = slow.clone();
+        let leases = Arc::new(Leases::default());
+        // The store answers after the budget: admitted under the local limit, no lease held.
+        let (lease, _) = leases.acquire(&store, "gpu-0", 1, Duration::from_secs(5)).await.unwrap();
+        assert!(lease.is_none());
+        assert!(leases.held().is_empty());
+        // The late grant is given back, not left to its TTL.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while slow.released.load(Ordering::SeqCst) == 0 {
+            assert!(tokio::time::Instant::now() < deadline, "the late lease was never released");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // An asker dropped mid-ask (its client went away) gives it back too.
+        let asking = leases.acquire(&store, "gpu-0", 1, Duration::from_secs(5));
+        assert!(tokio::time::timeout(Duration::from_millis(50), asking).await.is_err());
+        while slow.released.load(Ordering::SeqCst) < 2 {
+            assert!(tokio::time::Instant::now() < deadline, "the dropped ask's lease was never released");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 }

@@ -98,11 +98,8 @@ fn resync(operator: &Operator) -> Result<(), StoreError> {
         store.put_setting("policy", &serde_json::to_value(operator.policy.get()).expect("serializable"))?;
         operator.pins.mark_all_dirty();
     } else {
-        let ids: Vec<String> =
-            stored.iter().map(|r| r.spec.id.clone()).chain(fleet.iter().map(|r| r.id.to_string())).collect();
-        for id in ids {
-            operator.reload_replica(&id)?;
-        }
+        // The list read once above, applied whole (not re-read per replica).
+        operator.apply_stored_replicas(stored);
         operator.reload_policy()?;
         operator.reload_discovered_admin()?;
     }
@@ -146,6 +143,38 @@ mod tests {
         resync(&operator).unwrap();
         assert_eq!(store.replicas().unwrap().len(), 1, "the fleet is put back");
         assert_eq!(operator.pins.replica_of(7).as_deref(), Some("a"), "the other instance's pin is read");
+    }
+
+    /// A resync reads the replica list once, whatever the fleet's size, and
+    /// applies it whole: added, changed and removed elsewhere.
+    #[test]
+    fn a_resync_reads_the_replica_list_once() {
+        let memory = Arc::new(MemoryStore::default());
+        let store: Arc<dyn Store> = memory.clone();
+        let operator = Operator::for_tests(store.clone());
+        for i in 0..20 {
+            let spec = ReplicaSpec::new(&format!("r{i}"), "http://127.0.0.1:1");
+            operator.fleet.add(Replica::new(spec.clone(), AdminState::Active));
+            if i != 3 {
+                let admin = if i == 5 { AdminState::Disabled } else { AdminState::Active };
+                store.put_replica(&crate::store::StoredReplica { spec, admin, source: Default::default() }).unwrap();
+            }
+        }
+        let added = ReplicaSpec::new("new", "http://127.0.0.1:2");
+        store
+            .put_replica(&crate::store::StoredReplica {
+                spec: added,
+                admin: AdminState::Active,
+                source: Default::default(),
+            })
+            .unwrap();
+        let before = memory.replica_reads();
+        resync(&operator).unwrap();
+        assert_eq!(memory.replica_reads() - before, 1);
+        assert!(operator.fleet.get("r3").is_none(), "removed elsewhere");
+        assert_eq!(operator.fleet.get("r5").unwrap().admin(), AdminState::Disabled, "changed elsewhere");
+        assert!(operator.fleet.get("new").is_some(), "added elsewhere");
+        assert_eq!(operator.fleet.snapshot().len(), 20);
     }
 
     /// A replica removed on another instance is removed here exactly as a

@@ -105,7 +105,8 @@ impl AppState {
         let capacity = Arc::new(Capacity::new(config.capacity.working_set_window_secs));
         let since = crate::clock::now_ms().saturating_sub(capacity.window_secs() * 1000);
         capacity.seed(&pins.conversations_active_since(since));
-        let (events, recorded) = EventLog::new(config.history.max_events, store.instance(), store.events()?);
+        let (events, recorded) =
+            EventLog::new(config.history.max_events, config.history.max_unwritten, store.instance(), store.events()?);
         let event_writer = EventWriter::new(recorded, store.clone());
         let events = Arc::new(events);
         let policy = Arc::new(CurrentPolicy::new(policy));

@@ -19,7 +19,9 @@ use utoipa_actix_web::{scope, AppExt};
 use utoipa_swagger_ui::SwaggerUi;
 
 use crate::error::ApiError;
+use crate::operator::Operator;
 use crate::state::AppState;
+use std::sync::Arc;
 
 #[derive(OpenApi)]
 #[openapi(
@@ -161,6 +163,21 @@ pub fn create_admin_app(
 /// An unknown method on a known path is a 405 with `Allow` (what HTTP and
 /// contract testers expect); anything else a 404. The table of paths and
 /// methods is the OpenAPI document itself, so it cannot drift from the routes.
+/// Runs an operator action on the blocking pool. An action persists first
+/// (a Redis round trip, an fsync), and the admin listener's one worker must
+/// not wait on the store: other admin requests (a scrape, the UI) go on
+/// meanwhile. Each store call is bounded by the store's own timeouts; an
+/// action that started is not cut in half (persist, then apply) when its
+/// client goes away, which would leave memory and the store disagreeing.
+pub(crate) async fn act<T: Send + 'static>(
+    operator: &Arc<Operator>,
+    action: impl FnOnce(&Operator) -> Result<T, crate::domain_error::DomainError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let operator = operator.clone();
+    let done = web::block(move || action(&operator)).await;
+    Ok(done.map_err(|e| ApiError::Internal(format!("the action did not run: {e}")))??)
+}
+
 async fn no_route(req: actix_web::HttpRequest) -> Result<HttpResponse, ApiError> {
     use std::sync::LazyLock;
     static ROUTES: LazyLock<Vec<(Vec<String>, Vec<&'static str>)>> = LazyLock::new(|| {
@@ -237,6 +254,9 @@ async fn metrics(s: web::Data<AppState>) -> HttpResponse {
         })
         .collect();
     s.metrics.refresh_gauges(&replicas, &report, |name| s.fleet.get(name).is_some());
+    s.metrics.events_unwritten.set(s.event_writer.backlog() as i64);
+    let dropped = &s.metrics.events_unwritten_dropped;
+    dropped.inc_by(s.events.unwritten_dropped().saturating_sub(dropped.get()));
     s.metrics.store_up.set(i64::from(s.store_up.load(std::sync::atomic::Ordering::Acquire)));
     HttpResponse::Ok().content_type("text/plain; version=0.0.4; charset=utf-8").body(s.metrics.encode())
 }

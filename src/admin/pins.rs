@@ -107,6 +107,7 @@ async fn get_one(s: web::Data<AppState>, key: web::Path<String>) -> Result<web::
     responses((status = 204, description = "deleted"), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
 #[delete("/pins/{key}")]
 async fn remove(operator: web::Data<Operator>, key: web::Path<String>) -> Result<HttpResponse, ApiError> {
-    operator.delete_pin(parse_key(&key)?)?;
+    let key = parse_key(&key)?;
+    super::act(&operator.into_inner(), move |op| op.delete_pin(key)).await?;
     Ok(HttpResponse::NoContent().finish())
 }

@@ -27,5 +27,6 @@ async fn put_policy(
     operator: web::Data<Operator>,
     body: web::Json<PolicySettings>,
 ) -> Result<web::Json<PolicySettings>, ApiError> {
-    Ok(web::Json(operator.set_policy(body.into_inner())?))
+    let next = body.into_inner();
+    Ok(web::Json(super::act(&operator.into_inner(), move |op| op.set_policy(next)).await?))
 }

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 use utoipa_actix_web::service_config::ServiceConfig;
 
+use super::act;
 use crate::clock::rfc3339;
 use crate::error::{ApiError, ErrorBody};
 use crate::fleet::{validate_id, AdminState, Health, Replica, ReplicaId, ReplicaSpec, ReplicaUrl};
@@ -159,7 +160,7 @@ async fn add(s: web::Data<AppState>, body: web::Json<NewReplica>) -> Result<Http
     spec.health_path = b.health_path;
     spec.max_large_inflight = b.max_large_inflight;
     spec.kv_tokens = b.kv_tokens;
-    let r = s.operator.add_replica(spec)?;
+    let r = act(&s.operator, move |op| op.add_replica(spec)).await?;
     Ok(HttpResponse::Created().json(view(&s, &r)))
 }
 
@@ -172,7 +173,8 @@ async fn update(
     id: web::Path<String>,
     body: web::Json<ReplicaPatch>,
 ) -> Result<web::Json<ReplicaView>, ApiError> {
-    let r = s.operator.update_replica(checked_id(&id)?, body.into_inner())?;
+    let (id, patch) = (checked_id(&id)?.to_string(), body.into_inner());
+    let r = act(&s.operator, move |op| op.update_replica(&id, patch)).await?;
     Ok(web::Json(view(&s, &r)))
 }
 
@@ -181,7 +183,8 @@ async fn update(
     responses((status = 204, description = "removed, with its pins (ids of responses it stored are kept until they expire, so a follow-up hears its replica is gone)"), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 #[delete("/replicas/{id}")]
 async fn remove(operator: web::Data<Operator>, id: web::Path<String>) -> Result<HttpResponse, ApiError> {
-    operator.remove_replica(checked_id(&id)?)?;
+    let id = checked_id(&id)?.to_string();
+    act(&operator.into_inner(), move |op| op.remove_replica(&id)).await?;
     Ok(HttpResponse::NoContent().finish())
 }
 
@@ -209,7 +212,8 @@ async fn drain(
     if timeout > 3600 {
         return Err(ApiError::BadRequest("timeout: at most 3600 seconds".into()));
     }
-    let r = s.operator.drain(checked_id(&id)?)?;
+    let id = checked_id(&id)?.to_string();
+    let r = act(&s.operator, move |op| op.drain(&id)).await?;
     if q.wait {
         s.operator.wait_drained(&r, Duration::from_secs(timeout)).await?;
     }
@@ -220,7 +224,8 @@ async fn drain(
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 #[post("/replicas/{id}/resume")]
 async fn resume(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
-    let r = s.operator.resume(checked_id(&id)?)?;
+    let id = checked_id(&id)?.to_string();
+    let r = act(&s.operator, move |op| op.resume(&id)).await?;
     Ok(web::Json(view(&s, &r)))
 }
 
@@ -228,7 +233,8 @@ async fn resume(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::Js
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody)))]
 #[post("/replicas/{id}/disable")]
 async fn disable(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
-    let r = s.operator.disable(checked_id(&id)?)?;
+    let id = checked_id(&id)?.to_string();
+    let r = act(&s.operator, move |op| op.disable(&id)).await?;
     Ok(web::Json(view(&s, &r)))
 }
 
@@ -236,7 +242,8 @@ async fn disable(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::J
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody)))]
 #[post("/replicas/{id}/enable")]
 async fn enable(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
-    let r = s.operator.enable(checked_id(&id)?)?;
+    let id = checked_id(&id)?.to_string();
+    let r = act(&s.operator, move |op| op.enable(&id)).await?;
     Ok(web::Json(view(&s, &r)))
 }
 
@@ -249,5 +256,6 @@ pub struct Removed {
     responses((status = 200, body = Removed), (status = 404, body = ErrorBody)))]
 #[delete("/replicas/{id}/pins")]
 async fn remove_pins(operator: web::Data<Operator>, id: web::Path<String>) -> Result<web::Json<Removed>, ApiError> {
-    Ok(web::Json(Removed { removed: operator.delete_replica_pins(checked_id(&id)?)? }))
+    let id = checked_id(&id)?.to_string();
+    Ok(web::Json(Removed { removed: act(&operator.into_inner(), move |op| op.delete_replica_pins(&id)).await? }))
 }

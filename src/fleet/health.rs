@@ -269,7 +269,7 @@ mod tests {
     }
 
     fn tracker() -> HealthTracker {
-        HealthTracker::new(1, 1, Arc::new(EventLog::new(100, None, Vec::new()).0))
+        HealthTracker::new(1, 1, Arc::new(EventLog::new(100, 100, None, Vec::new()).0))
     }
 
     #[test]

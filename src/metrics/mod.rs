@@ -187,6 +187,10 @@ pub struct Metrics {
     pub stored_response_lookups: Family<ResultLabels, Counter>,
     /// Pin changes the flusher wrote to the store.
     pub pins_persisted: Counter,
+    /// History events waiting to be written to the store.
+    pub events_unwritten: Gauge,
+    /// History events dropped unwritten (the backlog was full during an outage).
+    pub events_unwritten_dropped: Counter,
     /// Discovery sources read, by source and result (ok|failed|held).
     pub discovery_reads: Family<SourceResultLabels, Counter>,
     /// Replicas each discovery source lists now.
@@ -228,6 +232,8 @@ impl Metrics {
             propagation: Histogram::new(exponential_buckets(0.000_05, 2.0, 16)),
             stored_response_lookups: Family::default(),
             pins_persisted: Counter::default(),
+            events_unwritten: Gauge::default(),
+            events_unwritten_dropped: Counter::default(),
             discovery_reads: Family::default(),
             discovery_replicas: Family::default(),
             discovery_stale: Family::default(),
@@ -349,6 +355,16 @@ impl Metrics {
             "prefixgate_pins_persisted",
             "Pin changes written to the store by the flusher (batched behind the requests)",
             m.pins_persisted.clone(),
+        );
+        registry.register(
+            "prefixgate_events_unwritten",
+            "History events waiting to be written to the store (bounded by history.max_unwritten)",
+            m.events_unwritten.clone(),
+        );
+        registry.register(
+            "prefixgate_events_unwritten_dropped",
+            "History events dropped before they were written: the backlog was full while the store was unreachable",
+            m.events_unwritten_dropped.clone(),
         );
         registry.register(
             "prefixgate_discovery_reads",

@@ -125,7 +125,7 @@ impl Operator {
     /// An operator over empty components and `store`, for unit tests.
     #[cfg(test)]
     pub(crate) fn for_tests(store: Arc<dyn Store>) -> Operator {
-        let (events, _writer) = EventLog::new(100, store.instance(), Vec::new());
+        let (events, _writer) = EventLog::new(100, 100, store.instance(), Vec::new());
         let policy = PolicySettings { mode: crate::policy::Mode::Shape, identity: Default::default() };
         Operator {
             fleet: Arc::default(),
@@ -270,6 +270,23 @@ impl Operator {
         let _serial = self.serial();
         let stored = self.store.replicas()?.into_iter().find(|r| r.spec.id == id);
         Ok(self.apply_replica(id, stored))
+    }
+
+    /// Makes this instance's replicas what `stored` (the store's whole
+    /// list, read once) says: a resync after a lost connection. Replicas
+    /// here that the list lacks were removed elsewhere.
+    pub(crate) fn apply_stored_replicas(&self, stored: Vec<StoredReplica>) {
+        let _serial = self.serial();
+        let mut stored: std::collections::BTreeMap<String, StoredReplica> =
+            stored.into_iter().map(|r| (r.spec.id.clone(), r)).collect();
+        let here: Vec<String> = self.fleet.snapshot().iter().map(|r| r.id.to_string()).collect();
+        for id in here {
+            let s = stored.remove(&id);
+            self.apply_replica(&id, s);
+        }
+        for (id, s) in stored {
+            self.apply_replica(&id, Some(s));
+        }
     }
 
     /// Re-reads the policy from the store and applies it.

@@ -1,35 +1,70 @@
 //! Writes the history's recorded events to the store in batches, behind the
 //! requests (the flusher calls it with the pins, shutdown last).
 
-use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use super::{Store, StoreError};
-use crate::events::{Pending, RecordedEvents};
+use crate::events::RecordedEvents;
+
+/// Most events in one write (one sled batch, one Redis pipeline).
+const BATCH: usize = 512;
 
 pub struct EventWriter {
     recorded: RecordedEvents,
-    /// Events whose write failed: written first next time.
-    retry: Mutex<VecDeque<Pending>>,
+    /// One writer at a time: a batch put back after a failure stays in order.
+    writing: Mutex<()>,
     store: Arc<dyn Store>,
 }
 
 impl EventWriter {
     pub fn new(recorded: RecordedEvents, store: Arc<dyn Store>) -> EventWriter {
-        EventWriter { recorded, retry: Mutex::default(), store }
+        EventWriter { recorded, writing: Mutex::default(), store }
     }
 
-    /// Writes everything recorded so far; returns how many events. A failed
-    /// write keeps the event for the next call.
+    /// Writes everything recorded so far, in batches; returns how many
+    /// events. A failed batch goes back to the backlog for the next call
+    /// (which is bounded: see `events.rs`).
     pub fn flush(&self) -> Result<usize, StoreError> {
-        let mut retry = self.retry.lock().expect("event writer lock");
-        retry.extend(self.recorded.drain());
+        let _writing = self.writing.lock().unwrap_or_else(|e| e.into_inner());
         let mut n = 0;
-        while let Some((event, dropped)) = retry.front() {
-            self.store.append_event(event, *dropped)?;
-            retry.pop_front();
-            n += 1;
+        loop {
+            let batch = self.recorded.take(BATCH);
+            if batch.is_empty() {
+                return Ok(n);
+            }
+            if let Err(e) = self.store.append_events(&batch) {
+                self.recorded.put_back(batch);
+                return Err(e);
+            }
+            n += batch.len();
         }
-        Ok(n)
+    }
+
+    /// Events waiting to be written.
+    pub fn backlog(&self) -> usize {
+        self.recorded.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::events::{EventKind, EventLog};
+    use crate::store::MemoryStore;
+
+    #[test]
+    fn events_are_written_in_batches_and_in_order() {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::default());
+        let (log, unwritten) = EventLog::new(10_000, 10_000, None, Vec::new());
+        let writer = EventWriter::new(unwritten, store.clone());
+        for i in 0..1_200 {
+            log.record(EventKind::ReplicaUp, Some("a"), None, format!("{i}"));
+        }
+        assert_eq!(writer.backlog(), 1_200);
+        assert_eq!(writer.flush().unwrap(), 1_200);
+        assert_eq!(writer.backlog(), 0);
+        let stored = store.events().unwrap();
+        assert_eq!(stored.len(), 1_200);
+        assert!(stored.windows(2).all(|w| w[0].id < w[1].id));
     }
 }

@@ -14,6 +14,15 @@ pub struct MemoryStore {
     pins: Mutex<HashMap<PrefixKey, Pin>>,
     events: Mutex<BTreeMap<u64, Event>>,
     settings: Mutex<HashMap<String, serde_json::Value>>,
+    /// Reads of the whole replica list (a resync must read it once).
+    replica_reads: std::sync::atomic::AtomicU64,
+}
+
+impl MemoryStore {
+    /// How many times the whole replica list was read.
+    pub fn replica_reads(&self) -> u64 {
+        self.replica_reads.load(std::sync::atomic::Ordering::Relaxed)
+    }
 }
 
 impl Store for MemoryStore {
@@ -21,6 +30,7 @@ impl Store for MemoryStore {
         self.replicas.lock().expect("lock").is_empty()
     }
     fn replicas(&self) -> Result<Vec<StoredReplica>, StoreError> {
+        self.replica_reads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(self.replicas.lock().expect("lock").values().cloned().collect())
     }
     fn put_replica(&self, r: &StoredReplica) -> Result<(), StoreError> {

@@ -105,6 +105,10 @@ pub trait Store: Send + Sync {
     fn write_pins(&self, changes: &[PinChange]) -> Result<(), StoreError>;
     /// Appends an event; drops persisted events with ids up to `dropped_up_to`.
     fn append_event(&self, e: &Event, dropped_up_to: Option<u64>) -> Result<(), StoreError>;
+    /// Appends a batch of events in order (one write where the store can).
+    fn append_events(&self, batch: &[crate::events::Pending]) -> Result<(), StoreError> {
+        batch.iter().try_for_each(|(e, dropped_up_to)| self.append_event(e, *dropped_up_to))
+    }
     fn events(&self) -> Result<Vec<Event>, StoreError>;
     fn setting(&self, key: &str) -> Result<Option<serde_json::Value>, StoreError>;
     fn put_setting(&self, key: &str, value: &serde_json::Value) -> Result<(), StoreError>;

@@ -264,6 +264,28 @@ impl Store for RedisStore {
         self.announce(Change::Event { event: e.clone() })
     }
 
+    /// One pipeline for the batch: the writes, the trim, and each event's
+    /// announcement (the other instances add them to their history).
+    fn append_events(&self, batch: &[crate::events::Pending]) -> Result<(), StoreError> {
+        let mut pipe = redis::pipe();
+        for (e, _) in batch {
+            let v = serde_json::to_string(e).map_err(|e| StoreError::Backend(e.to_string()))?;
+            pipe.zadd(key("events"), v, e.id).ignore();
+        }
+        if let Some(upto) = batch.iter().filter_map(|(_, d)| *d).max() {
+            pipe.zrembyscore(key("events"), "-inf", upto).ignore();
+        }
+        for (e, _) in batch {
+            let msg = serde_json::to_string(&Envelope {
+                from: self.instance.clone(),
+                change: Change::Event { event: e.clone() },
+            })
+            .expect("serializable");
+            pipe.publish(key("changes"), msg).ignore();
+        }
+        self.run(|c| pipe.query::<()>(c))
+    }
+
     fn events(&self) -> Result<Vec<Event>, StoreError> {
         let all: Vec<String> = self.run(|c| c.zrange(key("events"), 0, -1))?;
         all.iter().map(|v| serde_json::from_str(v).map_err(|e| corrupt("events")(e.to_string()))).collect()

@@ -114,6 +114,21 @@ impl Store for SledStore {
         Ok(())
     }
 
+    /// One sled batch for the events, then the trim.
+    fn append_events(&self, batch: &[crate::events::Pending]) -> Result<(), StoreError> {
+        let mut writes = sled::Batch::default();
+        for (e, _) in batch {
+            writes.insert(&e.id.to_be_bytes(), serde_json::to_vec(e).map_err(|e| StoreError::Backend(e.to_string()))?);
+        }
+        if let Some(upto) = batch.iter().filter_map(|(_, d)| *d).max() {
+            for item in self.events.range(..=upto.to_be_bytes()) {
+                writes.remove(item?.0);
+            }
+        }
+        self.events.apply_batch(writes)?;
+        Ok(())
+    }
+
     fn events(&self) -> Result<Vec<Event>, StoreError> {
         self.events
             .iter()

@@ -50,7 +50,7 @@ async fn an_admission_wait_ends_exactly_at_its_timeout_and_leaves_nothing_queued
 async fn health_falls_after_fall_failed_probes_and_rises_after_rise_good_ones_at_the_probe_interval() {
     let fleet = Arc::new(Fleet::default());
     fleet.add(Replica::new(ReplicaSpec::new("a", "http://127.0.0.1:1"), AdminState::Active));
-    let tracker = Arc::new(HealthTracker::new(2, 3, Arc::new(EventLog::new(100, None, Vec::new()).0)));
+    let tracker = Arc::new(HealthTracker::new(2, 3, Arc::new(EventLog::new(100, 100, None, Vec::new()).0)));
     // The replica's answer, as the test sets it; the schedule is the prober's own.
     let healthy = Arc::new(AtomicBool::new(true));
     let prober = tokio::spawn({

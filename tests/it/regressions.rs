@@ -16,15 +16,20 @@ use prefixgate::policy::PrefixKey;
 use prefixgate::store::{MemoryStore, Store, StoreError, StoredReplica};
 use serde_json::{json, Value};
 
-/// A memory store whose writes fail while `broken` is set.
+/// A memory store whose writes fail while `broken` is set, and take a
+/// second while `slow` is set (a Redis across a congested link).
 #[derive(Default)]
 struct FlakyStore {
     inner: MemoryStore,
     broken: AtomicBool,
+    slow: AtomicBool,
 }
 
 impl FlakyStore {
     fn check(&self) -> Result<(), StoreError> {
+        if self.slow.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_secs(1));
+        }
         if self.broken.load(Ordering::SeqCst) {
             return Err(StoreError::Backend("disk on fire".into()));
         }
@@ -225,4 +230,28 @@ async fn shutdown_waits_for_streams_as_long_as_configured_and_no_longer() {
             assert!(stopped_after < 2.9, "the stop did not wait past its grace ({stopped_after:.1} s)");
         }
     }
+}
+
+/// Issue 25: an admin action waits on the store off the admin listener's
+/// one worker: a slow store write does not stall the other admin requests.
+#[actix_web::test]
+async fn a_slow_store_write_does_not_hold_the_admin_worker() {
+    let a = start_sim("a", fast_sim()).await;
+    let store = Arc::new(FlakyStore::default());
+    let gw = start_gateway_with_store(test_config(&[&a]), store.clone()).await;
+    store.slow.store(true, Ordering::SeqCst);
+    let drain_url = format!("{}/admin/v1/replicas/a/drain", gw.admin);
+    let drain = admin("POST", &drain_url, None, None);
+    let list = async {
+        // Sent once the drain is waiting on the store.
+        actix_web::rt::time::sleep(Duration::from_millis(200)).await;
+        let listed = admin("GET", &format!("{}/admin/v1/replicas", gw.admin), None, None).await;
+        (listed, Instant::now())
+    };
+    let ((drained, drained_at), (listed, listed_at)) =
+        futures_util::join!(async { (drain.await, Instant::now()) }, list);
+    assert_eq!((drained.0, listed.0), (200, 200));
+    assert!(listed_at < drained_at, "the list waited for the drain's store write");
+    store.slow.store(false, Ordering::SeqCst);
+    gw.stop().await;
 }
