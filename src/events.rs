@@ -111,13 +111,85 @@ impl EventKind {
     ];
 }
 
+/// An event as the history keeps it: 40 bytes and one allocation holding
+/// its strings (instance, replica, to-replica, detail, back to back), its
+/// timestamp text made again from `at_ms` when read. Why: replica churn
+/// fills the history (two events per name a pod comes back under), and a
+/// full `Event` with its five strings took ~300 bytes; at the default 100,000
+/// events that was 30 MB held by history alone (docs/reliability.md).
+#[derive(Debug, Clone)]
+struct Kept {
+    id: u64,
+    at_ms: u64,
+    text: Box<str>,
+    /// Byte lengths of instance, replica and to-replica in `text`; the
+    /// detail is the rest. `u16::MAX`: absent.
+    lens: [u16; 3],
+    kind: EventKind,
+}
+
+const ABSENT: u16 = u16::MAX;
+
+impl Kept {
+    fn of(e: &Event) -> Kept {
+        // Names are slugs of at most 64 bytes and instance names short: a
+        // longer one (never seen) is cut to what the length can say.
+        let parts = [e.instance.as_deref(), e.replica.as_deref(), e.to_replica.as_deref()]
+            .map(|p| p.map(|s| &s[..s.floor_char_boundary(usize::from(ABSENT - 1))]));
+        let mut text = String::with_capacity(parts.iter().flatten().map(|s| s.len()).sum::<usize>() + e.detail.len());
+        let lens = parts.map(|p| match p {
+            Some(s) => {
+                text.push_str(s);
+                s.len() as u16
+            }
+            None => ABSENT,
+        });
+        text.push_str(&e.detail);
+        Kept { id: e.id, at_ms: e.at_ms, text: text.into_boxed_str(), lens, kind: e.kind }
+    }
+
+    /// The strings: instance, replica, to-replica, detail.
+    fn parts(&self) -> ([Option<&str>; 3], &str) {
+        let mut at = 0;
+        let parts = self.lens.map(|len| {
+            if len == ABSENT {
+                return None;
+            }
+            let s = &self.text[at..at + usize::from(len)];
+            at += usize::from(len);
+            Some(s)
+        });
+        (parts, &self.text[at..])
+    }
+
+    fn names(&self, replica: &str) -> bool {
+        let ([_, from, to], _) = self.parts();
+        from == Some(replica) || to == Some(replica)
+    }
+
+    fn event(&self) -> Event {
+        let ([instance, replica, to_replica], detail) = self.parts();
+        let at = std::time::UNIX_EPOCH + std::time::Duration::from_millis(self.at_ms);
+        Event {
+            id: self.id,
+            at: humantime::format_rfc3339_millis(at).to_string(),
+            at_ms: self.at_ms,
+            kind: self.kind,
+            replica: replica.map(str::to_owned),
+            to_replica: to_replica.map(str::to_owned),
+            detail: detail.to_owned(),
+            instance: instance.map(str::to_owned),
+        }
+    }
+}
+
 /// An event on its way to the store, with the id up to which older persisted
 /// events fell out of the ring.
 pub type Pending = (Event, Option<u64>);
 
 pub struct EventLog {
     next_id: AtomicU64,
-    ring: RwLock<VecDeque<Event>>,
+    ring: RwLock<VecDeque<Kept>>,
     cap: usize,
     unwritten: Arc<Backlog>,
     /// With a shared store: this instance's name (on each event) and its
@@ -199,7 +271,7 @@ impl EventLog {
         restored: Vec<Event>,
     ) -> (EventLog, RecordedEvents) {
         let next = restored.iter().map(|e| e.id + 1).max().unwrap_or(1);
-        let mut ring: VecDeque<Event> = restored.into();
+        let mut ring: VecDeque<Kept> = restored.iter().map(Kept::of).collect();
         while ring.len() > cap {
             ring.pop_front();
         }
@@ -258,7 +330,7 @@ impl EventLog {
         if ring.get(at).is_some_and(|e| e.id == event.id) {
             return;
         }
-        ring.insert(at, event);
+        ring.insert(at, Kept::of(&event));
         while ring.len() > self.cap {
             ring.pop_front();
         }
@@ -284,7 +356,7 @@ impl EventLog {
         };
         tracing::info!(target: "prefixgate::events", id = event.id, kind = ?kind, replica, to_replica, detail = %event.detail, "event");
         let mut ring = self.ring.write().expect("events lock");
-        ring.push_back(event.clone());
+        ring.push_back(Kept::of(&event));
         let mut dropped = None;
         while ring.len() > self.cap {
             dropped = ring.pop_front().map(|e| e.id);
@@ -303,14 +375,10 @@ impl EventLog {
             .rev()
             .filter(|e| f.before_id.is_none_or(|b| e.id < b))
             .filter(|e| f.kind.is_none_or(|k| e.kind == k))
-            .filter(|e| {
-                f.replica
-                    .as_deref()
-                    .is_none_or(|r| e.replica.as_deref() == Some(r) || e.to_replica.as_deref() == Some(r))
-            })
+            .filter(|e| f.replica.as_deref().is_none_or(|r| e.names(r)))
             .take_while(|e| f.since_ms.is_none_or(|s| e.at_ms >= s))
             .take(f.limit)
-            .cloned()
+            .map(Kept::event)
             .collect()
     }
 
@@ -356,5 +424,28 @@ mod tests {
         assert_eq!(all.first().unwrap().0.detail, "6");
         assert_eq!(all.last().unwrap().0.detail, "15");
         assert_eq!(log.query(&EventFilter { limit: 100, ..Default::default() }).len(), 16, "history keeps them all");
+    }
+
+    #[test]
+    fn the_history_keeps_events_compactly_and_gives_them_back_whole() {
+        assert_eq!(std::mem::size_of::<Kept>(), 40);
+        let (log, _) = EventLog::new(10, 10, None, Vec::new());
+        let local = log.record(EventKind::Failover, Some("gpu-0"), Some("gpu-1"), "connection refusé");
+        let remote = Event {
+            id: local.id + 1,
+            at: humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + std::time::Duration::from_millis(1_234))
+                .to_string(),
+            at_ms: 1_234,
+            kind: EventKind::ReplicaAdded,
+            replica: Some("gpu-2".into()),
+            to_replica: None,
+            detail: String::new(),
+            instance: Some("gw-b".into()),
+        };
+        log.insert_remote(remote.clone());
+        let back = log.query(&EventFilter { limit: 10, ..Default::default() });
+        assert_eq!(back, vec![remote, local]);
+        let only = log.query(&EventFilter { limit: 10, replica: Some("gpu-1".into()), ..Default::default() });
+        assert_eq!(only.len(), 1, "to_replica matches the filter");
     }
 }

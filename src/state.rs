@@ -69,7 +69,7 @@ impl AppState {
         let store: Arc<dyn Store> = match (&config.store.url, &config.data_dir) {
             (Some(url), _) => crate::store::open_url(url, &instance_name(&config))?,
             (None, Some(dir)) => Arc::new(SledStore::open(dir)?),
-            (None, None) => Arc::new(MemoryStore::default()),
+            (None, None) => Arc::new(MemoryStore::history_elsewhere()),
         };
         AppState::with_store(config, store)
     }

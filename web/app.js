@@ -123,7 +123,8 @@ function renderReplicas(replicas, capacity) {
       el("td", {}, r.pins),
       el("td", {}, r.models.join(", ") || "—"),
       el("td", {}, bar, el("span", { class: "bar-label" }, `${fmtTokens(ws)} / ${fmtTokens(kv)}`)),
-      el("td", {}, sparkline(state.ttfb[r.id] || []), el("span", { class: "bar-label" }, ttfbLabel(state.ttfb[r.id]))),
+      // The value first, on its own line under the header; the trend below it.
+      el("td", { class: "ttfb" }, el("span", { class: "ttfb-value" }, ttfbLabel(state.ttfb[r.id])), sparkline(state.ttfb[r.id] || [])),
       actions));
   }
   for (const select of [$("#pin-replica"), $("#event-replica")]) {

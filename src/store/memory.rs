@@ -16,9 +16,19 @@ pub struct MemoryStore {
     settings: Mutex<HashMap<String, serde_json::Value>>,
     /// Reads of the whole replica list (a resync must read it once).
     replica_reads: std::sync::atomic::AtomicU64,
+    /// Events are not kept (see `history_elsewhere`).
+    skip_events: bool,
 }
 
 impl MemoryStore {
+    /// The store of a gateway that persists nothing (no data dir, no store
+    /// URL): events are not kept here, since the gateway's in-memory history
+    /// (`events.rs`) is their only reader and nothing here outlives the
+    /// process. A second copy doubled the history's memory.
+    pub fn history_elsewhere() -> MemoryStore {
+        MemoryStore { skip_events: true, ..MemoryStore::default() }
+    }
+
     /// How many times the whole replica list was read.
     pub fn replica_reads(&self) -> u64 {
         self.replica_reads.load(std::sync::atomic::Ordering::Relaxed)
@@ -55,6 +65,9 @@ impl Store for MemoryStore {
         Ok(())
     }
     fn append_event(&self, e: &Event, dropped_up_to: Option<u64>) -> Result<(), StoreError> {
+        if self.skip_events {
+            return Ok(());
+        }
         let mut events = self.events.lock().expect("lock");
         events.insert(e.id, e.clone());
         if let Some(upto) = dropped_up_to {

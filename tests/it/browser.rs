@@ -247,6 +247,22 @@ async fn the_admin_ui_steers_the_fleet_in_a_real_browser() {
     .await;
     page.wait_for("health shown", "[...document.querySelectorAll('.badge.health')].every(b => b.textContent === 'up')")
         .await;
+    // Each replica's TTFB value sits under the TTFB header: its column,
+    // left-aligned with the header's text.
+    page.wait_for(
+        "TTFB values",
+        "[...document.querySelectorAll('#replicas .ttfb-value')].some(v => v.textContent.endsWith('ms'))",
+    )
+    .await;
+    page.wait_for(
+        "the TTFB value under its header",
+        "(() => { const th = [...document.querySelectorAll('#replicas thead th')].find(t => t.textContent === 'TTFB'); \
+          const h = th.getBoundingClientRect(); \
+          return [...document.querySelectorAll('#replicas .ttfb-value')].every(v => { \
+            const b = v.getBoundingClientRect(); \
+            return v.closest('td').cellIndex === th.cellIndex && b.left >= h.left && b.right <= h.right + 1 && b.left - h.left < 16; }); })()",
+    )
+    .await;
     page.screenshot("fleet").await;
 
     // Drain b with a click (the confirmation dialog answered yes).
