@@ -89,13 +89,47 @@ impl Default for StoreConfig {
     }
 }
 
-#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct SessionConfig {
     /// More request headers that name a conversation, tried after the
     /// built-in ones (`x-session-id`, `session-id`, `session_id`,
     /// `x-claude-code-session-id`, `x-session-affinity`). Lowercase.
     pub headers: Vec<String>,
+    /// A session stays resident on its replica (its KV counted against the
+    /// room) until this long after its last turn ended.
+    pub idle_ms: u64,
+    /// Longest a new session waits for room at the KV wall before it is
+    /// admitted over capacity (0: never held).
+    pub max_wait_ms: u64,
+    /// Most new sessions waiting for room at once; past it, 503 with Retry-After.
+    pub max_held: usize,
+    /// A new session whose footprint is smaller than this many tokens is
+    /// never held (on llama.cpp slots every session takes a whole slot).
+    pub hold_min_tokens: u64,
+}
+
+impl Default for SessionConfig {
+    fn default() -> Self {
+        SessionConfig {
+            headers: Vec::new(),
+            idle_ms: 5_000,
+            max_wait_ms: 120_000,
+            max_held: 256,
+            hold_min_tokens: 2_048,
+        }
+    }
+}
+
+impl SessionConfig {
+    pub fn hold(&self) -> crate::sessions::HoldSettings {
+        crate::sessions::HoldSettings {
+            idle_ms: self.idle_ms,
+            max_wait_ms: self.max_wait_ms,
+            max_held: self.max_held,
+            min_tokens: self.hold_min_tokens,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]

@@ -57,6 +57,11 @@ pub enum EventKind {
     /// An answer that would remove too many of a source's replicas at once
     /// was held until seen twice.
     DiscoveryHeld,
+    /// A new session waited for room at the KV wall, then was placed.
+    SessionHeld,
+    /// A new session waited `sessions.max_wait_ms` without room and was
+    /// admitted anyway, over capacity (or was larger than any replica).
+    SessionOverCapacity,
 }
 
 impl std::str::FromStr for EventKind {

@@ -29,6 +29,7 @@ pub mod pins;
 pub mod policy;
 pub mod proxy;
 pub mod read_mostly;
+pub mod sessions;
 pub mod shared;
 pub mod sim;
 pub mod state;
@@ -157,7 +158,20 @@ fn spawn_background(state: &Arc<AppState>, admin_addr: SocketAddr) -> Vec<actix_
             }
         }
     });
-    let mut tasks = vec![health, flusher, housekeeping];
+    // Sessions idle out, and the held look at the room again (capacity read
+    // by the prober, replicas added, other instances' pins).
+    let sessions = actix_web::rt::spawn({
+        let sessions = state.sessions.clone();
+        async move {
+            loop {
+                tokio::time::sleep(sessions::RECHECK).await;
+                if !sessions.sweep(clock::now_ms()) && sessions.held() > 0 {
+                    sessions.recheck();
+                }
+            }
+        }
+    });
+    let mut tasks = vec![health, flusher, housekeeping, sessions];
     tasks.extend(state.discovery.spawn(&state.operator, &state.metrics));
     tasks
 }

@@ -43,6 +43,8 @@ pub struct AppState {
     pub leases: Arc<crate::leases::Leases>,
     /// The discovery sources and their last status.
     pub discovery: Arc<crate::discovery::Discovery>,
+    /// Sessions resident on each replica, and the new ones held for room.
+    pub sessions: Arc<crate::sessions::Sessions>,
     /// Stored response ids no replica held, not looked for again for a while.
     pub unknown_responses: crate::unknown_ids::UnknownIds,
     /// False while the last write to the store failed (a shared store that is
@@ -113,6 +115,7 @@ impl AppState {
         let admission = Arc::new(Admission::default());
         let metrics = Arc::new(Metrics::new());
         let calibration = Arc::new(Calibration::default());
+        let sessions = crate::sessions::Sessions::new(config.sessions.hold());
         let operator = Arc::new(Operator {
             fleet: fleet.clone(),
             pins: pins.clone(),
@@ -123,6 +126,7 @@ impl AppState {
             capacity: capacity.clone(),
             calibration: calibration.clone(),
             metrics: metrics.clone(),
+            sessions: sessions.clone(),
             discovered_admin: std::sync::Mutex::new(crate::operator::read_discovered_admin(store.as_ref())?),
             serial: Default::default(),
         });
@@ -147,6 +151,7 @@ impl AppState {
             )),
             discovery: Arc::new(crate::discovery::Discovery::new(&config.discovery)),
             unknown_responses: crate::unknown_ids::UnknownIds::new(config.timeouts.unknown_response_ms),
+            sessions,
             config: Arc::new(config),
             fleet,
             pins,

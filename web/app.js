@@ -185,7 +185,7 @@ async function loadPins() {
 const KINDS = ["failover", "replica_down", "replica_up", "pin_moved", "drain_started", "drain_completed", "resumed", "disabled",
   "enabled", "replica_added", "replica_removed", "replica_updated", "policy_changed", "pins_deleted", "capacity_warning",
   "capacity_cleared", "store_unreachable", "store_reachable", "replica_discovered", "replica_left_source", "replica_returned",
-  "discovery_failed", "discovery_recovered", "discovery_held"];
+  "discovery_failed", "discovery_recovered", "discovery_held", "session_held", "session_over_capacity"];
 
 async function loadEvents() {
   const params = new URLSearchParams({ limit: 100 });

@@ -251,12 +251,15 @@ async fn metrics(s: web::Data<AppState>) -> HttpResponse {
             up: r.routable(),
             queued: s.admission.queued(&r.id),
             bytes_per_token: s.calibration.bytes_per_token(&r.id),
+            resident_sessions: s.sessions.resident(&r.id).sessions,
+            room_tokens: s.sessions.room_of(r).left(),
         })
         .collect();
     s.metrics.refresh_gauges(&replicas, &report, |name| s.fleet.get(name).is_some());
     s.metrics.events_unwritten.set(s.event_writer.backlog() as i64);
     let dropped = &s.metrics.events_unwritten_dropped;
     dropped.inc_by(s.events.unwritten_dropped().saturating_sub(dropped.get()));
+    s.metrics.held_sessions.set(s.sessions.held() as i64);
     s.metrics.store_up.set(i64::from(s.store_up.load(std::sync::atomic::Ordering::Acquire)));
     HttpResponse::Ok().content_type("text/plain; version=0.0.4; charset=utf-8").body(s.metrics.encode())
 }

@@ -205,7 +205,13 @@ pub async fn check(tracker: &HealthTracker, client: &awc::Client, r: Arc<Replica
         // An observation of the replica, as its models are: the capacity
         // verdict reads it from there.
         let kv = fetch_text(get("/metrics")).await.and_then(|t| kv_tokens_from_vllm_metrics(&t));
-        r.set_observed_kv(kv);
+        // llama.cpp's server says its slots and their context instead.
+        let slots = match kv {
+            Some(_) => None,
+            None => fetch_text(get("/props")).await.and_then(|t| slots_from_llama_props(&t)),
+        };
+        r.set_observed_kv(kv.or(slots.map(|(n, ctx)| n * ctx)));
+        r.set_slot_tokens(slots.map(|(_, ctx)| ctx));
     }
     tracker.observe(&r, Observation::Probe { result, error, epoch }, crate::clock::now_ms());
 }
@@ -234,6 +240,17 @@ async fn fetch_models(req: awc::ClientRequest) -> Option<Vec<String>> {
     Some(list.data.into_iter().map(|m| m.id).collect())
 }
 
+/// llama.cpp's `/props`: `total_slots` and one slot's context
+/// (`default_generation_settings.n_ctx`), as (slots, tokens per slot). Each
+/// slot keeps one conversation's prefix; with `--cache-ram 0` that is all
+/// the prompt cache there is (with a RAM cache, declare `kv_tokens`).
+pub fn slots_from_llama_props(text: &str) -> Option<(u64, u64)> {
+    let v: serde_json::Value = serde_json::from_str(text).ok()?;
+    let slots = v.get("total_slots")?.as_u64().filter(|n| *n > 0)?;
+    let ctx = v.get("default_generation_settings")?.get("n_ctx")?.as_u64().filter(|n| *n > 0)?;
+    Some((slots, ctx))
+}
+
 /// Parses `vllm:cache_config_info{...num_gpu_blocks="N",block_size="B"...}` from a metrics page.
 pub fn kv_tokens_from_vllm_metrics(text: &str) -> Option<u64> {
     let line = text.lines().find(|l| l.starts_with("vllm:cache_config_info{"))?;
@@ -247,6 +264,14 @@ pub fn kv_tokens_from_vllm_metrics(text: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parses_llama_cpp_slots() {
+        let props = r#"{"total_slots":1,"default_generation_settings":{"n_ctx":8192,"id":0},"model_path":"m.gguf"}"#;
+        assert_eq!(slots_from_llama_props(props), Some((1, 8_192)));
+        assert_eq!(slots_from_llama_props(r#"{"total_slots":0}"#), None);
+        assert_eq!(slots_from_llama_props("not json"), None);
+    }
 
     #[test]
     fn parses_vllm_cache_config_info() {

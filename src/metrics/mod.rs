@@ -137,6 +137,9 @@ pub struct ReplicaGauges {
     pub up: bool,
     pub queued: usize,
     pub bytes_per_token: f64,
+    pub resident_sessions: usize,
+    /// None: capacity unknown.
+    pub room_tokens: Option<i64>,
 }
 
 /// The series labelled with one replica (those created on the request
@@ -187,6 +190,15 @@ pub struct Metrics {
     pub stored_response_lookups: Family<ResultLabels, Counter>,
     /// Pin changes the flusher wrote to the store.
     pub pins_persisted: Counter,
+    /// New sessions' waits for room at the KV wall, placed or not.
+    pub session_hold: Histogram,
+    /// New sessions waiting for room now.
+    pub held_sessions: Gauge,
+    /// New sessions admitted over capacity (no room opened within the wait).
+    pub sessions_over_capacity: Counter,
+    /// Sessions resident per replica, and the room left (tokens; set at scrape).
+    pub resident_sessions: Family<ReplicaLabels, Gauge>,
+    pub room_tokens: Family<ReplicaLabels, Gauge>,
     /// History events waiting to be written to the store.
     pub events_unwritten: Gauge,
     /// History events dropped unwritten (the backlog was full during an outage).
@@ -232,6 +244,12 @@ impl Metrics {
             propagation: Histogram::new(exponential_buckets(0.000_05, 2.0, 16)),
             stored_response_lookups: Family::default(),
             pins_persisted: Counter::default(),
+            // 10 ms .. ~164 s: a session waits for another to finish.
+            session_hold: Histogram::new(exponential_buckets(0.01, 2.0, 15)),
+            held_sessions: Gauge::default(),
+            sessions_over_capacity: Counter::default(),
+            resident_sessions: Family::default(),
+            room_tokens: Family::default(),
             events_unwritten: Gauge::default(),
             events_unwritten_dropped: Counter::default(),
             discovery_reads: Family::default(),
@@ -355,6 +373,27 @@ impl Metrics {
             "prefixgate_pins_persisted",
             "Pin changes written to the store by the flusher (batched behind the requests)",
             m.pins_persisted.clone(),
+        );
+        registry.register(
+            "prefixgate_session_hold_seconds",
+            "How long new sessions waited for room at the KV wall",
+            m.session_hold.clone(),
+        );
+        registry.register("prefixgate_held_sessions", "New sessions waiting for room now", m.held_sessions.clone());
+        registry.register(
+            "prefixgate_sessions_over_capacity",
+            "New sessions admitted over capacity after waiting sessions.max_wait_ms",
+            m.sessions_over_capacity.clone(),
+        );
+        registry.register(
+            "prefixgate_resident_sessions",
+            "Sessions resident per replica (first turn until sessions.idle_ms idle)",
+            m.resident_sessions.clone(),
+        );
+        registry.register(
+            "prefixgate_room_tokens",
+            "KV room left per replica for new sessions (capacity minus resident sessions), where capacity is known",
+            m.room_tokens.clone(),
         );
         registry.register(
             "prefixgate_events_unwritten",
@@ -539,6 +578,8 @@ impl Metrics {
             &self.working_set_tokens,
             &self.kv_capacity_tokens,
             &self.capacity_warning,
+            &self.resident_sessions,
+            &self.room_tokens,
         ] {
             family.clear();
         }
@@ -551,6 +592,10 @@ impl Metrics {
             self.replica_up.get_or_create(&l).set(i64::from(r.up));
             self.admission_queue_depth.get_or_create(&l).set(r.queued as i64);
             self.bytes_per_token.get_or_create(&l).set(r.bytes_per_token);
+            self.resident_sessions.get_or_create(&l).set(r.resident_sessions as i64);
+            if let Some(room) = r.room_tokens {
+                self.room_tokens.get_or_create(&l).set(room);
+            }
             // Counters a dashboard divides by: present from the start, at zero.
             self.note_replica(&r.id);
             self.admission_waits.get_or_create(&l).inc_by(0);

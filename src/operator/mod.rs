@@ -97,6 +97,8 @@ pub struct Operator {
     /// Per-replica calibration and metric series: they leave with their replica.
     pub(crate) calibration: Arc<crate::tokens::Calibration>,
     pub(crate) metrics: Arc<crate::metrics::Metrics>,
+    /// Sessions resident on each replica: they leave with it.
+    pub(crate) sessions: Arc<crate::sessions::Sessions>,
     /// The operator's state of discovered replicas, by name (`discovered.rs`).
     pub(crate) discovered_admin: Mutex<discovered::AdminByName>,
     pub(crate) serial: Mutex<()>,
@@ -137,6 +139,7 @@ impl Operator {
             capacity: Arc::new(Capacity::new(300)),
             calibration: Arc::default(),
             metrics: Arc::default(),
+            sessions: crate::sessions::Sessions::new(crate::config::SessionConfig::default().hold()),
             discovered_admin: Default::default(),
             serial: Default::default(),
         }
@@ -261,6 +264,7 @@ impl Operator {
         self.capacity.forget_replica(id);
         self.calibration.forget_replica(id);
         self.metrics.forget_replica(id);
+        self.sessions.forget_replica(id);
         pins
     }
 
@@ -308,6 +312,12 @@ impl Operator {
         for p in changes.iter().filter_map(|(_, p)| p.as_ref()) {
             if p.turns >= 2 && p.origin.source == PinSource::Prefix {
                 self.capacity.touch_family(&p.replica, p.family, p.est_tokens, p.last_used_ms);
+            }
+            // Residency is the fleet's view: a conversation that came back,
+            // or one named by a session key, lives where its pin says.
+            if p.turns >= 2 || matches!(p.origin.source, PinSource::PromptCacheKey | PinSource::SessionHeader) {
+                // A session's id is its family (a session key's pin is its own family).
+                self.sessions.seen_elsewhere(&p.replica, p.family, p.est_tokens, p.last_used_ms);
             }
         }
         self.pins.apply(changes);

@@ -17,6 +17,7 @@
 mod attempt;
 mod body;
 mod headers;
+mod hold;
 mod locate;
 pub mod outcome;
 pub mod plan;
@@ -44,6 +45,8 @@ use usage::UsageTap;
 pub const HEADER_REPLICA: HeaderName = HeaderName::from_static("x-prefixgate-replica");
 pub const HEADER_ROUTE: HeaderName = HeaderName::from_static("x-prefixgate-route");
 pub const HEADER_PREDICTED_CACHED: HeaderName = HeaderName::from_static("x-prefixgate-predicted-cached-tokens");
+/// On a new session that waited for room at the KV wall: how long, in ms.
+pub const HEADER_HELD_MS: HeaderName = HeaderName::from_static("x-prefixgate-held-ms");
 
 /// One awc client per actix worker (awc is `!Send`), built in the app
 /// factory, with what this worker derived from the replicas once.
@@ -227,12 +230,14 @@ fn next_target(
     lookup: &Lookup,
     retries: &mut Retries,
     recorder: &OutcomeRecorder,
+    new_session: bool,
 ) -> Result<(Arc<Replica>, RouteReason), ApiError> {
     if let Some(again) = retries.resend.take() {
         return Ok(again);
     }
     // The fleet is read while planning only (no guard across an await).
     let fleet = state.fleet.snapshot();
+    let room = |r: &Replica| state.sessions.room_of(r);
     let input = PlanInput {
         mode: settings.mode,
         shape: &lookup.shape,
@@ -241,6 +246,7 @@ fn next_target(
         stored: lookup.stored.as_ref().map(|(id, home)| (id.as_str(), &**home)),
         tried: &retries.tried,
         large: lookup.large,
+        room: new_session.then_some(&room as &dyn Fn(&Replica) -> crate::sessions::Room),
     };
     let has_slot = |r: &Replica| state.admission.has_free_slot(&r.id, r.spec().max_large_inflight);
     let route =
@@ -264,9 +270,17 @@ async fn forward_request(
     let settings = state.policy.get();
     let lookup = look_up(req, endpoint, &body, state, &upstream, &recorder, &settings).await?;
     let Lookup { shape, session, large, pinned, .. } = &lookup;
+    // A new session waits here while no replica has room for it (the KV
+    // wall, `sessions/`); a turn of a resident one never does.
+    let of_session = hold::session_of(&lookup, &settings, state);
+    let new_session = of_session.is_some_and(|s| s.new);
+    let held_for = match new_session {
+        true => hold::hold_if_full(state, &lookup, crate::tokens::estimate_tokens(shape.prompt_bytes)).await?,
+        false => None,
+    };
     let mut retries = Retries::default();
     loop {
-        let (replica, reason) = next_target(state, &settings, &lookup, &mut retries, &recorder)?;
+        let (replica, reason) = next_target(state, &settings, &lookup, &mut retries, &recorder, new_session)?;
         let started = Instant::now();
         let permit = if *large { Some(admit(state, &recorder, &replica).await?) } else { None };
         // The guard holds the replica from here on (one reference, not two).
@@ -275,6 +289,8 @@ async fn forward_request(
         let est_tokens = state.calibration.estimate(&replica.id, shape.prompt_bytes);
         let family = pinned.as_ref().map(|(_, p)| p.family).or(shape.pin_at);
         let ticket = recorder.running(&replica.id, family, est_tokens);
+        // Resident from this turn on; idle only once it ended.
+        let turn = of_session.map(|s| state.sessions.begin_turn(&replica.id, s.id, est_tokens, crate::clock::now_ms()));
         recorder.routed(&Routed {
             replica: &replica.id,
             pin_at: shape.pin_at,
@@ -306,15 +322,19 @@ async fn forward_request(
                     status: resp.status().as_u16(),
                     started,
                     prompt_bytes: shape.prompt_bytes,
-                    held: (guard, permit, ticket),
+                    held: (guard, permit, ticket, turn),
                 };
                 let idle = Duration::from_millis(config.timeouts.idle_stream_ms);
                 let name = upstream.replicas.name_header(&outcome.replica().id);
-                return Ok(respond(resp, outcome, name, predicted_cached, idle, shape.dialect));
+                let mut out = respond(resp, outcome, name, predicted_cached, idle, shape.dialect);
+                if let Some(waited) = held_for {
+                    out.headers_mut().insert(HEADER_HELD_MS, HeaderValue::from(waited.as_millis() as u64));
+                }
+                return Ok(out);
             }
             Err(e) => {
                 let replica = replica.clone();
-                drop((guard, permit, ticket));
+                drop((guard, permit, ticket, turn));
                 let took_down = recorder.attempt_failed(&replica, reason, &e, shape.stores_response);
                 if !e.retry_safe() {
                     return Err(e.into_api_error());

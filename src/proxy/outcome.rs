@@ -285,6 +285,15 @@ impl OutcomeRecorder {
 /// Held by the response body; reports to the recorder when the body ends,
 /// however it ends, and releases the request's counters, admission slot and
 /// running ticket with it.
+/// What a request holds until its body ends: its place in flight, its
+/// large-context slot, its running ticket, and its session's turn.
+pub type Held = (
+    InflightGuard,
+    Option<(Permit, Option<crate::leases::FleetLease>)>,
+    RunningTicket,
+    Option<crate::sessions::SessionTurn>,
+);
+
 pub struct Outcome {
     pub recorder: Arc<OutcomeRecorder>,
     pub metrics: Rc<RouteMetrics>,
@@ -292,7 +301,7 @@ pub struct Outcome {
     pub status: u16,
     pub started: Instant,
     pub prompt_bytes: usize,
-    pub held: (InflightGuard, Option<(Permit, Option<crate::leases::FleetLease>)>, RunningTicket),
+    pub held: Held,
 }
 
 impl Outcome {

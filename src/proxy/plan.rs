@@ -10,6 +10,7 @@ use smallvec::SmallVec;
 use crate::fleet::Replica;
 use crate::pins::Pin;
 use crate::policy::{self, Candidate, Mode, PrefixMatch, RequestShape, RouteReason, SpreadCounter};
+use crate::sessions::room::{most_room, Room};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PlanError {
@@ -44,6 +45,9 @@ pub struct PlanInput<'a> {
     /// True when the request counts against `max_large_inflight`; then
     /// `has_free_slot` says which replicas could start it at once.
     pub large: bool,
+    /// A new session (`sessions`): the room each replica has for it. It goes
+    /// where the most room is; ties and unknown capacities to the counter.
+    pub room: Option<&'a dyn Fn(&Replica) -> Room>,
 }
 
 pub fn plan(
@@ -64,7 +68,7 @@ pub fn plan(
             return Err(PlanError::ModelNotFound(m.to_string()));
         }
     }
-    let candidates: SmallVec<[Candidate; 16]> = fleet
+    let mut candidates: SmallVec<[Candidate; 16]> = fleet
         .iter()
         .zip(&serving)
         .map(|(r, &serves)| Candidate {
@@ -74,6 +78,15 @@ pub fn plan(
             weight: r.spec().weight(),
         })
         .collect();
+    if let (Mode::Shape, Some(room)) = (input.mode, input.room) {
+        // Only the routable compete for room; the others stay out as they are.
+        let routable: SmallVec<[usize; 16]> = (0..candidates.len()).filter(|i| candidates[*i].routable).collect();
+        let rooms: SmallVec<[Room; 16]> = routable.iter().map(|i| room(&fleet[*i])).collect();
+        let best = most_room(&rooms);
+        for (k, i) in routable.iter().enumerate() {
+            candidates[*i].routable = best.contains(&k);
+        }
+    }
     let pinned = input.pinned.map(|(m, pin)| (*m, &*pin.replica));
     let decision =
         policy::decide(input.mode, input.shape, &candidates, pinned, input.named).ok_or(PlanError::NoReplica)?;

@@ -23,4 +23,5 @@ mod reliability;
 mod retry;
 mod routing;
 mod sdk;
+mod sessions;
 mod shared;

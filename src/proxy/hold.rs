@@ -1,0 +1,122 @@
+//! The request path's side of the hold (`sessions/`): which request is a
+//! session's turn and which starts a new one, the room each replica has,
+//! the wait itself, and what it leaves in history and metrics.
+//!
+//! A new session is a conversation-shaped request (several messages, or a
+//! session key) that nothing pins yet: an agent's first turn. One-shots and
+//! batch members are not sessions: they keep the counter spread, unheld.
+//! Turns of a resident session (pinned, named by its key, or a stored
+//! response's chain) are never held: holding a warm session helps nobody.
+
+use std::time::Duration;
+
+use super::Lookup;
+use crate::error::ApiError;
+use crate::events::EventKind;
+use crate::policy::{Mode, PolicySettings, PrefixKey};
+use crate::sessions::room::{verdict, Room, Verdict};
+use crate::sessions::Held;
+use crate::state::AppState;
+
+/// What a request is to the sessions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SessionTurn {
+    /// The session's id: its prefix family, its key's, or its first pin's.
+    pub id: PrefixKey,
+    /// Nothing pins it yet: placed by room, and held at the wall.
+    pub new: bool,
+}
+
+/// The session `lookup` is a turn of, if any.
+pub fn session_of(lookup: &Lookup, settings: &PolicySettings, state: &AppState) -> Option<SessionTurn> {
+    if let Some((_, pin)) = &lookup.pinned {
+        return Some(SessionTurn { id: pin.family, new: false });
+    }
+    if let Some((id, _)) = &lookup.stored {
+        return Some(SessionTurn { id: crate::policy::sessions::response_key(id), new: false });
+    }
+    if let Some(s) = lookup.session {
+        let new = lookup.named.is_none() && !state.sessions.is_resident(s.key);
+        return Some(SessionTurn { id: s.key, new: new && settings.mode == Mode::Shape });
+    }
+    let shape = &lookup.shape;
+    match (shape.multi_unit, shape.pin_at) {
+        (true, Some(first)) => Some(SessionTurn { id: first, new: settings.mode == Mode::Shape }),
+        _ => None,
+    }
+}
+
+/// The rooms of the replicas a new session could go to (routable, serving its model).
+fn candidate_rooms(state: &AppState, model: Option<&str>) -> Vec<Room> {
+    let fleet = state.fleet.snapshot();
+    fleet
+        .iter()
+        .filter(|r| r.routable() && model.is_none_or(|m| r.serves(m)))
+        .map(|r| state.sessions.room_of(r))
+        .collect()
+}
+
+/// Holds a new session of about `tokens` while no candidate has room for
+/// it (off with `sessions.max_wait_ms = 0`). Returns how long it waited,
+/// when it did; history and metrics record it.
+pub async fn hold_if_full(state: &AppState, lookup: &Lookup, tokens: u64) -> Result<Option<Duration>, ApiError> {
+    let hold = state.sessions.settings();
+    if hold.max_wait_ms == 0 {
+        return Ok(None);
+    }
+    let model = lookup.shape.model.as_deref();
+    let first = verdict(&candidate_rooms(state, model), tokens, hold.min_tokens);
+    if first == Verdict::Admit {
+        return Ok(None);
+    }
+    if first == Verdict::HoldAlone {
+        tracing::warn!(
+            tokens,
+            "a new session is larger than any replica's KV: it waits for an empty replica and runs alone"
+        );
+    }
+    // The held gauge is read from the queue at scrape: a waiter dropped
+    // here (its client went away) leaves nothing to undo.
+    let held = state
+        .sessions
+        .hold(|| verdict(&candidate_rooms(state, model), tokens, hold.min_tokens) == Verdict::Admit)
+        .await;
+    let held = match held {
+        Ok(held) => held,
+        Err(e) => {
+            state.metrics.rejected.get_or_create(&crate::metrics::ResultLabels { result: "session_queue_full" }).inc();
+            return Err(e.into());
+        }
+    };
+    let waited = held.waited();
+    state.metrics.session_hold.observe(waited.as_secs_f64());
+    let alone = if first == Verdict::HoldAlone { " (larger than any replica: it runs alone)" } else { "" };
+    match held {
+        Held::Placed(_) => {
+            state.events.record(
+                EventKind::SessionHeld,
+                None,
+                None,
+                format!("a new session of ~{tokens} tokens waited {} ms for room{alone}", waited.as_millis()),
+            );
+        }
+        Held::OverCapacity(_) => {
+            state.metrics.sessions_over_capacity.inc();
+            tracing::warn!(
+                tokens,
+                waited_ms = waited.as_millis() as u64,
+                "no room opened: a new session admitted over capacity"
+            );
+            state.events.record(
+                EventKind::SessionOverCapacity,
+                None,
+                None,
+                format!(
+                    "a new session of ~{tokens} tokens waited {} ms (sessions.max_wait_ms) without room and was admitted over capacity{alone}",
+                    waited.as_millis()
+                ),
+            );
+        }
+    }
+    Ok(Some(waited))
+}

@@ -1,0 +1,419 @@
+//! Sessions at the KV wall: which conversations live on which replica, and
+//! the queue where whole new sessions wait for room.
+//!
+//! Why hold: once the sessions in flight need more KV than the replicas
+//! hold, every turn evicts another session's prefix and every turn
+//! re-prefills; no placement helps (the seed measured counter placement,
+//! load-balanced placement and one large request per card, all alike).
+//! Holding whole new sessions until a resident one leaves keeps the ones
+//! that run warm: four agent families on two one-slot llama.cpp replicas
+//! ran 2.7x faster two at a time than all at once (issue 26).
+//!
+//! - A session is a conversation the gateway pins (a prefix family, a
+//!   session key, a stored-response chain). It is *resident* on its replica
+//!   from its first turn while a turn runs, and until `idle_ms` after its
+//!   last turn ended.
+//! - A new session (conversation-shaped, nothing pinned yet) whose
+//!   footprint matters is held in a FIFO queue when no candidate has room
+//!   (`room.rs`); turns of resident sessions are never held. The head of
+//!   the queue goes as soon as room opens (a session idles out, moves, its
+//!   replica leaves or capacity grows: re-checked on each change and every
+//!   `RECHECK`), to the replica with the most room. After `max_wait_ms` it
+//!   goes anyway, over capacity, and says so.
+//! - The queue is bounded (`max_held`): past it, a clear 503. A waiter whose
+//!   client went away leaves the queue at once (its ticket is dropped).
+//!
+//! What is kept is bounded by the sessions alive: an idle session is
+//! forgotten by the sweep, a replica's with the replica.
+
+pub mod room;
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::domain_error::DomainError;
+use crate::policy::PrefixKey;
+pub use room::{Room, Verdict};
+
+/// How often held sessions look at the room again without being told
+/// (capacity read by the prober, a replica added, another instance's pins).
+pub const RECHECK: Duration = Duration::from_millis(200);
+
+/// `[sessions]` settings of the hold (the session headers live beside them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HoldSettings {
+    pub idle_ms: u64,
+    pub max_wait_ms: u64,
+    pub max_held: usize,
+    pub min_tokens: u64,
+}
+
+/// One resident session.
+#[derive(Debug, Clone, Copy)]
+struct Resident {
+    tokens: u64,
+    last_ms: u64,
+    /// Turns running now: a session mid-turn is never idle.
+    running: u32,
+}
+
+#[derive(Default)]
+struct State {
+    /// Resident sessions by replica.
+    on: foldhash::HashMap<Arc<str>, foldhash::HashMap<PrefixKey, Resident>>,
+    /// Where each session lives.
+    home: foldhash::HashMap<PrefixKey, Arc<str>>,
+    /// Held sessions' tickets, oldest first.
+    held: VecDeque<u64>,
+    next_ticket: u64,
+}
+
+impl State {
+    fn leave(&mut self, session: PrefixKey) -> Option<Resident> {
+        let replica = self.home.remove(&session)?;
+        let on = self.on.get_mut(&replica)?;
+        let gone = on.remove(&session);
+        if on.is_empty() {
+            self.on.remove(&replica);
+        }
+        gone
+    }
+}
+
+pub struct Sessions {
+    settings: HoldSettings,
+    state: Mutex<State>,
+    /// Told when room may have opened.
+    changed: tokio::sync::Notify,
+}
+
+/// A turn of a session on a replica: resident while it runs; when dropped
+/// (the turn ended, however), the idle clock starts.
+pub struct SessionTurn {
+    sessions: Arc<Sessions>,
+    session: PrefixKey,
+}
+
+impl Drop for SessionTurn {
+    fn drop(&mut self) {
+        self.sessions.end_turn(self.session, crate::clock::now_ms());
+    }
+}
+
+/// A place in the held queue; leaving it (admitted, timed out, or the
+/// client gone) is dropping it.
+pub struct Ticket {
+    sessions: Arc<Sessions>,
+    id: u64,
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        let mut state = self.sessions.lock();
+        state.held.retain(|t| *t != self.id);
+        drop(state);
+        // The next in line may go now.
+        self.sessions.changed.notify_waiters();
+    }
+}
+
+/// How a held session's wait ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Held {
+    /// Room opened after this long.
+    Placed(Duration),
+    /// `max_wait_ms` passed without room: admitted over capacity.
+    OverCapacity(Duration),
+}
+
+impl Held {
+    pub fn waited(self) -> Duration {
+        match self {
+            Held::Placed(d) | Held::OverCapacity(d) => d,
+        }
+    }
+}
+
+/// What the capacity view shows of one replica's sessions.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ResidentFigures {
+    pub sessions: usize,
+    pub tokens: u64,
+}
+
+impl Sessions {
+    pub fn new(settings: HoldSettings) -> Arc<Sessions> {
+        Arc::new(Sessions { settings, state: Mutex::default(), changed: tokio::sync::Notify::new() })
+    }
+
+    pub fn settings(&self) -> HoldSettings {
+        self.settings
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A turn of `session` (`tokens` of context) starts on `replica`: it is
+    /// resident there from now (moved, if it lived elsewhere).
+    pub fn begin_turn(
+        self: &Arc<Self>,
+        replica: &Arc<str>,
+        session: PrefixKey,
+        tokens: u64,
+        now_ms: u64,
+    ) -> SessionTurn {
+        let moved = {
+            let mut state = self.lock();
+            let moved = match state.home.get(&session) {
+                Some(home) if home == replica => None,
+                Some(_) => state.leave(session),
+                None => None,
+            };
+            state.home.insert(session, replica.clone());
+            let on = state.on.entry(replica.clone()).or_default();
+            let r = on.entry(session).or_insert(Resident { tokens, last_ms: now_ms, running: 0 });
+            r.tokens = tokens.max(moved.map_or(0, |m| m.tokens));
+            r.last_ms = now_ms;
+            r.running += 1;
+            moved.is_some()
+        };
+        if moved {
+            self.changed.notify_waiters();
+        }
+        SessionTurn { sessions: self.clone(), session }
+    }
+
+    fn end_turn(&self, session: PrefixKey, now_ms: u64) {
+        let mut state = self.lock();
+        let Some(replica) = state.home.get(&session).cloned() else { return };
+        if let Some(r) = state.on.get_mut(&replica).and_then(|on| on.get_mut(&session)) {
+            r.running = r.running.saturating_sub(1);
+            r.last_ms = r.last_ms.max(now_ms);
+        }
+    }
+
+    /// Another instance's session, known from its pins: resident where they
+    /// say, as of `last_ms` (no turn of it runs here).
+    pub fn seen_elsewhere(&self, replica: &Arc<str>, session: PrefixKey, tokens: u64, last_ms: u64) {
+        let mut state = self.lock();
+        if state.home.get(&session).is_some_and(|home| home != replica) {
+            state.leave(session);
+        }
+        state.home.insert(session, replica.clone());
+        let r = state.on.entry(replica.clone()).or_default().entry(session).or_insert(Resident {
+            tokens,
+            last_ms,
+            running: 0,
+        });
+        r.tokens = r.tokens.max(tokens);
+        r.last_ms = r.last_ms.max(last_ms);
+    }
+
+    /// Forgets the sessions idle for longer than `idle_ms`; true when any
+    /// went (room opened: the held are told).
+    pub fn sweep(&self, now_ms: u64) -> bool {
+        let idle_ms = self.settings.idle_ms;
+        let gone: Vec<PrefixKey> = {
+            let state = self.lock();
+            state
+                .on
+                .values()
+                .flat_map(|on| on.iter())
+                .filter(|(_, r)| r.running == 0 && now_ms.saturating_sub(r.last_ms) > idle_ms)
+                .map(|(s, _)| *s)
+                .collect()
+        };
+        if gone.is_empty() {
+            return false;
+        }
+        let mut state = self.lock();
+        for s in &gone {
+            state.leave(*s);
+        }
+        drop(state);
+        self.changed.notify_waiters();
+        true
+    }
+
+    /// A replica left: its sessions with it.
+    pub fn forget_replica(&self, replica: &str) {
+        let mut state = self.lock();
+        if let Some(on) = state.on.remove(replica) {
+            for s in on.keys() {
+                state.home.remove(s);
+            }
+        }
+        drop(state);
+        self.changed.notify_waiters();
+    }
+
+    /// The room `r` has for new sessions now: its capacity, and the
+    /// footprints of the sessions resident there.
+    pub fn room_of(&self, r: &crate::fleet::Replica) -> Room {
+        let slot_tokens = r.slot_tokens();
+        let shape = Room { capacity: None, taken: 0, slot_tokens };
+        let taken = self.lock().on.get(&*r.id).map_or(0, |on| on.values().map(|s| shape.footprint(s.tokens)).sum());
+        Room { capacity: r.kv_capacity(), taken, slot_tokens }
+    }
+
+    pub fn resident(&self, replica: &str) -> ResidentFigures {
+        let state = self.lock();
+        let on = state.on.get(replica);
+        ResidentFigures {
+            sessions: on.map_or(0, |on| on.len()),
+            tokens: on.map_or(0, |on| on.values().map(|r| r.tokens).sum()),
+        }
+    }
+
+    /// True when `session` is resident somewhere (its turns are never held).
+    pub fn is_resident(&self, session: PrefixKey) -> bool {
+        self.lock().home.contains_key(&session)
+    }
+
+    /// Sessions waiting now.
+    pub fn held(&self) -> usize {
+        self.lock().held.len()
+    }
+
+    /// Sessions known (for the churn and bound tests).
+    pub fn len(&self) -> usize {
+        self.lock().home.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Tells the held to look again (capacity changed, a tick).
+    pub fn recheck(&self) {
+        self.changed.notify_waiters();
+    }
+
+    /// Waits until `admit` (the room now, judged by the caller) says yes
+    /// while this session is first in line, or `max_wait_ms` passed. The
+    /// queue is fair: a later session does not pass the first. Past
+    /// `max_held` waiting, refused at once. Dropping the future leaves the
+    /// queue (a client that went away).
+    pub async fn hold(self: &Arc<Self>, admit: impl Fn() -> bool) -> Result<Held, DomainError> {
+        let ticket = {
+            let mut state = self.lock();
+            if state.held.len() >= self.settings.max_held {
+                return Err(DomainError::Overloaded {
+                    message: format!(
+                        "the replicas' KV is full and {} new sessions already wait for room; retry later",
+                        state.held.len()
+                    ),
+                    retry_after: Duration::from_millis(self.settings.max_wait_ms / 2).max(Duration::from_secs(1)),
+                });
+            }
+            state.next_ticket += 1;
+            let id = state.next_ticket;
+            state.held.push_back(id);
+            Ticket { sessions: self.clone(), id }
+        };
+        let started = tokio::time::Instant::now();
+        let deadline = started + Duration::from_millis(self.settings.max_wait_ms);
+        loop {
+            // Registered before looking, so a change in between is not missed.
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            let first = self.lock().held.front() == Some(&ticket.id);
+            if first && admit() {
+                return Ok(Held::Placed(started.elapsed()));
+            }
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return Ok(Held::OverCapacity(started.elapsed()));
+            }
+            tokio::select! {
+                _ = changed => {}
+                _ = tokio::time::sleep(RECHECK.min(deadline - now)) => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings() -> HoldSettings {
+        HoldSettings { idle_ms: 1_000, max_wait_ms: 10_000, max_held: 2, min_tokens: 1 }
+    }
+
+    #[test]
+    fn a_session_is_resident_while_its_turn_runs_and_until_it_idles_out() {
+        let s = Sessions::new(settings());
+        let a: Arc<str> = Arc::from("a");
+        let turn = s.begin_turn(&a, 7, 500, 0);
+        assert_eq!(s.resident("a"), ResidentFigures { sessions: 1, tokens: 500 });
+        assert!(!s.sweep(5_000), "mid-turn: never idle");
+        drop(turn);
+        let ended = crate::clock::now_ms();
+        assert!(!s.sweep(ended + 500));
+        assert!(s.sweep(ended + 1_001));
+        assert_eq!((s.resident("a").sessions, s.len()), (0, 0));
+    }
+
+    #[test]
+    fn a_moved_session_lives_where_it_went_and_a_removed_replica_takes_its_sessions() {
+        let s = Sessions::new(settings());
+        let (a, b): (Arc<str>, Arc<str>) = (Arc::from("a"), Arc::from("b"));
+        drop(s.begin_turn(&a, 1, 300, 0));
+        drop(s.begin_turn(&b, 1, 200, 1));
+        assert_eq!((s.resident("a").sessions, s.resident("b").tokens), (0, 300));
+        s.seen_elsewhere(&a, 2, 100, 5);
+        let replica = crate::fleet::Replica::new(
+            crate::fleet::ReplicaSpec::new("a", "http://x"),
+            crate::fleet::AdminState::Active,
+        );
+        replica.set_observed_kv(Some(1_000));
+        assert_eq!(s.room_of(&replica).left(), Some(900));
+        replica.set_slot_tokens(Some(250));
+        assert_eq!(s.room_of(&replica).left(), Some(750), "a whole slot taken");
+        s.forget_replica("a");
+        assert_eq!((s.len(), s.is_resident(2), s.is_resident(1)), (1, false, true));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_held_wait_in_order_until_room_opens_or_the_wait_ends() {
+        let s = Sessions::new(settings());
+        let room = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let has_room = {
+            let room = room.clone();
+            move || room.load(std::sync::atomic::Ordering::SeqCst)
+        };
+        let first = tokio::spawn({
+            let (s, has_room) = (s.clone(), has_room.clone());
+            async move { s.hold(has_room).await }
+        });
+        tokio::task::yield_now().await;
+        let second = tokio::spawn({
+            let s = s.clone();
+            async move { s.hold(|| true).await }
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(s.held(), 2, "the second waits behind the first, though it would fit");
+        assert!(matches!(s.hold(|| true).await, Err(DomainError::Overloaded { .. })), "the queue is full");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        room.store(true, std::sync::atomic::Ordering::SeqCst);
+        s.recheck();
+        assert!(matches!(first.await.unwrap().unwrap(), Held::Placed(_)));
+        assert!(matches!(second.await.unwrap().unwrap(), Held::Placed(_)));
+        assert_eq!(s.held(), 0);
+        // No room ever: over capacity at max_wait_ms.
+        let over = s.hold(|| false).await.unwrap();
+        assert_eq!(over, Held::OverCapacity(Duration::from_millis(10_000)));
+        // A waiter dropped mid-wait leaves the queue.
+        let mut gone = Box::pin(s.hold(|| false));
+        assert!(futures_util::poll!(gone.as_mut()).is_pending());
+        assert_eq!(s.held(), 1);
+        drop(gone);
+        assert_eq!(s.held(), 0);
+    }
+}

@@ -1,0 +1,131 @@
+//! Room at the KV wall, pure: what a session takes of a replica, what is
+//! left, where a new session goes, and whether it must wait. No clock, no
+//! I/O: the caller gathers the figures (`Sessions::rooms`).
+//!
+//! The arithmetic, and why:
+//! - A replica's capacity is its KV in tokens: vLLM's own metrics
+//!   (`num_gpu_blocks x block_size`), a declared `kv_tokens`, or llama.cpp's
+//!   slots times the context of one slot (`/props`).
+//! - A session's footprint is its context in tokens. Where the capacity is
+//!   slots (llama.cpp), a session takes whole slots: one slot keeps one
+//!   conversation's prefix, however short, so the footprint is rounded up to
+//!   a slot's context.
+//! - Room = capacity - the footprints of the sessions resident there (their
+//!   first turn until `sessions.idle_ms` of silence), and what other
+//!   instances reserved.
+
+/// What the placement knows of one candidate replica.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Room {
+    /// KV capacity in tokens; None: unknown.
+    pub capacity: Option<u64>,
+    /// Tokens taken by resident sessions and reservations.
+    pub taken: u64,
+    /// One slot's context, where the capacity is slots (llama.cpp).
+    pub slot_tokens: Option<u64>,
+}
+
+impl Room {
+    /// Tokens left (negative: over capacity); None when the capacity is unknown.
+    pub fn left(&self) -> Option<i64> {
+        self.capacity.map(|c| c as i64 - self.taken as i64)
+    }
+
+    /// What a session of `tokens` takes here.
+    pub fn footprint(&self, tokens: u64) -> u64 {
+        match self.slot_tokens {
+            Some(slot) if slot > 0 => tokens.max(1).div_ceil(slot) * slot,
+            _ => tokens,
+        }
+    }
+
+    fn fits(&self, tokens: u64) -> bool {
+        self.left().is_some_and(|left| left >= self.footprint(tokens) as i64)
+    }
+}
+
+/// Which candidates a new session may go to: those with the most room (the
+/// caller's counter picks among ties), or all of them when any capacity is
+/// unknown (the counter alone, as for any spread). Indexes into `rooms`.
+pub fn most_room(rooms: &[Room]) -> Vec<usize> {
+    if rooms.iter().any(|r| r.capacity.is_none()) {
+        return (0..rooms.len()).collect();
+    }
+    let best = rooms.iter().filter_map(Room::left).max();
+    (0..rooms.len()).filter(|i| rooms[*i].left() == best).collect()
+}
+
+/// What to do with a new session of `tokens` over `rooms` (its candidates).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Place it now (room somewhere, capacity unknown, or too small to matter).
+    Admit,
+    /// No candidate has room: wait until a resident session leaves.
+    Hold,
+    /// Larger than any candidate's whole capacity: wait until one is empty,
+    /// then it runs alone there.
+    HoldAlone,
+}
+
+/// `min_tokens`: a session whose footprint is smaller than this never
+/// waits (a short chat costs a replica little, and holding it costs its user
+/// a turn). On slots, every session takes a whole slot: it always matters.
+pub fn verdict(rooms: &[Room], tokens: u64, min_tokens: u64) -> Verdict {
+    if rooms.is_empty() || rooms.iter().any(|r| r.capacity.is_none()) {
+        return Verdict::Admit;
+    }
+    if rooms.iter().map(|r| r.footprint(tokens)).min().unwrap_or(0) < min_tokens {
+        return Verdict::Admit;
+    }
+    if rooms.iter().all(|r| r.footprint(tokens) > r.capacity.unwrap_or(0)) {
+        // It fits nowhere even empty: it goes where nothing else is.
+        return match rooms.iter().any(|r| r.taken == 0) {
+            true => Verdict::Admit,
+            false => Verdict::HoldAlone,
+        };
+    }
+    match rooms.iter().any(|r| r.fits(tokens)) {
+        true => Verdict::Admit,
+        false => Verdict::Hold,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn room(capacity: u64, taken: u64) -> Room {
+        Room { capacity: Some(capacity), taken, slot_tokens: None }
+    }
+
+    #[test]
+    fn a_new_session_goes_where_the_most_room_is_and_ties_or_unknowns_go_to_the_counter() {
+        assert_eq!(most_room(&[room(100, 80), room(100, 10), room(100, 50)]), vec![1]);
+        assert_eq!(most_room(&[room(100, 10), room(200, 110), room(100, 50)]), vec![0, 1], "a tie");
+        let unknown = Room { capacity: None, taken: 0, slot_tokens: None };
+        assert_eq!(most_room(&[room(100, 0), unknown]), vec![0, 1]);
+    }
+
+    #[test]
+    fn a_session_waits_only_when_no_candidate_has_room_for_it() {
+        assert_eq!(verdict(&[room(100, 80), room(100, 70)], 20, 10), Verdict::Admit);
+        assert_eq!(verdict(&[room(100, 90), room(100, 85)], 20, 10), Verdict::Hold);
+        assert_eq!(verdict(&[room(100, 90), room(100, 85)], 5, 10), Verdict::Admit, "too small to matter");
+        let unknown = Room { capacity: None, taken: 0, slot_tokens: None };
+        assert_eq!(verdict(&[room(100, 90), unknown], 50, 10), Verdict::Admit, "unknown capacity: no hold");
+        assert_eq!(verdict(&[room(100, 10), room(100, 20)], 150, 10), Verdict::HoldAlone);
+        assert_eq!(verdict(&[room(100, 0), room(100, 20)], 150, 10), Verdict::Admit, "an empty replica takes it");
+        assert_eq!(verdict(&[], 150, 10), Verdict::Admit);
+    }
+
+    #[test]
+    fn on_slots_a_session_takes_whole_slots() {
+        // llama.cpp with one slot of 8,192 tokens: one conversation each.
+        let one_slot = |taken| Room { capacity: Some(8_192), taken, slot_tokens: Some(8_192) };
+        assert_eq!(one_slot(0).footprint(1_500), 8_192);
+        assert_eq!(verdict(&[one_slot(8_192), one_slot(8_192)], 1_500, 1_000), Verdict::Hold);
+        assert_eq!(verdict(&[one_slot(8_192), one_slot(0)], 1_500, 1_000), Verdict::Admit);
+        let four = Room { capacity: Some(4 * 4_096), taken: 0, slot_tokens: Some(4_096) };
+        assert_eq!(four.footprint(5_000), 8_192, "two slots");
+    }
+}

@@ -1,0 +1,152 @@
+//! Issue 26: sessions at the KV wall. Two simulated cards of 20,000 tokens,
+//! sessions of ~12,000: one fits on each, a third does not. New sessions
+//! wait in a fair queue until a resident session idles out, and go where
+//! the room opened; resident turns and one-shots never wait.
+
+use std::time::Duration;
+
+use crate::common::*;
+use prefixgate::config::{Config, SessionConfig};
+use serde_json::json;
+
+fn card() -> prefixgate::sim::SimConfig {
+    prefixgate::sim::SimConfig { kv_tokens: 20_000, ..fast_sim() }
+}
+
+fn holding(sims: &[&Sim], max_wait_ms: u64, max_held: usize) -> Config {
+    let sessions = SessionConfig { idle_ms: 300, max_wait_ms, max_held, hold_min_tokens: 1_000, ..Default::default() };
+    Config { sessions, ..test_config(sims) }
+}
+
+/// A family's turn `n` (1: its first): a ~12,000-token context of its own.
+fn turn(family: &str, n: usize) -> Vec<(String, String)> {
+    let mut m = vec![("system".to_string(), text(family, 12_000)), ("user".to_string(), format!("{family} task"))];
+    for i in 1..n {
+        m.push(("assistant".into(), format!("step {i}")));
+        m.push(("user".into(), format!("go on {i}")));
+    }
+    m
+}
+
+async fn send(gw: &Gw, family: &str, n: usize) -> Reply {
+    let m = turn(family, n);
+    let refs: Vec<(&str, &str)> = m.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
+    chat(gw, &refs).await
+}
+
+fn held_ms(r: &Reply) -> Option<u64> {
+    r.headers.get("x-prefixgate-held-ms").map(|v| v.to_str().unwrap().parse().unwrap())
+}
+
+fn events_of(gw: &Gw, kind: prefixgate::events::EventKind) -> usize {
+    gw.gw.events.count(kind)
+}
+
+#[actix_web::test]
+async fn a_new_session_waits_for_room_and_goes_where_it_opened_while_resident_turns_and_one_shots_never_wait() {
+    let (a, b) = (start_sim("a", card()).await, start_sim("b", card()).await);
+    let gw = start_gateway(holding(&[&a, &b], 10_000, 8)).await;
+    wait_until("capacity read", Duration::from_secs(5), || {
+        gw.gw.fleet.snapshot().iter().all(|r| r.kv_capacity() == Some(20_000))
+    })
+    .await;
+    let one = send(&gw, "one", 1).await;
+    let two = send(&gw, "two", 1).await;
+    assert_eq!((one.status, two.status), (200, 200));
+    assert_ne!(one.replica, two.replica, "the second session goes where the room is");
+    assert_eq!((held_ms(&one), held_ms(&two)), (None, None));
+    // A third does not fit: it waits, while the first keeps working.
+    let third = actix_web::rt::spawn({
+        let base = gw.base.clone();
+        async move {
+            let m = turn("three", 1);
+            let refs: Vec<(&str, &str)> = m.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
+            post(&format!("{base}/v1/chat/completions"), &chat_body(&refs, json!({}))).await
+        }
+    });
+    wait_until("the third held", Duration::from_secs(5), || gw.gw.sessions.held() == 1).await;
+    for n in 2..5 {
+        let r = send(&gw, "one", n).await;
+        assert_eq!((r.status, r.route.as_str(), held_ms(&r)), (200, "pinned", None), "turn {n} of a resident session");
+        // The second session stays too: only the first will go quiet.
+        send(&gw, "two", n).await;
+    }
+    let quick = chat(&gw, &[("user", "a one-shot question")]).await;
+    assert_eq!((quick.status, held_ms(&quick)), (200, None), "a one-shot is not a session");
+    assert_eq!(gw.gw.sessions.held(), 1, "still waiting: both sessions are busy");
+    // The first goes quiet; the second keeps working: the room opens on
+    // the first's replica, and the third goes there.
+    let mut n = 5;
+    while !third.is_finished() {
+        assert_eq!(send(&gw, "two", n).await.status, 200);
+        n += 1;
+        actix_web::rt::time::sleep(Duration::from_millis(50)).await;
+    }
+    let third = third.await.unwrap();
+    assert_eq!(third.status, 200, "{}", third.body);
+    assert_eq!(third.replica, one.replica, "placed where the room opened");
+    assert!(held_ms(&third).unwrap() >= 250, "held for {:?} ms", held_ms(&third));
+    assert_eq!(events_of(&gw, prefixgate::events::EventKind::SessionHeld), 1);
+    gw.stop().await;
+}
+
+#[actix_web::test]
+async fn past_the_wait_a_session_is_admitted_over_capacity_and_past_the_bound_refused() {
+    let (a, b) = (start_sim("a", card()).await, start_sim("b", card()).await);
+    let mut config = holding(&[&a, &b], 1_500, 1);
+    config.sessions.idle_ms = 60_000; // nobody leaves
+    let gw = start_gateway(config).await;
+    wait_until("capacity read", Duration::from_secs(5), || {
+        gw.gw.fleet.snapshot().iter().all(|r| r.kv_capacity() == Some(20_000))
+    })
+    .await;
+    send(&gw, "one", 1).await;
+    send(&gw, "two", 1).await;
+    let third = actix_web::rt::spawn({
+        let base = gw.base.clone();
+        async move {
+            let m = turn("three", 1);
+            let refs: Vec<(&str, &str)> = m.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
+            post(&format!("{base}/v1/chat/completions"), &chat_body(&refs, json!({}))).await
+        }
+    });
+    wait_until("the third held", Duration::from_secs(5), || gw.gw.sessions.held() == 1).await;
+    // The queue holds one: a fourth is refused at once, clearly.
+    let fourth = send(&gw, "four", 1).await;
+    assert_eq!(fourth.status, 503, "{}", fourth.body);
+    assert!(fourth.headers.contains_key("retry-after"));
+    assert!(fourth.body["error"]["message"].as_str().unwrap().contains("wait for room"), "{}", fourth.body);
+    // No room opens: the third goes over capacity after the wait, and says so.
+    let third = third.await.unwrap();
+    assert_eq!(third.status, 200);
+    assert!(held_ms(&third).unwrap() >= 1_400);
+    assert_eq!(events_of(&gw, prefixgate::events::EventKind::SessionOverCapacity), 1);
+    let mut resp = client().get(format!("{}/metrics", gw.admin)).send().await.unwrap();
+    let text = String::from_utf8(resp.body().await.unwrap().to_vec()).unwrap();
+    assert!(text.contains("prefixgate_sessions_over_capacity_total 1"), "{text}");
+    assert!(text.contains("prefixgate_session_hold_seconds_count 1"));
+    assert!(text.contains("prefixgate_held_sessions 0"));
+    gw.stop().await;
+}
+
+#[actix_web::test]
+async fn a_held_client_that_goes_away_leaves_the_queue_at_once() {
+    let (a, b) = (start_sim("a", card()).await, start_sim("b", card()).await);
+    let mut config = holding(&[&a, &b], 30_000, 8);
+    config.sessions.idle_ms = 60_000;
+    let gw = start_gateway(config).await;
+    wait_until("capacity read", Duration::from_secs(5), || {
+        gw.gw.fleet.snapshot().iter().all(|r| r.kv_capacity() == Some(20_000))
+    })
+    .await;
+    send(&gw, "one", 1).await;
+    send(&gw, "two", 1).await;
+    let m = turn("three", 1);
+    let refs: Vec<(&str, &str)> = m.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
+    let impatient = awc::Client::builder().timeout(Duration::from_millis(500)).finish();
+    let gave_up =
+        impatient.post(format!("{}/v1/chat/completions", gw.base)).send_json(&chat_body(&refs, json!({}))).await;
+    assert!(gave_up.is_err(), "the client timed out while held");
+    wait_until("the queue emptied", Duration::from_secs(5), || gw.gw.sessions.held() == 0).await;
+    gw.stop().await;
+}
