@@ -242,6 +242,7 @@ impl AppState {
             .store
             .heartbeat(&beat)
             .and_then(|()| self.store.renew_leases(&self.leases.held(), crate::leases::LEASE_TTL_MS))
+            .and_then(|()| self.keep_sessions())
             .and_then(|()| self.store.instances());
         // The capacity verdict covers the fleet: what the other live instances run counts too.
         if let Ok(beats) = &result {
@@ -258,6 +259,30 @@ impl AppState {
             self.capacity.set_running_elsewhere(elsewhere);
         }
         result.map(|_| ())
+    }
+
+    /// The sessions resident here, kept alive in the shared store; and every
+    /// instance's loads read back, so this instance places by the fleet's room.
+    fn keep_sessions(&self) -> Result<(), StoreError> {
+        let fleet = self.fleet.snapshot();
+        let ours: Vec<(String, String, u64)> = self
+            .sessions
+            .residents()
+            .into_iter()
+            .filter_map(|(replica, session, tokens)| {
+                let r = fleet.iter().find(|r| r.id == replica)?;
+                let footprint = self.sessions.room_of(r).footprint(tokens);
+                Some((replica.to_string(), format!("{session:032x}"), footprint))
+            })
+            .collect();
+        let ttl = self.sessions.settings().idle_ms + crate::sessions::STORE_SLACK_MS;
+        self.store.keep_sessions(&ours, ttl)?;
+        let names: Vec<Arc<str>> = fleet.iter().map(|r| r.id.clone()).collect();
+        let loads = self.store.session_loads(&names.iter().map(|n| n.to_string()).collect::<Vec<_>>())?;
+        if !loads.is_empty() {
+            self.sessions.set_fleet_loads(names.into_iter().zip(loads));
+        }
+        Ok(())
     }
 
     /// Graceful shutdown's last step: everything to disk.

@@ -13,9 +13,11 @@ use std::time::Duration;
 use super::Lookup;
 use crate::error::ApiError;
 use crate::events::EventKind;
+use crate::fleet::Replica;
 use crate::policy::{Mode, PolicySettings, PrefixKey};
-use crate::sessions::room::{verdict, Room, Verdict};
+use crate::sessions::room::{verdict, Verdict};
 use crate::sessions::Held;
+use crate::sessions::Room;
 use crate::state::AppState;
 
 /// What a request is to the sessions.
@@ -56,6 +58,44 @@ fn candidate_rooms(state: &AppState, model: Option<&str>) -> Vec<Room> {
         .collect()
 }
 
+/// Longest a placement waits on a shared store (reading the fleet's loads,
+/// admitting a session); past it, this instance's own view decides.
+const STORE_BUDGET: Duration = Duration::from_millis(250);
+
+/// Reads every instance's session loads from a shared store into the
+/// sessions' view (no-op without one; a slow or dead store leaves the last
+/// read, and the request goes on).
+pub async fn read_fleet_loads(state: &AppState) {
+    if state.store.instance().is_none() {
+        return;
+    }
+    let names: Vec<std::sync::Arc<str>> = state.fleet.snapshot().iter().map(|r| r.id.clone()).collect();
+    let ids: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+    let store = state.store.clone();
+    let read = tokio::time::timeout(STORE_BUDGET, tokio::task::spawn_blocking(move || store.session_loads(&ids))).await;
+    if let Ok(Ok(Ok(loads))) = read {
+        state.sessions.set_fleet_loads(names.into_iter().zip(loads));
+    }
+}
+
+/// Admits new session `session` on `replica` in a shared store: false when
+/// another instance took that last room first. A slow or dead store says
+/// yes (this instance's view decides; it never blocks on the store).
+pub async fn admit_in_store(state: &AppState, replica: &Replica, session: PrefixKey, tokens: u64) -> bool {
+    let Some(capacity) = replica.kv_capacity() else { return true };
+    if state.store.instance().is_none() {
+        return true;
+    }
+    let footprint = state.sessions.room_of(replica).footprint(tokens);
+    let ttl = state.sessions.settings().idle_ms + crate::sessions::STORE_SLACK_MS;
+    let (store, id, session) = (state.store.clone(), replica.id.to_string(), format!("{session:032x}"));
+    let asked = tokio::task::spawn_blocking(move || store.admit_session(&id, &session, footprint, capacity, ttl));
+    match tokio::time::timeout(STORE_BUDGET, asked).await {
+        Ok(Ok(Ok(admitted))) => admitted,
+        _ => true,
+    }
+}
+
 /// Holds a new session of about `tokens` while no candidate has room for
 /// it (off with `sessions.max_wait_ms = 0`). Returns how long it waited,
 /// when it did; history and metrics record it.
@@ -64,6 +104,7 @@ pub async fn hold_if_full(state: &AppState, lookup: &Lookup, tokens: u64) -> Res
     if hold.max_wait_ms == 0 {
         return Ok(None);
     }
+    read_fleet_loads(state).await;
     let model = lookup.shape.model.as_deref();
     let first = verdict(&candidate_rooms(state, model), tokens, hold.min_tokens);
     if first == Verdict::Admit {

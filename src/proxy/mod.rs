@@ -274,13 +274,16 @@ async fn forward_request(
     // wall, `sessions/`); a turn of a resident one never does.
     let of_session = hold::session_of(&lookup, &settings, state);
     let new_session = of_session.is_some_and(|s| s.new);
-    let held_for = match new_session {
-        true => hold::hold_if_full(state, &lookup, crate::tokens::estimate_tokens(shape.prompt_bytes)).await?,
-        false => None,
-    };
     let mut retries = Retries::default();
+    let (mut placed, held_for) = match of_session.filter(|s| s.new) {
+        Some(s) => place_new_session(state, &settings, &lookup, &mut retries, &recorder, s.id).await?,
+        None => (None, None),
+    };
     loop {
-        let (replica, reason) = next_target(state, &settings, &lookup, &mut retries, &recorder, new_session)?;
+        let (replica, reason) = match placed.take() {
+            Some(target) => target,
+            None => next_target(state, &settings, &lookup, &mut retries, &recorder, new_session)?,
+        };
         let started = Instant::now();
         let permit = if *large { Some(admit(state, &recorder, &replica).await?) } else { None };
         // The guard holds the replica from here on (one reference, not two).
@@ -342,6 +345,38 @@ async fn forward_request(
                 retries.failed(replica, reason, &e, took_down);
             }
         }
+    }
+}
+
+/// A new session's first target: held while no replica has room (`hold.rs`),
+/// then placed where the most room is, and (with a shared store) admitted
+/// there atomically: another instance that took the last room first sends
+/// it back to wait. Returns the target and how long it waited, if it did.
+async fn place_new_session(
+    state: &AppState,
+    settings: &PolicySettings,
+    lookup: &Lookup,
+    retries: &mut Retries,
+    recorder: &OutcomeRecorder,
+    session: crate::policy::PrefixKey,
+) -> Result<(Option<(Arc<Replica>, RouteReason)>, Option<Duration>), ApiError> {
+    let tokens = crate::tokens::estimate_tokens(lookup.shape.prompt_bytes);
+    let max_wait = Duration::from_millis(state.sessions.settings().max_wait_ms);
+    let started = Instant::now();
+    let mut waited: Option<Duration> = None;
+    loop {
+        if let Some(w) = hold::hold_if_full(state, lookup, tokens).await? {
+            waited = Some(waited.unwrap_or_default() + w);
+        }
+        let target = next_target(state, settings, lookup, retries, recorder, true)?;
+        if max_wait.is_zero() || started.elapsed() >= max_wait {
+            return Ok((Some(target), waited));
+        }
+        if hold::admit_in_store(state, &target.0, session, tokens).await {
+            return Ok((Some(target), waited));
+        }
+        tracing::debug!(replica = %target.0.id, "another instance took the last room first: waiting again");
+        tokio::time::sleep(crate::sessions::RECHECK).await;
     }
 }
 

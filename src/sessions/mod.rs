@@ -42,6 +42,10 @@ pub use room::{Room, Verdict};
 /// (capacity read by the prober, a replica added, another instance's pins).
 pub const RECHECK: Duration = Duration::from_millis(200);
 
+/// A session's entry in a shared store outlives its idle time by this much:
+/// the flusher renews this instance's residents every flush interval.
+pub const STORE_SLACK_MS: u64 = 1_000;
+
 /// `[sessions]` settings of the hold (the session headers live beside them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HoldSettings {
@@ -58,6 +62,9 @@ struct Resident {
     last_ms: u64,
     /// Turns running now: a session mid-turn is never idle.
     running: u32,
+    /// A turn of it ran here (not only another instance's pins say so):
+    /// this instance keeps it alive in a shared store.
+    ours: bool,
 }
 
 #[derive(Default)]
@@ -86,6 +93,10 @@ impl State {
 pub struct Sessions {
     settings: HoldSettings,
     state: Mutex<State>,
+    /// With a shared store: the footprints of every instance's live sessions
+    /// per replica, as last read (`store.session_loads`). A replica's room
+    /// counts the larger of this and what this instance knows itself.
+    fleet_loads: Mutex<foldhash::HashMap<Arc<str>, u64>>,
     /// Told when room may have opened.
     changed: tokio::sync::Notify,
 }
@@ -146,7 +157,12 @@ pub struct ResidentFigures {
 
 impl Sessions {
     pub fn new(settings: HoldSettings) -> Arc<Sessions> {
-        Arc::new(Sessions { settings, state: Mutex::default(), changed: tokio::sync::Notify::new() })
+        Arc::new(Sessions {
+            settings,
+            state: Mutex::default(),
+            fleet_loads: Mutex::default(),
+            changed: tokio::sync::Notify::new(),
+        })
     }
 
     pub fn settings(&self) -> HoldSettings {
@@ -175,10 +191,11 @@ impl Sessions {
             };
             state.home.insert(session, replica.clone());
             let on = state.on.entry(replica.clone()).or_default();
-            let r = on.entry(session).or_insert(Resident { tokens, last_ms: now_ms, running: 0 });
+            let r = on.entry(session).or_insert(Resident { tokens, last_ms: now_ms, running: 0, ours: true });
             r.tokens = tokens.max(moved.map_or(0, |m| m.tokens));
             r.last_ms = now_ms;
             r.running += 1;
+            r.ours = true;
             moved.is_some()
         };
         if moved {
@@ -208,6 +225,7 @@ impl Sessions {
             tokens,
             last_ms,
             running: 0,
+            ours: false,
         });
         r.tokens = r.tokens.max(tokens);
         r.last_ms = r.last_ms.max(last_ms);
@@ -248,6 +266,7 @@ impl Sessions {
             }
         }
         drop(state);
+        self.fleet_loads.lock().unwrap_or_else(|e| e.into_inner()).remove(replica);
         self.changed.notify_waiters();
     }
 
@@ -256,8 +275,26 @@ impl Sessions {
     pub fn room_of(&self, r: &crate::fleet::Replica) -> Room {
         let slot_tokens = r.slot_tokens();
         let shape = Room { capacity: None, taken: 0, slot_tokens };
-        let taken = self.lock().on.get(&*r.id).map_or(0, |on| on.values().map(|s| shape.footprint(s.tokens)).sum());
-        Room { capacity: r.kv_capacity(), taken, slot_tokens }
+        let here = self.lock().on.get(&*r.id).map_or(0, |on| on.values().map(|s| shape.footprint(s.tokens)).sum());
+        let fleet = self.fleet_loads.lock().unwrap_or_else(|e| e.into_inner()).get(&*r.id).copied().unwrap_or(0);
+        Room { capacity: r.kv_capacity(), taken: here.max(fleet), slot_tokens }
+    }
+
+    /// The fleet's loads as just read from a shared store (replaces the last read).
+    pub fn set_fleet_loads(&self, loads: impl IntoIterator<Item = (Arc<str>, u64)>) {
+        *self.fleet_loads.lock().unwrap_or_else(|e| e.into_inner()) = loads.into_iter().collect();
+        self.changed.notify_waiters();
+    }
+
+    /// This instance's resident sessions, (replica, session, tokens): what
+    /// the flusher keeps alive in a shared store.
+    pub fn residents(&self) -> Vec<(Arc<str>, PrefixKey, u64)> {
+        let state = self.lock();
+        state
+            .on
+            .iter()
+            .flat_map(|(r, on)| on.iter().filter(|(_, x)| x.ours).map(move |(s, x)| (r.clone(), *s, x.tokens)))
+            .collect()
     }
 
     pub fn resident(&self, replica: &str) -> ResidentFigures {

@@ -143,6 +143,31 @@ pub trait Store: Send + Sync {
     fn renew_leases(&self, _leases: &[(String, String)], _ttl_ms: u64) -> Result<(), StoreError> {
         Ok(())
     }
+    /// Admits session `session` (its footprint in tokens) on `replica` if the
+    /// other instances' live sessions there leave room for it within
+    /// `capacity`; it is then resident there for `ttl_ms` unless renewed
+    /// (shared stores: one atomic step, so two instances never admit into
+    /// the same last room; an embedded store has one instance: always yes).
+    fn admit_session(
+        &self,
+        _replica: &str,
+        _session: &str,
+        _footprint: u64,
+        _capacity: u64,
+        _ttl_ms: u64,
+    ) -> Result<bool, StoreError> {
+        Ok(true)
+    }
+    /// The live sessions' footprints on each of `replicas`, summed, across
+    /// every instance (shared stores; empty otherwise).
+    fn session_loads(&self, _replicas: &[String]) -> Result<Vec<u64>, StoreError> {
+        Ok(Vec::new())
+    }
+    /// Keeps this instance's resident sessions (replica, session, footprint)
+    /// alive for `ttl_ms` more.
+    fn keep_sessions(&self, _sessions: &[(String, String, u64)], _ttl_ms: u64) -> Result<(), StoreError> {
+        Ok(())
+    }
     /// Tells the other instances about pin changes at once, without
     /// persisting them (shared stores only; the flusher persists later).
     fn publish_pins(&self, _changes: &[PinChange]) -> Result<(), StoreError> {

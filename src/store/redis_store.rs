@@ -350,6 +350,81 @@ impl Store for RedisStore {
         Ok(took == 1)
     }
 
+    /// One atomic script over a replica's live sessions: a sorted set of
+    /// session ids scored by expiry, and a hash of their footprints. Expired
+    /// ones go first; then the others' footprints are summed, and the
+    /// session is admitted only if it fits within `capacity`.
+    fn admit_session(
+        &self,
+        replica: &str,
+        session: &str,
+        footprint: u64,
+        capacity: u64,
+        ttl_ms: u64,
+    ) -> Result<bool, StoreError> {
+        let script = redis::Script::new(
+            r"local now = tonumber(ARGV[1])
+              for _, s in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do
+                redis.call('HDEL', KEYS[2], s)
+              end
+              redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+              local sum = 0
+              local all = redis.call('HGETALL', KEYS[2])
+              for i = 1, #all, 2 do
+                if all[i] ~= ARGV[4] then sum = sum + tonumber(all[i + 1]) end
+              end
+              if sum + tonumber(ARGV[5]) <= tonumber(ARGV[2]) then
+                redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[4])
+                redis.call('HSET', KEYS[2], ARGV[4], ARGV[5])
+                return 1
+              end
+              return 0",
+        );
+        let now = crate::clock::now_ms();
+        let (until, tokens) = (key(&format!("session_until:{replica}")), key(&format!("session_tokens:{replica}")));
+        let took: i64 = self.run(|c| {
+            script.key(&until).key(&tokens).arg(now).arg(capacity).arg(ttl_ms).arg(session).arg(footprint).invoke(c)
+        })?;
+        Ok(took == 1)
+    }
+
+    fn session_loads(&self, replicas: &[String]) -> Result<Vec<u64>, StoreError> {
+        let script = redis::Script::new(
+            r"local now = tonumber(ARGV[1])
+              local sums = {}
+              for i = 1, #KEYS, 2 do
+                local sum = 0
+                for _, s in ipairs(redis.call('ZRANGEBYSCORE', KEYS[i], '(' .. now, '+inf')) do
+                  sum = sum + (tonumber(redis.call('HGET', KEYS[i + 1], s)) or 0)
+                end
+                table.insert(sums, sum)
+              end
+              return sums",
+        );
+        if replicas.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut invocation = script.prepare_invoke();
+        for r in replicas {
+            invocation.key(key(&format!("session_until:{r}"))).key(key(&format!("session_tokens:{r}")));
+        }
+        invocation.arg(crate::clock::now_ms());
+        self.run(|c| invocation.invoke(c))
+    }
+
+    fn keep_sessions(&self, sessions: &[(String, String, u64)], ttl_ms: u64) -> Result<(), StoreError> {
+        if sessions.is_empty() {
+            return Ok(());
+        }
+        let until = crate::clock::now_ms() + ttl_ms;
+        let mut pipe = redis::pipe();
+        for (replica, session, footprint) in sessions {
+            pipe.zadd(key(&format!("session_until:{replica}")), session, until).ignore();
+            pipe.hset(key(&format!("session_tokens:{replica}")), session, footprint).ignore();
+        }
+        self.run(|c| pipe.query::<()>(c))
+    }
+
     fn release_lease(&self, replica: &str, lease: &str) -> Result<(), StoreError> {
         self.run(|c| c.zrem::<_, _, ()>(key(&format!("leases:{replica}")), lease))
     }

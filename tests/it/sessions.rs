@@ -150,3 +150,61 @@ async fn a_held_client_that_goes_away_leaves_the_queue_at_once() {
     wait_until("the queue emptied", Duration::from_secs(5), || gw.gw.sessions.held() == 0).await;
     gw.stop().await;
 }
+
+/// Several instances on one Redis place like one, and never admit two new
+/// sessions into the same last room.
+#[actix_web::test]
+async fn two_instances_share_the_room_and_never_admit_into_the_same_last_room() {
+    let Some(redis) = crate::shared::Redis::start() else { return };
+    let (a, b) = (start_sim("a", card()).await, start_sim("b", card()).await);
+    let config = |name: &str| {
+        let mut c = holding(&[&a, &b], 10_000, 8);
+        c.sessions.idle_ms = 60_000; // nobody leaves during the test
+        c.store.url = Some(redis.url.clone());
+        c.store.instance = Some(name.to_string());
+        c.pins.flush_interval_ms = 50;
+        c
+    };
+    let (g1, g2) = (start_gateway(config("gw1")).await, start_gateway(config("gw2")).await);
+    for g in [&g1, &g2] {
+        wait_until("capacity read", Duration::from_secs(5), || {
+            g.gw.fleet.snapshot().iter().all(|r| r.kv_capacity() == Some(20_000))
+        })
+        .await;
+    }
+    // One session through each instance: the second instance sees the
+    // first's and places its own on the other replica.
+    let one = send(&g1, "one", 1).await;
+    let two = send(&g2, "two", 1).await;
+    assert_eq!((one.status, two.status), (200, 200));
+    assert_ne!(one.replica, two.replica, "the fleet's room, not each instance's own");
+    // Now both replicas are full: a new session on either instance waits.
+    let third = actix_web::rt::spawn({
+        let base = g2.base.clone();
+        async move {
+            let m = turn("three", 1);
+            let refs: Vec<(&str, &str)> = m.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
+            post(&format!("{base}/v1/chat/completions"), &chat_body(&refs, json!({}))).await
+        }
+    });
+    wait_until("held on the second instance", Duration::from_secs(5), || g2.gw.sessions.held() == 1).await;
+    third.abort();
+    g1.stop().await;
+    g2.stop().await;
+}
+
+/// The store refuses a second session into a replica's last room, atomically.
+#[test]
+fn the_store_admits_one_session_into_the_last_room() {
+    let Some(redis) = crate::shared::Redis::start() else { return };
+    let store = prefixgate::store::open_url(&redis.url, "gw1").unwrap();
+    let other = prefixgate::store::open_url(&redis.url, "gw2").unwrap();
+    assert!(store.admit_session("a", "s1", 12_000, 20_000, 60_000).unwrap());
+    assert!(!other.admit_session("a", "s2", 12_000, 20_000, 60_000).unwrap(), "no room left");
+    assert!(other.admit_session("a", "s3", 8_000, 20_000, 60_000).unwrap(), "a smaller one fits");
+    assert_eq!(store.session_loads(&["a".into(), "b".into()]).unwrap(), vec![20_000, 0]);
+    // An entry that is not renewed expires, and its room opens.
+    assert!(store.admit_session("b", "s4", 20_000, 20_000, 1).unwrap());
+    std::thread::sleep(Duration::from_millis(20));
+    assert!(other.admit_session("b", "s5", 20_000, 20_000, 60_000).unwrap());
+}
