@@ -122,7 +122,9 @@ function renderReplicas(replicas, capacity) {
       el("td", { class: "inflight" }, inflight),
       el("td", {}, r.pins),
       el("td", {}, r.models.join(", ") || "—"),
-      el("td", {}, bar, el("span", { class: "bar-label" }, `${fmtTokens(ws)} / ${fmtTokens(kv)}`)),
+      el("td", {}, bar, el("span", { class: "bar-label" }, `${fmtTokens(ws)} / ${fmtTokens(kv)}`), el("br"),
+        el("small", { class: "sessions" }, `${c.resident_sessions || 0} session(s)` +
+          (c.room_tokens !== undefined ? ` · room ${fmtTokens(Math.max(0, c.room_tokens))}` : ""))),
       // The value first, on its own line under the header; the trend below it.
       el("td", { class: "ttfb" }, el("span", { class: "ttfb-value" }, ttfbLabel(state.ttfb[r.id])), sparkline(state.ttfb[r.id] || [])),
       actions));
@@ -138,6 +140,13 @@ function renderCapacity(capacity) {
   const banner = $("#capacity-banner");
   banner.hidden = !(capacity && capacity.warning);
   banner.textContent = capacity && capacity.warning ? capacity.warning : "";
+  const q = capacity && capacity.sessions;
+  const held = $("#held");
+  held.hidden = !q || (!q.held && !q.waited);
+  if (q) {
+    held.textContent = `${q.held} new session(s) waiting for room at the KV wall; ${q.waited} waited so far ` +
+      `(mean ${q.mean_wait_ms} ms, longest ${q.max_wait_seen_ms} ms, ${q.over_capacity} admitted over capacity)`;
+  }
 }
 
 // Mean time to first byte per replica since the last poll, from the

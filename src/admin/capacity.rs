@@ -4,7 +4,7 @@
 use actix_web::{get, web};
 use utoipa_actix_web::service_config::ServiceConfig;
 
-use crate::capacity::CapacityReport;
+use crate::capacity::{CapacityReport, SessionQueue};
 use crate::state::AppState;
 
 pub fn routes(cfg: &mut ServiceConfig) {
@@ -16,5 +16,24 @@ pub fn routes(cfg: &mut ServiceConfig) {
 #[utoipa::path(tag = "capacity", responses((status = 200, body = CapacityReport)))]
 #[get("/capacity")]
 async fn get_capacity(s: web::Data<AppState>) -> web::Json<CapacityReport> {
-    web::Json(s.capacity.report(&s.fleet.capacity_inputs(&s.calibration), crate::clock::now_ms()))
+    let mut report = s.capacity.report(&s.fleet.capacity_inputs(&s.calibration), crate::clock::now_ms());
+    // The sessions' side: who is resident where, the room left, the queue.
+    for r in &mut report.replicas {
+        if let Some(replica) = s.fleet.get(&r.replica) {
+            r.resident_sessions = s.sessions.resident(&r.replica).sessions;
+            r.room_tokens = s.sessions.room_of(&replica).left();
+        }
+    }
+    let (settings, waits) = (s.sessions.settings(), s.sessions.wait_stats());
+    report.sessions = SessionQueue {
+        held: s.sessions.held(),
+        max_held: settings.max_held,
+        max_wait_ms: settings.max_wait_ms,
+        idle_ms: settings.idle_ms,
+        waited: waits.waited,
+        over_capacity: waits.over_capacity,
+        mean_wait_ms: waits.total_ms.checked_div(waits.waited).unwrap_or(0),
+        max_wait_seen_ms: waits.max_ms,
+    };
+    web::Json(report)
 }

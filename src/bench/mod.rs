@@ -89,6 +89,11 @@ pub enum Workload {
         /// agent whose tool call returns at once).
         #[arg(long, default_value_t = 0)]
         pause_ms: u64,
+        /// A system prompt of this many tokens shared by every family, as
+        /// its own first message (0: none). With one, a first turn has two
+        /// messages: the gateway sees a new session, not a one-shot.
+        #[arg(long, default_value_t = 0)]
+        system_tokens: usize,
     },
     /// N distinct single-turn prompts sent at once.
     Burst {

@@ -60,16 +60,19 @@ fn client() -> awc::Client {
 pub async fn run(w: &Workload) -> Result<Report, String> {
     let started = Instant::now();
     let mut report = match w {
-        Workload::AgentLoop { common, families, turns, context_tokens, turn_tokens, api, pause_ms } => {
+        Workload::AgentLoop { common, families, turns, context_tokens, turn_tokens, api, pause_ms, system_tokens } => {
             let salt = salt(common);
-            let settings = json!({"families": families, "turns": turns, "context_tokens": context_tokens, "turn_tokens": turn_tokens, "max_tokens": common.max_tokens, "salt": salt, "api": api, "pause_ms": pause_ms});
+            let settings = json!({"families": families, "turns": turns, "context_tokens": context_tokens, "turn_tokens": turn_tokens, "max_tokens": common.max_tokens, "salt": salt, "api": api, "pause_ms": pause_ms, "system_tokens": system_tokens});
+            let system = (*system_tokens > 0)
+                .then(|| json!({"role": "system", "content": format!("[run {salt}] shared\n{}", filler("system", *system_tokens))}));
             let mut report = new_report("agent-loop", common, settings);
             let pb = bar(families * turns, "turns");
             let runs = (0..*families).map(|f| {
-                let (pb, salt) = (pb.clone(), salt.clone());
+                let (pb, salt, system) = (pb.clone(), salt.clone(), system.clone());
                 async move {
                     let c = client();
-                    let mut messages = vec![json!({"role": "user", "content": format!("[run {salt}] family {f}\n{}", filler(&format!("ctx{f}"), *context_tokens))})];
+                    let mut messages: Vec<serde_json::Value> = system.into_iter().collect();
+                    messages.push(json!({"role": "user", "content": format!("[run {salt}] family {f}\n{}", filler(&format!("ctx{f}"), *context_tokens))}));
                     let mut samples = Vec::new();
                     let mut previous: Option<String> = None;
                     for turn in 0..*turns {

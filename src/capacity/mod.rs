@@ -31,7 +31,7 @@ use std::sync::{Arc, Mutex};
 
 pub use running::{RunningRequest, RunningRequests, RunningTicket, RunningWorker};
 use verdict::compute;
-pub use verdict::{AggregateCapacity, CapacityReport, KvSource, ReplicaCapacity, ReplicaInput, Verdict};
+pub use verdict::{AggregateCapacity, CapacityReport, KvSource, ReplicaCapacity, ReplicaInput, SessionQueue, Verdict};
 use working_set::WorkingSet;
 
 use crate::events::{EventKind, EventLog};

@@ -32,6 +32,13 @@ pub struct ReplicaCapacity {
     pub bytes_per_token: f64,
     /// True when the working set exceeds KV capacity.
     pub over_capacity: bool,
+    /// Sessions resident here now (`sessions/`: first turn until idle).
+    #[serde(default)]
+    pub resident_sessions: usize,
+    /// KV room left for new sessions in tokens (negative: over); absent
+    /// when the capacity is unknown.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub room_tokens: Option<i64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -61,6 +68,28 @@ pub struct CapacityReport {
     pub verdict: Verdict,
     /// Plain words for operators when over capacity: what is happening and the levers.
     pub warning: Option<String>,
+    /// New sessions held at the KV wall (filled by the admin API).
+    #[serde(default)]
+    pub sessions: SessionQueue,
+}
+
+/// The queue of new sessions waiting for room, and how their waits went.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+pub struct SessionQueue {
+    /// Waiting now.
+    pub held: usize,
+    /// `sessions.max_held`.
+    pub max_held: usize,
+    /// `sessions.max_wait_ms` (0: the hold is off).
+    pub max_wait_ms: u64,
+    /// `sessions.idle_ms`.
+    pub idle_ms: u64,
+    /// Sessions that waited, since start: placed, and admitted over capacity.
+    pub waited: u64,
+    pub over_capacity: u64,
+    /// Mean and longest wait, in ms.
+    pub mean_wait_ms: u64,
+    pub max_wait_seen_ms: u64,
 }
 
 /// What the verdict needs to know of one replica, gathered by the caller
@@ -118,6 +147,8 @@ pub(super) fn compute(
             running_requests: running_here.len(),
             bytes_per_token: r.bytes_per_token,
             over_capacity: kv_tokens.is_some_and(|kv| working_set_tokens > kv),
+            resident_sessions: 0,
+            room_tokens: None,
         });
     }
     let known: Vec<&ReplicaCapacity> = out.iter().filter(|r| r.kv_tokens.is_some()).collect();
@@ -151,7 +182,7 @@ pub(super) fn compute(
             if aggregate.over_capacity { " (the sum over all cards is over too)" } else { "" }
         )
     });
-    CapacityReport { window_secs, replicas: out, aggregate, verdict, warning }
+    CapacityReport { window_secs, replicas: out, aggregate, verdict, warning, sessions: SessionQueue::default() }
 }
 
 #[cfg(test)]

@@ -131,6 +131,7 @@ pub async fn hold_if_full(state: &AppState, lookup: &Lookup, tokens: u64) -> Res
     };
     let waited = held.waited();
     state.metrics.session_hold.observe(waited.as_secs_f64());
+    state.sessions.record_wait(held);
     let alone = if first == Verdict::HoldAlone { " (larger than any replica: it runs alone)" } else { "" };
     match held {
         Held::Placed(_) => {

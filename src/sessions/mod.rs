@@ -99,6 +99,17 @@ pub struct Sessions {
     fleet_loads: Mutex<foldhash::HashMap<Arc<str>, u64>>,
     /// Told when room may have opened.
     changed: tokio::sync::Notify,
+    /// How the waits went, since start.
+    waits: Mutex<WaitStats>,
+}
+
+/// Waits of held sessions, since start.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WaitStats {
+    pub waited: u64,
+    pub over_capacity: u64,
+    pub total_ms: u64,
+    pub max_ms: u64,
 }
 
 /// A turn of a session on a replica: resident while it runs; when dropped
@@ -162,6 +173,7 @@ impl Sessions {
             state: Mutex::default(),
             fleet_loads: Mutex::default(),
             changed: tokio::sync::Notify::new(),
+            waits: Mutex::default(),
         })
     }
 
@@ -309,6 +321,20 @@ impl Sessions {
     /// True when `session` is resident somewhere (its turns are never held).
     pub fn is_resident(&self, session: PrefixKey) -> bool {
         self.lock().home.contains_key(&session)
+    }
+
+    /// Counts one finished wait.
+    pub fn record_wait(&self, held: Held) {
+        let mut w = self.waits.lock().unwrap_or_else(|e| e.into_inner());
+        let ms = held.waited().as_millis() as u64;
+        w.waited += 1;
+        w.over_capacity += u64::from(matches!(held, Held::OverCapacity(_)));
+        w.total_ms += ms;
+        w.max_ms = w.max_ms.max(ms);
+    }
+
+    pub fn wait_stats(&self) -> WaitStats {
+        *self.waits.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Sessions waiting now.

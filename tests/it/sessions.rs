@@ -65,6 +65,15 @@ async fn a_new_session_waits_for_room_and_goes_where_it_opened_while_resident_tu
         }
     });
     wait_until("the third held", Duration::from_secs(5), || gw.gw.sessions.held() == 1).await;
+    // The capacity view shows who is resident where, the room, the queue.
+    let (s, report) = admin("GET", &format!("{}/admin/v1/capacity", gw.admin), None, None).await;
+    assert_eq!(s, 200);
+    assert_eq!(report["sessions"]["held"], 1, "{report}");
+    for r in report["replicas"].as_array().unwrap() {
+        assert_eq!(r["resident_sessions"], 1, "{report}");
+        let room = r["room_tokens"].as_i64().unwrap();
+        assert!((5_000..10_000).contains(&room), "{report}");
+    }
     for n in 2..5 {
         let r = send(&gw, "one", n).await;
         assert_eq!((r.status, r.route.as_str(), held_ms(&r)), (200, "pinned", None), "turn {n} of a resident session");
