@@ -217,3 +217,39 @@ fn the_store_admits_one_session_into_the_last_room() {
     std::thread::sleep(Duration::from_millis(20));
     assert!(other.admit_session("b", "s5", 20_000, 20_000, 60_000).unwrap());
 }
+
+/// A held session whose room opens on a replica that is draining is not
+/// sent there: it is placed where room opens next, on a replica that takes
+/// traffic.
+#[actix_web::test]
+async fn a_held_session_is_placed_again_when_the_replica_with_room_drains() {
+    let (a, b) = (start_sim("a", card()).await, start_sim("b", card()).await);
+    let gw = start_gateway(holding(&[&a, &b], 10_000, 8)).await;
+    wait_until("capacity read", Duration::from_secs(5), || {
+        gw.gw.fleet.snapshot().iter().all(|r| r.kv_capacity() == Some(20_000))
+    })
+    .await;
+    let one = send(&gw, "one", 1).await;
+    let two = send(&gw, "two", 1).await;
+    assert_ne!(one.replica, two.replica);
+    let third = actix_web::rt::spawn({
+        let base = gw.base.clone();
+        async move {
+            let m = turn("three", 1);
+            let refs: Vec<(&str, &str)> = m.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
+            post(&format!("{base}/v1/chat/completions"), &chat_body(&refs, json!({}))).await
+        }
+    });
+    wait_until("the third held", Duration::from_secs(5), || gw.gw.sessions.held() == 1).await;
+    // The first's replica drains: its room opens when "one" idles out, but
+    // it takes no new traffic. The second keeps working a while, then stops.
+    gw.gw.operator.drain(&one.replica).unwrap();
+    for n in 2..8 {
+        send(&gw, "two", n).await;
+        actix_web::rt::time::sleep(Duration::from_millis(100)).await;
+        assert!(!third.is_finished(), "placed while no replica that takes traffic had room (turn {n})");
+    }
+    let third = third.await.unwrap();
+    assert_eq!((third.status, third.replica.as_str()), (200, two.replica.as_str()), "{}", third.body);
+    gw.stop().await;
+}
