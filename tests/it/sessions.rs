@@ -253,3 +253,40 @@ async fn a_held_session_is_placed_again_when_the_replica_with_room_drains() {
     assert_eq!((third.status, third.replica.as_str()), (200, two.replica.as_str()), "{}", third.body);
     gw.stop().await;
 }
+
+/// Below the wall, three instances on one Redis place new sessions like one
+/// gateway: four families whose turns each reach the next instance end two
+/// on each replica (each instance's own counter used to pile them up).
+#[actix_web::test]
+async fn three_instances_place_new_sessions_like_one() {
+    let Some(redis) = crate::shared::Redis::start() else { return };
+    let (a, b) = (start_sim("a", fast_sim()).await, start_sim("b", fast_sim()).await);
+    let mut gws = Vec::new();
+    for i in 0..3 {
+        let mut c = holding(&[&a, &b], 10_000, 8);
+        c.sessions.idle_ms = 60_000;
+        c.store.url = Some(redis.url.clone());
+        c.store.instance = Some(format!("gw{i}"));
+        c.pins.flush_interval_ms = 50;
+        gws.push(start_gateway(c).await);
+    }
+    for g in &gws {
+        wait_until("capacity read", Duration::from_secs(5), || {
+            g.gw.fleet.snapshot().iter().all(|r| r.kv_capacity().is_some())
+        })
+        .await;
+    }
+    let mut placed = Vec::new();
+    for f in 0..4 {
+        let m = [("system", text("shared", 700)), ("user", text(&format!("family {f}"), 500))];
+        let refs: Vec<(&str, &str)> = m.iter().map(|(r, c)| (*r, c.as_str())).collect();
+        let r = chat(&gws[f % 3], &refs).await;
+        assert_eq!(r.status, 200);
+        placed.push(r.replica);
+    }
+    let on_a = placed.iter().filter(|r| *r == "a").count();
+    assert_eq!(on_a, 2, "{placed:?}");
+    for g in gws {
+        g.stop().await;
+    }
+}
