@@ -8,7 +8,7 @@
 # no run reads another's cache. Prints the bench reports.
 # Build llama-server as ../shared/notes/engines.md says, then:
 # Usage: LLAMA_SERVER=/path/llama-server MODEL=/path/SmolLM2-135M-Instruct.Q4_1.gguf bench/kv-wall.sh
-# Without LLAMA_SERVER: two simulated replicas of 3,000 KV tokens each
+# Without LLAMA_SERVER: two simulated replicas of SIM_KV (2,200) KV tokens each
 # (vLLM-like: capacity from their metrics, LRU eviction of cached prefixes),
 # prefill at 300 tokens/s, the same families (for a quick look; the real
 # engines are the claim).
@@ -22,6 +22,7 @@ source bench/lib.sh
 bench_init
 declare -A LLAMA_URL
 model=smollm2
+extra=()
 if [ -n "$LLAMA_SERVER" ]; then
   for i in 0 1; do
     port=$(free_port)
@@ -34,15 +35,17 @@ if [ -n "$LLAMA_SERVER" ]; then
   done
 else
   model=sim-model
+  # Sessions here are ~1,200-2,400 tokens: below the default hold_min_tokens.
+  extra=(--set sessions.hold_min_tokens=512)
   for i in 0 1; do
-    start_sim "s$i" --kv-tokens 3000 --prefill-tps 300 --decode-tps 40 --time-scale 1
+    start_sim "s$i" --kv-tokens "${SIM_KV:-2200}" --prefill-tps 300 --decode-tps 40 --time-scale 1
     LLAMA_URL[$i]=${SIM_URL[s$i]}
   done
 fi
 reps="--replica l0=${LLAMA_URL[0]} --replica l1=${LLAMA_URL[1]}"
 for arm in hold off; do
   wait_ms=120000; [ "$arm" = off ] && wait_ms=0
-  start_gateway "$arm" "$bin" $reps --set "sessions.max_wait_ms=$wait_ms" --set "sessions.idle_ms=$IDLE_MS"
+  start_gateway "$arm" "$bin" $reps --set "sessions.max_wait_ms=$wait_ms" --set "sessions.idle_ms=$IDLE_MS" "${extra[@]}"
   wait_replicas_up "${GW_ADMIN[$arm]}" 2
   # The capacity read from /props (slots x context) before anything runs.
   for _ in $(seq 50); do
