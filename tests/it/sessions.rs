@@ -290,3 +290,38 @@ async fn three_instances_place_new_sessions_like_one() {
         g.stop().await;
     }
 }
+
+/// With the shared store down, an instance places and holds from its own
+/// view: new sessions are answered, none blocks on the store.
+#[actix_web::test]
+async fn with_the_store_down_new_sessions_go_on_from_the_instances_own_view() {
+    let Some(mut redis) = crate::shared::Redis::start() else { return };
+    let (a, b) = (start_sim("a", card()).await, start_sim("b", card()).await);
+    let mut c = holding(&[&a, &b], 10_000, 8);
+    c.store.url = Some(redis.url.clone());
+    c.store.instance = Some("gw1".into());
+    let gw = start_gateway(c).await;
+    wait_until("capacity read", Duration::from_secs(5), || {
+        gw.gw.fleet.snapshot().iter().all(|r| r.kv_capacity() == Some(20_000))
+    })
+    .await;
+    redis.kill();
+    let started = std::time::Instant::now();
+    let one = send(&gw, "one", 1).await;
+    let two = send(&gw, "two", 1).await;
+    assert_eq!((one.status, two.status), (200, 200));
+    assert_ne!(one.replica, two.replica, "placed by this instance's own room");
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    // Its own view still holds the third.
+    let third = actix_web::rt::spawn({
+        let base = gw.base.clone();
+        async move {
+            let m = turn("three", 1);
+            let refs: Vec<(&str, &str)> = m.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
+            post(&format!("{base}/v1/chat/completions"), &chat_body(&refs, json!({}))).await
+        }
+    });
+    wait_until("the third held", Duration::from_secs(5), || gw.gw.sessions.held() == 1).await;
+    third.abort();
+    gw.stop().await;
+}

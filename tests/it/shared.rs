@@ -60,7 +60,7 @@ impl Redis {
     }
 
     /// Kills the server; `restart` brings one back on the same socket, empty.
-    fn kill(&mut self) {
+    pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = std::fs::remove_file(&self.socket);
