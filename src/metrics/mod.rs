@@ -445,10 +445,7 @@ impl Metrics {
         if self.failovers.get(&labels).is_none() {
             let mut series = self.series();
             for name in [from, to].into_iter().filter(|n| &***n != "none") {
-                let list = &mut series.entry(name.clone()).or_default().failovers;
-                if !list.contains(&labels) {
-                    list.push(labels.clone());
-                }
+                push_once(&mut series.entry(name.clone()).or_default().failovers, &labels);
             }
         }
         self.failovers.get_or_create(&labels).inc();
@@ -510,19 +507,11 @@ impl Metrics {
     // Two workers create the same series each (their caches are their
     // own): listed once. The lists are a handful of routes and statuses.
     fn note_route(&self, labels: &RouteLabels) {
-        let mut series = self.series();
-        let list = &mut series.entry(labels.replica.0.clone()).or_default().routes;
-        if !list.contains(labels) {
-            list.push(labels.clone());
-        }
+        push_once(&mut self.series().entry(labels.replica.0.clone()).or_default().routes, labels);
     }
 
     fn note_request(&self, labels: &RequestLabels) {
-        let mut series = self.series();
-        let list = &mut series.entry(labels.replica.0.clone()).or_default().requests;
-        if !list.contains(labels) {
-            list.push(labels.clone());
-        }
+        push_once(&mut self.series().entry(labels.replica.0.clone()).or_default().requests, labels);
     }
 
     /// Series kept for replicas (for the churn test and measurement).
@@ -736,6 +725,13 @@ impl WorkerMetrics {
         });
         routes.0.borrow_mut().push((route, m.clone()));
         m
+    }
+}
+
+/// Adds `item` to a replica's list of series unless it is there already.
+fn push_once<T: PartialEq + Clone>(list: &mut Vec<T>, item: &T) {
+    if !list.contains(item) {
+        list.push(item.clone());
     }
 }
 

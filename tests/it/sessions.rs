@@ -34,6 +34,24 @@ async fn send(gw: &Gw, family: &str, n: usize) -> Reply {
     chat(gw, &refs).await
 }
 
+/// A family's first turn, sent on its own task (it may be held).
+fn spawn_turn(gw: &Gw, family: &'static str) -> actix_web::rt::task::JoinHandle<Reply> {
+    let base = gw.base.clone();
+    actix_web::rt::spawn(async move {
+        let m = turn(family, 1);
+        let refs: Vec<(&str, &str)> = m.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
+        post(&format!("{base}/v1/chat/completions"), &chat_body(&refs, json!({}))).await
+    })
+}
+
+/// Until the prober read every replica's 20,000-token capacity.
+async fn capacity_read(gw: &Gw) {
+    wait_until("capacity read", Duration::from_secs(5), || {
+        gw.gw.fleet.snapshot().iter().all(|r| r.kv_capacity() == Some(20_000))
+    })
+    .await;
+}
+
 fn held_ms(r: &Reply) -> Option<u64> {
     r.headers.get("x-prefixgate-held-ms").map(|v| v.to_str().unwrap().parse().unwrap())
 }
@@ -46,24 +64,14 @@ fn events_of(gw: &Gw, kind: prefixgate::events::EventKind) -> usize {
 async fn a_new_session_waits_for_room_and_goes_where_it_opened_while_resident_turns_and_one_shots_never_wait() {
     let (a, b) = (start_sim("a", card()).await, start_sim("b", card()).await);
     let gw = start_gateway(holding(&[&a, &b], 10_000, 8)).await;
-    wait_until("capacity read", Duration::from_secs(5), || {
-        gw.gw.fleet.snapshot().iter().all(|r| r.kv_capacity() == Some(20_000))
-    })
-    .await;
+    capacity_read(&gw).await;
     let one = send(&gw, "one", 1).await;
     let two = send(&gw, "two", 1).await;
     assert_eq!((one.status, two.status), (200, 200));
     assert_ne!(one.replica, two.replica, "the second session goes where the room is");
     assert_eq!((held_ms(&one), held_ms(&two)), (None, None));
     // A third does not fit: it waits, while the first keeps working.
-    let third = actix_web::rt::spawn({
-        let base = gw.base.clone();
-        async move {
-            let m = turn("three", 1);
-            let refs: Vec<(&str, &str)> = m.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
-            post(&format!("{base}/v1/chat/completions"), &chat_body(&refs, json!({}))).await
-        }
-    });
+    let third = spawn_turn(&gw, "three");
     wait_until("the third held", Duration::from_secs(5), || gw.gw.sessions.held() == 1).await;
     // The capacity view shows who is resident where, the room, the queue.
     let (s, report) = admin("GET", &format!("{}/admin/v1/capacity", gw.admin), None, None).await;
@@ -105,20 +113,10 @@ async fn past_the_wait_a_session_is_admitted_over_capacity_and_past_the_bound_re
     let mut config = holding(&[&a, &b], 1_500, 1);
     config.sessions.idle_ms = 60_000; // nobody leaves
     let gw = start_gateway(config).await;
-    wait_until("capacity read", Duration::from_secs(5), || {
-        gw.gw.fleet.snapshot().iter().all(|r| r.kv_capacity() == Some(20_000))
-    })
-    .await;
+    capacity_read(&gw).await;
     send(&gw, "one", 1).await;
     send(&gw, "two", 1).await;
-    let third = actix_web::rt::spawn({
-        let base = gw.base.clone();
-        async move {
-            let m = turn("three", 1);
-            let refs: Vec<(&str, &str)> = m.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
-            post(&format!("{base}/v1/chat/completions"), &chat_body(&refs, json!({}))).await
-        }
-    });
+    let third = spawn_turn(&gw, "three");
     wait_until("the third held", Duration::from_secs(5), || gw.gw.sessions.held() == 1).await;
     // The queue holds one: a fourth is refused at once, clearly.
     let fourth = send(&gw, "four", 1).await;
@@ -144,10 +142,7 @@ async fn a_held_client_that_goes_away_leaves_the_queue_at_once() {
     let mut config = holding(&[&a, &b], 30_000, 8);
     config.sessions.idle_ms = 60_000;
     let gw = start_gateway(config).await;
-    wait_until("capacity read", Duration::from_secs(5), || {
-        gw.gw.fleet.snapshot().iter().all(|r| r.kv_capacity() == Some(20_000))
-    })
-    .await;
+    capacity_read(&gw).await;
     send(&gw, "one", 1).await;
     send(&gw, "two", 1).await;
     let m = turn("three", 1);
@@ -176,10 +171,7 @@ async fn two_instances_share_the_room_and_never_admit_into_the_same_last_room() 
     };
     let (g1, g2) = (start_gateway(config("gw1")).await, start_gateway(config("gw2")).await);
     for g in [&g1, &g2] {
-        wait_until("capacity read", Duration::from_secs(5), || {
-            g.gw.fleet.snapshot().iter().all(|r| r.kv_capacity() == Some(20_000))
-        })
-        .await;
+        capacity_read(g).await;
     }
     // One session through each instance: the second instance sees the
     // first's and places its own on the other replica.
@@ -188,14 +180,7 @@ async fn two_instances_share_the_room_and_never_admit_into_the_same_last_room() 
     assert_eq!((one.status, two.status), (200, 200));
     assert_ne!(one.replica, two.replica, "the fleet's room, not each instance's own");
     // Now both replicas are full: a new session on either instance waits.
-    let third = actix_web::rt::spawn({
-        let base = g2.base.clone();
-        async move {
-            let m = turn("three", 1);
-            let refs: Vec<(&str, &str)> = m.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
-            post(&format!("{base}/v1/chat/completions"), &chat_body(&refs, json!({}))).await
-        }
-    });
+    let third = spawn_turn(&g2, "three");
     wait_until("held on the second instance", Duration::from_secs(5), || g2.gw.sessions.held() == 1).await;
     third.abort();
     g1.stop().await;
@@ -225,21 +210,11 @@ fn the_store_admits_one_session_into_the_last_room() {
 async fn a_held_session_is_placed_again_when_the_replica_with_room_drains() {
     let (a, b) = (start_sim("a", card()).await, start_sim("b", card()).await);
     let gw = start_gateway(holding(&[&a, &b], 10_000, 8)).await;
-    wait_until("capacity read", Duration::from_secs(5), || {
-        gw.gw.fleet.snapshot().iter().all(|r| r.kv_capacity() == Some(20_000))
-    })
-    .await;
+    capacity_read(&gw).await;
     let one = send(&gw, "one", 1).await;
     let two = send(&gw, "two", 1).await;
     assert_ne!(one.replica, two.replica);
-    let third = actix_web::rt::spawn({
-        let base = gw.base.clone();
-        async move {
-            let m = turn("three", 1);
-            let refs: Vec<(&str, &str)> = m.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
-            post(&format!("{base}/v1/chat/completions"), &chat_body(&refs, json!({}))).await
-        }
-    });
+    let third = spawn_turn(&gw, "three");
     wait_until("the third held", Duration::from_secs(5), || gw.gw.sessions.held() == 1).await;
     // The first's replica drains: its room opens when "one" idles out, but
     // it takes no new traffic. The second keeps working a while, then stops.
@@ -301,10 +276,7 @@ async fn with_the_store_down_new_sessions_go_on_from_the_instances_own_view() {
     c.store.url = Some(redis.url.clone());
     c.store.instance = Some("gw1".into());
     let gw = start_gateway(c).await;
-    wait_until("capacity read", Duration::from_secs(5), || {
-        gw.gw.fleet.snapshot().iter().all(|r| r.kv_capacity() == Some(20_000))
-    })
-    .await;
+    capacity_read(&gw).await;
     redis.kill();
     let started = std::time::Instant::now();
     let one = send(&gw, "one", 1).await;
@@ -313,14 +285,7 @@ async fn with_the_store_down_new_sessions_go_on_from_the_instances_own_view() {
     assert_ne!(one.replica, two.replica, "placed by this instance's own room");
     assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
     // Its own view still holds the third.
-    let third = actix_web::rt::spawn({
-        let base = gw.base.clone();
-        async move {
-            let m = turn("three", 1);
-            let refs: Vec<(&str, &str)> = m.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
-            post(&format!("{base}/v1/chat/completions"), &chat_body(&refs, json!({}))).await
-        }
-    });
+    let third = spawn_turn(&gw, "three");
     wait_until("the third held", Duration::from_secs(5), || gw.gw.sessions.held() == 1).await;
     third.abort();
     gw.stop().await;
