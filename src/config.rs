@@ -62,11 +62,33 @@ pub struct Config {
     pub sessions: SessionConfig,
     #[schema(inline)]
     pub store: StoreConfig,
+    #[schema(inline)]
+    pub tracing: TracingConfig,
     /// Replicas as `ID=URL` (repeatable); they seed an empty database only.
     pub replicas: Vec<ReplicaSpec>,
     /// Where to find more replicas: `dns://NAME:PORT`, `dns+srv://_SERVICE._PROTO.NAME`
     /// (optional `?resolver=IP:PORT`) or `file://PATH` (repeatable; `[[discovery]]` tables in the file).
     pub discovery: Vec<SourceConfig>,
+}
+
+/// OpenTelemetry traces. The standard variables work too and are read by the
+/// OpenTelemetry SDK itself (`OTEL_EXPORTER_OTLP_ENDPOINT`,
+/// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, `OTEL_SERVICE_NAME`,
+/// `OTEL_TRACES_SAMPLER` and `_ARG`, `OTEL_RESOURCE_ATTRIBUTES`); a key set
+/// here wins. Off when no endpoint is set either way.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct TracingConfig {
+    /// OTLP/HTTP (protobuf) endpoint for traces, e.g.
+    /// `http://collector:4318/v1/traces` (unset: the OTEL_* variables, else off).
+    pub endpoint: Option<String>,
+    /// The `service.name` of the spans (unset: `OTEL_SERVICE_NAME`, else `prefixgate`).
+    pub service_name: Option<String>,
+    /// Fraction of traces sampled, 0 to 1, when the request carries no
+    /// sampled parent (unset: `OTEL_TRACES_SAMPLER`, else every trace).
+    pub sample_ratio: Option<f64>,
+    /// How often finished spans are exported in a batch, ms (unset: 1000).
+    pub export_interval_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
@@ -239,6 +261,7 @@ impl Default for Config {
             admission: AdmissionConfig::default(),
             capacity: CapacityConfig::default(),
             sessions: SessionConfig::default(),
+            tracing: TracingConfig::default(),
             store: StoreConfig::default(),
             replicas: Vec::new(),
             discovery: Vec::new(),
@@ -320,6 +343,7 @@ const SECTIONS: &[&str] = &[
     "capacity",
     "sessions",
     "store",
+    "tracing",
 ];
 
 /// Keys renamed since operators wrote their config files: (old section, new

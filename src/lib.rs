@@ -35,6 +35,7 @@ pub mod sim;
 pub mod state;
 pub mod store;
 pub mod striped;
+pub mod telemetry;
 pub mod tokens;
 pub mod unknown_ids;
 
@@ -73,6 +74,7 @@ impl Running {
         if let Err(e) = self.state.flush_all() {
             tracing::error!("final flush failed: {e}");
         }
+        self.state.telemetry.shutdown();
     }
 }
 

@@ -43,6 +43,8 @@ pub struct AppState {
     pub leases: Arc<crate::leases::Leases>,
     /// The discovery sources and their last status.
     pub discovery: Arc<crate::discovery::Discovery>,
+    /// OpenTelemetry traces (off without an endpoint).
+    pub telemetry: crate::telemetry::Telemetry,
     /// Sessions resident on each replica, and the new ones held for room.
     pub sessions: Arc<crate::sessions::Sessions>,
     /// Stored response ids no replica held, not looked for again for a while.
@@ -152,6 +154,7 @@ impl AppState {
             discovery: Arc::new(crate::discovery::Discovery::new(&config.discovery)),
             unknown_responses: crate::unknown_ids::UnknownIds::new(config.timeouts.unknown_response_ms),
             sessions,
+            telemetry: crate::telemetry::Telemetry::from_config(&config.tracing).map_err(StoreError::Backend)?,
             config: Arc::new(config),
             fleet,
             pins,

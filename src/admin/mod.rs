@@ -260,6 +260,8 @@ async fn metrics(s: web::Data<AppState>) -> HttpResponse {
     let dropped = &s.metrics.events_unwritten_dropped;
     dropped.inc_by(s.events.unwritten_dropped().saturating_sub(dropped.get()));
     s.metrics.held_sessions.set(s.sessions.held() as i64);
+    let spans = &s.metrics.spans_dropped;
+    spans.inc_by(s.telemetry.dropped().saturating_sub(spans.get()));
     s.metrics.store_up.set(i64::from(s.store_up.load(std::sync::atomic::Ordering::Acquire)));
     HttpResponse::Ok().content_type("text/plain; version=0.0.4; charset=utf-8").body(s.metrics.encode())
 }

@@ -199,6 +199,8 @@ pub struct Metrics {
     /// Sessions resident per replica, and the room left (tokens; set at scrape).
     pub resident_sessions: Family<ReplicaLabels, Gauge>,
     pub room_tokens: Family<ReplicaLabels, Gauge>,
+    /// Spans the trace collector did not take (down, slow, refusing).
+    pub spans_dropped: Counter,
     /// History events waiting to be written to the store.
     pub events_unwritten: Gauge,
     /// History events dropped unwritten (the backlog was full during an outage).
@@ -250,6 +252,7 @@ impl Metrics {
             sessions_over_capacity: Counter::default(),
             resident_sessions: Family::default(),
             room_tokens: Family::default(),
+            spans_dropped: Counter::default(),
             events_unwritten: Gauge::default(),
             events_unwritten_dropped: Counter::default(),
             discovery_reads: Family::default(),
@@ -394,6 +397,11 @@ impl Metrics {
             "prefixgate_room_tokens",
             "KV room left per replica for new sessions (capacity minus resident sessions), where capacity is known",
             m.room_tokens.clone(),
+        );
+        registry.register(
+            "prefixgate_spans_dropped",
+            "Trace spans lost on the way to the collector (it was down, slow or refusing)",
+            m.spans_dropped.clone(),
         );
         registry.register(
             "prefixgate_events_unwritten",

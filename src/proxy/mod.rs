@@ -21,6 +21,7 @@ mod hold;
 mod locate;
 pub mod outcome;
 pub mod plan;
+pub mod trace;
 pub mod usage;
 
 use std::sync::Arc;
@@ -92,9 +93,14 @@ pub async fn forward(
     if let Some(refused) = refuse_client(state, &req, endpoint.dialect()) {
         return refused;
     }
-    match forward_request(&req, endpoint, payload, state, upstream, recorder).await {
+    let trace = trace::RequestTrace::start(state, &req);
+    match forward_request(&req, endpoint, payload, state, upstream, recorder, &trace).await {
         Ok(resp) => resp,
-        Err(e) => e.response_for(endpoint.dialect()),
+        Err(e) => {
+            let resp = e.response_for(endpoint.dialect());
+            trace.failed(resp.status().as_u16(), &e.to_string());
+            resp
+        }
     }
 }
 
@@ -264,21 +270,32 @@ async fn forward_request(
     state: &AppState,
     upstream: web::Data<Upstream>,
     recorder: web::Data<OutcomeRecorder>,
+    trace: &trace::RequestTrace,
 ) -> Result<HttpResponse, ApiError> {
     let config = &state.config;
     let body = read_body(payload, config.limits.max_body_bytes).await?;
     let settings = state.policy.get();
     let lookup = look_up(req, endpoint, &body, state, &upstream, &recorder, &settings).await?;
     let Lookup { shape, session, large, pinned, .. } = &lookup;
+    trace.set(opentelemetry::KeyValue::new("prefixgate.dialect", shape.dialect.as_str()));
+    if let Some(model) = &shape.model {
+        trace.set(opentelemetry::KeyValue::new("gen_ai.request.model", model.clone()));
+    }
     // A new session waits here while no replica has room for it (the KV
     // wall, `sessions/`); a turn of a resident one never does.
     let of_session = hold::session_of(&lookup, &settings, state);
     let new_session = of_session.is_some_and(|s| s.new);
     let mut retries = Retries::default();
     let (mut placed, held_for) = match of_session.filter(|s| s.new) {
-        Some(s) => place_new_session(state, &settings, &lookup, &mut retries, &recorder, s.id).await?,
+        Some(s) => {
+            let _waiting = trace.child(state, "prefixgate.hold");
+            place_new_session(state, &settings, &lookup, &mut retries, &recorder, s.id).await?
+        }
         None => (None, None),
     };
+    if let Some(waited) = held_for {
+        trace.set(opentelemetry::KeyValue::new("prefixgate.held_ms", waited.as_millis() as i64));
+    }
     loop {
         let (replica, reason) = match placed.take() {
             Some(target) => target,
@@ -302,9 +319,18 @@ async fn forward_request(
             dialect: shape.dialect,
             est_tokens,
         });
-        let request = upstream.request(&replica.spec(), req, !config.api_keys.is_empty());
+        let mut request = upstream.request(&replica.spec(), req, !config.api_keys.is_empty());
+        // The engine continues the trace under this attempt's span (the
+        // client's own traceparent names the gateway's server span's parent).
+        let (attempt_span, carried) = trace.attempt(state, &replica.id);
+        for (name, value) in carried {
+            request = request.insert_header((name, value));
+        }
         match attempt::send(request, body.clone()).await {
             Ok(resp) => {
+                trace::attempt_ended(&attempt_span, Ok(resp.status().as_u16()));
+                trace.set(opentelemetry::KeyValue::new("prefixgate.route", reason.as_str()));
+                trace.set(opentelemetry::KeyValue::new("prefixgate.replica", replica.id.to_string()));
                 let (metrics, predicted_cached) = recorder.responded(&Responded {
                     replica: &replica.id,
                     reason,
@@ -326,7 +352,11 @@ async fn forward_request(
                     started,
                     prompt_bytes: shape.prompt_bytes,
                     held: (guard, permit, ticket, turn),
+                    trace: trace.clone(),
                 };
+                if let Some(predicted) = predicted_cached {
+                    trace.set(opentelemetry::KeyValue::new("prefixgate.predicted_cached_tokens", predicted as i64));
+                }
                 let idle = Duration::from_millis(config.timeouts.idle_stream_ms);
                 let name = upstream.replicas.name_header(&outcome.replica().id);
                 let mut out = respond(resp, outcome, name, predicted_cached, idle, shape.dialect);
@@ -336,6 +366,7 @@ async fn forward_request(
                 return Ok(out);
             }
             Err(e) => {
+                trace::attempt_ended(&attempt_span, Err((&e.message, e.retry_safe())));
                 let replica = replica.clone();
                 drop((guard, permit, ticket, turn));
                 let took_down = recorder.attempt_failed(&replica, reason, &e, shape.stores_response);

@@ -85,6 +85,8 @@ pub struct SimState {
     /// The last 1,000 requests' method and path with query, as received
     /// (tests check what reached the engine).
     pub seen: Mutex<std::collections::VecDeque<String>>,
+    /// The `traceparent` of the last 1,000 requests that carried one.
+    pub traceparents: Mutex<std::collections::VecDeque<String>>,
     /// Responses API: responses stored by this process (as vLLM keeps them).
     responses: Mutex<std::collections::HashMap<String, agents::StoredResponse>>,
 }
@@ -97,6 +99,7 @@ impl SimState {
             kv_freed: Notify::new(),
             prefill_lane: tokio::sync::Mutex::new(()),
             seen: Mutex::default(),
+            traceparents: Mutex::default(),
             running: AtomicU64::new(0),
             waiting: AtomicU64::new(0),
             queries: AtomicU64::new(0),
@@ -152,6 +155,13 @@ pub fn serve(listener: std::net::TcpListener, state: Arc<SimState>) -> std::io::
                     }
                     let pq = req.uri().path_and_query().map_or("", |pq| pq.as_str());
                     seen.push_back(format!("{} {pq}", req.method()));
+                    if let Some(tp) = req.headers().get("traceparent").and_then(|v| v.to_str().ok()) {
+                        let mut tps = s.traceparents.lock().expect("traceparents lock");
+                        if tps.len() >= 1_000 {
+                            tps.pop_front();
+                        }
+                        tps.push_back(tp.to_string());
+                    }
                 }
                 let refused = wanted.as_deref().is_some_and(|w| {
                     req.headers().get(actix_web::http::header::AUTHORIZATION).and_then(|v| v.to_str().ok()) != Some(w)

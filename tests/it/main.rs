@@ -25,3 +25,4 @@ mod routing;
 mod sdk;
 mod sessions;
 mod shared;
+mod traces;
