@@ -90,6 +90,10 @@ pub struct Event {
     /// The gateway instance that recorded it (several instances sharing a store).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub instance: Option<String>,
+    /// The trace of the request or admin action that caused it (32 hex
+    /// digits), when tracing is on: the UI links the event to its trace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace_id: Option<String>,
 }
 
 impl EventKind {
@@ -116,8 +120,8 @@ impl EventKind {
     ];
 }
 
-/// An event as the history keeps it: 40 bytes and one allocation holding
-/// its strings (instance, replica, to-replica, detail, back to back), its
+/// An event as the history keeps it: 48 bytes and one allocation holding
+/// its strings (instance, replica, to-replica, trace id, detail), its
 /// timestamp text made again from `at_ms` when read. Why: replica churn
 /// fills the history (two events per name a pod comes back under), and a
 /// full `Event` with its five strings took ~300 bytes; at the default 100,000
@@ -127,9 +131,9 @@ struct Kept {
     id: u64,
     at_ms: u64,
     text: Box<str>,
-    /// Byte lengths of instance, replica and to-replica in `text`; the
-    /// detail is the rest. `u16::MAX`: absent.
-    lens: [u16; 3],
+    /// Byte lengths of instance, replica, to-replica and trace id in
+    /// `text`; the detail is the rest. `u16::MAX`: absent.
+    lens: [u16; 4],
     kind: EventKind,
 }
 
@@ -139,7 +143,7 @@ impl Kept {
     fn of(e: &Event) -> Kept {
         // Names are slugs of at most 64 bytes and instance names short: a
         // longer one (never seen) is cut to what the length can say.
-        let parts = [e.instance.as_deref(), e.replica.as_deref(), e.to_replica.as_deref()]
+        let parts = [e.instance.as_deref(), e.replica.as_deref(), e.to_replica.as_deref(), e.trace_id.as_deref()]
             .map(|p| p.map(|s| &s[..s.floor_char_boundary(usize::from(ABSENT - 1))]));
         let mut text = String::with_capacity(parts.iter().flatten().map(|s| s.len()).sum::<usize>() + e.detail.len());
         let lens = parts.map(|p| match p {
@@ -153,8 +157,8 @@ impl Kept {
         Kept { id: e.id, at_ms: e.at_ms, text: text.into_boxed_str(), lens, kind: e.kind }
     }
 
-    /// The strings: instance, replica, to-replica, detail.
-    fn parts(&self) -> ([Option<&str>; 3], &str) {
+    /// The strings: instance, replica, to-replica, trace id, detail.
+    fn parts(&self) -> ([Option<&str>; 4], &str) {
         let mut at = 0;
         let parts = self.lens.map(|len| {
             if len == ABSENT {
@@ -168,12 +172,12 @@ impl Kept {
     }
 
     fn names(&self, replica: &str) -> bool {
-        let ([_, from, to], _) = self.parts();
+        let ([_, from, to, _], _) = self.parts();
         from == Some(replica) || to == Some(replica)
     }
 
     fn event(&self) -> Event {
-        let ([instance, replica, to_replica], detail) = self.parts();
+        let ([instance, replica, to_replica, trace_id], detail) = self.parts();
         let at = std::time::UNIX_EPOCH + std::time::Duration::from_millis(self.at_ms);
         Event {
             id: self.id,
@@ -184,8 +188,19 @@ impl Kept {
             to_replica: to_replica.map(str::to_owned),
             detail: detail.to_owned(),
             instance: instance.map(str::to_owned),
+            trace_id: trace_id.map(str::to_owned),
         }
     }
+}
+
+/// The trace id of the span current on this thread (a request's or an
+/// admin action's, attached around the code that records), if any.
+fn current_trace_id() -> Option<String> {
+    use opentelemetry::trace::TraceContextExt;
+    let cx = opentelemetry::Context::current();
+    let span = cx.span();
+    let sc = span.span_context();
+    sc.is_valid().then(|| sc.trace_id().to_string())
 }
 
 /// An event on its way to the store, with the id up to which older persisted
@@ -358,6 +373,7 @@ impl EventLog {
             replica: replica.map(str::to_owned),
             to_replica: to_replica.map(str::to_owned),
             detail: detail.into(),
+            trace_id: current_trace_id(),
         };
         tracing::info!(target: "prefixgate::events", id = event.id, kind = ?kind, replica, to_replica, detail = %event.detail, "event");
         let mut ring = self.ring.write().expect("events lock");
@@ -433,7 +449,7 @@ mod tests {
 
     #[test]
     fn the_history_keeps_events_compactly_and_gives_them_back_whole() {
-        assert_eq!(std::mem::size_of::<Kept>(), 40);
+        assert_eq!(std::mem::size_of::<Kept>(), 48);
         let (log, _) = EventLog::new(10, 10, None, Vec::new());
         let local = log.record(EventKind::Failover, Some("gpu-0"), Some("gpu-1"), "connection refusé");
         let remote = Event {
@@ -446,6 +462,7 @@ mod tests {
             to_replica: None,
             detail: String::new(),
             instance: Some("gw-b".into()),
+            trace_id: Some("4bf92f3577b34da6a3ce929d0e0e4736".into()),
         };
         log.insert_remote(remote.clone());
         let back = log.query(&EventFilter { limit: 10, ..Default::default() });

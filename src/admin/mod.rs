@@ -144,7 +144,6 @@ pub fn create_admin_app(
         .into_utoipa_app()
         .openapi(ApiDoc::openapi())
         .app_data(web::Data::from(state.access.clone()))
-        .app_data(web::Data::from(state.operator.clone()))
         .app_data(state)
         .app_data(json_config())
         .app_data(query_config())
@@ -169,12 +168,25 @@ pub fn create_admin_app(
 /// meanwhile. Each store call is bounded by the store's own timeouts; an
 /// action that started is not cut in half (persist, then apply) when its
 /// client goes away, which would leave memory and the store disagreeing.
+///
+/// With tracing on, the action is a span (`prefixgate.admin.NAME`), current
+/// while it runs: the history events it records carry its trace id.
 pub(crate) async fn act<T: Send + 'static>(
-    operator: &Arc<Operator>,
+    s: &AppState,
+    name: &'static str,
     action: impl FnOnce(&Operator) -> Result<T, crate::domain_error::DomainError> + Send + 'static,
 ) -> Result<T, ApiError> {
-    let operator = operator.clone();
-    let done = web::block(move || action(&operator)).await;
+    use opentelemetry::trace::{TraceContextExt, Tracer};
+    let operator: Arc<Operator> = s.operator.clone();
+    let span = s.telemetry.tracer().map(|t| {
+        let span = t.span_builder(format!("prefixgate.admin.{name}")).start(t);
+        opentelemetry::Context::current_with_span(span)
+    });
+    let done = web::block(move || {
+        let _current = span.map(opentelemetry::Context::attach);
+        action(&operator)
+    })
+    .await;
     Ok(done.map_err(|e| ApiError::Internal(format!("the action did not run: {e}")))??)
 }
 

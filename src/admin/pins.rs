@@ -7,7 +7,6 @@ use utoipa_actix_web::service_config::ServiceConfig;
 
 use crate::clock::rfc3339;
 use crate::error::{ApiError, ErrorBody};
-use crate::operator::Operator;
 use crate::pins::Pin;
 use crate::policy::PrefixKey;
 use crate::state::AppState;
@@ -106,8 +105,8 @@ async fn get_one(s: web::Data<AppState>, key: web::Path<String>) -> Result<web::
 #[utoipa::path(tag = "pins", params(("key" = String, Path, description = "32 hex digits", pattern = "^[0-9a-fA-F]{32}$")),
     responses((status = 204, description = "deleted"), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
 #[delete("/pins/{key}")]
-async fn remove(operator: web::Data<Operator>, key: web::Path<String>) -> Result<HttpResponse, ApiError> {
+async fn remove(s: web::Data<AppState>, key: web::Path<String>) -> Result<HttpResponse, ApiError> {
     let key = parse_key(&key)?;
-    super::act(&operator.into_inner(), move |op| op.delete_pin(key)).await?;
+    super::act(&s, "delete_pin", move |op| op.delete_pin(key)).await?;
     Ok(HttpResponse::NoContent().finish())
 }

@@ -5,7 +5,6 @@ use actix_web::{get, put, web};
 use utoipa_actix_web::service_config::ServiceConfig;
 
 use crate::error::{ApiError, ErrorBody};
-use crate::operator::Operator;
 use crate::policy::{CurrentPolicy, PolicySettings};
 use crate::state::AppState;
 
@@ -24,9 +23,9 @@ async fn get_policy(s: web::Data<AppState>) -> web::Json<PolicySettings> {
     responses((status = 200, body = PolicySettings), (status = 400, body = ErrorBody), (status = 422, body = ErrorBody)))]
 #[put("/policy")]
 async fn put_policy(
-    operator: web::Data<Operator>,
+    s: web::Data<AppState>,
     body: web::Json<PolicySettings>,
 ) -> Result<web::Json<PolicySettings>, ApiError> {
     let next = body.into_inner();
-    Ok(web::Json(super::act(&operator.into_inner(), move |op| op.set_policy(next)).await?))
+    Ok(web::Json(super::act(&s, "set_policy", move |op| op.set_policy(next)).await?))
 }

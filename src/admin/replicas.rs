@@ -12,7 +12,7 @@ use super::act;
 use crate::clock::rfc3339;
 use crate::error::{ApiError, ErrorBody};
 use crate::fleet::{validate_id, AdminState, Health, Replica, ReplicaId, ReplicaSpec, ReplicaUrl};
-use crate::operator::{Operator, ReplicaPatch};
+use crate::operator::ReplicaPatch;
 use crate::state::AppState;
 
 pub fn routes(cfg: &mut ServiceConfig) {
@@ -160,7 +160,7 @@ async fn add(s: web::Data<AppState>, body: web::Json<NewReplica>) -> Result<Http
     spec.health_path = b.health_path;
     spec.max_large_inflight = b.max_large_inflight;
     spec.kv_tokens = b.kv_tokens;
-    let r = act(&s.operator, move |op| op.add_replica(spec)).await?;
+    let r = act(&s, "add_replica", move |op| op.add_replica(spec)).await?;
     Ok(HttpResponse::Created().json(view(&s, &r)))
 }
 
@@ -174,7 +174,7 @@ async fn update(
     body: web::Json<ReplicaPatch>,
 ) -> Result<web::Json<ReplicaView>, ApiError> {
     let (id, patch) = (checked_id(&id)?.to_string(), body.into_inner());
-    let r = act(&s.operator, move |op| op.update_replica(&id, patch)).await?;
+    let r = act(&s, "update_replica", move |op| op.update_replica(&id, patch)).await?;
     Ok(web::Json(view(&s, &r)))
 }
 
@@ -182,9 +182,9 @@ async fn update(
     description = "A discovered replica belongs to its source: deleting it answers 409 (disable it, or change the source).",
     responses((status = 204, description = "removed, with its pins (ids of responses it stored are kept until they expire, so a follow-up hears its replica is gone)"), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 #[delete("/replicas/{id}")]
-async fn remove(operator: web::Data<Operator>, id: web::Path<String>) -> Result<HttpResponse, ApiError> {
+async fn remove(s: web::Data<AppState>, id: web::Path<String>) -> Result<HttpResponse, ApiError> {
     let id = checked_id(&id)?.to_string();
-    act(&operator.into_inner(), move |op| op.remove_replica(&id)).await?;
+    act(&s, "remove_replica", move |op| op.remove_replica(&id)).await?;
     Ok(HttpResponse::NoContent().finish())
 }
 
@@ -213,7 +213,7 @@ async fn drain(
         return Err(ApiError::BadRequest("timeout: at most 3600 seconds".into()));
     }
     let id = checked_id(&id)?.to_string();
-    let r = act(&s.operator, move |op| op.drain(&id)).await?;
+    let r = act(&s, "drain", move |op| op.drain(&id)).await?;
     if q.wait {
         s.operator.wait_drained(&r, Duration::from_secs(timeout)).await?;
     }
@@ -225,7 +225,7 @@ async fn drain(
 #[post("/replicas/{id}/resume")]
 async fn resume(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
     let id = checked_id(&id)?.to_string();
-    let r = act(&s.operator, move |op| op.resume(&id)).await?;
+    let r = act(&s, "resume", move |op| op.resume(&id)).await?;
     Ok(web::Json(view(&s, &r)))
 }
 
@@ -234,7 +234,7 @@ async fn resume(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::Js
 #[post("/replicas/{id}/disable")]
 async fn disable(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
     let id = checked_id(&id)?.to_string();
-    let r = act(&s.operator, move |op| op.disable(&id)).await?;
+    let r = act(&s, "disable", move |op| op.disable(&id)).await?;
     Ok(web::Json(view(&s, &r)))
 }
 
@@ -243,7 +243,7 @@ async fn disable(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::J
 #[post("/replicas/{id}/enable")]
 async fn enable(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
     let id = checked_id(&id)?.to_string();
-    let r = act(&s.operator, move |op| op.enable(&id)).await?;
+    let r = act(&s, "enable", move |op| op.enable(&id)).await?;
     Ok(web::Json(view(&s, &r)))
 }
 
@@ -255,7 +255,7 @@ pub struct Removed {
 #[utoipa::path(tag = "pins", params(("id" = ReplicaId, Path, description = "replica id")), description = "Deletes every pin held by the replica.",
     responses((status = 200, body = Removed), (status = 404, body = ErrorBody)))]
 #[delete("/replicas/{id}/pins")]
-async fn remove_pins(operator: web::Data<Operator>, id: web::Path<String>) -> Result<web::Json<Removed>, ApiError> {
+async fn remove_pins(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::Json<Removed>, ApiError> {
     let id = checked_id(&id)?.to_string();
-    Ok(web::Json(Removed { removed: act(&operator.into_inner(), move |op| op.delete_replica_pins(&id)).await? }))
+    Ok(web::Json(Removed { removed: act(&s, "delete_replica_pins", move |op| op.delete_replica_pins(&id)).await? }))
 }

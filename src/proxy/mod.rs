@@ -94,7 +94,13 @@ pub async fn forward(
         return refused;
     }
     let trace = trace::RequestTrace::start(state, &req);
-    match forward_request(&req, endpoint, payload, state, upstream, recorder, &trace).await {
+    let forwarded = forward_request(&req, endpoint, payload, state, upstream, recorder, &trace);
+    // Log lines written inside a traced request carry its trace id.
+    let forwarded = match trace.trace_id() {
+        Some(id) => tracing::Instrument::instrument(forwarded, tracing::info_span!("request", trace_id = %id)).await,
+        None => forwarded.await,
+    };
+    match forwarded {
         Ok(resp) => resp,
         Err(e) => {
             let resp = e.response_for(endpoint.dialect());
@@ -135,15 +141,23 @@ struct Lookup {
     stored: Option<(String, Arc<str>)>,
 }
 
+/// What the lookup reaches: the gateway, this worker's upstream client and
+/// recorder, and the request's trace.
+struct Hop<'a> {
+    state: &'a AppState,
+    upstream: &'a Upstream,
+    recorder: &'a OutcomeRecorder,
+    trace: &'a trace::RequestTrace,
+}
+
 async fn look_up(
     req: &HttpRequest,
     endpoint: Endpoint,
     body: &[u8],
-    state: &AppState,
-    upstream: &Upstream,
-    recorder: &OutcomeRecorder,
+    hop: Hop<'_>,
     settings: &PolicySettings,
 ) -> Result<Lookup, ApiError> {
+    let Hop { state, upstream, recorder, trace } = hop;
     let config = &state.config;
     let bad_request = |e: policy::ShapeError| {
         recorder.rejected("bad_request");
@@ -190,9 +204,12 @@ async fn look_up(
     let stored = match stored_id {
         Some(id) => match state.pins.replica_of(sessions::response_key(id)) {
             Some(home) => Some((id.to_string(), home)),
-            None => locate::stored_response(state, upstream, recorder, req, id, shape.model.as_deref())
-                .await
-                .map(|home| (id.to_string(), home)),
+            None => {
+                let _looking = trace.child(state, "prefixgate.locate");
+                locate::stored_response(state, upstream, recorder, req, id, shape.model.as_deref())
+                    .await
+                    .map(|home| (id.to_string(), home))
+            }
         },
         None => None,
     };
@@ -275,7 +292,8 @@ async fn forward_request(
     let config = &state.config;
     let body = read_body(payload, config.limits.max_body_bytes).await?;
     let settings = state.policy.get();
-    let lookup = look_up(req, endpoint, &body, state, &upstream, &recorder, &settings).await?;
+    let hop = Hop { state, upstream: &upstream, recorder: &recorder, trace };
+    let lookup = look_up(req, endpoint, &body, hop, &settings).await?;
     let Lookup { shape, session, large, pinned, .. } = &lookup;
     trace.set(opentelemetry::KeyValue::new("prefixgate.dialect", shape.dialect.as_str()));
     if let Some(model) = &shape.model {
@@ -302,7 +320,13 @@ async fn forward_request(
             None => next_target(state, &settings, &lookup, &mut retries, &recorder, new_session)?,
         };
         let started = Instant::now();
-        let permit = if *large { Some(admit(state, &recorder, &replica).await?) } else { None };
+        let permit = match large {
+            true => {
+                let _waiting = trace.child(state, "prefixgate.admission");
+                Some(admit(state, &recorder, &replica).await?)
+            }
+            false => None,
+        };
         // The guard holds the replica from here on (one reference, not two).
         let guard = replica.begin(*large);
         let replica = &guard.replica;
@@ -329,6 +353,7 @@ async fn forward_request(
         match attempt::send(request, body.clone()).await {
             Ok(resp) => {
                 trace::attempt_ended(&attempt_span, Ok(resp.status().as_u16()));
+                let _current = trace.attach();
                 trace.set(opentelemetry::KeyValue::new("prefixgate.route", reason.as_str()));
                 trace.set(opentelemetry::KeyValue::new("prefixgate.replica", replica.id.to_string()));
                 let (metrics, predicted_cached) = recorder.responded(&Responded {
@@ -367,6 +392,7 @@ async fn forward_request(
             }
             Err(e) => {
                 trace::attempt_ended(&attempt_span, Err((&e.message, e.retry_safe())));
+                let _current = trace.attach();
                 let replica = replica.clone();
                 drop((guard, permit, ticket, turn));
                 let took_down = recorder.attempt_failed(&replica, reason, &e, shape.stores_response);

@@ -41,6 +41,12 @@ impl RequestTrace {
         RequestTrace(Some(parent.with_span(span)))
     }
 
+    /// The trace id (32 hex digits), when traced.
+    pub fn trace_id(&self) -> Option<String> {
+        let cx = self.0.as_ref()?;
+        Some(cx.span().span_context().trace_id().to_string())
+    }
+
     pub fn set(&self, kv: KeyValue) {
         if let Some(cx) = &self.0 {
             cx.span().set_attribute(kv);
@@ -53,6 +59,13 @@ impl RequestTrace {
             cx.span().set_attribute(KeyValue::new("http.response.status_code", i64::from(status)));
             cx.span().set_status(Status::error(why.to_string()));
         }
+    }
+
+    /// Makes the request's span current on this thread until the guard
+    /// drops, so history events recorded meanwhile carry its trace id.
+    /// Synchronous sections only: never held across an await.
+    pub fn attach(&self) -> Option<opentelemetry::ContextGuard> {
+        self.0.as_ref().map(|cx| cx.clone().attach())
     }
 
     /// A child span for a wait or a lookup; it ends when dropped.

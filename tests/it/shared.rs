@@ -328,6 +328,7 @@ fn store_copy_moves_everything_from_sled_to_redis_and_back() {
             to_replica: None,
             detail: format!("event {id}"),
             instance: None,
+            trace_id: None,
         };
         src.append_event(&e, None).unwrap();
     }

@@ -155,6 +155,25 @@ async fn a_failover_is_two_attempts_in_one_trace_the_first_an_error() {
     assert_eq!(text_attr(attempts[1], "prefixgate.replica").as_deref(), Some("b"));
     let server = spans.iter().find(|s| s.kind == SpanKind::Server as i32).unwrap();
     assert_eq!(text_attr(server, "prefixgate.route").as_deref(), Some("failover"));
+    // The history's failover event links to the trace.
+    let events = gw.gw.events.query(&prefixgate::events::EventFilter {
+        kind: Some(prefixgate::events::EventKind::Failover),
+        limit: 10,
+        ..Default::default()
+    });
+    assert_eq!(events[0].trace_id.as_deref(), Some(trace.as_str()), "{events:?}");
+    // An admin action is a span too, and its event carries its trace id.
+    let (s, _) = admin("POST", &format!("{}/admin/v1/replicas/b/drain", gw.admin), None, None).await;
+    assert_eq!(s, 200);
+    let drained = gw.gw.events.query(&prefixgate::events::EventFilter {
+        kind: Some(prefixgate::events::EventKind::DrainStarted),
+        limit: 1,
+        ..Default::default()
+    });
+    let admin_trace = drained[0].trace_id.clone().expect("the drain's trace id");
+    gw.gw.telemetry.flush();
+    let admin_spans = spans_of(&c, &admin_trace, 1).await;
+    assert_eq!(admin_spans[0].name, "prefixgate.admin.drain");
     gw.stop().await;
 }
 
