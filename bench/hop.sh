@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The proxy hop's CPU against nginx, side by side in one run: prefixgate
-# (this tree's release build; with BOLT=1 also its optimized build from
+# (this tree's release build, with tracing off and on (every request
+# sampled, spans exported to a local collector); with BOLT=1 also its optimized build from
 # bench/bolt.sh; plus BEFORE=<binary> when given), the
 # framework floor (examples/bare_proxy.rs: actix-web + awc forwarding with
 # none of prefixgate's logic) and nginx, each in front of the same two
@@ -39,6 +40,23 @@ add() { # name url pid
 replicas="--replica a=${SIM_URL[a]} --replica b=${SIM_URL[b]}"
 start_gateway prefixgate "$bin" $replicas
 add prefixgate "${GW_URL[prefixgate]}" "${GW_PID[prefixgate]}"
+# The same build with tracing on, every request sampled, exporting to a
+# collector that takes the spans and answers 200 (its CPU is not counted:
+# the column is the gateway's own cost of making and sending spans).
+collector_port=$(free_port)
+python3 - "$collector_port" <<'PY' &
+import http.server, sys
+class Collector(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.send_response(200); self.send_header("content-length", "0"); self.end_headers()
+    def log_message(self, *args): pass
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Collector).serve_forever()
+PY
+start_gateway prefixgate-traced "$bin" $replicas --set "tracing.endpoint=http://127.0.0.1:$collector_port/v1/traces" \
+  --set tracing.sample_ratio=1
+add prefixgate-traced "${GW_URL[prefixgate-traced]}" "${GW_PID[prefixgate-traced]}"
 if [ -n "${BOLT:-}" ]; then
   start_gateway prefixgate-bolt "$PWD/target/bolt/prefixgate" $replicas
   add prefixgate-bolt "${GW_URL[prefixgate-bolt]}" "${GW_PID[prefixgate-bolt]}"

@@ -174,7 +174,7 @@ fn spawn_background(state: &Arc<AppState>, admin_addr: SocketAddr) -> Vec<actix_
         }
     });
     let mut tasks = vec![health, flusher, housekeeping, sessions];
-    tasks.extend(state.discovery.spawn(&state.operator, &state.metrics));
+    tasks.extend(state.discovery.spawn(&state.operator, &state.metrics, state.telemetry.tracer().cloned()));
     tasks
 }
 

@@ -120,11 +120,18 @@ impl Discovery {
 
     /// Starts one task per source (aborted with the other background tasks
     /// when the gateway stops).
-    pub fn spawn(&self, operator: &Arc<Operator>, metrics: &Arc<Metrics>) -> Vec<tokio::task::JoinHandle<()>> {
+    /// `tracer`: with tracing on, each change a source makes is a span.
+    pub fn spawn(
+        &self,
+        operator: &Arc<Operator>,
+        metrics: &Arc<Metrics>,
+        tracer: Option<opentelemetry_sdk::trace::Tracer>,
+    ) -> Vec<tokio::task::JoinHandle<()>> {
         self.sources
             .iter()
             .map(|entry| {
-                let run = Run { entry: entry.clone(), operator: operator.clone(), metrics: metrics.clone() };
+                let (operator, metrics, tracer) = (operator.clone(), metrics.clone(), tracer.clone());
+                let run = Run { entry: entry.clone(), operator, metrics, tracer };
                 tokio::spawn(run.forever())
             })
             .collect()
@@ -136,6 +143,7 @@ struct Run {
     entry: Arc<Entry>,
     operator: Arc<Operator>,
     metrics: Arc<Metrics>,
+    tracer: Option<opentelemetry_sdk::trace::Tracer>,
 }
 
 /// A file's identity between two looks: a change in any part is a change.
@@ -266,7 +274,20 @@ impl Run {
             SourceAction::Return(_) => "returned",
             SourceAction::Remove(_) => "removed",
         };
-        match self.operator.apply_discovered(label, action, now_ms()) {
+        // A span, current while the change applies: its event carries the trace id.
+        let span = self.tracer.as_ref().map(|t| {
+            use opentelemetry::trace::{TraceContextExt, Tracer};
+            let span = t
+                .span_builder(format!("prefixgate.discovery.{change}"))
+                .with_attributes([opentelemetry::KeyValue::new("prefixgate.source", label.to_string())])
+                .start(t);
+            opentelemetry::Context::current_with_span(span)
+        });
+        let applied = {
+            let _current = span.map(opentelemetry::Context::attach);
+            self.operator.apply_discovered(label, action, now_ms())
+        };
+        match applied {
             Ok(()) => {
                 if let Some(spec) = adding {
                     // Known to the source only now: a refused one is proposed again.
