@@ -89,6 +89,9 @@ pub struct TracingConfig {
     pub sample_ratio: Option<f64>,
     /// How often finished spans are exported in a batch, ms (unset: 1000).
     pub export_interval_ms: Option<u64>,
+    /// Where a trace is shown, with `{trace_id}` in it (e.g. Jaeger's
+    /// `http://jaeger:16686/trace/{trace_id}`): the UI links history events to it.
+    pub trace_url: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]

@@ -196,6 +196,14 @@ const KINDS = ["failover", "replica_down", "replica_up", "pin_moved", "drain_sta
   "capacity_cleared", "store_unreachable", "store_reachable", "replica_discovered", "replica_left_source", "replica_returned",
   "discovery_failed", "discovery_recovered", "discovery_held", "session_held", "session_over_capacity"];
 
+// An event caused by a traced request or action: its trace, linked when
+// tracing.trace_url says where traces are shown.
+function traceLink(id, template) {
+  const label = ` (trace ${id.slice(0, 8)}…)`;
+  if (!template) return el("small", { class: "trace", title: id }, label);
+  return el("a", { class: "trace", href: template.replace("{trace_id}", id), target: "_blank", rel: "noopener", title: id }, label);
+}
+
 async function loadEvents() {
   const params = new URLSearchParams({ limit: 100 });
   if ($("#event-kind").value) params.set("kind", $("#event-kind").value);
@@ -204,7 +212,8 @@ async function loadEvents() {
   $("#events").replaceChildren(...page.items.map((e) => el("li", { class: "event " + e.kind, "data-kind": e.kind },
     el("time", { datetime: e.at }, new Date(e.at).toLocaleTimeString()),
     el("strong", {}, e.kind.replace(/_/g, " ")), " ",
-    [e.replica, e.to_replica].filter(Boolean).join(" → "), e.detail ? ` — ${e.detail}` : "")));
+    [e.replica, e.to_replica].filter(Boolean).join(" → "), e.detail ? ` — ${e.detail}` : "",
+    e.trace_id ? traceLink(e.trace_id, page.trace_url) : "")));
 }
 
 // Gateway instances sharing this fleet (a shared store); alone, one line says so.

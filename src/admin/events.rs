@@ -36,6 +36,10 @@ pub struct EventPage {
     pub items: Vec<Event>,
     /// Pass as `cursor` for older events; absent on the last page.
     pub next_cursor: Option<u64>,
+    /// Where an event's trace is shown (`tracing.trace_url`, with
+    /// `{trace_id}` to replace), when configured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace_url: Option<String>,
 }
 
 #[utoipa::path(tag = "events", params(EventQuery), responses((status = 200, body = EventPage), (status = 400, body = ErrorBody)))]
@@ -53,7 +57,7 @@ async fn list(s: web::Data<AppState>, q: web::Query<EventQuery>) -> Result<web::
     let filter = EventFilter { kind: q.kind, replica: q.replica.clone(), since_ms, before_id, limit };
     let items = s.events.query(&filter);
     let next_cursor = (items.len() == limit).then(|| items.last().map(|e| e.id)).flatten();
-    Ok(web::Json(EventPage { items, next_cursor }))
+    Ok(web::Json(EventPage { items, next_cursor, trace_url: s.config.tracing.trace_url.clone() }))
 }
 
 /// An RFC 3339 timestamp (any offset) as milliseconds since the epoch;
