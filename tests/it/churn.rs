@@ -65,14 +65,16 @@ async fn thousands_of_names_churned_through_the_admin_api_leave_nothing_behind()
         "series of removed replicas: {:?}",
         lines.iter().find(|l| !l.contains(&last))
     );
-    // Per-name state is what one replica needs, as it was after 100 names.
+    // Per-name state is what the live replica (and at most the one just
+    // removed, until the next sweep) needs: after 2,000 names no more than
+    // after 100. Exact counts move with timing (a scrape's sweep, the
+    // capacity evaluation each second), so each is bounded, not matched.
     let now = kept(&gw);
-    assert_eq!(
-        now,
-        at_100.unwrap(),
-        "[interned names, replicas with series, calibrated, capacity entries, admission entries]"
-    );
-    assert!(now.iter().all(|n| *n <= 16), "{now:?}");
+    let before = at_100.unwrap();
+    let names = "[interned names, replicas with series, calibrated, capacity entries, admission entries]";
+    for (i, bound) in [2, 2, 2, 4, 0].into_iter().enumerate() {
+        assert!(now[i] <= bound && before[i] <= bound, "{names}: after 100 {before:?}, after 2,000 {now:?}");
+    }
     assert_eq!(gw.gw.fleet.snapshot().len(), 1);
     let (s, _) = admin("GET", &format!("{}/healthz", gw.base), None, None).await;
     assert_eq!(s, 200);
