@@ -104,7 +104,7 @@ pub async fn forward(
         Ok(resp) => resp,
         Err(e) => {
             let resp = e.response_for(endpoint.dialect());
-            trace.failed(resp.status().as_u16(), &e.to_string());
+            trace.failed(resp.status().as_u16(), || e.to_string());
             resp
         }
     }
@@ -295,9 +295,9 @@ async fn forward_request(
     let hop = Hop { state, upstream: &upstream, recorder: &recorder, trace };
     let lookup = look_up(req, endpoint, &body, hop, &settings).await?;
     let Lookup { shape, session, large, pinned, .. } = &lookup;
-    trace.set(opentelemetry::KeyValue::new("prefixgate.dialect", shape.dialect.as_str()));
+    trace.set(|| opentelemetry::KeyValue::new("prefixgate.dialect", shape.dialect.as_str()));
     if let Some(model) = &shape.model {
-        trace.set(opentelemetry::KeyValue::new("gen_ai.request.model", model.clone()));
+        trace.set(|| opentelemetry::KeyValue::new("gen_ai.request.model", model.clone()));
     }
     // A new session waits here while no replica has room for it (the KV
     // wall, `sessions/`); a turn of a resident one never does.
@@ -312,7 +312,7 @@ async fn forward_request(
         None => (None, None),
     };
     if let Some(waited) = held_for {
-        trace.set(opentelemetry::KeyValue::new("prefixgate.held_ms", waited.as_millis() as i64));
+        trace.set(|| opentelemetry::KeyValue::new("prefixgate.held_ms", waited.as_millis() as i64));
     }
     loop {
         let (replica, reason) = match placed.take() {
@@ -354,8 +354,8 @@ async fn forward_request(
             Ok(resp) => {
                 trace::attempt_ended(&attempt_span, Ok(resp.status().as_u16()));
                 let _current = trace.attach();
-                trace.set(opentelemetry::KeyValue::new("prefixgate.route", reason.as_str()));
-                trace.set(opentelemetry::KeyValue::new("prefixgate.replica", replica.id.to_string()));
+                trace.set(|| opentelemetry::KeyValue::new("prefixgate.route", reason.as_str()));
+                trace.set(|| opentelemetry::KeyValue::new("prefixgate.replica", replica.id.to_string()));
                 let (metrics, predicted_cached) = recorder.responded(&Responded {
                     replica: &replica.id,
                     reason,
@@ -380,7 +380,7 @@ async fn forward_request(
                     trace: trace.clone(),
                 };
                 if let Some(predicted) = predicted_cached {
-                    trace.set(opentelemetry::KeyValue::new("prefixgate.predicted_cached_tokens", predicted as i64));
+                    trace.set(|| opentelemetry::KeyValue::new("prefixgate.predicted_cached_tokens", predicted as i64));
                 }
                 let idle = Duration::from_millis(config.timeouts.idle_stream_ms);
                 let name = upstream.replicas.name_header(&outcome.replica().id);

@@ -47,17 +47,19 @@ impl RequestTrace {
         Some(cx.span().span_context().trace_id().to_string())
     }
 
-    pub fn set(&self, kv: KeyValue) {
+    /// Sets an attribute. The value is made only when the request is traced:
+    /// with tracing off, the request path allocates nothing for it.
+    pub fn set(&self, kv: impl FnOnce() -> KeyValue) {
         if let Some(cx) = &self.0 {
-            cx.span().set_attribute(kv);
+            cx.span().set_attribute(kv());
         }
     }
 
     /// The request failed before any response reached the client.
-    pub fn failed(&self, status: u16, why: &str) {
+    pub fn failed(&self, status: u16, why: impl FnOnce() -> String) {
         if let Some(cx) = &self.0 {
             cx.span().set_attribute(KeyValue::new("http.response.status_code", i64::from(status)));
-            cx.span().set_status(Status::error(why.to_string()));
+            cx.span().set_status(Status::error(why()));
         }
     }
 
