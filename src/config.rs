@@ -146,17 +146,6 @@ impl Default for SessionConfig {
     }
 }
 
-impl SessionConfig {
-    pub fn hold(&self) -> crate::sessions::HoldSettings {
-        crate::sessions::HoldSettings {
-            idle_ms: self.idle_ms,
-            max_wait_ms: self.max_wait_ms,
-            max_held: self.max_held,
-            min_tokens: self.hold_min_tokens,
-        }
-    }
-}
-
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Timeouts {

@@ -117,7 +117,7 @@ impl AppState {
         let admission = Arc::new(Admission::default());
         let metrics = Arc::new(Metrics::new());
         let calibration = Arc::new(Calibration::default());
-        let sessions = crate::sessions::Sessions::new(config.sessions.hold());
+        let sessions = crate::sessions::Sessions::new(config.sessions.clone());
         let operator = Arc::new(Operator {
             fleet: fleet.clone(),
             pins: pins.clone(),

@@ -139,7 +139,7 @@ impl Operator {
             capacity: Arc::new(Capacity::new(300)),
             calibration: Arc::default(),
             metrics: Arc::default(),
-            sessions: crate::sessions::Sessions::new(crate::config::SessionConfig::default().hold()),
+            sessions: crate::sessions::Sessions::new(Default::default()),
             discovered_admin: Default::default(),
             serial: Default::default(),
         }

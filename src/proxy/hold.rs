@@ -106,7 +106,7 @@ pub async fn hold_if_full(state: &AppState, lookup: &Lookup, tokens: u64) -> Res
     }
     read_fleet_loads(state).await;
     let model = lookup.shape.model.as_deref();
-    let first = verdict(&candidate_rooms(state, model), tokens, hold.min_tokens);
+    let first = verdict(&candidate_rooms(state, model), tokens, hold.hold_min_tokens);
     if first == Verdict::Admit {
         return Ok(None);
     }
@@ -120,7 +120,7 @@ pub async fn hold_if_full(state: &AppState, lookup: &Lookup, tokens: u64) -> Res
     // here (its client went away) leaves nothing to undo.
     let held = state
         .sessions
-        .hold(|| verdict(&candidate_rooms(state, model), tokens, hold.min_tokens) == Verdict::Admit)
+        .hold(|| verdict(&candidate_rooms(state, model), tokens, hold.hold_min_tokens) == Verdict::Admit)
         .await;
     let held = match held {
         Ok(held) => held,

@@ -32,7 +32,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
+use crate::config::SessionConfig;
 
 use crate::domain_error::DomainError;
 use crate::policy::PrefixKey;
@@ -45,15 +45,6 @@ pub const RECHECK: Duration = Duration::from_millis(200);
 /// A session's entry in a shared store outlives its idle time by this much:
 /// the flusher renews this instance's residents every flush interval.
 pub const STORE_SLACK_MS: u64 = 1_000;
-
-/// `[sessions]` settings of the hold (the session headers live beside them).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct HoldSettings {
-    pub idle_ms: u64,
-    pub max_wait_ms: u64,
-    pub max_held: usize,
-    pub min_tokens: u64,
-}
 
 /// One resident session.
 #[derive(Debug, Clone, Copy)]
@@ -91,7 +82,8 @@ impl State {
 }
 
 pub struct Sessions {
-    settings: HoldSettings,
+    /// `[sessions]`: idle_ms, max_wait_ms, max_held, hold_min_tokens.
+    settings: SessionConfig,
     state: Mutex<State>,
     /// With a shared store: the footprints of every instance's live sessions
     /// per replica, as last read (`store.session_loads`). A replica's room
@@ -167,7 +159,7 @@ pub struct ResidentFigures {
 }
 
 impl Sessions {
-    pub fn new(settings: HoldSettings) -> Arc<Sessions> {
+    pub fn new(settings: SessionConfig) -> Arc<Sessions> {
         Arc::new(Sessions {
             settings,
             state: Mutex::default(),
@@ -177,8 +169,8 @@ impl Sessions {
         })
     }
 
-    pub fn settings(&self) -> HoldSettings {
-        self.settings
+    pub fn settings(&self) -> &SessionConfig {
+        &self.settings
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -247,24 +239,21 @@ impl Sessions {
     /// went (room opened: the held are told).
     pub fn sweep(&self, now_ms: u64) -> bool {
         let idle_ms = self.settings.idle_ms;
-        let gone: Vec<PrefixKey> = {
-            let state = self.lock();
-            state
-                .on
-                .values()
-                .flat_map(|on| on.iter())
-                .filter(|(_, r)| r.running == 0 && now_ms.saturating_sub(r.last_ms) > idle_ms)
-                .map(|(s, _)| *s)
-                .collect()
-        };
-        if gone.is_empty() {
-            return false;
-        }
         let mut state = self.lock();
+        let gone: Vec<PrefixKey> = state
+            .on
+            .values()
+            .flat_map(|on| on.iter())
+            .filter(|(_, r)| r.running == 0 && now_ms.saturating_sub(r.last_ms) > idle_ms)
+            .map(|(s, _)| *s)
+            .collect();
         for s in &gone {
             state.leave(*s);
         }
         drop(state);
+        if gone.is_empty() {
+            return false;
+        }
         self.changed.notify_waiters();
         true
     }
@@ -405,8 +394,8 @@ impl Sessions {
 mod tests {
     use super::*;
 
-    fn settings() -> HoldSettings {
-        HoldSettings { idle_ms: 1_000, max_wait_ms: 10_000, max_held: 2, min_tokens: 1 }
+    fn settings() -> SessionConfig {
+        SessionConfig { idle_ms: 1_000, max_wait_ms: 10_000, max_held: 2, hold_min_tokens: 1, ..Default::default() }
     }
 
     #[test]
