@@ -34,6 +34,20 @@ async fn send(gw: &Gw, family: &str, n: usize) -> Reply {
     chat(gw, &refs).await
 }
 
+/// Two cards behind a gateway configured by `config` (over `holding`'s
+/// settings), each holding one of the sessions "one" and "two", returned
+/// with the replies of their first turns: the next new session does not fit.
+async fn full_cards(config: impl FnOnce(&mut Config)) -> (Sim, Sim, Gw, Reply, Reply) {
+    let (a, b) = (start_sim("a", card()).await, start_sim("b", card()).await);
+    let mut c = holding(&[&a, &b], 10_000, 8);
+    config(&mut c);
+    let gw = start_gateway(c).await;
+    capacity_read(&gw).await;
+    let one = send(&gw, "one", 1).await;
+    let two = send(&gw, "two", 1).await;
+    (a, b, gw, one, two)
+}
+
 /// A family's first turn, sent on its own task (it may be held).
 fn spawn_turn(gw: &Gw, family: &'static str) -> actix_web::rt::task::JoinHandle<Reply> {
     let base = gw.base.clone();
@@ -62,11 +76,7 @@ fn events_of(gw: &Gw, kind: prefixgate::events::EventKind) -> usize {
 
 #[actix_web::test]
 async fn a_new_session_waits_for_room_and_goes_where_it_opened_while_resident_turns_and_one_shots_never_wait() {
-    let (a, b) = (start_sim("a", card()).await, start_sim("b", card()).await);
-    let gw = start_gateway(holding(&[&a, &b], 10_000, 8)).await;
-    capacity_read(&gw).await;
-    let one = send(&gw, "one", 1).await;
-    let two = send(&gw, "two", 1).await;
+    let (_a, _b, gw, one, two) = full_cards(|_| {}).await;
     assert_eq!((one.status, two.status), (200, 200));
     assert_ne!(one.replica, two.replica, "the second session goes where the room is");
     assert_eq!((held_ms(&one), held_ms(&two)), (None, None));
@@ -109,13 +119,11 @@ async fn a_new_session_waits_for_room_and_goes_where_it_opened_while_resident_tu
 
 #[actix_web::test]
 async fn past_the_wait_a_session_is_admitted_over_capacity_and_past_the_bound_refused() {
-    let (a, b) = (start_sim("a", card()).await, start_sim("b", card()).await);
-    let mut config = holding(&[&a, &b], 1_500, 1);
-    config.sessions.idle_ms = 60_000; // nobody leaves
-    let gw = start_gateway(config).await;
-    capacity_read(&gw).await;
-    send(&gw, "one", 1).await;
-    send(&gw, "two", 1).await;
+    let (_a, _b, gw, _, _) = full_cards(|c| {
+        (c.sessions.max_wait_ms, c.sessions.max_held) = (1_500, 1);
+        c.sessions.idle_ms = 60_000; // nobody leaves
+    })
+    .await;
     let third = spawn_turn(&gw, "three");
     wait_until("the third held", Duration::from_secs(5), || gw.gw.sessions.held() == 1).await;
     // The queue holds one: a fourth is refused at once, clearly.
@@ -138,13 +146,11 @@ async fn past_the_wait_a_session_is_admitted_over_capacity_and_past_the_bound_re
 
 #[actix_web::test]
 async fn a_held_client_that_goes_away_leaves_the_queue_at_once() {
-    let (a, b) = (start_sim("a", card()).await, start_sim("b", card()).await);
-    let mut config = holding(&[&a, &b], 30_000, 8);
-    config.sessions.idle_ms = 60_000;
-    let gw = start_gateway(config).await;
-    capacity_read(&gw).await;
-    send(&gw, "one", 1).await;
-    send(&gw, "two", 1).await;
+    let (_a, _b, gw, _, _) = full_cards(|c| {
+        c.sessions.max_wait_ms = 30_000;
+        c.sessions.idle_ms = 60_000;
+    })
+    .await;
     let m = turn("three", 1);
     let refs: Vec<(&str, &str)> = m.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
     let impatient = awc::Client::builder().timeout(Duration::from_millis(500)).finish();
@@ -208,11 +214,7 @@ fn the_store_admits_one_session_into_the_last_room() {
 /// traffic.
 #[actix_web::test]
 async fn a_held_session_is_placed_again_when_the_replica_with_room_drains() {
-    let (a, b) = (start_sim("a", card()).await, start_sim("b", card()).await);
-    let gw = start_gateway(holding(&[&a, &b], 10_000, 8)).await;
-    capacity_read(&gw).await;
-    let one = send(&gw, "one", 1).await;
-    let two = send(&gw, "two", 1).await;
+    let (_a, _b, gw, one, two) = full_cards(|_| {}).await;
     assert_ne!(one.replica, two.replica);
     let third = spawn_turn(&gw, "three");
     wait_until("the third held", Duration::from_secs(5), || gw.gw.sessions.held() == 1).await;
