@@ -280,12 +280,7 @@ impl AppState {
             .collect();
         let ttl = self.sessions.settings().idle_ms + crate::sessions::STORE_SLACK_MS;
         self.store.keep_sessions(&ours, ttl)?;
-        let names: Vec<Arc<str>> = fleet.iter().map(|r| r.id.clone()).collect();
-        let loads = self.store.session_loads(&names.iter().map(|n| n.to_string()).collect::<Vec<_>>())?;
-        if !loads.is_empty() {
-            self.sessions.set_fleet_loads(names.into_iter().zip(loads));
-        }
-        Ok(())
+        self.sessions.read_fleet_loads(self.store.as_ref(), &fleet)
     }
 
     /// Graceful shutdown's last step: everything to disk.

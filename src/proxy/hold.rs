@@ -69,13 +69,10 @@ pub async fn read_fleet_loads(state: &AppState) {
     if state.store.instance().is_none() {
         return;
     }
-    let names: Vec<std::sync::Arc<str>> = state.fleet.snapshot().iter().map(|r| r.id.clone()).collect();
-    let ids: Vec<String> = names.iter().map(|n| n.to_string()).collect();
-    let store = state.store.clone();
-    let read = tokio::time::timeout(STORE_BUDGET, tokio::task::spawn_blocking(move || store.session_loads(&ids))).await;
-    if let Ok(Ok(Ok(loads))) = read {
-        state.sessions.set_fleet_loads(names.into_iter().zip(loads));
-    }
+    let (sessions, store, fleet) = (state.sessions.clone(), state.store.clone(), state.fleet.snapshot_owned());
+    let read = tokio::task::spawn_blocking(move || sessions.read_fleet_loads(store.as_ref(), &fleet));
+    // Not waited for beyond the budget: the last read stands.
+    let _ = tokio::time::timeout(STORE_BUDGET, read).await;
 }
 
 /// Admits new session `session` on `replica` in a shared store: false when

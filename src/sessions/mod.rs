@@ -281,10 +281,23 @@ impl Sessions {
         Room { capacity: r.kv_capacity(), taken: here.max(fleet), slot_tokens }
     }
 
-    /// The fleet's loads as just read from a shared store (replaces the last read).
-    pub fn set_fleet_loads(&self, loads: impl IntoIterator<Item = (Arc<str>, u64)>) {
-        *self.fleet_loads.lock().unwrap_or_else(|e| e.into_inner()) = loads.into_iter().collect();
+    /// Reads every instance's session loads on `replicas` from a shared
+    /// store into this view (replacing the last read). A store that is not
+    /// shared has none: nothing changes. Blocks on the store.
+    pub fn read_fleet_loads(
+        &self,
+        store: &dyn crate::store::Store,
+        replicas: &[Arc<crate::fleet::Replica>],
+    ) -> Result<(), crate::store::StoreError> {
+        let ids: Vec<String> = replicas.iter().map(|r| r.id.to_string()).collect();
+        let loads = store.session_loads(&ids)?;
+        if loads.is_empty() {
+            return Ok(());
+        }
+        *self.fleet_loads.lock().unwrap_or_else(|e| e.into_inner()) =
+            replicas.iter().map(|r| r.id.clone()).zip(loads).collect();
         self.changed.notify_waiters();
+        Ok(())
     }
 
     /// This instance's resident sessions, (replica, session, tokens): what
