@@ -65,11 +65,16 @@ count() {
 }
 
 replicas="--replica a=${SIM_URL[a]} --replica b=${SIM_URL[b]}"
+start_collector
 declare -A per
-for target in prefixgate floor; do
+targets="prefixgate prefixgate-traced floor"
+for target in $targets; do
   # Under valgrind a process is too slow to print its port in time: it is given a free one.
   port=$(free_port)
   if [ $target = prefixgate ]; then cmd=($bin serve --listen "127.0.0.1:$port" --admin-listen "127.0.0.1:$(free_port)" $replicas)
+  elif [ $target = prefixgate-traced ]; then
+    cmd=($bin serve --listen "127.0.0.1:$port" --admin-listen "127.0.0.1:$(free_port)" $replicas
+      --set "tracing.endpoint=$COLLECTOR_URL" --set tracing.sample_ratio=1)
   else cmd=($bare "127.0.0.1:$port" "${SIM_URL[a]}" "${SIM_URL[b]}"); fi
   small=$(count $target "$N" "$port" "${cmd[@]}")
   large=$(count $target $((3 * N)) "$port" "${cmd[@]}")
@@ -77,7 +82,7 @@ for target in prefixgate floor; do
 done
 echo "| target | instructions per request | vs floor |"
 echo "|---|---|---|"
-for target in prefixgate floor; do
+for target in $targets; do
   awk -v t=$target -v n="${per[$target]}" -v f="${per[floor]}" 'BEGIN {printf "| %s | %d | %.2fx |\n", t, n, n / f}'
 done
 echo

@@ -43,18 +43,8 @@ add prefixgate "${GW_URL[prefixgate]}" "${GW_PID[prefixgate]}"
 # The same build with tracing on, every request sampled, exporting to a
 # collector that takes the spans and answers 200 (its CPU is not counted:
 # the column is the gateway's own cost of making and sending spans).
-collector_port=$(free_port)
-python3 - "$collector_port" <<'PY' &
-import http.server, sys
-class Collector(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    def do_POST(self):
-        self.rfile.read(int(self.headers.get("content-length", 0)))
-        self.send_response(200); self.send_header("content-length", "0"); self.end_headers()
-    def log_message(self, *args): pass
-http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Collector).serve_forever()
-PY
-start_gateway prefixgate-traced "$bin" $replicas --set "tracing.endpoint=http://127.0.0.1:$collector_port/v1/traces" \
+start_collector
+start_gateway prefixgate-traced "$bin" $replicas --set "tracing.endpoint=$COLLECTOR_URL" \
   --set tracing.sample_ratio=1
 add prefixgate-traced "${GW_URL[prefixgate-traced]}" "${GW_PID[prefixgate-traced]}"
 if [ -n "${BOLT:-}" ]; then

@@ -83,3 +83,21 @@ wrk.method = "POST"; wrk.body = '$CHAT_BODY'; wrk.headers["content-type"] = "app
 LUA
   wrk -t2 -c"$conns" -d"${secs}s" -s "$BENCH_TMP/post.lua" "$url/v1/chat/completions"
 }
+
+# start_collector: a stand-in OTLP/HTTP collector on a free port that takes
+# every POST and answers 200; sets COLLECTOR_URL. Its CPU is not the
+# gateway's: benches count the gateway's cost of making and sending spans.
+start_collector() {
+  local port; port=$(free_port)
+  python3 - "$port" <<'PY' &
+import http.server, sys
+class Collector(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.send_response(200); self.send_header("content-length", "0"); self.end_headers()
+    def log_message(self, *args): pass
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Collector).serve_forever()
+PY
+  COLLECTOR_URL="http://127.0.0.1:$port/v1/traces"
+}

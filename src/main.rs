@@ -72,6 +72,7 @@ enum StoreCommand {
 
 fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
+        .event_format(prefixgate::telemetry::WithTraceId(tracing_subscriber::fmt::format()))
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("PREFIXGATE_LOG")
                 .unwrap_or_else(|_| "info,actix_server=warn".into()),

@@ -11,16 +11,22 @@
 //! What the spans are (names and attributes) lives with the request path
 //! (`proxy/trace.rs`); this module knows only how they leave.
 
+use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
-use opentelemetry::trace::TracerProvider as _;
+use opentelemetry::trace::{TraceContextExt as _, TracerProvider as _};
 use opentelemetry_otlp::{Protocol, WithExportConfig};
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{BatchSpanProcessor, Sampler, SdkTracerProvider, SpanData, SpanExporter, Tracer};
+
+use actix_web::http::header::{HeaderName, HeaderValue};
+use tracing_subscriber::fmt::format::Writer;
+use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
+use tracing_subscriber::registry::LookupSpan;
 
 use crate::config::TracingConfig;
 
@@ -106,8 +112,9 @@ impl Telemetry {
         self.propagator.extract(&HeaderExtractor(headers))
     }
 
-    /// The `traceparent` (and `tracestate`) naming `cx`'s span, as headers.
-    pub fn inject(&self, cx: &opentelemetry::Context) -> Vec<(String, String)> {
+    /// The `traceparent` (and a `tracestate` that is not empty) naming
+    /// `cx`'s span, as headers.
+    pub fn inject(&self, cx: &opentelemetry::Context) -> Vec<(HeaderName, HeaderValue)> {
         let mut out = HeaderInjector(Vec::new());
         self.propagator.inject_context(cx, &mut out);
         out.0
@@ -162,10 +169,100 @@ impl Extractor for HeaderExtractor<'_> {
     }
 }
 
-struct HeaderInjector(Vec<(String, String)>);
+struct HeaderInjector(Vec<(HeaderName, HeaderValue)>);
 
 impl Injector for HeaderInjector {
     fn set(&mut self, key: &str, value: String) {
-        self.0.push((key.to_string(), value));
+        if value.is_empty() {
+            return;
+        }
+        if let (Ok(name), Ok(value)) = (HeaderName::from_bytes(key.as_bytes()), HeaderValue::try_from(value)) {
+            self.0.push((name, value));
+        }
+    }
+}
+
+/// Log lines written while a traced request's (or admin action's) context
+/// is current end with its `trace_id=`, so an operator goes from a log line
+/// to its trace. Read from the OpenTelemetry context the request's future
+/// runs in: a line costs this only when it is written, a request nothing.
+pub struct WithTraceId<F>(pub F);
+
+impl<S, N, F> FormatEvent<S, N> for WithTraceId<F>
+where
+    S: tracing::Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+    F: FormatEvent<S, N>,
+{
+    fn format_event(
+        &self,
+        ctx: &FmtContext<'_, S, N>,
+        mut writer: Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> fmt::Result {
+        let cx = opentelemetry::Context::current();
+        let span = cx.span();
+        let traced = span.span_context();
+        if !traced.is_valid() {
+            return self.0.format_event(ctx, writer, event);
+        }
+        let mut line = String::new();
+        self.0.format_event(ctx, Writer::new(&mut line), event)?;
+        writeln!(writer, "{} trace_id={}", line.trim_end_matches('\n'), traced.trace_id())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io;
+    use std::sync::{Arc, Mutex};
+
+    use opentelemetry::trace::{SpanContext, SpanId, TraceContextExt, TraceFlags, TraceId, TraceState};
+
+    use super::WithTraceId;
+
+    #[derive(Clone, Default)]
+    struct Lines(Arc<Mutex<Vec<u8>>>);
+
+    impl io::Write for Lines {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_log_line_written_in_a_traced_context_ends_with_its_trace_id() {
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .event_format(WithTraceId(tracing_subscriber::fmt::format().without_time().with_ansi(false)))
+            .with_writer(move || writer.clone())
+            .finish();
+        let traced = SpanContext::new(
+            TraceId::from_hex("4bf92f3577b34da6a3ce929d0e0e4736").unwrap(),
+            SpanId::from_hex("00f067aa0ba902b7").unwrap(),
+            TraceFlags::SAMPLED,
+            true,
+            TraceState::default(),
+        );
+        tracing::subscriber::with_default(subscriber, || {
+            tracing::warn!(replica = "a", "outside any request");
+            let _current = opentelemetry::Context::new().with_remote_span_context(traced).attach();
+            tracing::warn!(replica = "a", "inside a traced request");
+        });
+        let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 2, "{text}");
+        assert!(lines[0].ends_with("outside any request replica=\"a\""), "{text}");
+        assert!(!lines[0].contains("trace_id"), "{text}");
+        assert!(
+            lines[1].ends_with("inside a traced request replica=\"a\" trace_id=4bf92f3577b34da6a3ce929d0e0e4736"),
+            "{text}"
+        );
     }
 }

@@ -30,6 +30,7 @@ use std::time::{Duration, Instant};
 use actix_web::http::header::{self, HeaderName, HeaderValue};
 use actix_web::{web, HttpRequest, HttpResponse};
 use futures_util::StreamExt;
+use opentelemetry::KeyValue;
 
 use crate::admission::{Admitted, Permit};
 use crate::error::ApiError;
@@ -95,9 +96,10 @@ pub async fn forward(
     }
     let trace = trace::RequestTrace::start(state, &req);
     let forwarded = forward_request(&req, endpoint, payload, state, upstream, recorder, &trace);
-    // Log lines written inside a traced request carry its trace id.
-    let forwarded = match trace.trace_id() {
-        Some(id) => tracing::Instrument::instrument(forwarded, tracing::info_span!("request", trace_id = %id)).await,
+    // Log lines and history events written inside a traced request carry
+    // its trace id (`telemetry::WithTraceId`, `events.rs`).
+    let forwarded = match trace.context() {
+        Some(cx) => opentelemetry::context::FutureExt::with_context(forwarded, cx).await,
         None => forwarded.await,
     };
     match forwarded {
@@ -295,10 +297,10 @@ async fn forward_request(
     let hop = Hop { state, upstream: &upstream, recorder: &recorder, trace };
     let lookup = look_up(req, endpoint, &body, hop, &settings).await?;
     let Lookup { shape, session, large, pinned, .. } = &lookup;
-    trace.set(|| opentelemetry::KeyValue::new("prefixgate.dialect", shape.dialect.as_str()));
-    if let Some(model) = &shape.model {
-        trace.set(|| opentelemetry::KeyValue::new("gen_ai.request.model", model.clone()));
-    }
+    trace.set(|| {
+        let model = shape.model.as_ref().map(|m| KeyValue::new("gen_ai.request.model", m.clone()));
+        [Some(KeyValue::new("prefixgate.dialect", shape.dialect.as_str())), model].into_iter().flatten()
+    });
     // A new session waits here while no replica has room for it (the KV
     // wall, `sessions/`); a turn of a resident one never does.
     let of_session = hold::session_of(&lookup, &settings, state);
@@ -312,7 +314,7 @@ async fn forward_request(
         None => (None, None),
     };
     if let Some(waited) = held_for {
-        trace.set(|| opentelemetry::KeyValue::new("prefixgate.held_ms", waited.as_millis() as i64));
+        trace.set(|| [KeyValue::new("prefixgate.held_ms", waited.as_millis() as i64)]);
     }
     loop {
         let (replica, reason) = match placed.take() {
@@ -353,9 +355,6 @@ async fn forward_request(
         match attempt::send(request, body.clone()).await {
             Ok(resp) => {
                 trace::attempt_ended(&attempt_span, Ok(resp.status().as_u16()));
-                let _current = trace.attach();
-                trace.set(|| opentelemetry::KeyValue::new("prefixgate.route", reason.as_str()));
-                trace.set(|| opentelemetry::KeyValue::new("prefixgate.replica", replica.id.to_string()));
                 let (metrics, predicted_cached) = recorder.responded(&Responded {
                     replica: &replica.id,
                     reason,
@@ -369,6 +368,13 @@ async fn forward_request(
                     dialect: shape.dialect,
                     est_tokens,
                 });
+                trace.set(|| {
+                    let predicted =
+                        predicted_cached.map(|p| KeyValue::new("prefixgate.predicted_cached_tokens", p as i64));
+                    let route = KeyValue::new("prefixgate.route", reason.as_str());
+                    let replica = KeyValue::new("prefixgate.replica", replica.id.to_string());
+                    [Some(route), Some(replica), predicted].into_iter().flatten()
+                });
                 let outcome = Outcome {
                     recorder: recorder.into_inner(),
                     metrics,
@@ -379,9 +385,6 @@ async fn forward_request(
                     held: (guard, permit, ticket, turn),
                     trace: trace.clone(),
                 };
-                if let Some(predicted) = predicted_cached {
-                    trace.set(|| opentelemetry::KeyValue::new("prefixgate.predicted_cached_tokens", predicted as i64));
-                }
                 let idle = Duration::from_millis(config.timeouts.idle_stream_ms);
                 let name = upstream.replicas.name_header(&outcome.replica().id);
                 let mut out = respond(resp, outcome, name, predicted_cached, idle, shape.dialect);
@@ -392,7 +395,6 @@ async fn forward_request(
             }
             Err(e) => {
                 trace::attempt_ended(&attempt_span, Err((&e.message, e.retry_safe())));
-                let _current = trace.attach();
                 let replica = replica.clone();
                 drop((guard, permit, ticket, turn));
                 let took_down = recorder.attempt_failed(&replica, reason, &e, shape.stores_response);

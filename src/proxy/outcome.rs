@@ -328,17 +328,22 @@ impl BodyEnd for Outcome {
         };
         let route = &self.metrics;
         route.request_duration.observe(self.started.elapsed().as_secs_f64());
-        self.trace.set(|| opentelemetry::KeyValue::new("http.response.status_code", i64::from(self.status)));
-        self.trace.set(|| opentelemetry::KeyValue::new("prefixgate.body", status.to_string()));
+        let complete = outcome == BodyOutcome::Complete;
+        let measured = usage.and_then(UsageTap::usage).filter(|_| complete && (200..300).contains(&self.status));
+        self.trace.set(|| {
+            use opentelemetry::KeyValue;
+            let code = KeyValue::new("http.response.status_code", i64::from(self.status));
+            // How the body ended, when not as its status said (client gone, ...).
+            let body = (!complete).then(|| KeyValue::new("prefixgate.body", status.to_string()));
+            let input = measured.map(|u| KeyValue::new("gen_ai.usage.input_tokens", u.prompt_tokens as i64));
+            let cached =
+                measured.and_then(|u| u.cached_tokens).map(|c| KeyValue::new("prefixgate.cached_tokens", c as i64));
+            [Some(code), body, input, cached].into_iter().flatten()
+        });
         route.count_request(status);
-        if outcome == BodyOutcome::Complete && (200..300).contains(&self.status) {
-            let measured = usage.and_then(UsageTap::usage);
+        if complete && (200..300).contains(&self.status) {
             if measured.is_some() { &m.measured } else { &m.unmeasured }.inc();
             if let Some(u) = measured {
-                self.trace.set(|| opentelemetry::KeyValue::new("gen_ai.usage.input_tokens", u.prompt_tokens as i64));
-                if let Some(cached) = u.cached_tokens {
-                    self.trace.set(|| opentelemetry::KeyValue::new("prefixgate.cached_tokens", cached as i64));
-                }
                 self.recorder.calibration.calibrate(&self.replica().id, self.prompt_bytes, u.prompt_tokens);
                 route.prompt_tokens.inc_by(u.prompt_tokens);
                 route.cached_tokens.inc_by(u.cached_tokens.unwrap_or(0));

@@ -6,19 +6,23 @@
 //!   `prefixgate.replica`, `prefixgate.predicted_cached_tokens`,
 //!   `prefixgate.held_ms`, `gen_ai.request.model`, and at the end of the body
 //!   `gen_ai.usage.input_tokens`, `prefixgate.cached_tokens`,
-//!   `http.response.status_code`.
+//!   `http.response.status_code` (and `prefixgate.body` when the body did
+//!   not complete).
 //! - `prefixgate.attempt` (client), one per upstream attempt: the replica,
 //!   its outcome; a failed one is an error whose description says why and
 //!   `prefixgate.retried` whether another attempt followed. The upstream
 //!   request carries a `traceparent` naming it, so an engine started with
 //!   tracing continues the same trace.
-//! - `prefixgate.hold` and `prefixgate.locate`: the wait for room at the KV
-//!   wall, the search for a stored response.
+//! - `prefixgate.hold`, `prefixgate.locate` and `prefixgate.admission`: the
+//!   wait for room at the KV wall, the search for a stored response, the
+//!   wait for a large-context slot.
 //!
 //! A span ends when its last handle drops, on every path.
 
 use opentelemetry::trace::{SpanKind, Status, TraceContextExt, Tracer};
 use opentelemetry::{Context, KeyValue};
+
+use actix_web::http::header::{HeaderName, HeaderValue};
 
 use crate::state::AppState;
 
@@ -30,28 +34,32 @@ impl RequestTrace {
     pub fn start(state: &AppState, req: &actix_web::HttpRequest) -> RequestTrace {
         let Some(tracer) = state.telemetry.tracer() else { return RequestTrace(None) };
         let parent = state.telemetry.extract(req.headers());
+        // Room for every attribute the request will set, so the span's list
+        // is allocated once rather than grown as the request goes on.
+        let mut attributes = Vec::with_capacity(16);
+        attributes.push(KeyValue::new("http.request.method", req.method().to_string()));
+        attributes.push(KeyValue::new("url.path", req.path().to_string()));
         let span = tracer
             .span_builder("prefixgate.proxy")
             .with_kind(SpanKind::Server)
-            .with_attributes([
-                KeyValue::new("http.request.method", req.method().to_string()),
-                KeyValue::new("url.path", req.path().to_string()),
-            ])
+            .with_attributes(attributes)
             .start_with_context(tracer, &parent);
         RequestTrace(Some(parent.with_span(span)))
     }
 
-    /// The trace id (32 hex digits), when traced.
-    pub fn trace_id(&self) -> Option<String> {
-        let cx = self.0.as_ref()?;
-        Some(cx.span().span_context().trace_id().to_string())
+    /// The request's context (its server span), when traced: made current
+    /// while the request's future runs, so log lines and history events
+    /// written meanwhile carry its trace id.
+    pub fn context(&self) -> Option<Context> {
+        self.0.clone()
     }
 
-    /// Sets an attribute. The value is made only when the request is traced:
-    /// with tracing off, the request path allocates nothing for it.
-    pub fn set(&self, kv: impl FnOnce() -> KeyValue) {
+    /// Sets attributes, in one call on the span. They are made only when the
+    /// request is traced: with tracing off, the request path allocates
+    /// nothing for them.
+    pub fn set<I: IntoIterator<Item = KeyValue>>(&self, attributes: impl FnOnce() -> I) {
         if let Some(cx) = &self.0 {
-            cx.span().set_attribute(kv());
+            cx.span().set_attributes(attributes());
         }
     }
 
@@ -63,13 +71,6 @@ impl RequestTrace {
         }
     }
 
-    /// Makes the request's span current on this thread until the guard
-    /// drops, so history events recorded meanwhile carry its trace id.
-    /// Synchronous sections only: never held across an await.
-    pub fn attach(&self) -> Option<opentelemetry::ContextGuard> {
-        self.0.as_ref().map(|cx| cx.clone().attach())
-    }
-
     /// A child span for a wait or a lookup; it ends when dropped.
     pub fn child(&self, state: &AppState, name: &'static str) -> Option<Context> {
         let (cx, tracer) = (self.0.as_ref()?, state.telemetry.tracer()?);
@@ -79,7 +80,7 @@ impl RequestTrace {
 
     /// A client span for one upstream attempt, and the headers that carry
     /// it to the replica.
-    pub fn attempt(&self, state: &AppState, replica: &str) -> (Option<Context>, Vec<(String, String)>) {
+    pub fn attempt(&self, state: &AppState, replica: &str) -> (Option<Context>, Vec<(HeaderName, HeaderValue)>) {
         let (Some(cx), Some(tracer)) = (self.0.as_ref(), state.telemetry.tracer()) else {
             return (None, Vec::new());
         };
