@@ -32,6 +32,17 @@ impl Endpoint {
         }
     }
 
+    /// The path of a known endpoint (None: `Other`, whose path varies).
+    pub fn path(self) -> Option<&'static str> {
+        match self {
+            Endpoint::Chat => Some("/v1/chat/completions"),
+            Endpoint::Completions => Some("/v1/completions"),
+            Endpoint::Responses => Some("/v1/responses"),
+            Endpoint::Messages => Some("/v1/messages"),
+            Endpoint::Other => None,
+        }
+    }
+
     /// The API a path speaks (the shape of its errors, among other things).
     pub fn dialect(self) -> Dialect {
         match self {

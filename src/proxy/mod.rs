@@ -94,7 +94,7 @@ pub async fn forward(
     if let Some(refused) = refuse_client(state, &req, endpoint.dialect()) {
         return refused;
     }
-    let trace = trace::RequestTrace::start(state, &req);
+    let trace = trace::RequestTrace::start(state, &req, endpoint);
     let forwarded = forward_request(&req, endpoint, payload, state, upstream, recorder, &trace);
     // Log lines and history events written inside a traced request carry
     // its trace id (`telemetry::WithTraceId`, `events.rs`).
@@ -372,7 +372,8 @@ async fn forward_request(
                     let predicted =
                         predicted_cached.map(|p| KeyValue::new("prefixgate.predicted_cached_tokens", p as i64));
                     let route = KeyValue::new("prefixgate.route", reason.as_str());
-                    let replica = KeyValue::new("prefixgate.replica", replica.id.to_string());
+                    let replica =
+                        KeyValue::new("prefixgate.replica", opentelemetry::StringValue::from(replica.id.clone()));
                     [Some(route), Some(replica), predicted].into_iter().flatten()
                 });
                 let outcome = Outcome {

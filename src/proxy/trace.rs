@@ -20,25 +20,43 @@
 //! A span ends when its last handle drops, on every path.
 
 use opentelemetry::trace::{SpanKind, Status, TraceContextExt, Tracer};
-use opentelemetry::{Context, KeyValue};
+use opentelemetry::{Context, KeyValue, StringValue, Value};
+
+use std::sync::Arc;
 
 use actix_web::http::header::{HeaderName, HeaderValue};
+use actix_web::http::Method;
 
+use crate::policy::Endpoint;
 use crate::state::AppState;
+
+/// How many attributes a request's server span has room for from its start
+/// (method, path, dialect, model, route, replica, predicted and reported
+/// cached tokens, input tokens, status, and one more).
+const SERVER_ATTRIBUTES: usize = 11;
 
 /// The request's server span (None: tracing is off, or not sampled).
 #[derive(Clone, Default)]
 pub struct RequestTrace(Option<Context>);
 
 impl RequestTrace {
-    pub fn start(state: &AppState, req: &actix_web::HttpRequest) -> RequestTrace {
+    pub fn start(state: &AppState, req: &actix_web::HttpRequest, endpoint: Endpoint) -> RequestTrace {
         let Some(tracer) = state.telemetry.tracer() else { return RequestTrace(None) };
         let parent = state.telemetry.extract(req.headers());
-        // Room for every attribute the request will set, so the span's list
-        // is allocated once rather than grown as the request goes on.
-        let mut attributes = Vec::with_capacity(16);
-        attributes.push(KeyValue::new("http.request.method", req.method().to_string()));
-        attributes.push(KeyValue::new("url.path", req.path().to_string()));
+        // Room for the attributes a request sets, so the list is allocated
+        // once rather than grown as the request goes on; under 1 KiB, which
+        // glibc's malloc serves from its per-thread cache. Static text where
+        // the value is known, so few allocations cross to the exporter's
+        // thread to be freed there.
+        let mut attributes = Vec::with_capacity(SERVER_ATTRIBUTES);
+        let method = match *req.method() {
+            Method::POST => Value::from("POST"),
+            Method::GET => Value::from("GET"),
+            ref other => Value::from(other.to_string()),
+        };
+        let path = endpoint.path().map_or_else(|| Value::from(req.path().to_string()), Value::from);
+        attributes.push(KeyValue::new("http.request.method", method));
+        attributes.push(KeyValue::new("url.path", path));
         let span = tracer
             .span_builder("prefixgate.proxy")
             .with_kind(SpanKind::Server)
@@ -80,19 +98,27 @@ impl RequestTrace {
 
     /// A client span for one upstream attempt, and the headers that carry
     /// it to the replica.
-    pub fn attempt(&self, state: &AppState, replica: &str) -> (Option<Context>, Vec<(HeaderName, HeaderValue)>) {
+    pub fn attempt(&self, state: &AppState, replica: &Arc<str>) -> (Option<Context>, Vec<(HeaderName, HeaderValue)>) {
         let (Some(cx), Some(tracer)) = (self.0.as_ref(), state.telemetry.tracer()) else {
             return (None, Vec::new());
         };
         let span = tracer
             .span_builder("prefixgate.attempt")
             .with_kind(SpanKind::Client)
-            .with_attributes([KeyValue::new("prefixgate.replica", replica.to_string())])
+            .with_attributes(attempt_attributes(replica))
             .start_with_context(tracer, cx);
         let attempt = cx.with_span(span);
         let headers = state.telemetry.inject(&attempt);
         (Some(attempt), headers)
     }
+}
+
+/// An attempt's replica, with room for how it ended (its status, or the
+/// retry mark). The name is shared, not copied.
+fn attempt_attributes(replica: &Arc<str>) -> Vec<KeyValue> {
+    let mut attributes = Vec::with_capacity(2);
+    attributes.push(KeyValue::new("prefixgate.replica", StringValue::from(replica.clone())));
+    attributes
 }
 
 /// How an attempt ended: its status, or why it failed and whether another
