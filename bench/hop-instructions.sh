@@ -14,7 +14,8 @@
 # shutdown cancelled out. Builds the `profiling` profile (release with line
 # tables), so `callgrind_annotate` on the kept outputs names source lines.
 # Never run in CI. Needs: valgrind.
-# Usage: N=1000 bench/hop-instructions.sh   (outputs kept in $OUT, default /tmp/hop-instructions)
+# With BEFORE=<binary>, an older build is counted too (tracing off: unchanged?).
+# Usage: N=1000 [BEFORE=path/to/old/prefixgate] bench/hop-instructions.sh   (outputs kept in $OUT, default /tmp/hop-instructions)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${N:-1000}; OUT=${OUT:-/tmp/hop-instructions}
@@ -67,11 +68,12 @@ count() {
 replicas="--replica a=${SIM_URL[a]} --replica b=${SIM_URL[b]}"
 start_collector
 declare -A per
-targets="prefixgate prefixgate-traced floor"
+targets="prefixgate prefixgate-traced floor${BEFORE:+ before}"
 for target in $targets; do
   # Under valgrind a process is too slow to print its port in time: it is given a free one.
   port=$(free_port)
   if [ $target = prefixgate ]; then cmd=($bin serve --listen "127.0.0.1:$port" --admin-listen "127.0.0.1:$(free_port)" $replicas)
+  elif [ $target = before ]; then cmd=($BEFORE serve --listen "127.0.0.1:$port" --admin-listen "127.0.0.1:$(free_port)" $replicas)
   elif [ $target = prefixgate-traced ]; then
     cmd=($bin serve --listen "127.0.0.1:$port" --admin-listen "127.0.0.1:$(free_port)" $replicas
       --set "tracing.endpoint=$COLLECTOR_URL" --set tracing.sample_ratio=1)

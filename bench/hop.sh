@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The proxy hop's CPU against nginx, side by side in one run: prefixgate
 # (this tree's release build, with tracing off and on (every request
-# sampled, spans exported to a local collector); with BOLT=1 also its optimized build from
+# sampled, spans exported to a local collector, and to a collector that is
+# down); with BOLT=1 also its optimized build from
 # bench/bolt.sh; plus BEFORE=<binary> when given), the
 # framework floor (examples/bare_proxy.rs: actix-web + awc forwarding with
 # none of prefixgate's logic) and nginx, each in front of the same two
@@ -47,6 +48,11 @@ start_collector
 start_gateway prefixgate-traced "$bin" $replicas --set "tracing.endpoint=$COLLECTOR_URL" \
   --set tracing.sample_ratio=1
 add prefixgate-traced "${GW_URL[prefixgate-traced]}" "${GW_PID[prefixgate-traced]}"
+# And with the collector down (nothing listens on its port): every export
+# fails and its spans are counted as dropped; requests must not notice.
+start_gateway prefixgate-traced-down "$bin" $replicas --set "tracing.endpoint=http://127.0.0.1:$(free_port)/v1/traces" \
+  --set tracing.sample_ratio=1
+add prefixgate-traced-down "${GW_URL[prefixgate-traced-down]}" "${GW_PID[prefixgate-traced-down]}"
 if [ -n "${BOLT:-}" ]; then
   start_gateway prefixgate-bolt "$PWD/target/bolt/prefixgate" $replicas
   add prefixgate-bolt "${GW_URL[prefixgate-bolt]}" "${GW_PID[prefixgate-bolt]}"

@@ -87,8 +87,15 @@ pub struct TracingConfig {
     /// Fraction of traces sampled, 0 to 1, when the request carries no
     /// sampled parent (unset: `OTEL_TRACES_SAMPLER`, else every trace).
     pub sample_ratio: Option<f64>,
-    /// How often finished spans are exported in a batch, ms (unset: 1000).
+    /// How often finished spans are exported in a batch, ms (unset:
+    /// `OTEL_BSP_SCHEDULE_DELAY`, else 1000).
     pub export_interval_ms: Option<u64>,
+    /// How long one export may take before its spans count as dropped, ms
+    /// (unset: `OTEL_EXPORTER_OTLP_TIMEOUT`, else 10000).
+    pub export_timeout_ms: Option<u64>,
+    /// Finished spans kept while waiting for export; past it, spans are
+    /// dropped and counted (unset: `OTEL_BSP_MAX_QUEUE_SIZE`, else 8192).
+    pub max_queued_spans: Option<usize>,
     /// Where a trace is shown, with `{trace_id}` in it (e.g. Jaeger's
     /// `http://jaeger:16686/trace/{trace_id}`): the UI links history events to it.
     pub trace_url: Option<String>,

@@ -21,7 +21,9 @@ use opentelemetry::trace::{TraceContextExt as _, TracerProvider as _};
 use opentelemetry_otlp::{Protocol, WithExportConfig};
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
-use opentelemetry_sdk::trace::{BatchSpanProcessor, Sampler, SdkTracerProvider, SpanData, SpanExporter, Tracer};
+use opentelemetry_sdk::trace::{
+    BatchSpanProcessor, Sampler, SdkTracerProvider, SpanData, SpanExporter, SpanProcessor, Tracer,
+};
 
 use actix_web::http::header::{HeaderName, HeaderValue};
 use tracing_subscriber::fmt::format::Writer;
@@ -34,26 +36,76 @@ use crate::config::TracingConfig;
 pub struct Telemetry {
     provider: Option<SdkTracerProvider>,
     tracer: Option<Tracer>,
-    dropped: Arc<AtomicU64>,
+    lost: Lost,
     propagator: TraceContextPropagator,
 }
 
 /// Counts the spans of batches the collector did not take (down, slow,
-/// refusing): they are gone, and an operator should know how many.
+/// refusing): they are gone, and an operator should know how many. A batch
+/// handed over here has left the queue (`Bounded`).
 #[derive(Debug)]
 struct Counted<E> {
     inner: E,
-    dropped: Arc<AtomicU64>,
+    lost: Lost,
 }
 
 impl<E: SpanExporter> SpanExporter for Counted<E> {
     async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
         let n = batch.len() as u64;
+        self.lost.queued.fetch_sub(n, Ordering::Relaxed);
         let result = self.inner.export(batch).await;
         if result.is_err() {
-            self.dropped.fetch_add(n, Ordering::Relaxed);
+            self.lost.dropped.fetch_add(n, Ordering::Relaxed);
         }
         result
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        self.inner.shutdown_with_timeout(timeout)
+    }
+
+    fn set_resource(&mut self, resource: &opentelemetry_sdk::Resource) {
+        self.inner.set_resource(resource);
+    }
+}
+
+/// The spans waiting for export, and the spans lost: shared by the request
+/// path (`Bounded`) and the exporter's thread (`Counted`).
+#[derive(Debug, Clone, Default)]
+struct Lost {
+    queued: Arc<AtomicU64>,
+    dropped: Arc<AtomicU64>,
+}
+
+/// Hands finished spans to the batch processor while its queue has room,
+/// and drops and counts them when it has none. The SDK drops them too when
+/// its queue is full (a slow collector holds an export up to its timeout),
+/// but says so only in its own log: counted here, the loss shows in
+/// `prefixgate_spans_dropped_total` beside failed exports. The count of
+/// queued spans is never below the SDK queue's own, so the SDK never drops.
+#[derive(Debug)]
+struct Bounded<P> {
+    inner: P,
+    capacity: u64,
+    lost: Lost,
+}
+
+impl<P: SpanProcessor> SpanProcessor for Bounded<P> {
+    fn on_start(&self, span: &mut opentelemetry_sdk::trace::Span, cx: &opentelemetry::Context) {
+        self.inner.on_start(span, cx);
+    }
+
+    fn on_end(&self, span: SpanData) {
+        if self.lost.queued.fetch_add(1, Ordering::Relaxed) >= self.capacity {
+            self.lost.queued.fetch_sub(1, Ordering::Relaxed);
+            self.lost.dropped.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        self.inner.on_end(span);
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        self.inner.force_flush()
     }
 
     fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
@@ -74,7 +126,7 @@ fn env_endpoint() -> bool {
 impl Telemetry {
     /// No tracing.
     pub fn off() -> Telemetry {
-        Telemetry { provider: None, tracer: None, dropped: Arc::default(), propagator: TraceContextPropagator::new() }
+        Telemetry { provider: None, tracer: None, lost: Lost::default(), propagator: TraceContextPropagator::new() }
     }
 
     /// Tracing as `cfg` and the OTEL_* variables say; off without an endpoint.
@@ -82,8 +134,8 @@ impl Telemetry {
         if cfg.endpoint.is_none() && !env_endpoint() {
             return Ok(Telemetry::off());
         }
-        let dropped: Arc<AtomicU64> = Arc::default();
-        let (cfg, counter) = (cfg.clone(), dropped.clone());
+        let lost = Lost::default();
+        let (cfg, counter) = (cfg.clone(), lost.clone());
         // The blocking HTTP client makes (and later drops) a runtime of its
         // own: built on a plain thread, never on the server's.
         let provider = std::thread::spawn(move || build(&cfg, counter))
@@ -93,7 +145,7 @@ impl Telemetry {
         Ok(Telemetry {
             provider: Some(provider),
             tracer: Some(tracer),
-            dropped,
+            lost,
             propagator: TraceContextPropagator::new(),
         })
     }
@@ -104,7 +156,7 @@ impl Telemetry {
 
     /// Spans lost on the way to the collector.
     pub fn dropped(&self) -> u64 {
-        self.dropped.load(Ordering::Relaxed)
+        self.lost.dropped.load(Ordering::Relaxed)
     }
 
     /// The W3C trace context carried by `headers` (`traceparent`, `tracestate`).
@@ -135,14 +187,19 @@ impl Telemetry {
     }
 }
 
-fn build(cfg: &TracingConfig, dropped: Arc<AtomicU64>) -> Result<SdkTracerProvider, String> {
+fn build(cfg: &TracingConfig, lost: Lost) -> Result<SdkTracerProvider, String> {
     let mut exporter = opentelemetry_otlp::SpanExporter::builder().with_http().with_protocol(Protocol::HttpBinary);
     if let Some(endpoint) = &cfg.endpoint {
         exporter = exporter.with_endpoint(endpoint);
     }
+    if let Some(ms) = cfg.export_timeout_ms {
+        exporter = exporter.with_timeout(Duration::from_millis(ms));
+    }
     let exporter = exporter.build().map_err(|e| format!("tracing: cannot build the OTLP exporter: {e}"))?;
-    let batch = batch_config(cfg);
-    let processor = BatchSpanProcessor::builder(Counted { inner: exporter, dropped }).with_batch_config(batch).build();
+    let (batch, capacity) = batch_config(cfg);
+    let exporter = Counted { inner: exporter, lost: lost.clone() };
+    let processor = BatchSpanProcessor::builder(exporter).with_batch_config(batch).build();
+    let processor = Bounded { inner: processor, capacity: capacity as u64, lost };
     let mut resource = opentelemetry_sdk::Resource::builder();
     if let Some(name) = &cfg.service_name {
         resource = resource.with_service_name(name.clone());
@@ -156,26 +213,24 @@ fn build(cfg: &TracingConfig, dropped: Arc<AtomicU64>) -> Result<SdkTracerProvid
     Ok(provider.build())
 }
 
-/// The batch processor's settings: the SDK's `OTEL_BSP_*` variables where
-/// set, else ours. Larger batches and queue than the SDK's (512 of 2,048):
-/// at every request sampled, a gateway ends ~40,000 spans a second, which
-/// the SDK's queue holds for 50 ms; batches of 2,048 cost the export thread
-/// a tenth less CPU per span (bench/hop.sh's traced column), and 8,192
-/// queued spans are at most a few MB.
-fn batch_config(cfg: &TracingConfig) -> opentelemetry_sdk::trace::BatchConfig {
+/// The batch processor's settings, and its queue's size: `[tracing]` keys,
+/// else the SDK's `OTEL_BSP_*` variables, else ours. Larger batches and
+/// queue than the SDK's (512 of 2,048): with every request sampled, a
+/// gateway ends ~40,000 spans a second, which the SDK's queue holds for
+/// 50 ms; batches of 2,048 cost the export thread less CPU per span (fewer
+/// posts), and 8,192 queued spans are a few MB at most.
+fn batch_config(cfg: &TracingConfig) -> (opentelemetry_sdk::trace::BatchConfig, usize) {
     use opentelemetry_sdk::trace::{OTEL_BSP_MAX_EXPORT_BATCH_SIZE, OTEL_BSP_MAX_QUEUE_SIZE, OTEL_BSP_SCHEDULE_DELAY};
-    let unset = |name: &str| std::env::var_os(name).is_none();
-    let mut batch = opentelemetry_sdk::trace::BatchConfigBuilder::default();
-    if cfg.export_interval_ms.is_some() || unset(OTEL_BSP_SCHEDULE_DELAY) {
+    let env = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<usize>().ok());
+    let queue = cfg.max_queued_spans.or_else(|| env(OTEL_BSP_MAX_QUEUE_SIZE)).unwrap_or(8_192).max(1);
+    let batch_size = env(OTEL_BSP_MAX_EXPORT_BATCH_SIZE).unwrap_or(2_048).min(queue);
+    let mut batch = opentelemetry_sdk::trace::BatchConfigBuilder::default()
+        .with_max_queue_size(queue)
+        .with_max_export_batch_size(batch_size);
+    if cfg.export_interval_ms.is_some() || std::env::var_os(OTEL_BSP_SCHEDULE_DELAY).is_none() {
         batch = batch.with_scheduled_delay(Duration::from_millis(cfg.export_interval_ms.unwrap_or(1_000)));
     }
-    if unset(OTEL_BSP_MAX_QUEUE_SIZE) {
-        batch = batch.with_max_queue_size(8_192);
-    }
-    if unset(OTEL_BSP_MAX_EXPORT_BATCH_SIZE) {
-        batch = batch.with_max_export_batch_size(2_048);
-    }
-    batch.build()
+    (batch.build(), queue)
 }
 
 struct HeaderExtractor<'a>(&'a actix_web::http::header::HeaderMap);

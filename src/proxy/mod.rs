@@ -95,12 +95,17 @@ pub async fn forward(
         return refused;
     }
     let trace = trace::RequestTrace::start(state, &req, endpoint);
-    let forwarded = forward_request(&req, endpoint, payload, state, upstream, recorder, &trace);
     // Log lines and history events written inside a traced request carry
-    // its trace id (`telemetry::WithTraceId`, `events.rs`).
+    // its trace id (`telemetry::WithTraceId`, `events.rs`). The future is
+    // made in each arm, not once before: one made outside would be kept
+    // beside its wrapped copy in the handler's state, and the handler's
+    // future (allocated and moved on every request) grow by its size.
     let forwarded = match trace.context() {
-        Some(cx) => opentelemetry::context::FutureExt::with_context(forwarded, cx).await,
-        None => forwarded.await,
+        Some(cx) => {
+            let forwarded = forward_request(&req, endpoint, payload, state, upstream, recorder, &trace);
+            opentelemetry::context::FutureExt::with_context(forwarded, cx).await
+        }
+        None => forward_request(&req, endpoint, payload, state, upstream, recorder, &trace).await,
     };
     match forwarded {
         Ok(resp) => resp,

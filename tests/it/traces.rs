@@ -193,3 +193,34 @@ async fn with_the_collector_down_every_request_is_answered() {
     assert!(gw.gw.telemetry.dropped() >= 20, "the lost spans are counted: {}", gw.gw.telemetry.dropped());
     gw.stop().await;
 }
+
+#[actix_web::test]
+async fn with_the_collector_slow_spans_past_the_queue_are_dropped_and_counted() {
+    // A collector that takes connections and never answers: each export
+    // waits for its timeout while spans keep ending.
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/v1/traces", silent.local_addr().unwrap());
+    let a = start_sim("a", fast_sim()).await;
+    let mut c = traced(&[&a], &url);
+    c.tracing.max_queued_spans = Some(4);
+    c.tracing.export_timeout_ms = Some(2_000);
+    let gw = start_gateway(c).await;
+    // 20 requests at once: 40 spans, while the first export hangs.
+    let answers = futures_util::future::join_all((0..20).map(|i| {
+        let gw = &gw;
+        async move { chat(gw, &[("user", &format!("question {i}"))]).await.status }
+    }))
+    .await;
+    assert_eq!(answers, vec![200; 20], "every request answered");
+    // At most 4 queued and 4 in the hanging export: the rest were dropped
+    // as they ended (a server span ends just after its body), and counted
+    // then, within the first export's timeout.
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(1_500);
+    while gw.gw.telemetry.dropped() < 20 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let dropped = gw.gw.telemetry.dropped();
+    assert!(dropped >= 20, "spans past the queue are counted as dropped: {dropped}");
+    gw.stop().await;
+    drop(silent);
+}
