@@ -23,13 +23,11 @@ pub enum Endpoint {
 
 impl Endpoint {
     pub fn from_path(path: &str) -> Endpoint {
-        match path.trim_end_matches('/') {
-            "/v1/chat/completions" => Endpoint::Chat,
-            "/v1/completions" => Endpoint::Completions,
-            "/v1/responses" => Endpoint::Responses,
-            "/v1/messages" => Endpoint::Messages,
-            _ => Endpoint::Other,
-        }
+        let path = path.trim_end_matches('/');
+        [Endpoint::Chat, Endpoint::Completions, Endpoint::Responses, Endpoint::Messages]
+            .into_iter()
+            .find(|e| e.path() == Some(path))
+            .unwrap_or(Endpoint::Other)
     }
 
     /// The path of a known endpoint (None: `Other`, whose path varies).

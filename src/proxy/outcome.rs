@@ -329,7 +329,8 @@ impl BodyEnd for Outcome {
         let route = &self.metrics;
         route.request_duration.observe(self.started.elapsed().as_secs_f64());
         let complete = outcome == BodyOutcome::Complete;
-        let measured = usage.and_then(UsageTap::usage).filter(|_| complete && (200..300).contains(&self.status));
+        let succeeded = complete && (200..300).contains(&self.status);
+        let measured = usage.and_then(UsageTap::usage).filter(|_| succeeded);
         self.trace.set(|| {
             use opentelemetry::KeyValue;
             let code = KeyValue::new("http.response.status_code", i64::from(self.status));
@@ -341,7 +342,7 @@ impl BodyEnd for Outcome {
             [Some(code), body, input, cached].into_iter().flatten()
         });
         route.count_request(status);
-        if complete && (200..300).contains(&self.status) {
+        if succeeded {
             if measured.is_some() { &m.measured } else { &m.unmeasured }.inc();
             if let Some(u) = measured {
                 self.recorder.calibration.calibrate(&self.replica().id, self.prompt_bytes, u.prompt_tokens);
