@@ -193,16 +193,6 @@ impl Kept {
     }
 }
 
-/// The trace id of the span current on this thread (a request's or an
-/// admin action's, attached around the code that records), if any.
-fn current_trace_id() -> Option<String> {
-    use opentelemetry::trace::TraceContextExt;
-    let cx = opentelemetry::Context::current();
-    let span = cx.span();
-    let sc = span.span_context();
-    sc.is_valid().then(|| sc.trace_id().to_string())
-}
-
 /// An event on its way to the store, with the id up to which older persisted
 /// events fell out of the ring.
 pub type Pending = (Event, Option<u64>);
@@ -373,7 +363,7 @@ impl EventLog {
             replica: replica.map(str::to_owned),
             to_replica: to_replica.map(str::to_owned),
             detail: detail.into(),
-            trace_id: current_trace_id(),
+            trace_id: crate::telemetry::current_trace_id().map(|t| t.to_string()),
         };
         tracing::info!(target: "prefixgate::events", id = event.id, kind = ?kind, replica, to_replica, detail = %event.detail, "event");
         let mut ring = self.ring.write().expect("events lock");

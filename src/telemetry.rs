@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
-use opentelemetry::trace::{TraceContextExt as _, TracerProvider as _};
+use opentelemetry::trace::{TraceContextExt as _, TraceId, TracerProvider as _};
 use opentelemetry_otlp::{Protocol, WithExportConfig};
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
@@ -258,6 +258,29 @@ impl Injector for HeaderInjector {
     }
 }
 
+/// The trace of the span current on this thread (a request's, an admin
+/// action's, a discovery change's), if any: what log lines and history
+/// events written meanwhile carry.
+pub fn current_trace_id() -> Option<TraceId> {
+    let cx = opentelemetry::Context::current();
+    let traced = cx.span().span_context().clone();
+    traced.is_valid().then(|| traced.trace_id())
+}
+
+/// A span for an operation outside any request (an admin action, a
+/// discovery change), to attach around the code that performs it. Named and
+/// described only when tracing is on.
+pub fn operation_span(
+    tracer: Option<&Tracer>,
+    describe: impl FnOnce() -> (String, Vec<opentelemetry::KeyValue>),
+) -> Option<opentelemetry::Context> {
+    use opentelemetry::trace::Tracer as _;
+    let tracer = tracer?;
+    let (name, attributes) = describe();
+    let span = tracer.span_builder(name).with_attributes(attributes).start(tracer);
+    Some(opentelemetry::Context::current_with_span(span))
+}
+
 /// Log lines written while a traced request's (or admin action's) context
 /// is current end with its `trace_id=`, so an operator goes from a log line
 /// to its trace. Read from the OpenTelemetry context the request's future
@@ -276,15 +299,12 @@ where
         mut writer: Writer<'_>,
         event: &tracing::Event<'_>,
     ) -> fmt::Result {
-        let cx = opentelemetry::Context::current();
-        let span = cx.span();
-        let traced = span.span_context();
-        if !traced.is_valid() {
+        let Some(trace_id) = current_trace_id() else {
             return self.0.format_event(ctx, writer, event);
-        }
+        };
         let mut line = String::new();
         self.0.format_event(ctx, Writer::new(&mut line), event)?;
-        writeln!(writer, "{} trace_id={}", line.trim_end_matches('\n'), traced.trace_id())
+        writeln!(writer, "{} trace_id={trace_id}", line.trim_end_matches('\n'))
     }
 }
 

@@ -176,12 +176,9 @@ pub(crate) async fn act<T: Send + 'static>(
     name: &'static str,
     action: impl FnOnce(&Operator) -> Result<T, crate::domain_error::DomainError> + Send + 'static,
 ) -> Result<T, ApiError> {
-    use opentelemetry::trace::{TraceContextExt, Tracer};
     let operator: Arc<Operator> = s.operator.clone();
-    let span = s.telemetry.tracer().map(|t| {
-        let span = t.span_builder(format!("prefixgate.admin.{name}")).start(t);
-        opentelemetry::Context::current_with_span(span)
-    });
+    let span =
+        crate::telemetry::operation_span(s.telemetry.tracer(), || (format!("prefixgate.admin.{name}"), Vec::new()));
     let done = web::block(move || {
         let _current = span.map(opentelemetry::Context::attach);
         action(&operator)

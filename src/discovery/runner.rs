@@ -275,13 +275,9 @@ impl Run {
             SourceAction::Remove(_) => "removed",
         };
         // A span, current while the change applies: its event carries the trace id.
-        let span = self.tracer.as_ref().map(|t| {
-            use opentelemetry::trace::{TraceContextExt, Tracer};
-            let span = t
-                .span_builder(format!("prefixgate.discovery.{change}"))
-                .with_attributes([opentelemetry::KeyValue::new("prefixgate.source", label.to_string())])
-                .start(t);
-            opentelemetry::Context::current_with_span(span)
+        let span = crate::telemetry::operation_span(self.tracer.as_ref(), || {
+            let source = opentelemetry::KeyValue::new("prefixgate.source", label.to_string());
+            (format!("prefixgate.discovery.{change}"), vec![source])
         });
         let applied = {
             let _current = span.map(opentelemetry::Context::attach);
