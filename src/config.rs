@@ -20,6 +20,8 @@ pub use crate::fleet::health::HealthConfig;
 pub use crate::discovery::SourceConfig;
 use crate::fleet::ReplicaSpec;
 use crate::policy::{IdentityBlocks, Mode};
+pub use crate::sessions::SessionConfig;
+pub use crate::telemetry::TracingConfig;
 
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields, default)]
@@ -71,36 +73,6 @@ pub struct Config {
     pub discovery: Vec<SourceConfig>,
 }
 
-/// OpenTelemetry traces. The standard variables work too and are read by the
-/// OpenTelemetry SDK itself (`OTEL_EXPORTER_OTLP_ENDPOINT`,
-/// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, `OTEL_SERVICE_NAME`,
-/// `OTEL_TRACES_SAMPLER` and `_ARG`, `OTEL_RESOURCE_ATTRIBUTES`); a key set
-/// here wins. Off when no endpoint is set either way.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields, default)]
-pub struct TracingConfig {
-    /// OTLP/HTTP (protobuf) endpoint for traces, e.g.
-    /// `http://collector:4318/v1/traces` (unset: the OTEL_* variables, else off).
-    pub endpoint: Option<String>,
-    /// The `service.name` of the spans (unset: `OTEL_SERVICE_NAME`, else `prefixgate`).
-    pub service_name: Option<String>,
-    /// Fraction of traces sampled, 0 to 1, when the request carries no
-    /// sampled parent (unset: `OTEL_TRACES_SAMPLER`, else every trace).
-    pub sample_ratio: Option<f64>,
-    /// How often finished spans are exported in a batch, ms (unset:
-    /// `OTEL_BSP_SCHEDULE_DELAY`, else 1000).
-    pub export_interval_ms: Option<u64>,
-    /// How long one export may take before its spans count as dropped, ms
-    /// (unset: `OTEL_EXPORTER_OTLP_TIMEOUT`, else 10000).
-    pub export_timeout_ms: Option<u64>,
-    /// Finished spans kept while waiting for export; past it, spans are
-    /// dropped and counted (unset: `OTEL_BSP_MAX_QUEUE_SIZE`, else 8192).
-    pub max_queued_spans: Option<usize>,
-    /// Where a trace is shown, with `{trace_id}` in it (e.g. Jaeger's
-    /// `http://jaeger:16686/trace/{trace_id}`): the UI links history events to it.
-    pub trace_url: Option<String>,
-}
-
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct StoreConfig {
@@ -118,38 +90,6 @@ pub struct StoreConfig {
 impl Default for StoreConfig {
     fn default() -> Self {
         StoreConfig { url: None, instance: None, read_through_ms: 5 }
-    }
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields, default)]
-pub struct SessionConfig {
-    /// More request headers that name a conversation, tried after the
-    /// built-in ones (`x-session-id`, `session-id`, `session_id`,
-    /// `x-claude-code-session-id`, `x-session-affinity`). Lowercase.
-    pub headers: Vec<String>,
-    /// A session stays resident on its replica (its KV counted against the
-    /// room) until this long after its last turn ended.
-    pub idle_ms: u64,
-    /// Longest a new session waits for room at the KV wall before it is
-    /// admitted over capacity (0: never held).
-    pub max_wait_ms: u64,
-    /// Most new sessions waiting for room at once; past it, 503 with Retry-After.
-    pub max_held: usize,
-    /// A new session whose footprint is smaller than this many tokens is
-    /// never held (on llama.cpp slots every session takes a whole slot).
-    pub hold_min_tokens: u64,
-}
-
-impl Default for SessionConfig {
-    fn default() -> Self {
-        SessionConfig {
-            headers: Vec::new(),
-            idle_ms: 5_000,
-            max_wait_ms: 120_000,
-            max_held: 256,
-            hold_min_tokens: 2_048,
-        }
     }
 }
 

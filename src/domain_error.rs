@@ -5,8 +5,6 @@
 
 use std::time::Duration;
 
-use crate::store::StoreError;
-
 #[derive(Debug, thiserror::Error)]
 pub enum DomainError {
     /// Nothing by that name (a replica, a pin).
@@ -26,6 +24,8 @@ pub enum DomainError {
     #[error("{message}")]
     Overloaded { message: String, retry_after: Duration },
     /// The store refused a write the action needs first: nothing changed.
+    /// The store's own error, in words: the domain knows no store type, so
+    /// the mapping happens where the store is called.
     #[error("{0}")]
-    Store(#[from] StoreError),
+    Store(String),
 }

@@ -181,7 +181,7 @@ impl From<crate::domain_error::DomainError> for ApiError {
             Invalid(m) => ApiError::Unprocessable(m),
             Timeout(m) => ApiError::Timeout(m),
             Overloaded { message, retry_after } => ApiError::Overloaded { message, retry_after },
-            Store(e) => ApiError::Internal(e.to_string()),
+            Store(e) => ApiError::Internal(e),
         }
     }
 }

@@ -30,7 +30,37 @@ use tracing_subscriber::fmt::format::Writer;
 use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
 use tracing_subscriber::registry::LookupSpan;
 
-use crate::config::TracingConfig;
+use serde::{Deserialize, Serialize};
+
+/// OpenTelemetry traces. The standard variables work too and are read by the
+/// OpenTelemetry SDK itself (`OTEL_EXPORTER_OTLP_ENDPOINT`,
+/// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, `OTEL_SERVICE_NAME`,
+/// `OTEL_TRACES_SAMPLER` and `_ARG`, `OTEL_RESOURCE_ATTRIBUTES`); a key set
+/// here wins. Off when no endpoint is set either way.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct TracingConfig {
+    /// OTLP/HTTP (protobuf) endpoint for traces, e.g.
+    /// `http://collector:4318/v1/traces` (unset: the OTEL_* variables, else off).
+    pub endpoint: Option<String>,
+    /// The `service.name` of the spans (unset: `OTEL_SERVICE_NAME`, else `prefixgate`).
+    pub service_name: Option<String>,
+    /// Fraction of traces sampled, 0 to 1, when the request carries no
+    /// sampled parent (unset: `OTEL_TRACES_SAMPLER`, else every trace).
+    pub sample_ratio: Option<f64>,
+    /// How often finished spans are exported in a batch, ms (unset:
+    /// `OTEL_BSP_SCHEDULE_DELAY`, else 1000).
+    pub export_interval_ms: Option<u64>,
+    /// How long one export may take before its spans count as dropped, ms
+    /// (unset: `OTEL_EXPORTER_OTLP_TIMEOUT`, else 10000).
+    pub export_timeout_ms: Option<u64>,
+    /// Finished spans kept while waiting for export; past it, spans are
+    /// dropped and counted (unset: `OTEL_BSP_MAX_QUEUE_SIZE`, else 8192).
+    pub max_queued_spans: Option<usize>,
+    /// Where a trace is shown, with `{trace_id}` in it (e.g. Jaeger's
+    /// `http://jaeger:16686/trace/{trace_id}`): the UI links history events to it.
+    pub trace_url: Option<String>,
+}
 
 /// The tracer, when tracing is on, and what it lost.
 pub struct Telemetry {

@@ -105,7 +105,7 @@ pub struct Operator {
 }
 
 fn internal(e: StoreError) -> DomainError {
-    DomainError::Store(e)
+    DomainError::Store(e.to_string())
 }
 
 fn not_found(id: &str) -> DomainError {

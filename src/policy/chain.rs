@@ -31,7 +31,7 @@ use std::fmt;
 use serde::Deserialize;
 use xxhash_rust::xxh3::Xxh3;
 
-pub(super) use super::json::{canonical, Json};
+pub(super) use super::json::{canonical, field, Json};
 
 /// A 128-bit key naming one prompt prefix (model included).
 pub type PrefixKey = u128;
@@ -174,14 +174,6 @@ impl Chain {
         self.prev = self.h.digest128();
         self.prev
     }
-}
-
-/// A tagged, length-prefixed field: no two different field sequences hash
-/// the same byte stream.
-pub(super) fn field(h: &mut Xxh3, tag: u8, bytes: &[u8]) {
-    h.update(&[tag]);
-    h.update(&(bytes.len() as u64).to_le_bytes());
-    h.update(bytes);
 }
 
 /// Hashes one message-like unit: role, then content (a string is the same

@@ -19,8 +19,6 @@ use serde_json::Number;
 use smallvec::SmallVec;
 use xxhash_rust::xxh3::Xxh3;
 
-use super::chain::field;
-
 #[derive(Debug, Clone, PartialEq)]
 pub(super) enum Json<'a> {
     Null,
@@ -51,6 +49,14 @@ impl<'a> Json<'a> {
     pub(super) fn is_object(&self) -> bool {
         matches!(self, Json::Object(_))
     }
+}
+
+/// A tagged, length-prefixed field: no two different field sequences hash
+/// the same byte stream.
+pub(super) fn field(h: &mut Xxh3, tag: u8, bytes: &[u8]) {
+    h.update(&[tag]);
+    h.update(&(bytes.len() as u64).to_le_bytes());
+    h.update(bytes);
 }
 
 /// Hashes a JSON value independently of formatting and key order, ignoring

@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use super::Lookup;
+use super::lookup::Lookup;
 use crate::error::ApiError;
 use crate::events::EventKind;
 use crate::fleet::Replica;

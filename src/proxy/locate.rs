@@ -37,7 +37,7 @@ use actix_web::HttpRequest;
 use futures_util::future::{select_ok, FutureExt};
 
 use super::outcome::OutcomeRecorder;
-use super::Upstream;
+use super::upstream::Upstream;
 use crate::metrics::ResultLabels;
 use crate::policy::sessions::response_key;
 use crate::state::AppState;

@@ -19,9 +19,11 @@ mod body;
 mod headers;
 mod hold;
 mod locate;
+mod lookup;
 pub mod outcome;
 pub mod plan;
 pub mod trace;
+mod upstream;
 pub mod usage;
 
 use std::sync::Arc;
@@ -34,13 +36,14 @@ use opentelemetry::KeyValue;
 
 use crate::admission::{Admitted, Permit};
 use crate::error::ApiError;
-use crate::fleet::{Replica, ReplicaSpec};
-use crate::pins::Pin;
-use crate::policy::{self, sessions, Dialect, Endpoint, Mode, PolicySettings, PrefixMatch, RouteReason};
+use crate::fleet::Replica;
+use crate::policy::{Dialect, Endpoint, PolicySettings, RouteReason};
 use crate::state::AppState;
 use body::GuardedBody;
+use lookup::{look_up, Hop, Lookup};
 use outcome::{Outcome, OutcomeRecorder, Responded, Routed};
 use plan::PlanInput;
+pub use upstream::Upstream;
 use usage::UsageTap;
 
 // Constants, so the names are checked once at compile time, not per request.
@@ -49,35 +52,6 @@ pub const HEADER_ROUTE: HeaderName = HeaderName::from_static("x-prefixgate-route
 pub const HEADER_PREDICTED_CACHED: HeaderName = HeaderName::from_static("x-prefixgate-predicted-cached-tokens");
 /// On a new session that waited for room at the KV wall: how long, in ms.
 pub const HEADER_HELD_MS: HeaderName = HeaderName::from_static("x-prefixgate-held-ms");
-
-/// One awc client per actix worker (awc is `!Send`), built in the app
-/// factory, with what this worker derived from the replicas once.
-pub struct Upstream {
-    client: awc::Client,
-    replicas: headers::PerReplica,
-}
-
-impl Upstream {
-    pub fn new(t: &crate::config::Timeouts) -> Upstream {
-        let connector = crate::connector::connector(Duration::from_millis(t.connect_ms))
-            // No pool cap: a thousand concurrent streams is a normal day.
-            .limit(0);
-        let client = awc::Client::builder()
-            .connector(connector)
-            .no_default_headers()
-            .disable_redirects()
-            // awc's default of 5 s would kill a slow first token; this
-            // bounds sending plus the response head only.
-            .timeout(Duration::from_millis(t.response_head_ms))
-            .finish();
-        Upstream { client, replicas: headers::PerReplica::default() }
-    }
-
-    /// The upstream request for `req` on the replica `spec`.
-    fn request(&self, spec: &Arc<ReplicaSpec>, req: &HttpRequest, gateway_keys: bool) -> awc::ClientRequest {
-        headers::upstream_request(&self.client, self.replicas.target(spec, req.uri()), req, spec, gateway_keys)
-    }
-}
 
 /// `POST|GET|DELETE /v1/{tail}`: everything under /v1 except `GET /v1/models`.
 /// Errors come back in the shape of the API the client speaks.
@@ -125,102 +99,6 @@ pub fn refuse_client(state: &AppState, req: &HttpRequest, dialect: Dialect) -> O
     let e = state.access.check_client(req).err()?;
     state.metrics.rejected.get_or_create(&crate::metrics::ResultLabels { result: "client_access" }).inc();
     Some(e.response_for(dialect))
-}
-
-/// `/v1/responses/{id}` and everything below it name a stored response.
-fn stored_response_in_path(path: &str) -> Option<&str> {
-    let id = path.strip_prefix("/v1/responses/")?.split('/').next()?;
-    (!id.is_empty()).then_some(id)
-}
-
-/// What a request is, looked up once before any attempt: its shape and
-/// every pin that names a home for it.
-struct Lookup {
-    shape: policy::RequestShape,
-    session: Option<sessions::SessionKey>,
-    /// Counts against `max_large_inflight`.
-    large: bool,
-    /// The longest pinned prefix of the request.
-    pinned: Option<(PrefixMatch, Pin)>,
-    /// Where the request's session key points.
-    named: Option<Arc<str>>,
-    /// A stored response the request names, and the replica holding it.
-    stored: Option<(String, Arc<str>)>,
-}
-
-/// What the lookup reaches: the gateway, this worker's upstream client and
-/// recorder, and the request's trace.
-struct Hop<'a> {
-    state: &'a AppState,
-    upstream: &'a Upstream,
-    recorder: &'a OutcomeRecorder,
-    trace: &'a trace::RequestTrace,
-}
-
-async fn look_up(
-    req: &HttpRequest,
-    endpoint: Endpoint,
-    body: &[u8],
-    hop: Hop<'_>,
-    settings: &PolicySettings,
-) -> Result<Lookup, ApiError> {
-    let Hop { state, upstream, recorder, trace } = hop;
-    let config = &state.config;
-    let bad_request = |e: policy::ShapeError| {
-        recorder.rejected("bad_request");
-        ApiError::BadRequest(e.0)
-    };
-    let mut shape = policy::identity::extract(endpoint, body, settings.identity).map_err(bad_request)?;
-    let stored_in_path = stored_response_in_path(req.path());
-    // Responses from other paths (GET /v1/responses/{id}, ...) still speak their API.
-    if stored_in_path.is_some() {
-        shape.dialect = Dialect::Responses;
-    }
-    // Scoped: the header list is not kept in the request's future.
-    let session = {
-        let headers = headers::RequestHeaders::of(req);
-        let header = |name: &str| headers.get(name);
-        sessions::session_key(shape.model.as_deref(), shape.cache_key.as_deref(), header, &config.sessions.headers)
-            .map_err(bad_request)?
-    };
-    // The large/small decision uses the documented default ratio: it is
-    // made before a replica (and its calibrated ratio) is chosen.
-    let large = crate::tokens::estimate_tokens(shape.prompt_bytes) >= config.admission.large_context_tokens;
-    let pinned = if shape.multi_unit {
-        state
-            .pins
-            .lookup_longest(&shape.boundaries)
-            .map(|(i, pin)| (PrefixMatch { key: shape.boundaries[i].key, bytes: shape.boundaries[i].bytes }, pin))
-    } else {
-        None
-    };
-    if settings.mode == Mode::Shape && shape.multi_unit {
-        recorder.pin_lookup(pinned.is_some());
-    }
-    let named = session.and_then(|s| state.pins.replica_of(s.key));
-    // A stored response unknown here is looked for (`locate.rs`); one
-    // nobody holds is forwarded like anything else, and the engine that does
-    // not know it answers for itself.
-    if let Some(id) = stored_in_path {
-        sessions::check_response_id("path: the response id", id).map_err(bad_request)?;
-    }
-    if let Some(id) = shape.previous_response.as_deref() {
-        sessions::check_response_id("previous_response_id", id).map_err(bad_request)?;
-    }
-    let stored_id = shape.previous_response.as_deref().or(stored_in_path);
-    let stored = match stored_id {
-        Some(id) => match state.pins.replica_of(sessions::response_key(id)) {
-            Some(home) => Some((id.to_string(), home)),
-            None => {
-                let _looking = trace.child(state, "prefixgate.locate");
-                locate::stored_response(state, upstream, recorder, req, id, shape.model.as_deref())
-                    .await
-                    .map(|home| (id.to_string(), home))
-            }
-        },
-        None => None,
-    };
-    Ok(Lookup { shape, session, large, pinned, named, stored })
 }
 
 /// Where a request's attempts stand (the retry rule: `attempt.rs`).

@@ -32,11 +32,42 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::config::SessionConfig;
-
 use crate::domain_error::DomainError;
 use crate::policy::PrefixKey;
 pub use room::{Room, Verdict};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct SessionConfig {
+    /// More request headers that name a conversation, tried after the
+    /// built-in ones (`x-session-id`, `session-id`, `session_id`,
+    /// `x-claude-code-session-id`, `x-session-affinity`). Lowercase.
+    pub headers: Vec<String>,
+    /// A session stays resident on its replica (its KV counted against the
+    /// room) until this long after its last turn ended.
+    pub idle_ms: u64,
+    /// Longest a new session waits for room at the KV wall before it is
+    /// admitted over capacity (0: never held).
+    pub max_wait_ms: u64,
+    /// Most new sessions waiting for room at once; past it, 503 with Retry-After.
+    pub max_held: usize,
+    /// A new session whose footprint is smaller than this many tokens is
+    /// never held (on llama.cpp slots every session takes a whole slot).
+    pub hold_min_tokens: u64,
+}
+
+impl Default for SessionConfig {
+    fn default() -> Self {
+        SessionConfig {
+            headers: Vec::new(),
+            idle_ms: 5_000,
+            max_wait_ms: 120_000,
+            max_held: 256,
+            hold_min_tokens: 2_048,
+        }
+    }
+}
 
 /// How often held sessions look at the room again without being told
 /// (capacity read by the prober, a replica added, another instance's pins).

@@ -191,14 +191,45 @@ pub fn text(tag: &str, tokens: usize) -> String {
 }
 
 /// A real component a test needs (a browser, Redis, a Python tool): true
-/// when present. Missing, the test is skipped with a message, except in CI
-/// (`CI` set, as `.ci/run` does), where a missing component is a failure.
+/// when present. Missing, the test is skipped, except in CI (`CI` set, as
+/// `.ci/run` does), where a missing component is a failure. A skipped test
+/// passes, and libtest hides what a passing test printed: the skip is
+/// recorded instead, and the suite's end lists every one (`skip_summary`).
 pub fn require(what: &str, present: bool, install: &str) -> bool {
     if !present {
         assert!(std::env::var_os("CI").is_none(), "CI must install {what} (see .ci/run)");
-        eprintln!("skipped: {what} is not installed ({install})");
+        let test = std::thread::current().name().unwrap_or("?").to_string();
+        SKIPPED.lock().unwrap().push(Skip { test, what: what.to_string(), install: install.to_string() });
     }
     present
+}
+
+struct Skip {
+    test: String,
+    what: String,
+    install: String,
+}
+
+static SKIPPED: std::sync::Mutex<Vec<Skip>> = std::sync::Mutex::new(Vec::new());
+
+/// Printed when the test binary exits, after libtest's own summary: how
+/// many tests skipped, and what to install so they run. A line is printed
+/// when none skipped too, so its absence means the binary did not end.
+// Runs after main: no panicking print (stdout is torn down), stderr only.
+#[dtor::dtor(unsafe)]
+fn skip_summary() {
+    use std::io::Write;
+    let skipped = match SKIPPED.lock() {
+        Ok(s) => s,
+        Err(poisoned) => poisoned.into_inner(),
+    };
+    let mut out = format!("\nprefixgate integration tests: {} skipped\n", skipped.len());
+    let mut by_what: Vec<&Skip> = skipped.iter().collect();
+    by_what.sort_by(|a, b| (&a.what, &a.test).cmp(&(&b.what, &b.test)));
+    for s in by_what {
+        out.push_str(&format!("  skipped {}: {} is not installed ({})\n", s.test, s.what, s.install));
+    }
+    let _ = std::io::stderr().write_all(out.as_bytes());
 }
 
 /// `$var` if set, else `default`, when running it with `args` succeeds.

@@ -15,6 +15,7 @@ mod churn;
 mod contract;
 mod deploy;
 mod discovery;
+mod layers;
 mod paused;
 mod persistence;
 mod qualitative;

@@ -1,0 +1,111 @@
+//! What a request is, looked up once before any attempt: its shape, its
+//! session, and every pin that names a home for it.
+
+use std::sync::Arc;
+
+use actix_web::HttpRequest;
+
+use crate::error::ApiError;
+use crate::pins::Pin;
+use crate::policy::{self, sessions, Dialect, Endpoint, Mode, PolicySettings, PrefixMatch};
+use crate::state::AppState;
+
+use super::outcome::OutcomeRecorder;
+use super::upstream::Upstream;
+use super::{headers, locate, trace};
+
+/// `/v1/responses/{id}` and everything below it name a stored response.
+fn stored_response_in_path(path: &str) -> Option<&str> {
+    let id = path.strip_prefix("/v1/responses/")?.split('/').next()?;
+    (!id.is_empty()).then_some(id)
+}
+
+/// What a request is, looked up once before any attempt: its shape and
+/// every pin that names a home for it.
+pub(super) struct Lookup {
+    pub(super) shape: policy::RequestShape,
+    pub(super) session: Option<sessions::SessionKey>,
+    /// Counts against `max_large_inflight`.
+    pub(super) large: bool,
+    /// The longest pinned prefix of the request.
+    pub(super) pinned: Option<(PrefixMatch, Pin)>,
+    /// Where the request's session key points.
+    pub(super) named: Option<Arc<str>>,
+    /// A stored response the request names, and the replica holding it.
+    pub(super) stored: Option<(String, Arc<str>)>,
+}
+
+/// What the lookup reaches: the gateway, this worker's upstream client and
+/// recorder, and the request's trace.
+pub(super) struct Hop<'a> {
+    pub(super) state: &'a AppState,
+    pub(super) upstream: &'a Upstream,
+    pub(super) recorder: &'a OutcomeRecorder,
+    pub(super) trace: &'a trace::RequestTrace,
+}
+
+pub(super) async fn look_up(
+    req: &HttpRequest,
+    endpoint: Endpoint,
+    body: &[u8],
+    hop: Hop<'_>,
+    settings: &PolicySettings,
+) -> Result<Lookup, ApiError> {
+    let Hop { state, upstream, recorder, trace } = hop;
+    let config = &state.config;
+    let bad_request = |e: policy::ShapeError| {
+        recorder.rejected("bad_request");
+        ApiError::BadRequest(e.0)
+    };
+    let mut shape = policy::identity::extract(endpoint, body, settings.identity).map_err(bad_request)?;
+    let stored_in_path = stored_response_in_path(req.path());
+    // Responses from other paths (GET /v1/responses/{id}, ...) still speak their API.
+    if stored_in_path.is_some() {
+        shape.dialect = Dialect::Responses;
+    }
+    // Scoped: the header list is not kept in the request's future.
+    let session = {
+        let headers = headers::RequestHeaders::of(req);
+        let header = |name: &str| headers.get(name);
+        sessions::session_key(shape.model.as_deref(), shape.cache_key.as_deref(), header, &config.sessions.headers)
+            .map_err(bad_request)?
+    };
+    // The large/small decision uses the documented default ratio: it is
+    // made before a replica (and its calibrated ratio) is chosen.
+    let large = crate::tokens::estimate_tokens(shape.prompt_bytes) >= config.admission.large_context_tokens;
+    let pinned = if shape.multi_unit {
+        state
+            .pins
+            .lookup_longest(&shape.boundaries)
+            .map(|(i, pin)| (PrefixMatch { key: shape.boundaries[i].key, bytes: shape.boundaries[i].bytes }, pin))
+    } else {
+        None
+    };
+    if settings.mode == Mode::Shape && shape.multi_unit {
+        recorder.pin_lookup(pinned.is_some());
+    }
+    let named = session.and_then(|s| state.pins.replica_of(s.key));
+    // A stored response unknown here is looked for (`locate.rs`); one
+    // nobody holds is forwarded like anything else, and the engine that does
+    // not know it answers for itself.
+    if let Some(id) = stored_in_path {
+        sessions::check_response_id("path: the response id", id).map_err(bad_request)?;
+    }
+    if let Some(id) = shape.previous_response.as_deref() {
+        sessions::check_response_id("previous_response_id", id).map_err(bad_request)?;
+    }
+    let stored_id = shape.previous_response.as_deref().or(stored_in_path);
+    let stored = match stored_id {
+        Some(id) => match state.pins.replica_of(sessions::response_key(id)) {
+            Some(home) => Some((id.to_string(), home)),
+            None => {
+                let _looking = trace.child(state, "prefixgate.locate");
+                locate::stored_response(state, upstream, recorder, req, id, shape.model.as_deref())
+                    .await
+                    .map(|home| (id.to_string(), home))
+            }
+        },
+        None => None,
+    };
+    Ok(Lookup { shape, session, large, pinned, named, stored })
+}
