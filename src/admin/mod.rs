@@ -159,9 +159,6 @@ pub fn create_admin_app(
         .default_service(web::to(no_route))
 }
 
-/// An unknown method on a known path is a 405 with `Allow` (what HTTP and
-/// contract testers expect); anything else a 404. The table of paths and
-/// methods is the OpenAPI document itself, so it cannot drift from the routes.
 /// Runs an operator action on the blocking pool. An action persists first
 /// (a Redis round trip, an fsync), and the admin listener's one worker must
 /// not wait on the store: other admin requests (a scrape, the UI) go on
@@ -187,6 +184,9 @@ pub(crate) async fn act<T: Send + 'static>(
     Ok(done.map_err(|e| ApiError::Internal(format!("the action did not run: {e}")))??)
 }
 
+/// An unknown method on a known path is a 405 with `Allow` (what HTTP and
+/// contract testers expect); anything else a 404. The table of paths and
+/// methods is the OpenAPI document itself, so it cannot drift from the routes.
 async fn no_route(req: actix_web::HttpRequest) -> Result<HttpResponse, ApiError> {
     use std::sync::LazyLock;
     static ROUTES: LazyLock<Vec<(Vec<String>, Vec<&'static str>)>> = LazyLock::new(|| {

@@ -166,15 +166,29 @@ mod tests {
 
         /// Structurally plausible JSON with wrong types in every field.
         #[test]
-        fn wrong_types_are_errors_not_panics(
+        fn wrong_types_are_clear_errors_and_right_types_route(
             model in r#"(null|1|"m"|\[\]|\{\})"#,
             messages in r#"(null|1|"x"|\[\]|\[1\]|\[\{\}\]|\[\{"role":1\}\]|\[\{"role":"user","content":\{"a":\[1,null\]\}\}\])"#,
-            prompt in r#"(null|1|"x"|\[\]|\[-1\]|\[1.5\]|\[\[1\],"a"\]|\[4294967296\])"#,
+            prompt in r#"(null|1|"x"|\[\]|\[-1\]|\[1\.5\]|\[\[1\],"a"\]|\[4294967296\])"#,
         ) {
+            // A body routes only when every field has a type the API allows:
+            // model a string or absent, messages a list of role-bearing
+            // messages, prompt text, token ids (u32) or a batch of them.
+            let model_ok = model == "null" || model == r#""m""#;
             let chat = format!(r#"{{"model":{model},"messages":{messages}}}"#);
-            let _ = extract(Endpoint::Chat, chat.as_bytes(), IdentityBlocks::default());
+            let routed = extract(Endpoint::Chat, chat.as_bytes(), IdentityBlocks::default());
+            let chat_ok = model_ok && messages.starts_with(r#"[{"role":"user""#);
+            proptest::prop_assert_eq!(routed.is_ok(), chat_ok, "{}", chat);
+            if let Err(e) = routed {
+                proptest::prop_assert!(!e.0.is_empty());
+            }
             let completion = format!(r#"{{"model":{model},"prompt":{prompt}}}"#);
-            let _ = extract(Endpoint::Completions, completion.as_bytes(), IdentityBlocks::default());
+            let routed = extract(Endpoint::Completions, completion.as_bytes(), IdentityBlocks::default());
+            let prompt_ok = model_ok && matches!(prompt.as_str(), r#""x""# | "[]" | r#"[[1],"a"]"#);
+            proptest::prop_assert_eq!(routed.is_ok(), prompt_ok, "{}", completion);
+            if let Err(e) = routed {
+                proptest::prop_assert!(!e.0.is_empty());
+            }
         }
     }
 
@@ -349,11 +363,26 @@ mod agent_tests {
             }
         }
 
+        /// Any list of JSON items as Responses input or Anthropic messages:
+        /// it routes with one boundary at most per item (and the chain is
+        /// the same on a second read), or it is an error that says why.
         #[test]
-        fn arbitrary_json_items_never_panic(items in proptest::collection::vec(json_value(), 0..6)) {
+        fn arbitrary_json_items_route_deterministically_or_are_clear_errors(items in proptest::collection::vec(json_value(), 0..6)) {
             let input = serde_json::to_string(&items).unwrap();
-            let _ = extract(Endpoint::Responses, format!(r#"{{"model":"m","input":{input}}}"#).as_bytes(), IdentityBlocks::default());
-            let _ = extract(Endpoint::Messages, format!(r#"{{"model":"m","messages":{input}}}"#).as_bytes(), IdentityBlocks::default());
+            for (endpoint, body) in [
+                (Endpoint::Responses, format!(r#"{{"model":"m","input":{input}}}"#)),
+                (Endpoint::Messages, format!(r#"{{"model":"m","messages":{input}}}"#)),
+            ] {
+                match extract(endpoint, body.as_bytes(), IdentityBlocks::default()) {
+                    Ok(shape) => {
+                        proptest::prop_assert!(shape.boundaries.len() <= items.len() + 1, "{}", body);
+                        let again = extract(endpoint, body.as_bytes(), IdentityBlocks::default()).unwrap();
+                        let keys = |s: &crate::policy::RequestShape| s.boundaries.iter().map(|b| b.key).collect::<Vec<_>>();
+                        proptest::prop_assert_eq!(keys(&shape), keys(&again));
+                    }
+                    Err(e) => proptest::prop_assert!(!e.0.is_empty()),
+                }
+            }
         }
     }
 

@@ -282,9 +282,6 @@ impl OutcomeRecorder {
     }
 }
 
-/// Held by the response body; reports to the recorder when the body ends,
-/// however it ends, and releases the request's counters, admission slot and
-/// running ticket with it.
 /// What a request holds until its body ends: its place in flight, its
 /// large-context slot, its running ticket, and its session's turn.
 pub type Held = (
@@ -294,6 +291,9 @@ pub type Held = (
     Option<crate::sessions::SessionTurn>,
 );
 
+/// Held by the response body; reports to the recorder when the body ends,
+/// however it ends, and releases the request's counters, admission slot and
+/// running ticket with it.
 pub struct Outcome {
     pub recorder: Arc<OutcomeRecorder>,
     pub metrics: Rc<RouteMetrics>,

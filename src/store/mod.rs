@@ -34,6 +34,11 @@ pub enum StoreError {
     TooNew { found: u64, supported: u64 },
 }
 
+/// What a store makes of a record it cannot read: `.map_err(corrupt("pins"))`.
+fn corrupt(tree: &'static str) -> impl Fn(String) -> StoreError {
+    move |detail| StoreError::Corrupt { tree, detail }
+}
+
 impl From<sled::Error> for StoreError {
     fn from(e: sled::Error) -> Self {
         StoreError::Backend(e.to_string())

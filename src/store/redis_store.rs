@@ -30,7 +30,7 @@ use std::time::Duration;
 use redis::{Commands, Connection};
 use serde::{Deserialize, Serialize};
 
-use super::{decode_pin, encode_pin, Change, InstanceBeat, Store, StoreError, StoredReplica};
+use super::{corrupt, decode_pin, encode_pin, Change, InstanceBeat, Store, StoreError, StoredReplica};
 use crate::events::Event;
 use crate::pins::{Pin, PinChange};
 use crate::policy::PrefixKey;
@@ -186,10 +186,6 @@ impl RedisStore {
 fn pins_change(changes: &[PinChange]) -> Change {
     let pins = changes.iter().map(|(k, p)| (format!("{k:032x}"), p.clone())).collect();
     Change::Pins { pins, sent_us: super::now_us() }
-}
-
-fn corrupt(tree: &'static str) -> impl Fn(String) -> StoreError {
-    move |detail| StoreError::Corrupt { tree, detail }
 }
 
 impl Store for RedisStore {

@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use super::{decode_page, decode_pin, merge_page, migrations, page_of, Store, StoreError, StoredReplica};
+use super::{corrupt, decode_page, decode_pin, merge_page, migrations, page_of, Store, StoreError, StoredReplica};
 use crate::events::Event;
 use crate::pins::{Pin, PinChange};
 use crate::policy::PrefixKey;
@@ -37,10 +37,6 @@ impl SledStore {
     pub fn size_on_disk(&self) -> u64 {
         self.db.size_on_disk().unwrap_or(0)
     }
-}
-
-fn corrupt(tree: &'static str) -> impl Fn(String) -> StoreError {
-    move |detail| StoreError::Corrupt { tree, detail }
 }
 
 impl Store for SledStore {

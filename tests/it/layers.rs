@@ -113,15 +113,11 @@ fn no_two_top_level_modules_import_each_other() {
 fn the_cycle_finder_finds_a_loop_through_grouped_imports() {
     let text = "use crate::{b::Thing, c};\nfn f() { crate::d::g() }\n#[cfg(test)]\nmod tests { use crate::e; }";
     assert_eq!(crate_paths(&non_test_code(text)), ["b", "c", "d"].map(String::from).into());
-    let graph: BTreeMap<String, BTreeSet<String>> = [
-        ("a", vec!["b"]),
-        ("b", vec!["c"]),
-        ("c", vec!["a"]),
-        ("d", vec!["a"]),
-    ]
-    .into_iter()
-    .map(|(m, to)| (m.to_string(), to.into_iter().map(String::from).collect()))
-    .collect();
+    let graph: BTreeMap<String, BTreeSet<String>> =
+        [("a", vec!["b"]), ("b", vec!["c"]), ("c", vec!["a"]), ("d", vec!["a"])]
+            .into_iter()
+            .map(|(m, to)| (m.to_string(), to.into_iter().map(String::from).collect()))
+            .collect();
     let loops = cycles(&graph);
     assert_eq!(loops.len(), 3, "{loops:?}");
     assert_eq!(loops[0], ["a", "b", "c", "a"]);
