@@ -132,11 +132,10 @@ fn spawn_background(state: &Arc<AppState>, admin_addr: SocketAddr) -> Vec<actix_
     ));
     let flusher = actix_web::rt::spawn(flusher(state.clone(), Some(format!("http://{admin_addr}"))));
     let housekeeping = actix_web::rt::spawn({
-        let (fleet, pins, capacity, calibration, events, access) = (
+        let (fleet, pins, capacity, events, access) = (
             state.fleet.clone(),
             state.pins.clone(),
             state.capacity.clone(),
-            state.calibration.clone(),
             state.events.clone(),
             state.access.clone(),
         );
@@ -146,7 +145,7 @@ fn spawn_background(state: &Arc<AppState>, admin_addr: SocketAddr) -> Vec<actix_
             loop {
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 tick += 1;
-                capacity.evaluate(&fleet.capacity_inputs(&calibration), &events, clock::now_ms());
+                capacity.evaluate(&fleet.capacity_inputs(), &events, clock::now_ms());
                 if tick.is_multiple_of(10) {
                     let pruned = pins.prune(clock::now_ms(), ttl_ms, max_pins);
                     let names: std::collections::HashSet<Arc<str>> =

@@ -19,7 +19,6 @@ use crate::operator::Operator;
 use crate::pins::PinTable;
 use crate::policy::{CurrentPolicy, PolicySettings, SpreadCounter};
 use crate::store::{EventWriter, MemoryStore, SledStore, Store, StoreError, StoredReplica};
-use crate::tokens::Calibration;
 
 pub struct AppState {
     pub config: Arc<Config>,
@@ -34,7 +33,6 @@ pub struct AppState {
     pub access: Arc<Access>,
     pub admission: Arc<Admission>,
     pub capacity: Arc<Capacity>,
-    pub calibration: Arc<Calibration>,
     pub health: Arc<HealthTracker>,
     pub policy: Arc<CurrentPolicy>,
     pub spread: Arc<SpreadCounter>,
@@ -116,7 +114,6 @@ impl AppState {
         let policy = Arc::new(CurrentPolicy::new(policy));
         let admission = Arc::new(Admission::default());
         let metrics = Arc::new(Metrics::new());
-        let calibration = Arc::new(Calibration::default());
         let sessions = crate::sessions::Sessions::new(config.sessions.clone());
         let operator = Arc::new(Operator {
             fleet: fleet.clone(),
@@ -126,7 +123,6 @@ impl AppState {
             policy: policy.clone(),
             admission: admission.clone(),
             capacity: capacity.clone(),
-            calibration: calibration.clone(),
             metrics: metrics.clone(),
             sessions: sessions.clone(),
             discovered_admin: std::sync::Mutex::new(crate::operator::read_discovered_admin(store.as_ref())?),
@@ -147,7 +143,6 @@ impl AppState {
             metrics,
             access: Arc::new(Access::new(&config)),
             health: Arc::new(HealthTracker::new(config.health.rise, config.health.fall, events.clone())),
-            calibration,
             spread: Arc::new(SpreadCounter::starting_at(
                 store.instance().map_or(0, |name| xxhash_rust::xxh3::xxh3_64(name.as_bytes())),
             )),

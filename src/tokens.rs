@@ -7,9 +7,6 @@
 //! says (an exponential average), because tokenizers differ per model.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-
-use crate::read_mostly::ReadMostly;
 
 /// Bytes of prompt text per token, before any per-replica calibration.
 pub const BYTES_PER_TOKEN: usize = 4;
@@ -22,15 +19,38 @@ pub fn estimate_tokens(bytes: usize) -> u64 {
     bytes.div_ceil(BYTES_PER_TOKEN) as u64
 }
 
-/// One replica's ratio: an `f64`'s bits, 0 until the first sample (a
-/// ratio is clamped to at least 0.5 bytes per token, so never 0).
+/// One replica's calibration: its bytes per token, an `f64`'s bits, 0 until
+/// the first sample (a ratio is clamped to at least 0.5 bytes per token, so
+/// never 0). Kept on the replica's record (`fleet::Replica`): it leaves
+/// with the replica.
 #[derive(Debug, Default)]
-struct Ratio(AtomicU64);
+pub struct Calibration(AtomicU64);
 
-impl Ratio {
-    /// Moves the ratio toward `sample`. An unchanged ratio is not written:
-    /// a converged replica's cache line stays shared between the cores.
-    fn feed(&self, sample: f64) {
+impl Calibration {
+    /// The replica's bytes per token (the default until it reported usage).
+    pub fn bytes_per_token(&self) -> f64 {
+        match self.0.load(Ordering::Relaxed) {
+            0 => BYTES_PER_TOKEN as f64,
+            bits => f64::from_bits(bits),
+        }
+    }
+
+    /// Estimated tokens for `bytes` of prompt text on this replica.
+    pub fn estimate(&self, bytes: usize) -> u64 {
+        (bytes as f64 / self.bytes_per_token()).ceil() as u64
+    }
+
+    /// True once the replica reported usage.
+    pub fn is_calibrated(&self) -> bool {
+        self.0.load(Ordering::Relaxed) != 0
+    }
+
+    /// Feeds one measured (bytes, prompt_tokens) pair into the ratio.
+    pub fn calibrate(&self, prompt_bytes: usize, prompt_tokens: u64) {
+        if prompt_bytes == 0 || prompt_tokens == 0 {
+            return;
+        }
+        let sample = (prompt_bytes as f64 / prompt_tokens as f64).clamp(0.5, 16.0);
         let _ = self.0.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
             let next = match bits {
                 0 => sample,
@@ -41,58 +61,6 @@ impl Ratio {
     }
 }
 
-/// Per-replica bytes-per-token ratios, learned from reported usage. Every
-/// request reads its replica's ratio and every measured response feeds it,
-/// from both workers: so the map is read without a lock (`ReadMostly`, a
-/// new replica's entry is the only write to it) and a ratio is an atomic,
-/// written only when a sample moves it.
-#[derive(Debug, Default)]
-pub struct Calibration {
-    ratios: ReadMostly<foldhash::HashMap<Arc<str>, Arc<Ratio>>>,
-}
-
-impl Calibration {
-    pub fn bytes_per_token(&self, replica: &str) -> f64 {
-        match self.ratios.load().get(replica).map(|r| r.0.load(Ordering::Relaxed)) {
-            Some(bits) if bits != 0 => f64::from_bits(bits),
-            _ => BYTES_PER_TOKEN as f64,
-        }
-    }
-
-    /// Estimated tokens of `bytes` of prompt on `replica`.
-    pub fn estimate(&self, replica: &str, bytes: usize) -> u64 {
-        (bytes as f64 / self.bytes_per_token(replica)).ceil() as u64
-    }
-
-    /// Forgets a replica's ratio (it left the fleet).
-    pub fn forget_replica(&self, replica: &str) {
-        self.ratios.update(|m| m.remove(replica).map(|_| ()));
-    }
-
-    /// Replicas with a ratio (for the churn test).
-    pub fn len(&self) -> usize {
-        self.ratios.load().len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Feeds one measured (bytes, prompt_tokens) pair into the replica's ratio.
-    pub fn calibrate(&self, replica: &Arc<str>, prompt_bytes: usize, prompt_tokens: u64) {
-        if prompt_bytes == 0 || prompt_tokens == 0 {
-            return;
-        }
-        let sample = (prompt_bytes as f64 / prompt_tokens as f64).clamp(0.5, 16.0);
-        if let Some(ratio) = self.ratios.load().get(replica) {
-            return ratio.feed(sample);
-        }
-        let ratio =
-            self.ratios.update(|m| Some(m.entry(replica.clone()).or_default().clone())).expect("always updates");
-        ratio.feed(sample);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -100,12 +68,12 @@ mod tests {
     #[test]
     fn calibration_moves_toward_measured_ratio() {
         let t = Calibration::default();
-        let id: Arc<str> = Arc::from("a");
-        assert_eq!(t.bytes_per_token("a"), 4.0);
-        t.calibrate(&id, 3_000, 1_000);
-        assert_eq!(t.bytes_per_token("a"), 3.0);
-        t.calibrate(&id, 5_000, 1_000);
-        assert!((t.bytes_per_token("a") - 3.4).abs() < 1e-9);
-        assert_eq!(t.estimate("a", 340), 100);
+        assert_eq!(t.bytes_per_token(), 4.0);
+        assert!(!t.is_calibrated());
+        t.calibrate(3_000, 1_000);
+        assert_eq!(t.bytes_per_token(), 3.0);
+        t.calibrate(5_000, 1_000);
+        assert!((t.bytes_per_token() - 3.4).abs() < 1e-9);
+        assert_eq!(t.estimate(340), 100);
     }
 }

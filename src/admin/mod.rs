@@ -246,7 +246,7 @@ fn path_config() -> web::PathConfig {
 }
 
 async fn metrics(s: web::Data<AppState>) -> HttpResponse {
-    let report = s.capacity.report(&s.fleet.capacity_inputs(&s.calibration), crate::clock::now_ms());
+    let report = s.capacity.report(&s.fleet.capacity_inputs(), crate::clock::now_ms());
     let pins = s.pins.count_by_replica();
     let replicas: Vec<crate::metrics::ReplicaGauges> = s
         .fleet
@@ -259,7 +259,7 @@ async fn metrics(s: web::Data<AppState>) -> HttpResponse {
             pins: pins.get(&r.id).copied().unwrap_or(0),
             up: r.routable(),
             queued: s.admission.queued(&r.id),
-            bytes_per_token: s.calibration.bytes_per_token(&r.id),
+            bytes_per_token: r.calibration.bytes_per_token(),
             resident_sessions: s.sessions.resident(&r.id).sessions,
             room_tokens: s.sessions.room_of(r).left(),
         })

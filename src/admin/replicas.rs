@@ -102,7 +102,7 @@ fn view_with_pins(
         last_check: probe.last_check_ms.map(rfc3339),
         last_error: probe.last_error,
         models: r.models().as_ref().clone(),
-        bytes_per_token: s.calibration.bytes_per_token(&r.id),
+        bytes_per_token: r.calibration.bytes_per_token(),
         working_set_tokens: cap.working_set_tokens,
         admission_queue: s.admission.queued(&r.id),
     }

@@ -373,6 +373,8 @@ pub struct Replica {
     attempts: AtomicU64,
     /// Only `health::HealthTracker` locks this (with `health` changes under it).
     probe: Mutex<ProbeState>,
+    /// Its bytes per token, from its own usage reports.
+    pub calibration: crate::tokens::Calibration,
 }
 
 impl Replica {
@@ -395,6 +397,7 @@ impl Replica {
             large_inflight: AtomicI64::new(0),
             attempts: AtomicU64::new(0),
             probe: Mutex::new(ProbeState::default()),
+            calibration: Default::default(),
         }
     }
 
@@ -548,6 +551,10 @@ pub struct Fleet {
     /// Asks the prober for a round now instead of at its next interval
     /// (a discovered replica takes traffic only once a probe said it is up).
     pub probe_now: tokio::sync::Notify,
+    /// Records removed from the list that something (a request in flight,
+    /// a permit) still holds: they go when it lets go. Pruned at each
+    /// removal, so it holds only records still alive.
+    removed: Mutex<Vec<std::sync::Weak<Replica>>>,
 }
 
 impl Fleet {
@@ -575,20 +582,35 @@ impl Fleet {
 
     /// What the capacity verdict needs of each replica: its declared and
     /// observed KV capacity and its calibrated bytes per token.
-    pub fn capacity_inputs(&self, calibration: &crate::tokens::Calibration) -> Vec<crate::capacity::ReplicaInput> {
+    pub fn capacity_inputs(&self) -> Vec<crate::capacity::ReplicaInput> {
         self.snapshot()
             .iter()
             .map(|r| crate::capacity::ReplicaInput {
                 id: r.id.clone(),
                 declared_kv: r.spec().kv_tokens,
                 metrics_kv: r.observed_kv(),
-                bytes_per_token: calibration.bytes_per_token(&r.id),
+                bytes_per_token: r.calibration.bytes_per_token(),
             })
             .collect()
     }
 
+    /// Takes the replica out of the list. Its record (everything kept per
+    /// replica: calibration, capacity figures, admission slots, residency)
+    /// goes with the last request that still holds it.
     pub fn remove(&self, id: &str) -> Option<Arc<Replica>> {
-        self.list.update(|list| Some(list.remove(list.iter().position(|r| &*r.id == id)?)))
+        let removed = self.list.update(|list| Some(list.remove(list.iter().position(|r| &*r.id == id)?)))?;
+        let mut held = self.removed.lock().unwrap_or_else(|e| e.into_inner());
+        held.retain(|r| r.strong_count() > 0);
+        held.push(Arc::downgrade(&removed));
+        drop(held);
+        Some(removed)
+    }
+
+    /// Replica records alive: the fleet's and removed ones still held (for
+    /// the churn test: nothing kept per replica outlives its record).
+    pub fn records_alive(&self) -> usize {
+        let held = self.removed.lock().unwrap_or_else(|e| e.into_inner());
+        self.snapshot().len() + held.iter().filter(|r| r.strong_count() > 0).count()
     }
 }
 

@@ -94,8 +94,7 @@ pub struct Operator {
     pub(crate) policy: Arc<CurrentPolicy>,
     pub(crate) admission: Arc<Admission>,
     pub(crate) capacity: Arc<Capacity>,
-    /// Per-replica calibration and metric series: they leave with their replica.
-    pub(crate) calibration: Arc<crate::tokens::Calibration>,
+    /// Per-replica metric series: they leave with their replica.
     pub(crate) metrics: Arc<crate::metrics::Metrics>,
     /// Sessions resident on each replica: they leave with it.
     pub(crate) sessions: Arc<crate::sessions::Sessions>,
@@ -137,7 +136,6 @@ impl Operator {
             policy: Arc::new(CurrentPolicy::new(policy)),
             admission: Arc::default(),
             capacity: Arc::new(Capacity::new(300)),
-            calibration: Arc::default(),
             metrics: Arc::default(),
             sessions: crate::sessions::Sessions::new(Default::default()),
             discovered_admin: Default::default(),
@@ -262,7 +260,6 @@ impl Operator {
         self.fleet.remove(id);
         let pins = self.pins.remove_replica_pins(id, true);
         self.capacity.forget_replica(id);
-        self.calibration.forget_replica(id);
         self.metrics.forget_replica(id);
         self.sessions.forget_replica(id);
         pins

@@ -215,7 +215,7 @@ async fn forward_request(
         // The guard holds the replica from here on (one reference, not two).
         let guard = replica.begin(*large);
         let replica = &guard.replica;
-        let est_tokens = state.calibration.estimate(&replica.id, shape.prompt_bytes);
+        let est_tokens = replica.calibration.estimate(shape.prompt_bytes);
         let family = pinned.as_ref().map(|(_, p)| p.family).or(shape.pin_at);
         let ticket = recorder.running(&replica.id, family, est_tokens);
         // Resident from this turn on; idle only once it ended.
@@ -239,7 +239,7 @@ async fn forward_request(
             Ok(resp) => {
                 trace::attempt_ended(&attempt_span, Ok(resp.status().as_u16()));
                 let (metrics, predicted_cached) = recorder.responded(&Responded {
-                    replica: &replica.id,
+                    replica: &replica,
                     reason,
                     success: resp.status().is_success(),
                     ttfb: started.elapsed(),

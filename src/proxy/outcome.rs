@@ -24,14 +24,12 @@ use crate::pins::{Pin, PinOrigin, PinSource, PinTable};
 use crate::policy::sessions::{response_key, KeyKind, SessionKey};
 use crate::policy::{Dialect, PrefixKey, PrefixMatch, RouteReason};
 use crate::state::AppState;
-use crate::tokens::Calibration;
 
 pub struct OutcomeRecorder {
     pins: Arc<PinTable>,
     events: Arc<EventLog>,
     /// This worker's metric handles (the recorder is built per worker).
     metrics: WorkerMetrics,
-    calibration: Arc<Calibration>,
     capacity: Arc<Capacity>,
     /// This worker's shard of the running requests.
     running: RunningWorker,
@@ -41,7 +39,7 @@ pub struct OutcomeRecorder {
 
 /// A response head arrived: what the recorder needs to know about it.
 pub struct Responded<'a> {
-    pub replica: &'a Arc<str>,
+    pub replica: &'a Arc<Replica>,
     pub reason: RouteReason,
     pub success: bool,
     pub ttfb: Duration,
@@ -79,7 +77,6 @@ impl OutcomeRecorder {
             pins: s.pins.clone(),
             events: s.events.clone(),
             metrics: WorkerMetrics::new(s.metrics.clone()),
-            calibration: s.calibration.clone(),
             capacity: s.capacity.clone(),
             running: s.capacity.running.worker(),
             health: s.health.clone(),
@@ -211,20 +208,20 @@ impl OutcomeRecorder {
     /// metric handles (for `Outcome`), and the cached tokens the route
     /// predicts (a warm turn on its own replica).
     pub fn responded(&self, r: &Responded) -> (Rc<RouteMetrics>, Option<u64>) {
-        let route = self.metrics.route(r.replica, r.reason.as_str());
+        let route = self.metrics.route(&r.replica.id, r.reason.as_str());
         let predicted = self.record_response(r, &route);
         (route, predicted)
     }
 
     fn record_response(&self, r: &Responded, route: &RouteMetrics) -> Option<u64> {
         for from in r.tried {
-            self.metrics().failover(from, r.replica);
+            self.metrics().failover(from, &r.replica.id);
         }
         if let Some((from, true)) = r.failed_from {
             self.events.record(
                 EventKind::Failover,
                 Some(from),
-                Some(r.replica),
+                Some(&r.replica.id),
                 "connection failed before any response byte; retried",
             );
         }
@@ -239,29 +236,29 @@ impl OutcomeRecorder {
                 KeyKind::PromptCacheKey => PinSource::PromptCacheKey,
                 KeyKind::SessionHeader => PinSource::SessionHeader,
             };
-            self.pins.record(s.key, r.replica, None, r.est_tokens, now, PinOrigin { dialect: r.dialect, source });
+            self.pins.record(s.key, &r.replica.id, None, r.est_tokens, now, PinOrigin { dialect: r.dialect, source });
         }
         let pin_at = r.pin_at?;
         let home = r.pinned.map(|(m, pin)| (m, &pin.replica));
         let predicted = match home {
-            Some((m, home)) if home == r.replica => Some(self.calibration.estimate(r.replica, m.bytes)),
+            Some((m, home)) if home == &r.replica.id => Some(r.replica.calibration.estimate(m.bytes)),
             // The baselines move conversations on every turn by design;
             // history records the moves the shape policy had to make.
             Some((_, home)) if matches!(r.reason, RouteReason::Repinned | RouteReason::Failover) => {
                 let detail = format!("{} route", r.reason.as_str());
-                self.events.record(EventKind::PinMoved, Some(home), Some(r.replica), detail);
+                self.events.record(EventKind::PinMoved, Some(home), Some(&r.replica.id), detail);
                 None
             }
             _ => None,
         };
         let parent = r.pinned.map(|(m, _)| m.key);
         let origin = PinOrigin { dialect: r.dialect, source: PinSource::Prefix };
-        let recorded = self.pins.record(pin_at, r.replica, parent, r.est_tokens, now, origin);
+        let recorded = self.pins.record(pin_at, &r.replica.id, parent, r.est_tokens, now, origin);
         if let Some(from) = &recorded.moved_from {
             self.capacity.family_moved(recorded.family, from);
         }
         if recorded.turns >= 2 {
-            self.capacity.touch_family(r.replica, recorded.family, r.est_tokens, now);
+            self.capacity.touch_family(&r.replica.id, recorded.family, r.est_tokens, now);
         }
         predicted
     }
@@ -345,7 +342,7 @@ impl BodyEnd for Outcome {
         if succeeded {
             if measured.is_some() { &m.measured } else { &m.unmeasured }.inc();
             if let Some(u) = measured {
-                self.recorder.calibration.calibrate(&self.replica().id, self.prompt_bytes, u.prompt_tokens);
+                self.replica().calibration.calibrate(self.prompt_bytes, u.prompt_tokens);
                 route.prompt_tokens.inc_by(u.prompt_tokens);
                 route.cached_tokens.inc_by(u.cached_tokens.unwrap_or(0));
             }

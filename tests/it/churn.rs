@@ -11,7 +11,7 @@ fn kept(gw: &Gw) -> [usize; 5] {
     [
         g.pins.interned(),
         g.metrics.replicas_with_series(),
-        g.calibration.len(),
+        g.fleet.records_alive(),
         g.capacity.replicas_tracked(),
         g.admission.replicas_tracked(),
     ]
@@ -71,7 +71,7 @@ async fn thousands_of_names_churned_through_the_admin_api_leave_nothing_behind()
     // capacity evaluation each second), so each is bounded, not matched.
     let now = kept(&gw);
     let before = at_100.unwrap();
-    let names = "[interned names, replicas with series, calibrated, capacity entries, admission entries]";
+    let names = "[interned names, replicas with series, replica records alive, capacity entries, admission entries]";
     for (i, bound) in [2, 2, 2, 4, 0].into_iter().enumerate() {
         assert!(now[i] <= bound && before[i] <= bound, "{names}: after 100 {before:?}, after 2,000 {now:?}");
     }
