@@ -11,7 +11,7 @@
 //! The seed measured that one large request per card did *not* help on its
 //! workload; this is a lever to measure, off unless configured.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -25,22 +25,28 @@ struct Slots {
     waiters: VecDeque<(u64, oneshot::Sender<()>)>,
 }
 
+/// One replica's large-context slots and their queue. Kept on the
+/// replica's record (`fleet::Replica::large_slots`): it leaves with the
+/// replica, and a permit still held keeps it only until it is dropped.
 #[derive(Default)]
-pub struct Admission {
-    replicas: Mutex<HashMap<Arc<str>, Slots>>,
+pub struct LargeSlots {
+    slots: Mutex<Slots>,
     next_waiter: std::sync::atomic::AtomicU64,
 }
 
+/// The replica's limit, read again at every release so a limit changed at
+/// runtime applies at once (`None`: unlimited).
+pub type Limit = Arc<dyn Fn() -> Option<u32> + Send + Sync>;
+
 /// Holds one large slot until dropped.
 pub struct Permit {
-    admission: Arc<Admission>,
-    replica: Arc<str>,
-    limit: Arc<dyn Fn() -> Option<u32> + Send + Sync>,
+    slots: Arc<LargeSlots>,
+    limit: Limit,
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.admission.release(&self.replica, (self.limit)());
+        self.slots.release((self.limit)());
     }
 }
 
@@ -51,35 +57,38 @@ pub enum Admitted {
     AfterWaiting,
 }
 
-impl Admission {
-    pub fn queued(&self, replica: &str) -> usize {
-        self.replicas.lock().expect("lock").get(replica).map_or(0, |s| s.waiters.len())
+impl LargeSlots {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Slots> {
+        self.slots.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub fn in_use(&self, replica: &str) -> u32 {
-        self.replicas.lock().expect("lock").get(replica).map_or(0, |s| s.in_use)
+    pub fn queued(&self) -> usize {
+        self.lock().waiters.len()
     }
 
-    /// True when a large request could start on `replica` without waiting.
-    pub fn has_free_slot(&self, replica: &str, limit: Option<u32>) -> bool {
+    pub fn in_use(&self) -> u32 {
+        self.lock().in_use
+    }
+
+    /// True when a large request could start without waiting.
+    pub fn has_free_slot(&self, limit: Option<u32>) -> bool {
         let Some(limit) = limit else { return true };
-        let map = self.replicas.lock().expect("lock");
-        map.get(replica).is_none_or(|s| s.in_use < limit && s.waiters.is_empty())
+        let s = self.lock();
+        s.in_use < limit && s.waiters.is_empty()
     }
 
-    /// Takes a slot on `replica`, waiting in line if needed. `limit` is read
-    /// again on every release, so a limit changed at runtime applies at once.
+    /// Takes a slot, waiting in line if needed; `replica` names it in a
+    /// refusal.
     pub async fn acquire(
         self: &Arc<Self>,
-        replica: &Arc<str>,
-        limit: Arc<dyn Fn() -> Option<u32> + Send + Sync>,
+        replica: &str,
+        limit: Limit,
         wait: Duration,
         max_queue: usize,
     ) -> Result<(Permit, Admitted), DomainError> {
-        let permit = || Permit { admission: self.clone(), replica: replica.clone(), limit: limit.clone() };
+        let permit = || Permit { slots: self.clone(), limit: limit.clone() };
         let waiter = {
-            let mut map = self.replicas.lock().expect("lock");
-            let slots = map.entry(replica.clone()).or_default();
+            let mut slots = self.lock();
             match limit() {
                 None => {
                     slots.in_use += 1;
@@ -96,7 +105,7 @@ impl Admission {
                     let (tx, rx) = oneshot::channel();
                     let id = self.next_waiter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     slots.waiters.push_back((id, tx));
-                    Waiter { admission: self.clone(), replica: replica.clone(), id, rx: Some(rx), limit: limit.clone() }
+                    Waiter { slots: self.clone(), id, rx: Some(rx), limit: limit.clone() }
                 }
             }
         };
@@ -111,23 +120,10 @@ impl Admission {
         }
     }
 
-    fn release(&self, replica: &Arc<str>, limit: Option<u32>) {
-        let mut map = self.replicas.lock().expect("lock");
-        let Some(slots) = map.get_mut(replica) else {
-            return;
-        };
+    fn release(&self, limit: Option<u32>) {
+        let mut slots = self.lock();
         slots.in_use = slots.in_use.saturating_sub(1);
-        Admission::grant(slots, limit);
-        // An idle replica keeps no entry: entries leave with their last
-        // permit or waiter, so a replica that left the fleet leaves none.
-        if slots.in_use == 0 && slots.waiters.is_empty() {
-            map.remove(replica);
-        }
-    }
-
-    /// Replicas with a permit or a waiter now (for the churn test).
-    pub fn replicas_tracked(&self) -> usize {
-        self.replicas.lock().expect("lock").len()
+        LargeSlots::grant(&mut slots, limit);
     }
 
     /// Hands free slots to waiters in order, skipping those that left.
@@ -143,11 +139,15 @@ impl Admission {
     }
 
     /// After a limit change: wakes waiters that now fit.
-    pub fn rebalance(&self, replica: &str, limit: Option<u32>) {
-        let mut map = self.replicas.lock().expect("lock");
-        if let Some(slots) = map.get_mut(replica) {
-            Admission::grant(slots, limit);
-        }
+    pub fn rebalance(&self, limit: Option<u32>) {
+        LargeSlots::grant(&mut self.lock(), limit);
+    }
+}
+
+impl std::fmt::Debug for LargeSlots {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = self.lock();
+        f.debug_struct("LargeSlots").field("in_use", &s.in_use).field("queued", &s.waiters.len()).finish()
     }
 }
 
@@ -161,11 +161,10 @@ fn rejected(replica: &str, wait: Duration, why: &str) -> DomainError {
 /// A place in line. Dropped without being granted: leaves the line. Dropped
 /// after a grant it never used (timeout and grant raced): returns the slot.
 struct Waiter {
-    admission: Arc<Admission>,
-    replica: Arc<str>,
+    slots: Arc<LargeSlots>,
     id: u64,
     rx: Option<oneshot::Receiver<()>>,
-    limit: Arc<dyn Fn() -> Option<u32> + Send + Sync>,
+    limit: Limit,
 }
 
 impl Drop for Waiter {
@@ -174,15 +173,9 @@ impl Drop for Waiter {
         rx.close();
         let granted = rx.try_recv().is_ok();
         if granted {
-            self.admission.release(&self.replica, (self.limit)());
+            self.slots.release((self.limit)());
         } else {
-            let mut map = self.admission.replicas.lock().expect("lock");
-            if let Some(slots) = map.get_mut(&self.replica) {
-                slots.waiters.retain(|(id, _)| *id != self.id);
-                if slots.in_use == 0 && slots.waiters.is_empty() {
-                    map.remove(&self.replica);
-                }
-            }
+            self.slots.lock().waiters.retain(|(id, _)| *id != self.id);
         }
     }
 }
@@ -191,65 +184,59 @@ impl Drop for Waiter {
 mod tests {
     use super::*;
 
-    fn limit(n: u32) -> Arc<dyn Fn() -> Option<u32> + Send + Sync> {
+    fn limit(n: u32) -> Limit {
         Arc::new(move || Some(n))
     }
 
     #[tokio::test]
     async fn waiters_are_served_in_order_and_slots_never_leak() {
-        let a = Arc::new(Admission::default());
-        let r: Arc<str> = Arc::from("r");
-        let (first, how) = a.acquire(&r, limit(1), Duration::from_secs(5), 8).await.unwrap();
+        let a = Arc::new(LargeSlots::default());
+        let r = "r";
+        let (first, how) = a.acquire(r, limit(1), Duration::from_secs(5), 8).await.unwrap();
         assert_eq!(how, Admitted::AtOnce);
         let a2 = a.clone();
-        let r2 = r.clone();
+        let r2 = r;
         let second =
-            tokio::spawn(
-                async move { a2.acquire(&r2, limit(1), Duration::from_secs(5), 8).await.map(|(p, h)| (h, p)) },
-            );
-        while a.queued("r") == 0 {
+            tokio::spawn(async move { a2.acquire(r2, limit(1), Duration::from_secs(5), 8).await.map(|(p, h)| (h, p)) });
+        while a.queued() == 0 {
             tokio::task::yield_now().await;
         }
         drop(first);
         let (how, p) = second.await.unwrap().unwrap();
         assert_eq!(how, Admitted::AfterWaiting);
-        assert_eq!(a.in_use("r"), 1);
+        assert_eq!(a.in_use(), 1);
         drop(p);
-        assert_eq!((a.in_use("r"), a.queued("r")), (0, 0));
-        assert_eq!(a.replicas_tracked(), 0, "an idle replica keeps no entry");
+        assert_eq!((a.in_use(), a.queued()), (0, 0));
     }
 
     #[tokio::test]
     async fn a_full_queue_and_a_timeout_are_rejections_that_leave_nothing_behind() {
-        let a = Arc::new(Admission::default());
-        let r: Arc<str> = Arc::from("r");
-        let (held, _) = a.acquire(&r, limit(1), Duration::from_secs(1), 0).await.unwrap();
+        let a = Arc::new(LargeSlots::default());
+        let r = "r";
+        let (held, _) = a.acquire(r, limit(1), Duration::from_secs(1), 0).await.unwrap();
+        assert!(matches!(a.acquire(r, limit(1), Duration::from_secs(1), 0).await, Err(DomainError::Overloaded { .. })));
         assert!(matches!(
-            a.acquire(&r, limit(1), Duration::from_secs(1), 0).await,
+            a.acquire(r, limit(1), Duration::from_millis(20), 4).await,
             Err(DomainError::Overloaded { .. })
         ));
-        assert!(matches!(
-            a.acquire(&r, limit(1), Duration::from_millis(20), 4).await,
-            Err(DomainError::Overloaded { .. })
-        ));
-        assert_eq!((a.in_use("r"), a.queued("r")), (1, 0));
+        assert_eq!((a.in_use(), a.queued()), (1, 0));
         drop(held);
-        assert_eq!(a.in_use("r"), 0);
+        assert_eq!(a.in_use(), 0);
     }
 
     #[tokio::test]
     async fn a_cancelled_waiter_leaves_the_queue() {
-        let a = Arc::new(Admission::default());
-        let r: Arc<str> = Arc::from("r");
-        let (held, _) = a.acquire(&r, limit(1), Duration::from_secs(1), 4).await.unwrap();
-        let wait = a.acquire(&r, limit(1), Duration::from_secs(10), 4);
+        let a = Arc::new(LargeSlots::default());
+        let r = "r";
+        let (held, _) = a.acquire(r, limit(1), Duration::from_secs(1), 4).await.unwrap();
+        let wait = a.acquire(r, limit(1), Duration::from_secs(10), 4);
         // Poll once so it queues, then drop it (a client that went away).
         let mut wait = Box::pin(wait);
         assert!(futures_util::poll!(wait.as_mut()).is_pending());
-        assert_eq!(a.queued("r"), 1);
+        assert_eq!(a.queued(), 1);
         drop(wait);
-        assert_eq!(a.queued("r"), 0);
+        assert_eq!(a.queued(), 0);
         drop(held);
-        assert_eq!(a.in_use("r"), 0);
+        assert_eq!(a.in_use(), 0);
     }
 }

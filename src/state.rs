@@ -7,7 +7,6 @@
 use std::sync::Arc;
 
 use crate::access::Access;
-use crate::admission::Admission;
 use crate::announce::Announcer;
 use crate::capacity::Capacity;
 use crate::config::Config;
@@ -31,7 +30,6 @@ pub struct AppState {
     /// Tells the other instances (a shared store) about new pins at once.
     pub announcer: Arc<Announcer>,
     pub access: Arc<Access>,
-    pub admission: Arc<Admission>,
     pub capacity: Arc<Capacity>,
     pub health: Arc<HealthTracker>,
     pub policy: Arc<CurrentPolicy>,
@@ -112,7 +110,6 @@ impl AppState {
         let event_writer = EventWriter::new(recorded, store.clone());
         let events = Arc::new(events);
         let policy = Arc::new(CurrentPolicy::new(policy));
-        let admission = Arc::new(Admission::default());
         let metrics = Arc::new(Metrics::new());
         let sessions = crate::sessions::Sessions::new(config.sessions.clone());
         let operator = Arc::new(Operator {
@@ -121,7 +118,6 @@ impl AppState {
             events: events.clone(),
             store: store.clone(),
             policy: policy.clone(),
-            admission: admission.clone(),
             capacity: capacity.clone(),
             metrics: metrics.clone(),
             sessions: sessions.clone(),
@@ -156,7 +152,6 @@ impl AppState {
             events,
             event_writer: Arc::new(event_writer),
             store,
-            admission,
             capacity,
             policy,
             operator,

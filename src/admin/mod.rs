@@ -258,7 +258,7 @@ async fn metrics(s: web::Data<AppState>) -> HttpResponse {
             large_inflight: r.large_inflight(),
             pins: pins.get(&r.id).copied().unwrap_or(0),
             up: r.routable(),
-            queued: s.admission.queued(&r.id),
+            queued: r.large_slots.queued(),
             bytes_per_token: r.calibration.bytes_per_token(),
             resident_sessions: s.sessions.resident(&r.id).sessions,
             room_tokens: s.sessions.room_of(r).left(),

@@ -104,7 +104,7 @@ fn view_with_pins(
         models: r.models().as_ref().clone(),
         bytes_per_token: r.calibration.bytes_per_token(),
         working_set_tokens: cap.working_set_tokens,
-        admission_queue: s.admission.queued(&r.id),
+        admission_queue: r.large_slots.queued(),
     }
 }
 

@@ -375,6 +375,8 @@ pub struct Replica {
     probe: Mutex<ProbeState>,
     /// Its bytes per token, from its own usage reports.
     pub calibration: crate::tokens::Calibration,
+    /// Its large-context slots and their queue (`max_large_inflight`).
+    pub large_slots: Arc<crate::admission::LargeSlots>,
 }
 
 impl Replica {
@@ -398,6 +400,7 @@ impl Replica {
             attempts: AtomicU64::new(0),
             probe: Mutex::new(ProbeState::default()),
             calibration: Default::default(),
+            large_slots: Default::default(),
         }
     }
 

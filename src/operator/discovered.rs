@@ -162,7 +162,7 @@ impl Operator {
             (SourceAction::Add(spec) | SourceAction::Update(spec), Some(r)) => {
                 let (url, limit) = (spec.url.clone(), spec.max_large_inflight);
                 r.set_spec(spec);
-                self.admission.rebalance(&r.id, limit);
+                r.large_slots.rebalance(limit);
                 record(EventKind::ReplicaUpdated, format!("changed in {source}: {url}"));
             }
             (SourceAction::Drain(_), Some(r)) => {

@@ -22,7 +22,6 @@ use std::time::Duration;
 use serde::Deserialize;
 use utoipa::ToSchema;
 
-use crate::admission::Admission;
 use crate::capacity::Capacity;
 use crate::domain_error::DomainError;
 use crate::events::{EventKind, EventLog};
@@ -92,7 +91,6 @@ pub struct Operator {
     pub(crate) events: Arc<EventLog>,
     pub(crate) store: Arc<dyn Store>,
     pub(crate) policy: Arc<CurrentPolicy>,
-    pub(crate) admission: Arc<Admission>,
     pub(crate) capacity: Arc<Capacity>,
     /// Per-replica metric series: they leave with their replica.
     pub(crate) metrics: Arc<crate::metrics::Metrics>,
@@ -134,7 +132,6 @@ impl Operator {
             events: Arc::new(events),
             store,
             policy: Arc::new(CurrentPolicy::new(policy)),
-            admission: Arc::default(),
             capacity: Arc::new(Capacity::new(300)),
             metrics: Arc::default(),
             sessions: crate::sessions::Sessions::new(Default::default()),
@@ -233,7 +230,7 @@ impl Operator {
                 let limit = s.spec.max_large_inflight;
                 r.set_spec(s.spec);
                 let was = r.set_admin(s.admin);
-                self.admission.rebalance(&r.id, limit);
+                r.large_slots.rebalance(limit);
                 Applied::Changed { was }
             }
             (Some(s), None) => {

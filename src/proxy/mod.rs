@@ -156,7 +156,7 @@ fn next_target(
         large: lookup.large,
         room: new_session.then_some(&room as &dyn Fn(&Replica) -> crate::sessions::Room),
     };
-    let has_slot = |r: &Replica| state.admission.has_free_slot(&r.id, r.spec().max_large_inflight);
+    let has_slot = |r: &Replica| r.large_slots.has_free_slot(r.spec().max_large_inflight);
     let route =
         plan::plan(&input, &fleet, has_slot, &state.spread).map_err(|e| recorder.plan_failed(e, &retries.tried))?;
     let reason = if retries.failed_from.is_some() { RouteReason::Failover } else { route.reason };
@@ -335,7 +335,7 @@ async fn admit(state: &AppState, recorder: &OutcomeRecorder, replica: &Arc<Repli
     let cfg = &state.config.admission;
     let started = tokio::time::Instant::now();
     let wait = Duration::from_millis(cfg.wait_ms);
-    let local = state.admission.acquire(&replica.id, limit, wait, cfg.max_queue).await;
+    let local = replica.large_slots.acquire(&replica.id, limit, wait, cfg.max_queue).await;
     let fleet = match (&local, replica.spec().max_large_inflight) {
         (Ok(_), Some(n)) => {
             let left = wait.saturating_sub(started.elapsed());

@@ -96,18 +96,20 @@ async fn admission_queues_in_order_rejects_past_the_bounds_and_never_leaks_a_slo
     let mut first = client().post(&url).send_json(&large_stream("first", 200)).await.unwrap();
     assert_eq!(first.status(), 200);
     let _ = first.next().await.unwrap().unwrap();
-    assert_eq!(gw.gw.admission.in_use("a"), 1);
+    assert_eq!(gw.gw.fleet.get("a").unwrap().large_slots.in_use(), 1);
 
     // Two more wait in line; a third is over the queue bound.
     let (u2, u3) = (url.clone(), url.clone());
     let second = actix_web::rt::spawn(async move {
         client().post(&u2).send_json(&large_stream("second", 200)).await.map(|r| r.status().as_u16())
     });
-    wait_until("second queued", Duration::from_secs(5), || gw.gw.admission.queued("a") == 1).await;
+    wait_until("second queued", Duration::from_secs(5), || gw.gw.fleet.get("a").unwrap().large_slots.queued() == 1)
+        .await;
     let third = actix_web::rt::spawn(async move {
         client().post(&u3).send_json(&large_stream("third", 200)).await.map(|r| r.status().as_u16())
     });
-    wait_until("third queued", Duration::from_secs(5), || gw.gw.admission.queued("a") == 2).await;
+    wait_until("third queued", Duration::from_secs(5), || gw.gw.fleet.get("a").unwrap().large_slots.queued() == 2)
+        .await;
     let mut over = client().post(&url).send_json(&large_stream("over", 200)).await.unwrap();
     assert_eq!(over.status(), 503);
     assert!(over.headers().get("retry-after").is_some());
@@ -117,14 +119,17 @@ async fn admission_queues_in_order_rejects_past_the_bounds_and_never_leaks_a_slo
     // A waiting client gives up: it leaves the line.
     third.abort();
     let _ = third.await;
-    wait_until("third left the queue", Duration::from_secs(5), || gw.gw.admission.queued("a") == 1).await;
+    wait_until("third left the queue", Duration::from_secs(5), || {
+        gw.gw.fleet.get("a").unwrap().large_slots.queued() == 1
+    })
+    .await;
 
     // The first client disconnects mid-stream: its slot goes to the second.
     drop(first);
     assert_eq!(second.await.unwrap().unwrap(), 200);
     wait_until("everything released", Duration::from_secs(10), || {
-        gw.gw.admission.in_use("a") == 0
-            && gw.gw.admission.queued("a") == 0
+        gw.gw.fleet.get("a").unwrap().large_slots.in_use() == 0
+            && gw.gw.fleet.get("a").unwrap().large_slots.queued() == 0
             && replica.inflight() == 0
             && replica.large_inflight() == 0
     })
@@ -160,7 +165,7 @@ async fn a_pinned_large_continuation_waits_for_its_own_replica_and_a_timeout_is_
         }
         drop(resp);
         wait_until("released", Duration::from_secs(5), || {
-            gw.gw.admission.in_use("a") + gw.gw.admission.in_use("b") == 0
+            gw.gw.fleet.get("a").unwrap().large_slots.in_use() + gw.gw.fleet.get("b").unwrap().large_slots.in_use() == 0
         })
         .await;
     }
@@ -170,7 +175,7 @@ async fn a_pinned_large_continuation_waits_for_its_own_replica_and_a_timeout_is_
     assert_eq!(turn2.status, 503, "the continuation waited for its own replica, not the free one");
     assert_eq!(turn2.body["error"]["code"], "admission_queue_full");
     drop(holder);
-    wait_until("released", Duration::from_secs(5), || gw.gw.admission.in_use(&home) == 0).await;
+    wait_until("released", Duration::from_secs(5), || gw.gw.fleet.get(&home).unwrap().large_slots.in_use() == 0).await;
     let turn3 =
         post(&url, &chat_body(&[("user", &ctx), ("assistant", "x"), ("user", "more")], json!({"max_tokens": 1}))).await;
     assert_eq!((turn3.status, turn3.route.as_str(), turn3.replica.as_str()), (200, "pinned", home.as_str()));

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use prefixgate::admission::Admission;
+use prefixgate::admission::LargeSlots;
 use prefixgate::domain_error::DomainError;
 use prefixgate::events::EventLog;
 use prefixgate::fleet::health::{probe_every, HealthTracker, Observation, ProbeResult};
@@ -25,7 +25,7 @@ async fn settle() {
 
 #[tokio::test(start_paused = true)]
 async fn an_admission_wait_ends_exactly_at_its_timeout_and_leaves_nothing_queued() {
-    let admission = Arc::new(Admission::default());
+    let admission = Arc::new(LargeSlots::default());
     let replica: Arc<str> = Arc::from("r");
     let limit: Arc<dyn Fn() -> Option<u32> + Send + Sync> = Arc::new(|| Some(1));
     let (_held, _) = admission.acquire(&replica, limit.clone(), Duration::from_secs(1), 4).await.unwrap();
@@ -35,7 +35,7 @@ async fn an_admission_wait_ends_exactly_at_its_timeout_and_leaves_nothing_queued
         async move { admission.acquire(&replica, limit, Duration::from_secs(30), 4).await.map(|_| ()) }
     });
     settle().await;
-    assert_eq!(admission.queued("r"), 1);
+    assert_eq!(admission.queued(), 1);
     tokio::time::advance(Duration::from_millis(29_999)).await;
     settle().await;
     assert!(!waiting.is_finished(), "still waiting one millisecond before its timeout");
@@ -43,7 +43,7 @@ async fn an_admission_wait_ends_exactly_at_its_timeout_and_leaves_nothing_queued
     let result = waiting.await.unwrap();
     assert!(matches!(result, Err(DomainError::Overloaded { .. })), "a 429 with Retry-After: {result:?}");
     assert_eq!(started.elapsed(), Duration::from_secs(30));
-    assert_eq!((admission.queued("r"), admission.in_use("r")), (0, 1), "the waiter left the queue");
+    assert_eq!((admission.queued(), admission.in_use()), (0, 1), "the waiter left the queue");
 }
 
 #[tokio::test(start_paused = true)]

@@ -177,7 +177,7 @@ async fn raising_max_large_inflight_wakes_a_waiting_request_at_once() {
         let url = url.clone();
         async move { client().post(&url).send_json(&large_stream("waiter", 200)).await.map(|r| r.status().as_u16()) }
     });
-    wait_until("queued", Duration::from_secs(5), || gw.gw.admission.queued("a") == 1).await;
+    wait_until("queued", Duration::from_secs(5), || gw.gw.fleet.get("a").unwrap().large_slots.queued() == 1).await;
     let (s, _) =
         admin("PATCH", &format!("{}/admin/v1/replicas/a", gw.admin), None, Some(json!({"max_large_inflight": 2})))
             .await;
@@ -186,7 +186,10 @@ async fn raising_max_large_inflight_wakes_a_waiting_request_at_once() {
     let status = tokio::time::timeout(Duration::from_secs(5), waiting).await.expect("woken by the PATCH");
     assert_eq!(status.unwrap().unwrap(), 200);
     // The waiter hung up after its head: its slot came back, the holder's is still taken.
-    wait_until("waiter's slot released", Duration::from_secs(5), || gw.gw.admission.in_use("a") == 1).await;
+    wait_until("waiter's slot released", Duration::from_secs(5), || {
+        gw.gw.fleet.get("a").unwrap().large_slots.in_use() == 1
+    })
+    .await;
     drop(holder);
     gw.stop().await;
 }
