@@ -239,7 +239,7 @@ async fn forward_request(
             Ok(resp) => {
                 trace::attempt_ended(&attempt_span, Ok(resp.status().as_u16()));
                 let (metrics, predicted_cached) = recorder.responded(&Responded {
-                    replica: &replica,
+                    replica,
                     reason,
                     success: resp.status().is_success(),
                     ttfb: started.elapsed(),
