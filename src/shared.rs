@@ -184,10 +184,14 @@ mod tests {
     fn a_removal_from_another_instance_forgets_what_a_local_one_forgets() {
         let store: Arc<dyn Store> = Arc::new(MemoryStore::default());
         let (local, remote) = (Operator::for_tests(store.clone()), Operator::for_tests(store.clone()));
+        let mut records = Vec::new();
         for op in [&local, &remote] {
             op.fleet.add(Replica::new(ReplicaSpec::new("a", "http://127.0.0.1:1"), AdminState::Active));
             op.pins.record(9, &Arc::from("a"), None, 10, 1, Default::default());
-            op.capacity.touch_family(&Arc::from("a"), 9, 10_000, crate::clock::now_ms());
+            let r = op.fleet.get("a").unwrap();
+            op.capacity.touch_family(&r.capacity, 9, 10_000, crate::clock::now_ms());
+            assert_eq!(r.capacity.working_set.len(), 1);
+            records.push(Arc::downgrade(&r));
         }
         store
             .put_replica(&crate::store::StoredReplica {
@@ -198,10 +202,11 @@ mod tests {
             .unwrap();
         local.remove_replica("a").unwrap();
         remote.reload_replica("a").unwrap();
-        for op in [&local, &remote] {
+        for (op, record) in [&local, &remote].into_iter().zip(records) {
             assert!(op.fleet.get("a").is_none());
             assert_eq!(op.pins.replica_of(9), None);
-            assert_eq!(op.capacity.families_on("a"), 0);
+            assert!(record.upgrade().is_none(), "the replica's record, its working set with it, is gone");
+            assert_eq!(op.fleet.records_alive(), 0);
         }
     }
 }

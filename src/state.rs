@@ -104,7 +104,12 @@ impl AppState {
         pins.restore(store.pins()?);
         let capacity = Arc::new(Capacity::new(config.capacity.working_set_window_secs));
         let since = crate::clock::now_ms().saturating_sub(capacity.window_secs() * 1000);
-        capacity.seed(&pins.conversations_active_since(since));
+        // The working set as the restored pins left it.
+        for p in pins.conversations_active_since(since) {
+            if let Some(r) = fleet.get(&p.replica) {
+                capacity.touch_family(&r.capacity, p.family, p.est_tokens, p.last_used_ms);
+            }
+        }
         let (events, recorded) =
             EventLog::new(config.history.max_events, config.history.max_unwritten, store.instance(), store.events()?);
         let event_writer = EventWriter::new(recorded, store.clone());
@@ -239,17 +244,19 @@ impl AppState {
             .and_then(|()| self.store.instances());
         // The capacity verdict covers the fleet: what the other live instances run counts too.
         if let Ok(beats) = &result {
-            let mut elsewhere: std::collections::HashMap<String, (u64, u64)> = Default::default();
+            let mut elsewhere: std::collections::HashMap<&str, (u64, u64)> = Default::default();
             for b in beats.iter().filter(|b| {
                 b.instance != instance && now.saturating_sub(b.at_ms) <= crate::operator::INSTANCE_TIMEOUT_MS
             }) {
                 for (replica, (count, tokens)) in &b.running {
-                    let e = elsewhere.entry(replica.clone()).or_default();
+                    let e = elsewhere.entry(replica.as_str()).or_default();
                     e.0 += count;
                     e.1 += tokens;
                 }
             }
-            self.capacity.set_running_elsewhere(elsewhere);
+            for r in self.fleet.snapshot().iter() {
+                r.capacity.set_running_elsewhere(elsewhere.get(&*r.id).copied().unwrap_or_default());
+            }
         }
         result.map(|_| ())
     }

@@ -69,19 +69,15 @@ pub struct ReplicaView {
 }
 
 pub fn view(s: &AppState, r: &Replica) -> ReplicaView {
-    view_with_pins(s, r, &s.pins.count_by_replica())
+    view_with_pins(r, &s.pins.count_by_replica())
 }
 
 /// `pin_counts` is read once per response.
-fn view_with_pins(
-    s: &AppState,
-    r: &Replica,
-    pin_counts: &std::collections::HashMap<std::sync::Arc<str>, usize>,
-) -> ReplicaView {
+fn view_with_pins(r: &Replica, pin_counts: &std::collections::HashMap<std::sync::Arc<str>, usize>) -> ReplicaView {
     let spec = r.spec();
     let probe = r.probe_state();
     let pins = pin_counts.get(&r.id).copied().unwrap_or(0);
-    let cap = s.capacity.replica(&r.id);
+    let cap = r.capacity.figures();
     ReplicaView {
         id: r.id.to_string(),
         source: r.source.label().to_string(),
@@ -117,7 +113,7 @@ fn checked_id(id: &str) -> Result<&str, ApiError> {
 #[get("/replicas")]
 async fn list(s: web::Data<AppState>) -> web::Json<Vec<ReplicaView>> {
     let counts = s.pins.count_by_replica();
-    web::Json(s.fleet.snapshot().iter().map(|r| view_with_pins(&s, r, &counts)).collect())
+    web::Json(s.fleet.snapshot().iter().map(|r| view_with_pins(r, &counts)).collect())
 }
 
 #[utoipa::path(tag = "replicas", params(("id" = ReplicaId, Path, description = "replica id")),

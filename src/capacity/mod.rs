@@ -14,7 +14,10 @@
 //! Three parts, one file each: the running requests (`running.rs`, a shard
 //! per worker), the working set of returning conversations
 //! (`working_set.rs`, sharded by family), and the verdict (`verdict.rs`,
-//! pure). This file ties them together and records transitions. Nothing here
+//! pure). This file ties them together and records transitions. What is
+//! kept per replica (its working set, last figures, warning, what other
+//! instances run there) is a `CapacityRecord` on the replica's own record
+//! (`fleet::Replica::capacity`), so it leaves with the replica. Nothing here
 //! takes a lock both workers share on every request.
 //!
 //! Why incremental: the pin table holds up to millions of one-shot pins, and
@@ -27,35 +30,67 @@ mod verdict;
 mod working_set;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 pub use running::{RunningRequest, RunningRequests, RunningTicket, RunningWorker};
 use verdict::compute;
 pub use verdict::{AggregateCapacity, CapacityReport, KvSource, ReplicaCapacity, ReplicaInput, SessionQueue, Verdict};
-use working_set::WorkingSet;
+pub use working_set::WorkingSet;
 
 use crate::events::{EventKind, EventLog};
-use crate::pins::Pin;
 use crate::policy::PrefixKey;
 
-/// (working set tokens, KV capacity tokens) from the last evaluation.
-type LastFigures = (u64, Option<u64>);
+/// What the capacity module keeps about one replica, on the replica's record.
+#[derive(Debug, Default)]
+pub struct CapacityRecord {
+    /// Returning conversations served here within the window.
+    pub working_set: WorkingSet,
+    /// (working set tokens, KV capacity tokens) from the last evaluation.
+    last: Mutex<Option<(u64, Option<u64>)>>,
+    /// Whether its capacity warning is raised (an event per transition).
+    warned: AtomicBool,
+    /// Requests other gateway instances run here: count and tokens, from
+    /// their heartbeats (a shared store), so the verdict covers the fleet.
+    elsewhere_count: AtomicU64,
+    elsewhere_tokens: AtomicU64,
+}
 
-#[derive(Default)]
-struct Warnings {
-    replicas: HashMap<Arc<str>, bool>,
-    aggregate: bool,
+impl CapacityRecord {
+    /// The figures of the last evaluation (the background task runs one a second).
+    pub fn figures(&self) -> ReplicaFigures {
+        let last = *self.last.lock().unwrap_or_else(|e| e.into_inner());
+        ReplicaFigures { kv_tokens: last.and_then(|l| l.1), working_set_tokens: last.map_or(0, |l| l.0) }
+    }
+
+    /// What the other live instances run here now (from their heartbeats).
+    pub fn set_running_elsewhere(&self, (count, tokens): (u64, u64)) {
+        self.elsewhere_count.store(count, Ordering::Relaxed);
+        self.elsewhere_tokens.store(tokens, Ordering::Relaxed);
+    }
+
+    /// Forgets the working set, the last figures and the warning (the
+    /// replica's pins were deleted: the next evaluation starts it afresh).
+    pub fn forget(&self) {
+        self.working_set.clear();
+        *self.last.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self.warned.store(false, Ordering::Relaxed);
+    }
+}
+
+/// One replica as the capacity module sees it: what the verdict reads, and
+/// the record kept on the replica (`Fleet::capacity_inputs` gathers them).
+#[derive(Debug, Clone)]
+pub struct Tracked {
+    pub input: ReplicaInput,
+    pub record: Arc<CapacityRecord>,
 }
 
 pub struct Capacity {
     pub running: Arc<RunningRequests>,
-    working_set: WorkingSet,
-    /// Requests other gateway instances run, per replica: (count, tokens),
-    /// from their heartbeats (a shared store), so the verdict covers the fleet.
-    elsewhere: Mutex<HashMap<String, (u64, u64)>>,
     window_ms: u64,
-    warnings: Mutex<Warnings>,
-    last: Mutex<HashMap<Arc<str>, LastFigures>>,
+    /// Whether the fleet-wide warning is raised.
+    aggregate_warned: AtomicBool,
 }
 
 /// What the replica view needs of one replica.
@@ -68,11 +103,8 @@ impl Capacity {
     pub fn new(window_secs: u64) -> Capacity {
         Capacity {
             running: Arc::default(),
-            elsewhere: Mutex::default(),
-            working_set: WorkingSet::new(window_secs.saturating_mul(1000)),
             window_ms: window_secs.saturating_mul(1000),
-            warnings: Mutex::default(),
-            last: Mutex::default(),
+            aggregate_warned: AtomicBool::new(false),
         }
     }
 
@@ -80,88 +112,44 @@ impl Capacity {
         self.window_ms / 1000
     }
 
-    /// Seeds the working set from restored pins (startup only).
-    pub fn seed(&self, pins: &[Pin]) {
-        for p in pins {
-            self.touch_family(&p.replica, p.family, p.est_tokens, p.last_used_ms);
-        }
-    }
-
-    /// A returning conversation (second turn or later) was served on `replica`.
-    pub fn touch_family(&self, replica: &Arc<str>, family: PrefixKey, tokens: u64, now_ms: u64) {
-        self.working_set.touch(replica, family, tokens, now_ms);
-    }
-
-    /// What the other live instances run now (from their heartbeats).
-    pub fn set_running_elsewhere(&self, totals: HashMap<String, (u64, u64)>) {
-        *self.elsewhere.lock().expect("lock") = totals;
-    }
-
-    /// The conversation left `replica` (its pin moved): it no longer lives there.
-    pub fn family_moved(&self, family: PrefixKey, from: &str) {
-        self.working_set.moved(family, from);
-    }
-
-    /// Families the working set holds on `replica` (for tests).
-    #[cfg(test)]
-    pub fn families_on(&self, replica: &str) -> usize {
-        self.working_set.families_on(replica)
-    }
-
-    /// Forgets what is kept about `replica`: its working set, its last
-    /// figures and its warning state (it left the fleet, or its pins were
-    /// deleted; the next evaluation starts it afresh).
-    pub fn forget_replica(&self, replica: &str) {
-        self.working_set.forget_replica(replica);
-        self.last.lock().expect("lock").remove(replica);
-        self.warnings.lock().expect("lock").replicas.remove(replica);
-    }
-
-    /// Replicas with a warning state kept (for the churn test).
-    pub fn replicas_tracked(&self) -> usize {
-        self.warnings.lock().expect("lock").replicas.len() + self.working_set.replicas()
-    }
-
-    /// The figures of the last evaluation (the background task runs one a second).
-    pub fn replica(&self, id: &str) -> ReplicaFigures {
-        let last = self.last.lock().expect("lock").get(id).copied();
-        ReplicaFigures { kv_tokens: last.and_then(|l| l.1), working_set_tokens: last.map_or(0, |l| l.0) }
+    /// A returning conversation (second turn or later) was served on the
+    /// replica whose record is `on`.
+    pub fn touch_family(&self, on: &CapacityRecord, family: PrefixKey, tokens: u64, now_ms: u64) {
+        on.working_set.touch(family, tokens, now_ms, self.window_ms);
     }
 
     /// The current report. Reads only: a GET may call it.
-    pub fn report(&self, replicas: &[ReplicaInput], now_ms: u64) -> CapacityReport {
+    pub fn report(&self, replicas: &[Tracked], now_ms: u64) -> CapacityReport {
         let since = now_ms.saturating_sub(self.window_ms);
-        let families = self.working_set.active(since);
+        let mut families = Vec::new();
         let mut running = self.running.snapshot();
-        for (replica, (count, tokens)) in self.elsewhere.lock().expect("lock").iter() {
+        for Tracked { input, record } in replicas {
+            families.extend(record.working_set.active(since).into_iter().map(|(f, t)| (input.id.clone(), f, t)));
             // Another instance's requests: counted, their tokens spread evenly (no families known).
-            let each = tokens / (*count).max(1);
-            let id: Arc<str> = Arc::from(replica.as_str());
-            running.extend((0..*count).map(|_| (id.clone(), RunningRequest { family: None, tokens: each })));
+            let count = record.elsewhere_count.load(Ordering::Relaxed);
+            let each = record.elsewhere_tokens.load(Ordering::Relaxed) / count.max(1);
+            running.extend((0..count).map(|_| (input.id.clone(), RunningRequest { family: None, tokens: each })));
         }
-        compute(self.window_secs(), replicas, &families, &running)
+        let inputs: Vec<ReplicaInput> = replicas.iter().map(|t| t.input.clone()).collect();
+        compute(self.window_secs(), &inputs, &families, &running)
     }
 
     /// Re-evaluates the verdict (the background task, once a second): keeps
     /// the figures replica views show, forgets expired families, and records
     /// an event and a log line once per transition (per replica, and for the
     /// fleet as a whole).
-    pub fn evaluate(&self, replicas: &[ReplicaInput], events: &EventLog, now_ms: u64) -> CapacityReport {
+    pub fn evaluate(&self, replicas: &[Tracked], events: &EventLog, now_ms: u64) -> CapacityReport {
         let since = now_ms.saturating_sub(self.window_ms);
-        self.working_set.forget_before(since);
-        let report = self.report(replicas, now_ms);
-        {
-            let mut last = self.last.lock().expect("lock");
-            last.clear();
-            for r in &report.replicas {
-                last.insert(Arc::from(r.replica.as_str()), (r.working_set_tokens, r.kv_tokens));
-            }
+        for t in replicas {
+            t.record.working_set.forget_before(since);
         }
-        let mut warnings = self.warnings.lock().expect("lock");
+        let report = self.report(replicas, now_ms);
+        let records: HashMap<&str, &CapacityRecord> =
+            replicas.iter().map(|t| (&*t.input.id, t.record.as_ref())).collect();
         for r in &report.replicas {
-            let warned = warnings.replicas.entry(Arc::from(r.replica.as_str())).or_default();
-            if *warned != r.over_capacity {
-                *warned = r.over_capacity;
+            let Some(record) = records.get(r.replica.as_str()) else { continue };
+            *record.last.lock().unwrap_or_else(|e| e.into_inner()) = Some((r.working_set_tokens, r.kv_tokens));
+            if record.warned.swap(r.over_capacity, Ordering::Relaxed) != r.over_capacity {
                 let detail =
                     format!("working set ~{} tokens vs KV {} tokens", r.working_set_tokens, r.kv_tokens.unwrap_or(0));
                 if r.over_capacity {
@@ -173,13 +161,13 @@ impl Capacity {
                 }
             }
         }
-        if warnings.aggregate != report.aggregate.over_capacity {
-            warnings.aggregate = report.aggregate.over_capacity;
+        let over = report.aggregate.over_capacity;
+        if self.aggregate_warned.swap(over, Ordering::Relaxed) != over {
             let detail = format!(
                 "fleet working set ~{} tokens vs aggregate KV {} tokens",
                 report.aggregate.working_set_tokens, report.aggregate.kv_tokens
             );
-            let kind = if warnings.aggregate { EventKind::CapacityWarning } else { EventKind::CapacityCleared };
+            let kind = if over { EventKind::CapacityWarning } else { EventKind::CapacityCleared };
             tracing::warn!("{detail}");
             events.record(kind, None, None, detail);
         }

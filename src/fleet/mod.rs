@@ -377,6 +377,8 @@ pub struct Replica {
     pub calibration: crate::tokens::Calibration,
     /// Its large-context slots and their queue (`max_large_inflight`).
     pub large_slots: Arc<crate::admission::LargeSlots>,
+    /// Its working set, last capacity figures and warning.
+    pub capacity: Arc<crate::capacity::CapacityRecord>,
 }
 
 impl Replica {
@@ -401,6 +403,7 @@ impl Replica {
             probe: Mutex::new(ProbeState::default()),
             calibration: Default::default(),
             large_slots: Default::default(),
+            capacity: Default::default(),
         }
     }
 
@@ -585,14 +588,17 @@ impl Fleet {
 
     /// What the capacity verdict needs of each replica: its declared and
     /// observed KV capacity and its calibrated bytes per token.
-    pub fn capacity_inputs(&self) -> Vec<crate::capacity::ReplicaInput> {
+    pub fn capacity_inputs(&self) -> Vec<crate::capacity::Tracked> {
         self.snapshot()
             .iter()
-            .map(|r| crate::capacity::ReplicaInput {
-                id: r.id.clone(),
-                declared_kv: r.spec().kv_tokens,
-                metrics_kv: r.observed_kv(),
-                bytes_per_token: r.calibration.bytes_per_token(),
+            .map(|r| crate::capacity::Tracked {
+                input: crate::capacity::ReplicaInput {
+                    id: r.id.clone(),
+                    declared_kv: r.spec().kv_tokens,
+                    metrics_kv: r.observed_kv(),
+                    bytes_per_token: r.calibration.bytes_per_token(),
+                },
+                record: r.capacity.clone(),
             })
             .collect()
     }

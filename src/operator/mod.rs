@@ -256,7 +256,6 @@ impl Operator {
     pub(crate) fn forget_replica(&self, id: &str) -> usize {
         self.fleet.remove(id);
         let pins = self.pins.remove_replica_pins(id, true);
-        self.capacity.forget_replica(id);
         self.metrics.forget_replica(id);
         self.sessions.forget_replica(id);
         pins
@@ -305,7 +304,9 @@ impl Operator {
         // fleet's working set here too.
         for p in changes.iter().filter_map(|(_, p)| p.as_ref()) {
             if p.turns >= 2 && p.origin.source == PinSource::Prefix {
-                self.capacity.touch_family(&p.replica, p.family, p.est_tokens, p.last_used_ms);
+                if let Some(r) = self.fleet.get(&p.replica) {
+                    self.capacity.touch_family(&r.capacity, p.family, p.est_tokens, p.last_used_ms);
+                }
             }
             // Residency is the fleet's view: a conversation that came back,
             // or one named by a session key, lives where its pin says.
@@ -431,7 +432,9 @@ impl Operator {
         let deleted: Vec<PinChange> = self.pins.keys_of(id).into_iter().map(|k| (k, None)).collect();
         self.store.write_pins(&deleted).map_err(internal)?;
         self.apply_pins(deleted.iter().cloned());
-        self.capacity.forget_replica(id);
+        if let Some(r) = self.fleet.get(id) {
+            r.capacity.forget();
+        }
         let n = deleted.len();
         self.events.record(EventKind::PinsDeleted, Some(id), None, format!("{n} pin(s) deleted"));
         Ok(n)

@@ -31,6 +31,8 @@ pub struct OutcomeRecorder {
     /// This worker's metric handles (the recorder is built per worker).
     metrics: WorkerMetrics,
     capacity: Arc<Capacity>,
+    /// Where a moved conversation's old replica is found.
+    fleet: Arc<crate::fleet::Fleet>,
     /// This worker's shard of the running requests.
     running: RunningWorker,
     health: Arc<HealthTracker>,
@@ -78,6 +80,7 @@ impl OutcomeRecorder {
             events: s.events.clone(),
             metrics: WorkerMetrics::new(s.metrics.clone()),
             capacity: s.capacity.clone(),
+            fleet: s.fleet.clone(),
             running: s.capacity.running.worker(),
             health: s.health.clone(),
             announcer: s.announcer.clone(),
@@ -255,10 +258,12 @@ impl OutcomeRecorder {
         let origin = PinOrigin { dialect: r.dialect, source: PinSource::Prefix };
         let recorded = self.pins.record(pin_at, &r.replica.id, parent, r.est_tokens, now, origin);
         if let Some(from) = &recorded.moved_from {
-            self.capacity.family_moved(recorded.family, from);
+            if let Some(old) = self.fleet.get(from) {
+                old.capacity.working_set.moved(recorded.family);
+            }
         }
         if recorded.turns >= 2 {
-            self.capacity.touch_family(&r.replica.id, recorded.family, r.est_tokens, now);
+            self.capacity.touch_family(&r.replica.capacity, recorded.family, r.est_tokens, now);
         }
         predicted
     }
