@@ -20,7 +20,7 @@ async fn get_capacity(s: web::Data<AppState>) -> web::Json<CapacityReport> {
     // The sessions' side: who is resident where, the room left, the queue.
     for r in &mut report.replicas {
         if let Some(replica) = s.fleet.get(&r.replica) {
-            r.resident_sessions = s.sessions.resident(&r.replica).sessions;
+            r.resident_sessions = crate::sessions::Sessions::resident(&replica).sessions;
             r.room_tokens = s.sessions.room_of(&replica).left();
         }
     }

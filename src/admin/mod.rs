@@ -260,7 +260,7 @@ async fn metrics(s: web::Data<AppState>) -> HttpResponse {
             up: r.routable(),
             queued: r.large_slots.queued(),
             bytes_per_token: r.calibration.bytes_per_token(),
-            resident_sessions: s.sessions.resident(&r.id).sessions,
+            resident_sessions: crate::sessions::Sessions::resident(r).sessions,
             room_tokens: s.sessions.room_of(r).left(),
         })
         .collect();

@@ -4,6 +4,7 @@
 //! whole when the set changes, so routing never holds a lock across I/O.
 
 pub mod health;
+pub mod residents;
 
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
@@ -379,6 +380,8 @@ pub struct Replica {
     pub large_slots: Arc<crate::admission::LargeSlots>,
     /// Its working set, last capacity figures and warning.
     pub capacity: Arc<crate::capacity::CapacityRecord>,
+    /// The sessions resident here (the KV wall).
+    pub residents: residents::Residents,
 }
 
 impl Replica {
@@ -404,6 +407,7 @@ impl Replica {
             calibration: Default::default(),
             large_slots: Default::default(),
             capacity: Default::default(),
+            residents: Default::default(),
         }
     }
 

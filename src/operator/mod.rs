@@ -257,7 +257,6 @@ impl Operator {
         self.fleet.remove(id);
         let pins = self.pins.remove_replica_pins(id, true);
         self.metrics.forget_replica(id);
-        self.sessions.forget_replica(id);
         pins
     }
 
@@ -302,17 +301,17 @@ impl Operator {
         let changes: Vec<PinChange> = changes.into_iter().collect();
         // Conversations that came back on another instance are part of the
         // fleet's working set here too.
+        // A pin to a replica this instance does not have changes neither.
         for p in changes.iter().filter_map(|(_, p)| p.as_ref()) {
+            let Some(r) = self.fleet.get(&p.replica) else { continue };
             if p.turns >= 2 && p.origin.source == PinSource::Prefix {
-                if let Some(r) = self.fleet.get(&p.replica) {
-                    self.capacity.touch_family(&r.capacity, p.family, p.est_tokens, p.last_used_ms);
-                }
+                self.capacity.touch_family(&r.capacity, p.family, p.est_tokens, p.last_used_ms);
             }
             // Residency is the fleet's view: a conversation that came back,
             // or one named by a session key, lives where its pin says.
             if p.turns >= 2 || matches!(p.origin.source, PinSource::PromptCacheKey | PinSource::SessionHeader) {
                 // A session's id is its family (a session key's pin is its own family).
-                self.sessions.seen_elsewhere(&p.replica, p.family, p.est_tokens, p.last_used_ms);
+                self.sessions.seen_elsewhere(&r, p.family, p.est_tokens, p.last_used_ms);
             }
         }
         self.pins.apply(changes);

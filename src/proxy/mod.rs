@@ -219,7 +219,7 @@ async fn forward_request(
         let family = pinned.as_ref().map(|(_, p)| p.family).or(shape.pin_at);
         let ticket = recorder.running(&replica.id, family, est_tokens);
         // Resident from this turn on; idle only once it ended.
-        let turn = of_session.map(|s| state.sessions.begin_turn(&replica.id, s.id, est_tokens, crate::clock::now_ms()));
+        let turn = of_session.map(|s| state.sessions.begin_turn(replica, s.id, est_tokens, crate::clock::now_ms()));
         recorder.routed(&Routed {
             replica: &replica.id,
             pin_at: shape.pin_at,

@@ -29,10 +29,12 @@
 pub mod room;
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use crate::domain_error::DomainError;
+use crate::fleet::residents::Resident;
+use crate::fleet::Replica;
 use crate::policy::PrefixKey;
 pub use room::{Room, Verdict};
 use serde::{Deserialize, Serialize};
@@ -77,24 +79,13 @@ pub const RECHECK: Duration = Duration::from_millis(200);
 /// the flusher renews this instance's residents every flush interval.
 pub const STORE_SLACK_MS: u64 = 1_000;
 
-/// One resident session.
-#[derive(Debug, Clone, Copy)]
-struct Resident {
-    tokens: u64,
-    last_ms: u64,
-    /// Turns running now: a session mid-turn is never idle.
-    running: u32,
-    /// A turn of it ran here (not only another instance's pins say so):
-    /// this instance keeps it alive in a shared store.
-    ours: bool,
-}
-
 #[derive(Default)]
 struct State {
-    /// Resident sessions by replica.
-    on: foldhash::HashMap<Arc<str>, foldhash::HashMap<PrefixKey, Resident>>,
-    /// Where each session lives.
-    home: foldhash::HashMap<PrefixKey, Arc<str>>,
+    /// Where each session lives: its replica's record, which holds the
+    /// session's figures (`Replica::residents`). A record that left the
+    /// fleet is gone once no request holds it, and its sessions leave this
+    /// index at the next sweep: a removal needs no call here.
+    home: foldhash::HashMap<PrefixKey, Weak<Replica>>,
     /// Held sessions' tickets, oldest first.
     held: VecDeque<u64>,
     next_ticket: u64,
@@ -102,13 +93,14 @@ struct State {
 
 impl State {
     fn leave(&mut self, session: PrefixKey) -> Option<Resident> {
-        let replica = self.home.remove(&session)?;
-        let on = self.on.get_mut(&replica)?;
-        let gone = on.remove(&session);
-        if on.is_empty() {
-            self.on.remove(&replica);
-        }
+        let replica = self.home.remove(&session)?.upgrade()?;
+        let gone = replica.residents.lock().remove(&session);
         gone
+    }
+
+    /// Where `session` lives, when its replica is still there.
+    fn home_of(&self, session: PrefixKey) -> Option<Arc<Replica>> {
+        self.home.get(&session).and_then(Weak::upgrade)
     }
 }
 
@@ -116,10 +108,6 @@ pub struct Sessions {
     /// `[sessions]`: idle_ms, max_wait_ms, max_held, hold_min_tokens.
     settings: SessionConfig,
     state: Mutex<State>,
-    /// With a shared store: the footprints of every instance's live sessions
-    /// per replica, as last read (`store.session_loads`). A replica's room
-    /// counts the larger of this and what this instance knows itself.
-    fleet_loads: Mutex<foldhash::HashMap<Arc<str>, u64>>,
     /// Told when room may have opened.
     changed: tokio::sync::Notify,
     /// How the waits went, since start.
@@ -194,7 +182,6 @@ impl Sessions {
         Arc::new(Sessions {
             settings,
             state: Mutex::default(),
-            fleet_loads: Mutex::default(),
             changed: tokio::sync::Notify::new(),
             waits: Mutex::default(),
         })
@@ -212,20 +199,17 @@ impl Sessions {
     /// resident there from now (moved, if it lived elsewhere).
     pub fn begin_turn(
         self: &Arc<Self>,
-        replica: &Arc<str>,
+        replica: &Arc<Replica>,
         session: PrefixKey,
         tokens: u64,
         now_ms: u64,
     ) -> SessionTurn {
         let moved = {
             let mut state = self.lock();
-            let moved = match state.home.get(&session) {
-                Some(home) if home == replica => None,
-                Some(_) => state.leave(session),
-                None => None,
-            };
-            state.home.insert(session, replica.clone());
-            let on = state.on.entry(replica.clone()).or_default();
+            let here = state.home.get(&session).is_some_and(|home| std::ptr::eq(home.as_ptr(), Arc::as_ptr(replica)));
+            let moved = if here { None } else { state.leave(session) };
+            state.home.insert(session, Arc::downgrade(replica));
+            let mut on = replica.residents.lock();
             let r = on.entry(session).or_insert(Resident { tokens, last_ms: now_ms, running: 0, ours: true });
             r.tokens = tokens.max(moved.map_or(0, |m| m.tokens));
             r.last_ms = now_ms;
@@ -240,9 +224,10 @@ impl Sessions {
     }
 
     fn end_turn(&self, session: PrefixKey, now_ms: u64) {
-        let mut state = self.lock();
-        let Some(replica) = state.home.get(&session).cloned() else { return };
-        if let Some(r) = state.on.get_mut(&replica).and_then(|on| on.get_mut(&session)) {
+        let state = self.lock();
+        let Some(replica) = state.home_of(session) else { return };
+        let mut on = replica.residents.lock();
+        if let Some(r) = on.get_mut(&session) {
             r.running = r.running.saturating_sub(1);
             r.last_ms = r.last_ms.max(now_ms);
         }
@@ -250,66 +235,50 @@ impl Sessions {
 
     /// Another instance's session, known from its pins: resident where they
     /// say, as of `last_ms` (no turn of it runs here).
-    pub fn seen_elsewhere(&self, replica: &Arc<str>, session: PrefixKey, tokens: u64, last_ms: u64) {
+    pub fn seen_elsewhere(&self, replica: &Arc<Replica>, session: PrefixKey, tokens: u64, last_ms: u64) {
         let mut state = self.lock();
-        if state.home.get(&session).is_some_and(|home| home != replica) {
+        if state.home.get(&session).is_some_and(|home| !std::ptr::eq(home.as_ptr(), Arc::as_ptr(replica))) {
             state.leave(session);
         }
-        state.home.insert(session, replica.clone());
-        let r = state.on.entry(replica.clone()).or_default().entry(session).or_insert(Resident {
-            tokens,
-            last_ms,
-            running: 0,
-            ours: false,
-        });
+        state.home.insert(session, Arc::downgrade(replica));
+        let mut on = replica.residents.lock();
+        let r = on.entry(session).or_insert(Resident { tokens, last_ms, running: 0, ours: false });
         r.tokens = r.tokens.max(tokens);
         r.last_ms = r.last_ms.max(last_ms);
     }
 
-    /// Forgets the sessions idle for longer than `idle_ms`; true when any
-    /// went (room opened: the held are told).
+    /// Forgets the sessions idle for longer than `idle_ms`, and those whose
+    /// replica left; true when any went (room opened: the held are told).
     pub fn sweep(&self, now_ms: u64) -> bool {
         let idle_ms = self.settings.idle_ms;
-        let mut state = self.lock();
-        let gone: Vec<PrefixKey> = state
-            .on
-            .values()
-            .flat_map(|on| on.iter())
-            .filter(|(_, r)| r.running == 0 && now_ms.saturating_sub(r.last_ms) > idle_ms)
-            .map(|(s, _)| *s)
-            .collect();
-        for s in &gone {
-            state.leave(*s);
-        }
-        drop(state);
-        if gone.is_empty() {
-            return false;
-        }
-        self.changed.notify_waiters();
-        true
-    }
-
-    /// A replica left: its sessions with it.
-    pub fn forget_replica(&self, replica: &str) {
-        let mut state = self.lock();
-        if let Some(on) = state.on.remove(replica) {
-            for s in on.keys() {
-                state.home.remove(s);
+        let mut gone = false;
+        self.lock().home.retain(|session, home| {
+            let Some(replica) = home.upgrade() else {
+                gone = true;
+                return false;
+            };
+            let mut on = replica.residents.lock();
+            let idle = on.get(session).is_none_or(|r| r.running == 0 && now_ms.saturating_sub(r.last_ms) > idle_ms);
+            if idle {
+                on.remove(session);
+                gone = true;
             }
+            !idle
+        });
+        if gone {
+            self.changed.notify_waiters();
         }
-        drop(state);
-        self.fleet_loads.lock().unwrap_or_else(|e| e.into_inner()).remove(replica);
-        self.changed.notify_waiters();
+        gone
     }
 
     /// The room `r` has for new sessions now: its capacity, and the
-    /// footprints of the sessions resident there.
-    pub fn room_of(&self, r: &crate::fleet::Replica) -> Room {
+    /// footprints of the sessions resident there. With a shared store, the
+    /// larger of this instance's own view and every instance's loads.
+    pub fn room_of(&self, r: &Replica) -> Room {
         let slot_tokens = r.slot_tokens();
         let shape = Room { capacity: None, taken: 0, slot_tokens };
-        let here = self.lock().on.get(&*r.id).map_or(0, |on| on.values().map(|s| shape.footprint(s.tokens)).sum());
-        let fleet = self.fleet_loads.lock().unwrap_or_else(|e| e.into_inner()).get(&*r.id).copied().unwrap_or(0);
-        Room { capacity: r.kv_capacity(), taken: here.max(fleet), slot_tokens }
+        let here: u64 = r.residents.lock().values().map(|s| shape.footprint(s.tokens)).sum();
+        Room { capacity: r.kv_capacity(), taken: here.max(r.residents.fleet_load()), slot_tokens }
     }
 
     /// Reads every instance's session loads on `replicas` from a shared
@@ -318,15 +287,16 @@ impl Sessions {
     pub fn read_fleet_loads(
         &self,
         store: &dyn crate::store::Store,
-        replicas: &[Arc<crate::fleet::Replica>],
+        replicas: &[Arc<Replica>],
     ) -> Result<(), crate::store::StoreError> {
         let ids: Vec<String> = replicas.iter().map(|r| r.id.to_string()).collect();
         let loads = store.session_loads(&ids)?;
         if loads.is_empty() {
             return Ok(());
         }
-        *self.fleet_loads.lock().unwrap_or_else(|e| e.into_inner()) =
-            replicas.iter().map(|r| r.id.clone()).zip(loads).collect();
+        for (r, load) in replicas.iter().zip(loads) {
+            r.residents.set_fleet_load(load);
+        }
         self.changed.notify_waiters();
         Ok(())
     }
@@ -335,25 +305,27 @@ impl Sessions {
     /// the flusher keeps alive in a shared store.
     pub fn residents(&self) -> Vec<(Arc<str>, PrefixKey, u64)> {
         let state = self.lock();
-        state
-            .on
-            .iter()
-            .flat_map(|(r, on)| on.iter().filter(|(_, x)| x.ours).map(move |(s, x)| (r.clone(), *s, x.tokens)))
-            .collect()
-    }
-
-    pub fn resident(&self, replica: &str) -> ResidentFigures {
-        let state = self.lock();
-        let on = state.on.get(replica);
-        ResidentFigures {
-            sessions: on.map_or(0, |on| on.len()),
-            tokens: on.map_or(0, |on| on.values().map(|r| r.tokens).sum()),
+        let mut out = Vec::new();
+        for (session, home) in &state.home {
+            let Some(replica) = home.upgrade() else { continue };
+            let tokens = replica.residents.lock().get(session).filter(|r| r.ours).map(|r| r.tokens);
+            if let Some(tokens) = tokens {
+                out.push((replica.id.clone(), *session, tokens));
+            }
         }
+        out
     }
 
-    /// True when `session` is resident somewhere (its turns are never held).
+    /// What the capacity view shows of `replica`'s sessions.
+    pub fn resident(replica: &Replica) -> ResidentFigures {
+        let on = replica.residents.lock();
+        ResidentFigures { sessions: on.len(), tokens: on.values().map(|r| r.tokens).sum() }
+    }
+
+    /// True when `session` is resident on a replica still there (its turns
+    /// are never held).
     pub fn is_resident(&self, session: PrefixKey) -> bool {
-        self.lock().home.contains_key(&session)
+        self.lock().home_of(session).is_some()
     }
 
     /// Counts one finished wait.
@@ -442,38 +414,43 @@ mod tests {
         SessionConfig { idle_ms: 1_000, max_wait_ms: 10_000, max_held: 2, hold_min_tokens: 1, ..Default::default() }
     }
 
+    fn replica(id: &str) -> Arc<Replica> {
+        Arc::new(Replica::new(crate::fleet::ReplicaSpec::new(id, "http://x"), crate::fleet::AdminState::Active))
+    }
+
     #[test]
     fn a_session_is_resident_while_its_turn_runs_and_until_it_idles_out() {
         let s = Sessions::new(settings());
-        let a: Arc<str> = Arc::from("a");
+        let a = replica("a");
         let turn = s.begin_turn(&a, 7, 500, 0);
-        assert_eq!(s.resident("a"), ResidentFigures { sessions: 1, tokens: 500 });
+        assert_eq!(Sessions::resident(&a), ResidentFigures { sessions: 1, tokens: 500 });
         assert!(!s.sweep(5_000), "mid-turn: never idle");
         drop(turn);
         let ended = crate::clock::now_ms();
         assert!(!s.sweep(ended + 500));
         assert!(s.sweep(ended + 1_001));
-        assert_eq!((s.resident("a").sessions, s.len()), (0, 0));
+        assert_eq!((Sessions::resident(&a).sessions, s.len()), (0, 0));
     }
 
     #[test]
     fn a_moved_session_lives_where_it_went_and_a_removed_replica_takes_its_sessions() {
         let s = Sessions::new(settings());
-        let (a, b): (Arc<str>, Arc<str>) = (Arc::from("a"), Arc::from("b"));
+        let (a, b) = (replica("a"), replica("b"));
         drop(s.begin_turn(&a, 1, 300, 0));
         drop(s.begin_turn(&b, 1, 200, 1));
-        assert_eq!((s.resident("a").sessions, s.resident("b").tokens), (0, 300));
+        assert_eq!((Sessions::resident(&a).sessions, Sessions::resident(&b).tokens), (0, 300));
         s.seen_elsewhere(&a, 2, 100, 5);
-        let replica = crate::fleet::Replica::new(
-            crate::fleet::ReplicaSpec::new("a", "http://x"),
-            crate::fleet::AdminState::Active,
-        );
-        replica.set_observed_kv(Some(1_000));
-        assert_eq!(s.room_of(&replica).left(), Some(900));
-        replica.set_slot_tokens(Some(250));
-        assert_eq!(s.room_of(&replica).left(), Some(750), "a whole slot taken");
-        s.forget_replica("a");
-        assert_eq!((s.len(), s.is_resident(2), s.is_resident(1)), (1, false, true));
+        a.set_observed_kv(Some(1_000));
+        assert_eq!(s.room_of(&a).left(), Some(900));
+        a.set_slot_tokens(Some(250));
+        assert_eq!(s.room_of(&a).left(), Some(750), "a whole slot taken");
+        // The replica leaves: its record (and its sessions' figures) with it.
+        let gone = Arc::downgrade(&a);
+        drop(a);
+        assert!(gone.upgrade().is_none());
+        assert_eq!((s.is_resident(2), s.is_resident(1)), (false, true));
+        assert!(s.sweep(crate::clock::now_ms()), "the sweep drops the sessions whose replica left");
+        assert_eq!(s.len(), 1);
     }
 
     #[tokio::test(start_paused = true)]
