@@ -242,10 +242,14 @@ impl Operator {
         }
     }
 
-    /// Takes replica `id` out of the fleet with everything kept about it:
-    /// its pins, its interned name, its capacity figures and warnings, its
-    /// working set, its calibration and its metric series (its counters and
-    /// admission slots live on the entry and its guards, and go with them).
+    /// Takes replica `id` out of the fleet with everything kept about it.
+    /// What is kept per replica (calibration, capacity figures and warning,
+    /// working set, admission slots, resident sessions, counters) lives on
+    /// its record, `fleet::Replica`: dropping the record is the removal, and
+    /// a request still in flight keeps it only until it ends. Besides the
+    /// record: its pins and interned name (the pin table's own index, by
+    /// design), and its metric series (Prometheus families are keyed by
+    /// label values; the registry lists each replica's to remove them).
     /// Returns how many pins went. A follow-up naming a response the
     /// replica stored must hear that its replica is gone: those pins stay
     /// (see `PinTable`) until they expire, and the name with them.
