@@ -30,7 +30,8 @@ fn dir_size(p: &std::path::Path) -> u64 {
         .unwrap_or(0)
 }
 
-fn main() {
+#[tokio::main(flavor = "current_thread")]
+async fn main() {
     const N: u128 = 1_000_000;
     let replicas: Vec<Arc<str>> = ["gpu-0", "gpu-1", "gpu-2", "gpu-3"].iter().map(|s| Arc::from(*s)).collect();
     let before = rss_bytes();
@@ -55,9 +56,9 @@ fn main() {
     let store = SledStore::open(&dir).expect("open sled");
     let started = std::time::Instant::now();
     for batch in changes.chunks(10_000) {
-        store.write_pins(batch).expect("write");
+        store.write_pins(batch).await.expect("write");
     }
-    store.flush().expect("flush");
+    store.flush().await.expect("flush");
     let secs = started.elapsed().as_secs_f64();
     println!(
         "on disk: sled reports {:.1} MiB, directory {:.1} MiB ({:.0} bytes/pin); written in batches of 10k in {secs:.1} s ({:.0} pins/s)",
@@ -72,7 +73,7 @@ fn main() {
     let started = std::time::Instant::now();
     let store = SledStore::open(&dir).expect("reopen sled");
     let opened = started.elapsed().as_secs_f64();
-    let pins = store.pins().expect("read pins");
+    let pins = store.pins().await.expect("read pins");
     let read = started.elapsed().as_secs_f64() - opened;
     let restored = PinTable::default();
     restored.restore(pins);

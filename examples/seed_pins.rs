@@ -9,7 +9,8 @@ use prefixgate::fleet::{AdminState, ReplicaSpec};
 use prefixgate::pins::Pin;
 use prefixgate::store::{SledStore, Store, StoredReplica};
 
-fn main() {
+#[tokio::main(flavor = "current_thread")]
+async fn main() {
     let mut args = std::env::args().skip(1);
     let usage = "usage: seed_pins DIR N URL_A URL_B";
     let dir = args.next().expect(usage);
@@ -20,6 +21,7 @@ fn main() {
         let spec = ReplicaSpec::new(id, &args.next().expect(usage));
         store
             .put_replica(&StoredReplica { spec, admin: AdminState::Active, source: Default::default() })
+            .await
             .expect("write replica");
     }
     let replicas: [Arc<str>; 2] = [Arc::from("a"), Arc::from("b")];
@@ -38,11 +40,11 @@ fn main() {
         };
         batch.push((key, Some(pin)));
         if batch.len() == 10_000 {
-            store.write_pins(&batch).expect("write");
+            store.write_pins(&batch).await.expect("write");
             batch.clear();
         }
     }
-    store.write_pins(&batch).expect("write");
-    store.flush().expect("flush");
+    store.write_pins(&batch).await.expect("write");
+    store.flush().await.expect("flush");
     println!("{n} pins written to {dir}");
 }

@@ -9,14 +9,15 @@
 //! is read from the body or the stream, while persisting stays batched.
 //!
 //! No request waits on the shared store for this: `announce` puts the change
-//! on a bounded queue and returns; a thread of its own publishes whatever
+//! on a bounded queue and returns; a task of its own publishes whatever
 //! the queue holds in one message. A full queue or a store that does not
 //! answer is counted (`prefixgate_shared_announcements_total`), never
 //! blocking: the flusher's batch announces every change again once it is
 //! persisted, so an instance that missed one still catches up.
 
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
+
+use tokio::sync::mpsc::{channel, error::TrySendError, Receiver, Sender};
 
 use crate::metrics::{Metrics, ResultLabels};
 use crate::pins::PinChange;
@@ -31,21 +32,22 @@ const BATCH: usize = 256;
 
 pub struct Announcer {
     /// None when the store is not shared: nobody to tell.
-    queue: Option<SyncSender<PinChange>>,
+    queue: Option<Sender<PinChange>>,
     metrics: Arc<Metrics>,
 }
 
 impl Announcer {
-    /// Starts the publishing thread for a shared store; for any other
-    /// store, an announcer that does nothing.
-    pub fn start(store: &Arc<dyn Store>, metrics: Arc<Metrics>) -> std::io::Result<Announcer> {
+    /// Starts the publishing task for a shared store (on the store's own
+    /// runtime, `store::background`); for any other store, an announcer
+    /// that does nothing.
+    pub fn start(store: &Arc<dyn Store>, metrics: Arc<Metrics>) -> Announcer {
         if store.instance().is_none() {
-            return Ok(Announcer { queue: None, metrics });
+            return Announcer { queue: None, metrics };
         }
-        let (tx, rx) = sync_channel(QUEUE);
+        let (tx, rx) = channel(QUEUE);
         let (store, counts) = (store.clone(), metrics.clone());
-        std::thread::Builder::new().name("prefixgate-announce".into()).spawn(move || publish(&rx, &*store, &counts))?;
-        Ok(Announcer { queue: Some(tx), metrics })
+        crate::store::background().spawn(async move { publish(rx, &*store, &counts).await });
+        Announcer { queue: Some(tx), metrics }
     }
 
     /// True when announcing does something (callers skip building the change otherwise).
@@ -66,19 +68,19 @@ fn count(metrics: &Metrics, result: &'static str, n: u64) {
     metrics.announcements.get_or_create(&ResultLabels { result }).inc_by(n);
 }
 
-/// The thread's loop: wait for a change, take whatever else is queued, and
+/// The task's loop: wait for a change, take whatever else is queued, and
 /// publish them together. Ends when the announcer (the gateway) is dropped.
-fn publish(queue: &Receiver<PinChange>, store: &dyn Store, metrics: &Metrics) {
-    while let Ok(first) = queue.recv() {
-        let mut batch = vec![first];
-        batch.extend(queue.try_iter().take(BATCH - 1));
-        match store.publish_pins(&batch) {
+async fn publish(mut queue: Receiver<PinChange>, store: &dyn Store, metrics: &Metrics) {
+    let mut batch = Vec::with_capacity(BATCH);
+    while queue.recv_many(&mut batch, BATCH).await > 0 {
+        match store.publish_pins(&batch).await {
             Ok(()) => count(metrics, "sent", batch.len() as u64),
             Err(e) => {
                 tracing::debug!("could not announce {} pin(s) (the flusher will): {e}", batch.len());
                 count(metrics, "failed", batch.len() as u64);
             }
         }
+        batch.clear();
     }
 }
 
@@ -88,6 +90,7 @@ mod tests {
 
     use super::*;
     use crate::store::MemoryStore;
+    use crate::store::StoreError;
 
     /// A shared store that records what it was asked to publish.
     #[derive(Default)]
@@ -96,53 +99,54 @@ mod tests {
         published: Mutex<Vec<PinChange>>,
         fail: bool,
         /// Held by a test to make publishing hang (a store that does not answer).
-        gate: Mutex<()>,
+        gate: tokio::sync::Mutex<()>,
     }
 
+    #[async_trait::async_trait]
     impl Store for Recording {
         fn is_new(&self) -> bool {
             self.inner.is_new()
         }
-        fn replicas(&self) -> Result<Vec<crate::store::StoredReplica>, crate::store::StoreError> {
-            self.inner.replicas()
+        async fn replicas(&self) -> Result<Vec<crate::store::StoredReplica>, StoreError> {
+            self.inner.replicas().await
         }
-        fn put_replica(&self, r: &crate::store::StoredReplica) -> Result<(), crate::store::StoreError> {
-            self.inner.put_replica(r)
+        async fn put_replica(&self, r: &crate::store::StoredReplica) -> Result<(), StoreError> {
+            self.inner.put_replica(r).await
         }
-        fn delete_replica(&self, id: &str) -> Result<(), crate::store::StoreError> {
-            self.inner.delete_replica(id)
+        async fn delete_replica(&self, id: &str) -> Result<(), StoreError> {
+            self.inner.delete_replica(id).await
         }
-        fn pins(&self) -> Result<Vec<(crate::policy::PrefixKey, crate::pins::Pin)>, crate::store::StoreError> {
-            self.inner.pins()
+        async fn pins(&self) -> Result<Vec<(crate::policy::PrefixKey, crate::pins::Pin)>, StoreError> {
+            self.inner.pins().await
         }
-        fn write_pins(&self, changes: &[PinChange]) -> Result<(), crate::store::StoreError> {
-            self.inner.write_pins(changes)
+        async fn write_pins(&self, changes: &[PinChange]) -> Result<(), StoreError> {
+            self.inner.write_pins(changes).await
         }
-        fn append_event(&self, e: &crate::events::Event, up_to: Option<u64>) -> Result<(), crate::store::StoreError> {
-            self.inner.append_event(e, up_to)
+        async fn append_event(&self, e: &crate::events::Event, up_to: Option<u64>) -> Result<(), StoreError> {
+            self.inner.append_event(e, up_to).await
         }
-        fn events(&self) -> Result<Vec<crate::events::Event>, crate::store::StoreError> {
-            self.inner.events()
+        async fn events(&self) -> Result<Vec<crate::events::Event>, StoreError> {
+            self.inner.events().await
         }
-        fn setting(&self, key: &str) -> Result<Option<serde_json::Value>, crate::store::StoreError> {
-            self.inner.setting(key)
+        async fn setting(&self, key: &str) -> Result<Option<serde_json::Value>, StoreError> {
+            self.inner.setting(key).await
         }
-        fn put_setting(&self, key: &str, value: &serde_json::Value) -> Result<(), crate::store::StoreError> {
-            self.inner.put_setting(key, value)
+        async fn put_setting(&self, key: &str, value: &serde_json::Value) -> Result<(), StoreError> {
+            self.inner.put_setting(key, value).await
         }
-        fn settings(&self, prefix: &str) -> Result<Vec<(String, serde_json::Value)>, crate::store::StoreError> {
-            self.inner.settings(prefix)
+        async fn settings(&self, prefix: &str) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
+            self.inner.settings(prefix).await
         }
-        fn flush(&self) -> Result<(), crate::store::StoreError> {
+        async fn flush(&self) -> Result<(), StoreError> {
             Ok(())
         }
         fn instance(&self) -> Option<&str> {
             Some("me")
         }
-        fn publish_pins(&self, changes: &[PinChange]) -> Result<(), crate::store::StoreError> {
-            drop(self.gate.lock().unwrap());
+        async fn publish_pins(&self, changes: &[PinChange]) -> Result<(), StoreError> {
+            drop(self.gate.lock().await);
             if self.fail {
-                return Err(crate::store::StoreError::Backend("down".into()));
+                return Err(StoreError::Backend("down".into()));
             }
             self.published.lock().unwrap().extend_from_slice(changes);
             Ok(())
@@ -153,57 +157,58 @@ mod tests {
         m.announcements.get_or_create(&ResultLabels { result }).get()
     }
 
-    fn wait_for(what: &str, cond: impl Fn() -> bool) {
+    async fn wait_for(what: &str, cond: impl Fn() -> bool) {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while !cond() {
             assert!(std::time::Instant::now() < deadline, "timed out waiting for: {what}");
-            std::thread::yield_now();
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
         }
     }
 
-    #[test]
-    fn every_announced_change_is_published_and_counted() {
+    #[tokio::test]
+    async fn every_announced_change_is_published_and_counted() {
         let store = Arc::new(Recording::default());
         let metrics = Arc::new(Metrics::new());
-        let announcer = Announcer::start(&(store.clone() as Arc<dyn Store>), metrics.clone()).unwrap();
+        let announcer = Announcer::start(&(store.clone() as Arc<dyn Store>), metrics.clone());
         assert!(announcer.enabled());
         for k in 0..100u128 {
             announcer.announce((k, None));
         }
-        wait_for("100 published", || store.published.lock().unwrap().len() == 100);
+        wait_for("100 published", || store.published.lock().unwrap().len() == 100).await;
         let keys: Vec<u128> = store.published.lock().unwrap().iter().map(|(k, _)| *k).collect();
         assert_eq!(keys, (0..100).collect::<Vec<_>>(), "in order, none twice");
         assert_eq!(counted(&metrics, "sent"), 100);
     }
 
-    #[test]
-    fn a_store_that_fails_is_counted_and_nothing_waits() {
+    #[tokio::test]
+    async fn a_store_that_fails_is_counted_and_nothing_waits() {
         let store = Arc::new(Recording { fail: true, ..Default::default() });
         let metrics = Arc::new(Metrics::new());
-        let announcer = Announcer::start(&(store as Arc<dyn Store>), metrics.clone()).unwrap();
+        let announcer = Announcer::start(&(store as Arc<dyn Store>), metrics.clone());
         announcer.announce((1, None));
-        wait_for("the failure counted", || counted(&metrics, "failed") == 1);
+        wait_for("the failure counted", || counted(&metrics, "failed") == 1).await;
     }
 
-    #[test]
-    fn a_store_that_hangs_fills_the_queue_and_what_overflows_is_dropped_not_waited_for() {
+    #[tokio::test]
+    async fn a_store_that_hangs_fills_the_queue_and_what_overflows_is_dropped_not_waited_for() {
         let store = Arc::new(Recording::default());
         let metrics = Arc::new(Metrics::new());
-        let announcer = Announcer::start(&(store.clone() as Arc<dyn Store>), metrics.clone()).unwrap();
-        let hung = store.gate.lock().unwrap();
+        let announcer = Announcer::start(&(store.clone() as Arc<dyn Store>), metrics.clone());
+        let hung = store.gate.lock().await;
         let total = (QUEUE + BATCH + 100) as u64;
         for k in 0..u128::from(total) {
             announcer.announce((k, None)); // returns at once, hung store or not
         }
         assert!(counted(&metrics, "dropped") >= 99, "at most a queue and a batch are held");
         drop(hung);
-        wait_for("everything accounted for", || counted(&metrics, "sent") + counted(&metrics, "dropped") == total);
+        wait_for("everything accounted for", || counted(&metrics, "sent") + counted(&metrics, "dropped") == total)
+            .await;
     }
 
-    #[test]
-    fn an_embedded_store_has_nobody_to_tell() {
+    #[tokio::test]
+    async fn an_embedded_store_has_nobody_to_tell() {
         let announcer =
-            Announcer::start(&(Arc::new(MemoryStore::default()) as Arc<dyn Store>), Arc::new(Metrics::new())).unwrap();
+            Announcer::start(&(Arc::new(MemoryStore::default()) as Arc<dyn Store>), Arc::new(Metrics::new()));
         assert!(!announcer.enabled());
         announcer.announce((1, None));
     }

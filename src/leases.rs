@@ -47,9 +47,9 @@ impl Drop for FleetLease {
     fn drop(&mut self) {
         self.leases.held.lock().expect("leases lock").remove(&self.id);
         let (store, replica, id) = (self.store.clone(), self.replica.clone(), self.id.clone());
-        // Off the runtime thread; if it fails, the lease expires on its own.
+        // Not waited for; if it fails, the lease expires on its own.
         if tokio::runtime::Handle::try_current().is_ok() {
-            tokio::task::spawn_blocking(move || store.release_lease(&replica, &id));
+            tokio::spawn(async move { store.release_lease(&replica, &id).await });
         }
     }
 }
@@ -108,7 +108,7 @@ impl Leases {
     }
 }
 
-/// One ask for a lease, running on the blocking pool. Its answer may come
+/// One ask for a lease, running as a task of its own. Its answer may come
 /// after the asker stopped waiting (the budget ran out, or the client went
 /// away and the request's future was dropped): a lease granted then belongs
 /// to nobody, and would keep a slot of the card for its whole TTL. Dropped
@@ -123,7 +123,7 @@ struct LeaseAsk {
 impl LeaseAsk {
     fn start(store: &Arc<dyn Store>, replica: &str, id: &str, limit: u32) -> LeaseAsk {
         let (s, r, i) = (store.clone(), replica.to_string(), id.to_string());
-        let answer = tokio::task::spawn_blocking(move || s.try_lease(&r, &i, limit, LEASE_TTL_MS));
+        let answer = tokio::spawn(async move { s.try_lease(&r, &i, limit, LEASE_TTL_MS).await });
         LeaseAsk { answer: Some(answer), store: store.clone(), replica: replica.to_string(), id: id.to_string() }
     }
 
@@ -149,7 +149,7 @@ impl Drop for LeaseAsk {
         tokio::spawn(async move {
             if let Ok(Ok(true)) = answer.await {
                 tracing::debug!(replica, "a lease granted after its asker gave up: released");
-                let _ = tokio::task::spawn_blocking(move || store.release_lease(&replica, &id)).await;
+                let _ = store.release_lease(&replica, &id).await;
             }
         });
     }
@@ -208,51 +208,52 @@ mod tests {
         released: AtomicUsize,
     }
 
+    #[async_trait::async_trait]
     impl Store for SlowLeases {
         fn is_new(&self) -> bool {
             true
         }
-        fn replicas(&self) -> Result<Vec<StoredReplica>, StoreError> {
-            self.inner.replicas()
+        async fn replicas(&self) -> Result<Vec<StoredReplica>, StoreError> {
+            self.inner.replicas().await
         }
-        fn put_replica(&self, r: &StoredReplica) -> Result<(), StoreError> {
-            self.inner.put_replica(r)
+        async fn put_replica(&self, r: &StoredReplica) -> Result<(), StoreError> {
+            self.inner.put_replica(r).await
         }
-        fn delete_replica(&self, id: &str) -> Result<(), StoreError> {
-            self.inner.delete_replica(id)
+        async fn delete_replica(&self, id: &str) -> Result<(), StoreError> {
+            self.inner.delete_replica(id).await
         }
-        fn pins(&self) -> Result<Vec<(u128, crate::pins::Pin)>, StoreError> {
-            self.inner.pins()
+        async fn pins(&self) -> Result<Vec<(u128, crate::pins::Pin)>, StoreError> {
+            self.inner.pins().await
         }
-        fn write_pins(&self, changes: &[crate::pins::PinChange]) -> Result<(), StoreError> {
-            self.inner.write_pins(changes)
+        async fn write_pins(&self, changes: &[crate::pins::PinChange]) -> Result<(), StoreError> {
+            self.inner.write_pins(changes).await
         }
-        fn append_event(&self, e: &crate::events::Event, up_to: Option<u64>) -> Result<(), StoreError> {
-            self.inner.append_event(e, up_to)
+        async fn append_event(&self, e: &crate::events::Event, up_to: Option<u64>) -> Result<(), StoreError> {
+            self.inner.append_event(e, up_to).await
         }
-        fn events(&self) -> Result<Vec<crate::events::Event>, StoreError> {
-            self.inner.events()
+        async fn events(&self) -> Result<Vec<crate::events::Event>, StoreError> {
+            self.inner.events().await
         }
-        fn setting(&self, key: &str) -> Result<Option<serde_json::Value>, StoreError> {
-            self.inner.setting(key)
+        async fn setting(&self, key: &str) -> Result<Option<serde_json::Value>, StoreError> {
+            self.inner.setting(key).await
         }
-        fn put_setting(&self, key: &str, value: &serde_json::Value) -> Result<(), StoreError> {
-            self.inner.put_setting(key, value)
+        async fn put_setting(&self, key: &str, value: &serde_json::Value) -> Result<(), StoreError> {
+            self.inner.put_setting(key, value).await
         }
-        fn settings(&self, prefix: &str) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
-            self.inner.settings(prefix)
+        async fn settings(&self, prefix: &str) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
+            self.inner.settings(prefix).await
         }
-        fn flush(&self) -> Result<(), StoreError> {
+        async fn flush(&self) -> Result<(), StoreError> {
             Ok(())
         }
         fn instance(&self) -> Option<&str> {
             Some("gw-1")
         }
-        fn try_lease(&self, _replica: &str, _lease: &str, _limit: u32, _ttl_ms: u64) -> Result<bool, StoreError> {
-            std::thread::sleep(LEASE_BUDGET * 2);
+        async fn try_lease(&self, _replica: &str, _lease: &str, _limit: u32, _ttl_ms: u64) -> Result<bool, StoreError> {
+            tokio::time::sleep(LEASE_BUDGET * 2).await;
             Ok(true)
         }
-        fn release_lease(&self, _replica: &str, _lease: &str) -> Result<(), StoreError> {
+        async fn release_lease(&self, _replica: &str, _lease: &str) -> Result<(), StoreError> {
             self.released.fetch_add(1, Ordering::SeqCst);
             Ok(())
         }

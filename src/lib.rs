@@ -71,7 +71,7 @@ impl Running {
             task.abort();
         }
         futures_util::future::join_all(self.background).await;
-        if let Err(e) = self.state.flush_all() {
+        if let Err(e) = self.state.flush_all().await {
             tracing::error!("final flush failed: {e}");
         }
         self.state.telemetry.shutdown();
@@ -178,18 +178,15 @@ fn spawn_background(state: &Arc<AppState>, admin_addr: SocketAddr) -> Vec<actix_
 }
 
 /// The pin and event flusher: every `pins.flush_interval_ms`, the heartbeat
-/// and one batch of pins and events, off the runtime thread (fsync, or a
-/// round trip to a shared store). Forever; a failed batch is retried at the
-/// next tick.
+/// and one batch of pins and events (an fsync on the blocking pool, or round
+/// trips to a shared store, awaited). Forever; a failed batch is retried at
+/// the next tick.
 pub async fn flusher(state: Arc<AppState>, admin_url: Option<String>) {
     let every = Duration::from_millis(state.config.pins.flush_interval_ms);
     loop {
         tokio::time::sleep(every).await;
-        let (state, admin_url) = (state.clone(), admin_url.clone());
-        match tokio::task::spawn_blocking(move || state.sync_with_store(admin_url)).await {
-            Ok(Err(e)) => tracing::error!("pin flush failed (will retry): {e}"),
-            Err(e) => tracing::error!("pin flusher panicked: {e}"),
-            Ok(Ok(_)) => {}
+        if let Err(e) = state.sync_with_store(admin_url.clone()).await {
+            tracing::error!("pin flush failed (will retry): {e}");
         }
     }
 }

@@ -116,7 +116,7 @@ fn run_gateway(config: Config, banner: Option<String>) -> Result<(), String> {
     let traffic = bind(config.listen, "listen")?;
     let admin = bind(config.admin_listen, "admin_listen")?;
     actix_web::rt::System::new().block_on(async move {
-        let state = AppState::open(config).map_err(|e| e.to_string())?;
+        let state = AppState::open(config).await.map_err(|e| e.to_string())?;
         let running = prefixgate::start(state, traffic, admin).map_err(|e| e.to_string())?;
         // One machine-readable line: scripts (and tests) read the bound ports from it.
         println!("prefixgate listening traffic=http://{} admin=http://{}", running.traffic_addr, running.admin_addr);
@@ -201,10 +201,13 @@ fn demo(port: u16, admin_port: u16, time_scale: f64, discovery_file: Option<std:
 
 /// `prefixgate store copy`: everything a gateway persists, from one store to another.
 fn store_copy(from: &str, to: &str) -> Result<(), String> {
-    let name = format!("store-copy-{}", std::process::id());
-    let src = prefixgate::store::open_url(from, &name).map_err(|e| format!("--from {from}: {e}"))?;
-    let dst = prefixgate::store::open_url(to, &name).map_err(|e| format!("--to {to}: {e}"))?;
-    let copied = prefixgate::store::copy(src.as_ref(), dst.as_ref()).map_err(|e| e.to_string())?;
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+    let copied = runtime.block_on(async {
+        let name = format!("store-copy-{}", std::process::id());
+        let src = prefixgate::store::open_url(from, &name).await.map_err(|e| format!("--from {from}: {e}"))?;
+        let dst = prefixgate::store::open_url(to, &name).await.map_err(|e| format!("--to {to}: {e}"))?;
+        prefixgate::store::copy(src.as_ref(), dst.as_ref()).await.map_err(|e| e.to_string())
+    })?;
     println!(
         "copied {} replica(s), {} pin(s), {} event(s), {} setting(s) from {from} to {to}",
         copied.replicas, copied.pins, copied.events, copied.settings

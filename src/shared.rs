@@ -38,7 +38,7 @@ pub struct Follower {
 
 impl Follower {
     /// Applies one change; false once the gateway is gone (the listener stops).
-    pub fn apply(&self, change: Change) -> bool {
+    pub async fn apply(&self, change: Change) -> bool {
         let (Some(operator), Some(metrics)) = (self.operator.upgrade(), self.metrics.upgrade()) else {
             return false;
         };
@@ -52,10 +52,10 @@ impl Follower {
                 }
                 Ok(())
             }
-            Change::Replica { id } => operator.reload_replica(&id).map(|_| ()),
-            Change::Setting { name } if name == "policy" => operator.reload_policy(),
+            Change::Replica { id } => operator.reload_replica(&id).await.map(|_| ()),
+            Change::Setting { name } if name == "policy" => operator.reload_policy().await,
             Change::Setting { name } if name.starts_with(crate::store::DISCOVERED_ADMIN_PREFIX) => {
-                operator.reload_discovered_admin_of(&name[crate::store::DISCOVERED_ADMIN_PREFIX.len()..])
+                operator.reload_discovered_admin_of(&name[crate::store::DISCOVERED_ADMIN_PREFIX.len()..]).await
             }
             Change::Setting { .. } => Ok(()),
             Change::Event { event } => {
@@ -71,8 +71,10 @@ impl Follower {
         // After a lost connection (or at start), re-read everything: on the
         // next message or idle tick, whichever comes first (a busy fleet
         // may never leave the listener idle).
-        let result =
-            result.and_then(|()| if self.resync.swap(false, Ordering::AcqRel) { resync(&operator) } else { Ok(()) });
+        let result = match result {
+            Ok(()) if self.resync.swap(false, Ordering::AcqRel) => resync(&operator).await,
+            other => other,
+        };
         if let Err(e) = result {
             tracing::warn!("could not apply a change from another instance ({e}); re-reading everything soon");
             self.resync.store(true, Ordering::Release);
@@ -81,9 +83,9 @@ impl Follower {
     }
 }
 
-fn resync(operator: &Operator) -> Result<(), StoreError> {
+async fn resync(operator: &Operator) -> Result<(), StoreError> {
     let store = &operator.store;
-    let stored = store.replicas()?;
+    let stored = store.replicas().await?;
     let fleet = operator.fleet.snapshot();
     if stored.is_empty() && !fleet.is_empty() {
         // The store came back empty (a Redis restarted without persistence):
@@ -92,28 +94,37 @@ fn resync(operator: &Operator) -> Result<(), StoreError> {
         tracing::warn!("the shared store came back empty; restoring it from this instance's state");
         for r in fleet.iter().filter(|r| !r.source.is_discovered()) {
             let (spec, source) = ((**r.spec()).clone(), r.source.clone());
-            store.put_replica(&crate::store::StoredReplica { spec, admin: r.admin(), source })?;
+            store.put_replica(&crate::store::StoredReplica { spec, admin: r.admin(), source }).await?;
         }
-        operator.persist_discovered_admin()?;
-        store.put_setting("policy", &serde_json::to_value(operator.policy.get()).expect("serializable"))?;
+        operator.persist_discovered_admin().await?;
+        store.put_setting("policy", &serde_json::to_value(operator.policy.get()).expect("serializable")).await?;
         operator.pins.mark_all_dirty();
     } else {
         // The list read once above, applied whole (not re-read per replica).
-        operator.apply_stored_replicas(stored);
-        operator.reload_policy()?;
-        operator.reload_discovered_admin()?;
+        operator.apply_stored_replicas(stored).await;
+        operator.reload_policy().await?;
+        operator.reload_discovered_admin().await?;
     }
     // Read in both cases: an instance that reconnected first may already
     // have written its pins into the emptied store (announced before this
     // listener was back) without having restored the replicas yet.
-    operator.apply_pins(store.pins()?.into_iter().map(|(k, p)| (k, Some(p))));
+    operator.apply_pins(store.pins().await?.into_iter().map(|(k, p)| (k, Some(p))));
     tracing::info!("re-read the shared state (at start, or after the listener lost its connection)");
     Ok(())
 }
 
-/// Starts following the other instances (no-op for a store that is not shared).
-pub fn follow(follower: Arc<Follower>, store: &dyn Store) -> Result<(), StoreError> {
-    store.subscribe(Box::new(move |change| follower.apply(change)))
+/// Starts following the other instances (no-op for a store that is not
+/// shared): a task applies each change the store's listener hears, until the
+/// gateway is gone.
+pub fn follow(follower: Arc<Follower>, store: &dyn Store) {
+    let Some(mut changes) = store.subscribe() else { return };
+    crate::store::background().spawn(async move {
+        while let Some(change) = changes.recv().await {
+            if !follower.apply(change).await {
+                return;
+            }
+        }
+    });
 }
 
 #[cfg(test)]
@@ -125,8 +136,8 @@ mod tests {
     /// The race `tests/it/shared.rs` met one run in four: another instance
     /// wrote its pins into a store that came back empty, before anyone
     /// restored the replicas; this instance's re-read must still take them.
-    #[test]
-    fn a_resync_against_an_emptied_store_restores_it_and_still_reads_the_pins_others_wrote() {
+    #[tokio::test]
+    async fn a_resync_against_an_emptied_store_restores_it_and_still_reads_the_pins_others_wrote() {
         let store: Arc<dyn Store> = Arc::new(MemoryStore::default());
         let pin = crate::pins::Pin {
             replica: Arc::from("a"),
@@ -137,18 +148,18 @@ mod tests {
             family: 7,
             origin: Default::default(),
         };
-        store.write_pins(&[(7, Some(pin))]).unwrap();
+        store.write_pins(&[(7, Some(pin))]).await.unwrap();
         let operator = Operator::for_tests(store.clone());
         operator.fleet.add(Replica::new(ReplicaSpec::new("a", "http://127.0.0.1:1"), AdminState::Active));
-        resync(&operator).unwrap();
-        assert_eq!(store.replicas().unwrap().len(), 1, "the fleet is put back");
+        resync(&operator).await.unwrap();
+        assert_eq!(store.replicas().await.unwrap().len(), 1, "the fleet is put back");
         assert_eq!(operator.pins.replica_of(7).as_deref(), Some("a"), "the other instance's pin is read");
     }
 
     /// A resync reads the replica list once, whatever the fleet's size, and
     /// applies it whole: added, changed and removed elsewhere.
-    #[test]
-    fn a_resync_reads_the_replica_list_once() {
+    #[tokio::test]
+    async fn a_resync_reads_the_replica_list_once() {
         let memory = Arc::new(MemoryStore::default());
         let store: Arc<dyn Store> = memory.clone();
         let operator = Operator::for_tests(store.clone());
@@ -157,7 +168,10 @@ mod tests {
             operator.fleet.add(Replica::new(spec.clone(), AdminState::Active));
             if i != 3 {
                 let admin = if i == 5 { AdminState::Disabled } else { AdminState::Active };
-                store.put_replica(&crate::store::StoredReplica { spec, admin, source: Default::default() }).unwrap();
+                store
+                    .put_replica(&crate::store::StoredReplica { spec, admin, source: Default::default() })
+                    .await
+                    .unwrap();
             }
         }
         let added = ReplicaSpec::new("new", "http://127.0.0.1:2");
@@ -167,9 +181,10 @@ mod tests {
                 admin: AdminState::Active,
                 source: Default::default(),
             })
+            .await
             .unwrap();
         let before = memory.replica_reads();
-        resync(&operator).unwrap();
+        resync(&operator).await.unwrap();
         assert_eq!(memory.replica_reads() - before, 1);
         assert!(operator.fleet.get("r3").is_none(), "removed elsewhere");
         assert_eq!(operator.fleet.get("r5").unwrap().admin(), AdminState::Disabled, "changed elsewhere");
@@ -180,8 +195,8 @@ mod tests {
     /// A replica removed on another instance is removed here exactly as a
     /// local removal does it: out of the fleet, its pins and its capacity
     /// state forgotten (a remote removal used to keep the capacity state).
-    #[test]
-    fn a_removal_from_another_instance_forgets_what_a_local_one_forgets() {
+    #[tokio::test]
+    async fn a_removal_from_another_instance_forgets_what_a_local_one_forgets() {
         let store: Arc<dyn Store> = Arc::new(MemoryStore::default());
         let (local, remote) = (Operator::for_tests(store.clone()), Operator::for_tests(store.clone()));
         let mut records = Vec::new();
@@ -199,9 +214,10 @@ mod tests {
                 admin: AdminState::Active,
                 source: Default::default(),
             })
+            .await
             .unwrap();
-        local.remove_replica("a").unwrap();
-        remote.reload_replica("a").unwrap();
+        local.remove_replica("a").await.unwrap();
+        remote.reload_replica("a").await.unwrap();
         for (op, record) in [&local, &remote].into_iter().zip(records) {
             assert!(op.fleet.get("a").is_none());
             assert_eq!(op.pins.replica_of(9), None);

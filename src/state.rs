@@ -65,22 +65,22 @@ impl AppState {
     /// The rule: the config's replica list seeds an empty database only;
     /// afterwards the database (changed through the admin API) is the source
     /// of truth, and replicas in the config file are ignored with a warning.
-    pub fn open(config: Config) -> Result<Arc<AppState>, StoreError> {
+    pub async fn open(config: Config) -> Result<Arc<AppState>, StoreError> {
         let store: Arc<dyn Store> = match (&config.store.url, &config.data_dir) {
-            (Some(url), _) => crate::store::open_url(url, &instance_name(&config))?,
+            (Some(url), _) => crate::store::open_url(url, &instance_name(&config)).await?,
             (None, Some(dir)) => Arc::new(SledStore::open(dir)?),
             (None, None) => Arc::new(MemoryStore::history_elsewhere()),
         };
-        AppState::with_store(config, store)
+        AppState::with_store(config, store).await
     }
 
-    pub fn with_store(config: Config, store: Arc<dyn Store>) -> Result<Arc<AppState>, StoreError> {
+    pub async fn with_store(config: Config, store: Arc<dyn Store>) -> Result<Arc<AppState>, StoreError> {
         let fleet = Arc::new(Fleet::default());
-        let stored = store.replicas()?;
+        let stored = store.replicas().await?;
         if store.is_new() {
             for spec in &config.replicas {
                 let r = StoredReplica { spec: spec.clone(), admin: AdminState::Active, source: ReplicaSource::Static };
-                store.put_replica(&r)?;
+                store.put_replica(&r).await?;
                 fleet.add(Replica::new(r.spec, r.admin));
             }
         } else {
@@ -95,13 +95,13 @@ impl AppState {
                 fleet.add(Replica::from_source(r.spec, r.admin, r.source));
             }
         }
-        let policy = match store.setting("policy")? {
+        let policy = match store.setting("policy").await? {
             Some(v) => serde_json::from_value(v)
                 .map_err(|e| StoreError::Corrupt { tree: "settings", detail: e.to_string() })?,
             None => PolicySettings { mode: config.policy, identity: config.identity },
         };
         let pins = Arc::new(PinTable::default());
-        pins.restore(store.pins()?);
+        pins.restore(store.pins().await?);
         let capacity = Arc::new(Capacity::new(config.capacity.working_set_window_secs));
         let since = crate::clock::now_ms().saturating_sub(capacity.window_secs() * 1000);
         // The working set as the restored pins left it.
@@ -110,8 +110,12 @@ impl AppState {
                 capacity.touch_family(&r.capacity, p.family, p.est_tokens, p.last_used_ms);
             }
         }
-        let (events, recorded) =
-            EventLog::new(config.history.max_events, config.history.max_unwritten, store.instance(), store.events()?);
+        let (events, recorded) = EventLog::new(
+            config.history.max_events,
+            config.history.max_unwritten,
+            store.instance(),
+            store.events().await?,
+        );
         let event_writer = EventWriter::new(recorded, store.clone());
         let events = Arc::new(events);
         let policy = Arc::new(CurrentPolicy::new(policy));
@@ -126,7 +130,7 @@ impl AppState {
             capacity: capacity.clone(),
             metrics: metrics.clone(),
             sessions: sessions.clone(),
-            discovered_admin: std::sync::Mutex::new(crate::operator::read_discovered_admin(store.as_ref())?),
+            discovered_admin: std::sync::Mutex::new(crate::operator::read_discovered_admin(store.as_ref()).await?),
             serial: Default::default(),
         });
         let follower = Arc::new(crate::shared::Follower {
@@ -136,9 +140,8 @@ impl AppState {
             // changed something between our reads above and the subscription.
             resync: std::sync::atomic::AtomicBool::new(store.instance().is_some()),
         });
-        crate::shared::follow(follower, store.as_ref())?;
-        let announcer = Announcer::start(&store, metrics.clone())
-            .map_err(|e| StoreError::Backend(format!("cannot start the announcer: {e}")))?;
+        crate::shared::follow(follower, store.as_ref());
+        let announcer = Announcer::start(&store, metrics.clone());
         Ok(Arc::new(AppState {
             announcer: Arc::new(announcer),
             metrics,
@@ -174,9 +177,9 @@ impl AppState {
     /// A failed write leaves its pins dirty and its events queued, so the
     /// next flush retries them: pins written while a shared store was down
     /// reach it once it is back.
-    pub fn flush_pins(&self) -> Result<usize, StoreError> {
+    pub async fn flush_pins(&self) -> Result<usize, StoreError> {
         let changes = self.pins.take_dirty();
-        let written = self.write_changes(&changes);
+        let written = self.write_changes(&changes).await;
         match &written {
             Ok(n) => {
                 self.metrics.pins_persisted.inc_by(*n as u64);
@@ -189,19 +192,22 @@ impl AppState {
     /// The flusher's tick: the heartbeat (shared stores), then the batch of
     /// pins and events; the store counts as reachable again only once both
     /// went through, so "reachable" means the queued writes are in.
-    pub fn sync_with_store(&self, admin_url: Option<String>) -> Result<usize, StoreError> {
-        let result = self.heartbeat(admin_url).and_then(|()| self.flush_pins());
+    pub async fn sync_with_store(&self, admin_url: Option<String>) -> Result<usize, StoreError> {
+        let result = match self.heartbeat(admin_url).await {
+            Ok(()) => self.flush_pins().await,
+            Err(e) => Err(e),
+        };
         self.note_store(result.as_ref().err());
         result
     }
 
-    fn write_changes(&self, changes: &[crate::pins::PinChange]) -> Result<usize, StoreError> {
-        let events = self.event_writer.flush()?;
+    async fn write_changes(&self, changes: &[crate::pins::PinChange]) -> Result<usize, StoreError> {
+        let events = self.event_writer.flush().await?;
         if !changes.is_empty() {
-            self.store.write_pins(changes)?;
+            self.store.write_pins(changes).await?;
         }
         if !changes.is_empty() || events > 0 {
-            self.store.flush()?;
+            self.store.flush().await?;
         }
         Ok(changes.len())
     }
@@ -225,7 +231,7 @@ impl AppState {
     }
 
     /// This instance's heartbeat in a shared store (no-op otherwise).
-    fn heartbeat(&self, admin_url: Option<String>) -> Result<(), StoreError> {
+    async fn heartbeat(&self, admin_url: Option<String>) -> Result<(), StoreError> {
         let Some(instance) = self.store.instance() else { return Ok(()) };
         let inflight = self.fleet.snapshot().iter().map(|r| (r.id.to_string(), r.inflight())).collect();
         let now = crate::clock::now_ms();
@@ -236,12 +242,13 @@ impl AppState {
             admin_url,
             running: self.capacity.running.totals(),
         };
-        let result = self
-            .store
-            .heartbeat(&beat)
-            .and_then(|()| self.store.renew_leases(&self.leases.held(), crate::leases::LEASE_TTL_MS))
-            .and_then(|()| self.keep_sessions())
-            .and_then(|()| self.store.instances());
+        let result = async {
+            self.store.heartbeat(&beat).await?;
+            self.store.renew_leases(&self.leases.held(), crate::leases::LEASE_TTL_MS).await?;
+            self.keep_sessions().await?;
+            self.store.instances().await
+        }
+        .await;
         // The capacity verdict covers the fleet: what the other live instances run counts too.
         if let Ok(beats) = &result {
             let mut elsewhere: std::collections::HashMap<&str, (u64, u64)> = Default::default();
@@ -263,8 +270,8 @@ impl AppState {
 
     /// The sessions resident here, kept alive in the shared store; and every
     /// instance's loads read back, so this instance places by the fleet's room.
-    fn keep_sessions(&self) -> Result<(), StoreError> {
-        let fleet = self.fleet.snapshot();
+    async fn keep_sessions(&self) -> Result<(), StoreError> {
+        let fleet = self.fleet.snapshot_owned();
         let ours: Vec<(String, String, u64)> = self
             .sessions
             .residents()
@@ -276,13 +283,13 @@ impl AppState {
             })
             .collect();
         let ttl = self.sessions.settings().idle_ms + crate::sessions::STORE_SLACK_MS;
-        self.store.keep_sessions(&ours, ttl)?;
-        self.sessions.read_fleet_loads(self.store.as_ref(), &fleet)
+        self.store.keep_sessions(&ours, ttl).await?;
+        self.sessions.read_fleet_loads(self.store.as_ref(), &fleet).await
     }
 
     /// Graceful shutdown's last step: everything to disk.
-    pub fn flush_all(&self) -> Result<(), StoreError> {
-        self.flush_pins()?;
-        self.store.flush()
+    pub async fn flush_all(&self) -> Result<(), StoreError> {
+        self.flush_pins().await?;
+        self.store.flush().await
     }
 }

@@ -45,11 +45,7 @@ async fn list(s: web::Data<AppState>) -> Result<web::Json<Vec<InstanceView>>, Ap
         };
         return Ok(web::Json(vec![this]));
     };
-    let store = s.store.clone();
-    let beats = web::block(move || store.instances())
-        .await
-        .map_err(|e| ApiError::Internal(e.to_string()))?
-        .map_err(|e| ApiError::Internal(e.to_string()))?;
+    let beats = s.store.instances().await.map_err(|e| ApiError::Internal(e.to_string()))?;
     let mut views: Vec<InstanceView> = beats
         .into_iter()
         .map(|b| InstanceView {

@@ -159,28 +159,33 @@ pub fn create_admin_app(
         .default_service(web::to(no_route))
 }
 
-/// Runs an operator action on the blocking pool. An action persists first
-/// (a Redis round trip, an fsync), and the admin listener's one worker must
-/// not wait on the store: other admin requests (a scrape, the UI) go on
+/// Runs an operator action as a task of its own. An action persists first
+/// (a Redis round trip, an fsync) and awaits the store, so the admin
+/// listener's worker goes on with other requests (a scrape, the UI)
 /// meanwhile. Each store call is bounded by the store's own timeouts; an
 /// action that started is not cut in half (persist, then apply) when its
-/// client goes away, which would leave memory and the store disagreeing.
+/// client goes away: the task runs to its end whether or not its handler
+/// is still there to read the answer, since a half-done action would leave
+/// memory and the store disagreeing.
 ///
 /// With tracing on, the action is a span (`prefixgate.admin.NAME`), current
 /// while it runs: the history events it records carry its trace id.
-pub(crate) async fn act<T: Send + 'static>(
+pub(crate) async fn act<T, Fut>(
     s: &AppState,
     name: &'static str,
-    action: impl FnOnce(&Operator) -> Result<T, crate::domain_error::DomainError> + Send + 'static,
-) -> Result<T, ApiError> {
-    let operator: Arc<Operator> = s.operator.clone();
+    action: impl FnOnce(Arc<Operator>) -> Fut,
+) -> Result<T, ApiError>
+where
+    T: 'static,
+    Fut: std::future::Future<Output = Result<T, crate::domain_error::DomainError>> + 'static,
+{
     let span =
         crate::telemetry::operation_span(s.telemetry.tracer(), || (format!("prefixgate.admin.{name}"), Vec::new()));
-    let done = web::block(move || {
-        let _current = span.map(opentelemetry::Context::attach);
-        action(&operator)
-    })
-    .await;
+    let running = action(s.operator.clone());
+    let done = match span {
+        Some(cx) => actix_web::rt::spawn(opentelemetry::context::FutureExt::with_context(running, cx)).await,
+        None => actix_web::rt::spawn(running).await,
+    };
     Ok(done.map_err(|e| ApiError::Internal(format!("the action did not run: {e}")))??)
 }
 

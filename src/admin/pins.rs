@@ -107,6 +107,6 @@ async fn get_one(s: web::Data<AppState>, key: web::Path<String>) -> Result<web::
 #[delete("/pins/{key}")]
 async fn remove(s: web::Data<AppState>, key: web::Path<String>) -> Result<HttpResponse, ApiError> {
     let key = parse_key(&key)?;
-    super::act(&s, "delete_pin", move |op| op.delete_pin(key)).await?;
+    super::act(&s, "delete_pin", move |op| async move { op.delete_pin(key).await }).await?;
     Ok(HttpResponse::NoContent().finish())
 }

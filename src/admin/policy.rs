@@ -27,5 +27,5 @@ async fn put_policy(
     body: web::Json<PolicySettings>,
 ) -> Result<web::Json<PolicySettings>, ApiError> {
     let next = body.into_inner();
-    Ok(web::Json(super::act(&s, "set_policy", move |op| op.set_policy(next)).await?))
+    Ok(web::Json(super::act(&s, "set_policy", move |op| async move { op.set_policy(next).await }).await?))
 }

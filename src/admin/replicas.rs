@@ -156,7 +156,7 @@ async fn add(s: web::Data<AppState>, body: web::Json<NewReplica>) -> Result<Http
     spec.health_path = b.health_path;
     spec.max_large_inflight = b.max_large_inflight;
     spec.kv_tokens = b.kv_tokens;
-    let r = act(&s, "add_replica", move |op| op.add_replica(spec)).await?;
+    let r = act(&s, "add_replica", move |op| async move { op.add_replica(spec).await }).await?;
     Ok(HttpResponse::Created().json(view(&s, &r)))
 }
 
@@ -170,7 +170,7 @@ async fn update(
     body: web::Json<ReplicaPatch>,
 ) -> Result<web::Json<ReplicaView>, ApiError> {
     let (id, patch) = (checked_id(&id)?.to_string(), body.into_inner());
-    let r = act(&s, "update_replica", move |op| op.update_replica(&id, patch)).await?;
+    let r = act(&s, "update_replica", move |op| async move { op.update_replica(&id, patch).await }).await?;
     Ok(web::Json(view(&s, &r)))
 }
 
@@ -180,7 +180,7 @@ async fn update(
 #[delete("/replicas/{id}")]
 async fn remove(s: web::Data<AppState>, id: web::Path<String>) -> Result<HttpResponse, ApiError> {
     let id = checked_id(&id)?.to_string();
-    act(&s, "remove_replica", move |op| op.remove_replica(&id)).await?;
+    act(&s, "remove_replica", move |op| async move { op.remove_replica(&id).await }).await?;
     Ok(HttpResponse::NoContent().finish())
 }
 
@@ -209,7 +209,7 @@ async fn drain(
         return Err(ApiError::BadRequest("timeout: at most 3600 seconds".into()));
     }
     let id = checked_id(&id)?.to_string();
-    let r = act(&s, "drain", move |op| op.drain(&id)).await?;
+    let r = act(&s, "drain", move |op| async move { op.drain(&id).await }).await?;
     if q.wait {
         s.operator.wait_drained(&r, Duration::from_secs(timeout)).await?;
     }
@@ -221,7 +221,7 @@ async fn drain(
 #[post("/replicas/{id}/resume")]
 async fn resume(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
     let id = checked_id(&id)?.to_string();
-    let r = act(&s, "resume", move |op| op.resume(&id)).await?;
+    let r = act(&s, "resume", move |op| async move { op.resume(&id).await }).await?;
     Ok(web::Json(view(&s, &r)))
 }
 
@@ -230,7 +230,7 @@ async fn resume(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::Js
 #[post("/replicas/{id}/disable")]
 async fn disable(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
     let id = checked_id(&id)?.to_string();
-    let r = act(&s, "disable", move |op| op.disable(&id)).await?;
+    let r = act(&s, "disable", move |op| async move { op.disable(&id).await }).await?;
     Ok(web::Json(view(&s, &r)))
 }
 
@@ -239,7 +239,7 @@ async fn disable(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::J
 #[post("/replicas/{id}/enable")]
 async fn enable(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::Json<ReplicaView>, ApiError> {
     let id = checked_id(&id)?.to_string();
-    let r = act(&s, "enable", move |op| op.enable(&id)).await?;
+    let r = act(&s, "enable", move |op| async move { op.enable(&id).await }).await?;
     Ok(web::Json(view(&s, &r)))
 }
 
@@ -253,5 +253,7 @@ pub struct Removed {
 #[delete("/replicas/{id}/pins")]
 async fn remove_pins(s: web::Data<AppState>, id: web::Path<String>) -> Result<web::Json<Removed>, ApiError> {
     let id = checked_id(&id)?.to_string();
-    Ok(web::Json(Removed { removed: act(&s, "delete_replica_pins", move |op| op.delete_replica_pins(&id)).await? }))
+    Ok(web::Json(Removed {
+        removed: act(&s, "delete_replica_pins", move |op| async move { op.delete_replica_pins(&id).await }).await?,
+    }))
 }

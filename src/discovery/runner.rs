@@ -177,13 +177,13 @@ impl Run {
                     _ => interval,
                 };
                 next_read = tokio::time::Instant::now() + wait;
-                self.take(answer);
+                self.take(answer).await;
             }
             let fleet = &self.operator.fleet;
             let idle = |id: &str| fleet.get(id).is_none_or(|r| r.inflight() == 0);
             let due = self.entry.read().state.due(now_ms(), idle, self.entry.config.lifecycle());
             for action in due {
-                self.apply(action);
+                self.apply(action).await;
             }
             tokio::time::sleep(TICK.min(interval)).await;
         }
@@ -214,27 +214,30 @@ impl Run {
     }
 
     /// Takes one answer through the lifecycle, applies its actions and reports.
-    fn take(&self, answer: Result<Vec<ReplicaSpec>, String>) {
+    async fn take(&self, answer: Result<Vec<ReplicaSpec>, String>) {
         let label = self.entry.label.as_str();
         let now = now_ms();
-        let mut read = self.entry.read();
-        let was_stale = read.state.stale();
-        let (verdict, actions) = read.state.answer(answer, now, self.entry.config.lifecycle());
-        let (result, error) = match &verdict {
-            Verdict::Applied => ("ok", None),
-            Verdict::Failed(why) => ("failed", Some(why.clone())),
-            Verdict::Held { would_remove, of } => (
-                "held",
-                Some(format!(
-                    "would remove {would_remove} of {of} replicas at once; applied if the next answer says the same"
-                )),
-            ),
+        // The lock is let go before the actions are applied (they await the operator).
+        let (was_stale, verdict, actions, result, error, present, stale) = {
+            let mut read = self.entry.read();
+            let was_stale = read.state.stale();
+            let (verdict, actions) = read.state.answer(answer, now, self.entry.config.lifecycle());
+            let (result, error) = match &verdict {
+                Verdict::Applied => ("ok", None),
+                Verdict::Failed(why) => ("failed", Some(why.clone())),
+                Verdict::Held { would_remove, of } => (
+                    "held",
+                    Some(format!(
+                        "would remove {would_remove} of {of} replicas at once; applied if the next answer says the same"
+                    )),
+                ),
+            };
+            (read.at_ms, read.result, read.error) = (Some(now), result, error.clone());
+            let (present, stale) = (read.state.present(), read.state.stale());
+            (was_stale, verdict, actions, result, error, present, stale)
         };
-        (read.at_ms, read.result, read.error) = (Some(now), result, error.clone());
-        let (present, stale) = (read.state.present(), read.state.stale());
-        drop(read);
         for action in actions {
-            self.apply(action);
+            self.apply(action).await;
         }
         self.metrics.discovery_read(label, result, present, stale);
         // One event and one log line per outage, recovery and held answer;
@@ -261,7 +264,7 @@ impl Run {
         }
     }
 
-    fn apply(&self, action: SourceAction) {
+    async fn apply(&self, action: SourceAction) {
         let label = self.entry.label.as_str();
         let adding = match &action {
             SourceAction::Add(spec) => Some(spec.clone()),
@@ -279,9 +282,10 @@ impl Run {
             let source = opentelemetry::KeyValue::new("prefixgate.source", label.to_string());
             (format!("prefixgate.discovery.{change}"), vec![source])
         });
-        let applied = {
-            let _current = span.map(opentelemetry::Context::attach);
-            self.operator.apply_discovered(label, action, now_ms())
+        let applying = self.operator.apply_discovered(label, action, now_ms());
+        let applied = match span {
+            Some(cx) => opentelemetry::context::FutureExt::with_context(applying, cx).await,
+            None => applying.await,
         };
         match applied {
             Ok(()) => {

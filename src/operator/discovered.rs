@@ -36,9 +36,9 @@ fn parse(name: &str, v: serde_json::Value) -> Result<AdminState, StoreError> {
 }
 
 /// Reads the operator's states of discovered replicas from the store.
-pub fn read_discovered_admin(store: &dyn Store) -> Result<AdminByName, StoreError> {
+pub async fn read_discovered_admin(store: &dyn Store) -> Result<AdminByName, StoreError> {
     let mut states = AdminByName::new();
-    for (name, v) in store.settings(DISCOVERED_ADMIN_PREFIX)? {
+    for (name, v) in store.settings(DISCOVERED_ADMIN_PREFIX).await? {
         let state = parse(&name, v)?;
         if state != AdminState::Active {
             states.insert(name[DISCOVERED_ADMIN_PREFIX.len()..].to_string(), state);
@@ -79,9 +79,9 @@ impl Operator {
     /// Keeps the operator's `next` state of discovered replica `r` (persisted
     /// first), then applies the state in force. Returns the state before.
     /// Called under the operator lock.
-    pub(super) fn set_discovered_admin(&self, r: &Replica, next: AdminState) -> Result<AdminState, DomainError> {
+    pub(super) async fn set_discovered_admin(&self, r: &Replica, next: AdminState) -> Result<AdminState, DomainError> {
         let value = serde_json::to_value(next).expect("serializable");
-        self.store.put_setting(&key(&r.id), &value).map_err(internal)?;
+        self.store.put_setting(&key(&r.id), &value).await.map_err(internal)?;
         self.keep_discovered_admin(&r.id, next);
         Ok(r.set_admin(in_force(next, r.left_source_ms().is_some())))
     }
@@ -96,9 +96,9 @@ impl Operator {
 
     /// Re-reads the operator's state of discovered replica `id` (another
     /// instance changed it) and applies it.
-    pub(crate) fn reload_discovered_admin_of(&self, id: &str) -> Result<(), StoreError> {
-        let _serial = self.serial();
-        let state = match self.store.setting(&key(id))? {
+    pub(crate) async fn reload_discovered_admin_of(&self, id: &str) -> Result<(), StoreError> {
+        let _serial = self.serial().await;
+        let state = match self.store.setting(&key(id)).await? {
             Some(v) => parse(&key(id), v)?,
             None => AdminState::Active,
         };
@@ -110,9 +110,9 @@ impl Operator {
     }
 
     /// Re-reads every operator state of discovered replicas (a resync) and applies them.
-    pub(crate) fn reload_discovered_admin(&self) -> Result<(), StoreError> {
-        let _serial = self.serial();
-        let states = read_discovered_admin(self.store.as_ref())?;
+    pub(crate) async fn reload_discovered_admin(&self) -> Result<(), StoreError> {
+        let _serial = self.serial().await;
+        let states = read_discovered_admin(self.store.as_ref()).await?;
         for r in self.fleet.snapshot().iter().filter(|r| r.source.is_discovered()) {
             let state = states.get(&*r.id).copied().unwrap_or(AdminState::Active);
             r.set_admin(in_force(state, r.left_source_ms().is_some()));
@@ -123,18 +123,18 @@ impl Operator {
 
     /// Writes this instance's copy of the states back (a shared store that
     /// came back empty).
-    pub(crate) fn persist_discovered_admin(&self) -> Result<(), StoreError> {
+    pub(crate) async fn persist_discovered_admin(&self) -> Result<(), StoreError> {
         let states = self.discovered_admin.lock().unwrap_or_else(|e| e.into_inner()).clone();
         for (id, state) in states {
-            self.store.put_setting(&key(&id), &serde_json::to_value(state).expect("serializable"))?;
+            self.store.put_setting(&key(&id), &serde_json::to_value(state).expect("serializable")).await?;
         }
         Ok(())
     }
 
     /// Applies one action of discovery source `source` (its label) at
     /// `now_ms`, and records its event.
-    pub fn apply_discovered(&self, source: &str, action: SourceAction, now_ms: u64) -> Result<(), NotApplied> {
-        let _serial = self.serial();
+    pub async fn apply_discovered(&self, source: &str, action: SourceAction, now_ms: u64) -> Result<(), NotApplied> {
+        let _serial = self.serial().await;
         let id = match &action {
             SourceAction::Add(spec) | SourceAction::Update(spec) => spec.id.clone(),
             SourceAction::Drain(id) | SourceAction::Return(id) | SourceAction::Remove(id) => id.clone(),
@@ -212,52 +212,52 @@ mod tests {
         assert_eq!(in_force(AdminState::Draining, false), AdminState::Draining);
     }
 
-    #[test]
-    fn an_operators_disable_outlives_removal_and_is_shared_through_the_store() {
+    #[tokio::test]
+    async fn an_operators_disable_outlives_removal_and_is_shared_through_the_store() {
         let store: Arc<dyn Store> = Arc::new(MemoryStore::default());
         let (here, there) = (Operator::for_tests(store.clone()), Operator::for_tests(store.clone()));
         for op in [&here, &there] {
-            op.apply_discovered("dns:e:8000", SourceAction::Add(spec("e-1")), 1).unwrap();
+            op.apply_discovered("dns:e:8000", SourceAction::Add(spec("e-1")), 1).await.unwrap();
         }
-        here.disable("e-1").unwrap();
-        there.reload_discovered_admin_of("e-1").unwrap();
+        here.disable("e-1").await.unwrap();
+        there.reload_discovered_admin_of("e-1").await.unwrap();
         assert_eq!(there.replica("e-1").unwrap().admin(), AdminState::Disabled, "shared by name");
         // It leaves its source, is removed, and comes back: still disabled.
-        here.apply_discovered("dns:e:8000", SourceAction::Drain("e-1".into()), 2).unwrap();
+        here.apply_discovered("dns:e:8000", SourceAction::Drain("e-1".into()), 2).await.unwrap();
         assert_eq!(here.replica("e-1").unwrap().admin(), AdminState::Disabled);
-        here.apply_discovered("dns:e:8000", SourceAction::Remove("e-1".into()), 3).unwrap();
+        here.apply_discovered("dns:e:8000", SourceAction::Remove("e-1".into()), 3).await.unwrap();
         assert!(here.fleet.get("e-1").is_none());
-        here.apply_discovered("dns:e:8000", SourceAction::Add(spec("e-1")), 4).unwrap();
+        here.apply_discovered("dns:e:8000", SourceAction::Add(spec("e-1")), 4).await.unwrap();
         assert_eq!(here.replica("e-1").unwrap().admin(), AdminState::Disabled);
         // Two names are two keys: deciding on one never overwrites the other.
-        there.apply_discovered("dns:e:8000", SourceAction::Add(spec("e-2")), 5).unwrap();
-        there.drain("e-2").unwrap();
+        there.apply_discovered("dns:e:8000", SourceAction::Add(spec("e-2")), 5).await.unwrap();
+        there.drain("e-2").await.unwrap();
         let both = AdminByName::from([("e-1".into(), AdminState::Disabled), ("e-2".into(), AdminState::Draining)]);
-        assert_eq!(read_discovered_admin(store.as_ref()).unwrap(), both);
-        there.reload_discovered_admin().unwrap();
+        assert_eq!(read_discovered_admin(store.as_ref()).await.unwrap(), both);
+        there.reload_discovered_admin().await.unwrap();
         assert_eq!(there.replica("e-1").unwrap().admin(), AdminState::Disabled);
         // Enabling forgets the decision: the next appearance is active.
-        here.enable("e-1").unwrap();
+        here.enable("e-1").await.unwrap();
         let left = AdminByName::from([("e-2".into(), AdminState::Draining)]);
-        assert_eq!(read_discovered_admin(store.as_ref()).unwrap(), left);
+        assert_eq!(read_discovered_admin(store.as_ref()).await.unwrap(), left);
     }
 
-    #[test]
-    fn a_departed_replica_drains_until_it_returns_and_the_api_cannot_delete_it() {
+    #[tokio::test]
+    async fn a_departed_replica_drains_until_it_returns_and_the_api_cannot_delete_it() {
         let op = Operator::for_tests(Arc::new(MemoryStore::default()));
-        op.apply_discovered("file:/e.toml", SourceAction::Add(spec("e-1")), 1).unwrap();
-        op.apply_discovered("file:/e.toml", SourceAction::Drain("e-1".into()), 2).unwrap();
+        op.apply_discovered("file:/e.toml", SourceAction::Add(spec("e-1")), 1).await.unwrap();
+        op.apply_discovered("file:/e.toml", SourceAction::Drain("e-1".into()), 2).await.unwrap();
         let r = op.replica("e-1").unwrap();
         assert_eq!((r.admin(), r.left_source_ms()), (AdminState::Draining, Some(2)));
         // A resume while it is gone keeps it draining: its source does not list it.
-        op.resume("e-1").unwrap();
+        op.resume("e-1").await.unwrap();
         assert_eq!(r.admin(), AdminState::Draining);
-        op.apply_discovered("file:/e.toml", SourceAction::Return("e-1".into()), 3).unwrap();
+        op.apply_discovered("file:/e.toml", SourceAction::Return("e-1".into()), 3).await.unwrap();
         assert_eq!((r.admin(), r.left_source_ms()), (AdminState::Active, None));
-        let refused = op.remove_replica("e-1").unwrap_err().to_string();
+        let refused = op.remove_replica("e-1").await.unwrap_err().to_string();
         assert!(refused.contains("file:/e.toml") && refused.contains("disable"), "{refused}");
         // Another source cannot take the name.
-        let taken = op.apply_discovered("dns:other:1", SourceAction::Add(spec("e-1")), 4).unwrap_err();
+        let taken = op.apply_discovered("dns:other:1", SourceAction::Add(spec("e-1")), 4).await.unwrap_err();
         assert_eq!(taken, NotApplied::NameTaken { id: "e-1".into(), by: "file:/e.toml".into() });
         // The store's replica records do not touch it.
         assert_eq!(op.apply_replica("e-1", None), super::super::Applied::Nothing);

@@ -98,7 +98,7 @@ pub struct Operator {
     pub(crate) sessions: Arc<crate::sessions::Sessions>,
     /// The operator's state of discovered replicas, by name (`discovered.rs`).
     pub(crate) discovered_admin: Mutex<discovered::AdminByName>,
-    pub(crate) serial: Mutex<()>,
+    pub(crate) serial: tokio::sync::Mutex<()>,
 }
 
 fn internal(e: StoreError) -> DomainError {
@@ -140,18 +140,20 @@ impl Operator {
         }
     }
 
-    fn serial(&self) -> std::sync::MutexGuard<'_, ()> {
-        self.serial.lock().unwrap_or_else(|e| e.into_inner())
+    /// Held across the store write an action makes: an async lock, so a
+    /// slow store holds the actions in line and never a runtime worker.
+    async fn serial(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.serial.lock().await
     }
 
     pub fn replica(&self, id: &str) -> Result<Arc<Replica>, DomainError> {
         self.fleet.get(id).ok_or_else(|| not_found(id))
     }
 
-    pub fn set_policy(&self, next: PolicySettings) -> Result<PolicySettings, DomainError> {
+    pub async fn set_policy(&self, next: PolicySettings) -> Result<PolicySettings, DomainError> {
         next.validate().map_err(DomainError::Invalid)?;
-        let _serial = self.serial();
-        self.store.put_setting("policy", &serde_json::to_value(next).expect("serializable")).map_err(internal)?;
+        let _serial = self.serial().await;
+        self.store.put_setting("policy", &serde_json::to_value(next).expect("serializable")).await.map_err(internal)?;
         let prev = self.policy.replace(next);
         if prev != next {
             self.events.record(
@@ -172,14 +174,14 @@ impl Operator {
         Ok(next)
     }
 
-    pub fn add_replica(&self, spec: ReplicaSpec) -> Result<Arc<Replica>, DomainError> {
+    pub async fn add_replica(&self, spec: ReplicaSpec) -> Result<Arc<Replica>, DomainError> {
         spec.validate().map_err(DomainError::Invalid)?;
-        let _serial = self.serial();
+        let _serial = self.serial().await;
         if self.fleet.get(&spec.id).is_some() {
             return Err(DomainError::Conflict(format!("a replica with id '{}' already exists", spec.id)));
         }
         let stored = StoredReplica { spec, admin: AdminState::Active, source: ReplicaSource::Api };
-        self.store.put_replica(&stored).map_err(internal)?;
+        self.store.put_replica(&stored).await.map_err(internal)?;
         let (id, url) = (stored.spec.id.clone(), stored.spec.url.clone());
         self.apply_replica(&id, Some(stored));
         self.events.record(EventKind::ReplicaAdded, Some(&id), None, url);
@@ -188,27 +190,27 @@ impl Operator {
 
     /// Merges `patch` into the replica's spec. A raised `max_large_inflight`
     /// hands the new slots to requests already waiting.
-    pub fn update_replica(&self, id: &str, patch: ReplicaPatch) -> Result<Arc<Replica>, DomainError> {
+    pub async fn update_replica(&self, id: &str, patch: ReplicaPatch) -> Result<Arc<Replica>, DomainError> {
         if let Some(url) = &patch.url {
             validate_url(&url.0).map_err(DomainError::Invalid)?;
         }
-        let _serial = self.serial();
+        let _serial = self.serial().await;
         let r = self.replica(id)?;
         owned_by_source(&r, "change it in its source")?;
         let spec = patch.apply_to((**r.spec()).clone());
         spec.validate().map_err(DomainError::Invalid)?;
         let url = spec.url.clone();
         let stored = StoredReplica { spec, admin: r.admin(), source: r.source.clone() };
-        self.store.put_replica(&stored).map_err(internal)?;
+        self.store.put_replica(&stored).await.map_err(internal)?;
         self.apply_replica(id, Some(stored));
         self.events.record(EventKind::ReplicaUpdated, Some(&r.id), None, url);
         Ok(r)
     }
 
-    pub fn remove_replica(&self, id: &str) -> Result<(), DomainError> {
-        let _serial = self.serial();
+    pub async fn remove_replica(&self, id: &str) -> Result<(), DomainError> {
+        let _serial = self.serial().await;
         owned_by_source(&*self.replica(id)?, "disable it, or change the source")?;
-        self.store.delete_replica(id).map_err(internal)?;
+        self.store.delete_replica(id).await.map_err(internal)?;
         let pins = match self.apply_replica(id, None) {
             Applied::Removed { pins } => pins,
             _ => 0,
@@ -266,17 +268,17 @@ impl Operator {
 
     /// Re-reads replica `id` from the store and applies it (another
     /// instance changed it), under the same lock as local actions.
-    pub(crate) fn reload_replica(&self, id: &str) -> Result<Applied, StoreError> {
-        let _serial = self.serial();
-        let stored = self.store.replicas()?.into_iter().find(|r| r.spec.id == id);
+    pub(crate) async fn reload_replica(&self, id: &str) -> Result<Applied, StoreError> {
+        let _serial = self.serial().await;
+        let stored = self.store.replicas().await?.into_iter().find(|r| r.spec.id == id);
         Ok(self.apply_replica(id, stored))
     }
 
     /// Makes this instance's replicas what `stored` (the store's whole
     /// list, read once) says: a resync after a lost connection. Replicas
     /// here that the list lacks were removed elsewhere.
-    pub(crate) fn apply_stored_replicas(&self, stored: Vec<StoredReplica>) {
-        let _serial = self.serial();
+    pub(crate) async fn apply_stored_replicas(&self, stored: Vec<StoredReplica>) {
+        let _serial = self.serial().await;
         let mut stored: std::collections::BTreeMap<String, StoredReplica> =
             stored.into_iter().map(|r| (r.spec.id.clone(), r)).collect();
         let here: Vec<String> = self.fleet.snapshot().iter().map(|r| r.id.to_string()).collect();
@@ -290,8 +292,8 @@ impl Operator {
     }
 
     /// Re-reads the policy from the store and applies it.
-    pub(crate) fn reload_policy(&self) -> Result<(), StoreError> {
-        if let Some(v) = self.store.setting("policy")? {
+    pub(crate) async fn reload_policy(&self) -> Result<(), StoreError> {
+        if let Some(v) = self.store.setting("policy").await? {
             let next: PolicySettings = serde_json::from_value(v)
                 .map_err(|e| StoreError::Corrupt { tree: "settings", detail: e.to_string() })?;
             self.policy.replace(next);
@@ -321,35 +323,35 @@ impl Operator {
         self.pins.apply(changes);
     }
 
-    pub fn drain(&self, id: &str) -> Result<Arc<Replica>, DomainError> {
-        self.set_admin(id, AdminState::Draining)
+    pub async fn drain(&self, id: &str) -> Result<Arc<Replica>, DomainError> {
+        self.set_admin(id, AdminState::Draining).await
     }
 
     /// Undoes a drain. A disabled replica stays disabled: that takes `enable`.
-    pub fn resume(&self, id: &str) -> Result<Arc<Replica>, DomainError> {
+    pub async fn resume(&self, id: &str) -> Result<Arc<Replica>, DomainError> {
         if self.replica(id)?.admin() == AdminState::Disabled {
             return Err(DomainError::Conflict(format!("replica '{id}' is disabled; use enable")));
         }
-        self.set_admin(id, AdminState::Active)
+        self.set_admin(id, AdminState::Active).await
     }
 
-    pub fn disable(&self, id: &str) -> Result<Arc<Replica>, DomainError> {
-        self.set_admin(id, AdminState::Disabled)
+    pub async fn disable(&self, id: &str) -> Result<Arc<Replica>, DomainError> {
+        self.set_admin(id, AdminState::Disabled).await
     }
 
-    pub fn enable(&self, id: &str) -> Result<Arc<Replica>, DomainError> {
-        self.set_admin(id, AdminState::Active)
+    pub async fn enable(&self, id: &str) -> Result<Arc<Replica>, DomainError> {
+        self.set_admin(id, AdminState::Active).await
     }
 
     /// Changes the operator's state of a replica and records the event.
-    pub fn set_admin(&self, id: &str, next: AdminState) -> Result<Arc<Replica>, DomainError> {
-        let _serial = self.serial();
+    pub async fn set_admin(&self, id: &str, next: AdminState) -> Result<Arc<Replica>, DomainError> {
+        let _serial = self.serial().await;
         let r = self.replica(id)?;
         let prev = if r.source.is_discovered() {
-            self.set_discovered_admin(&r, next)?
+            self.set_discovered_admin(&r, next).await?
         } else {
             let stored = StoredReplica { spec: (**r.spec()).clone(), admin: next, source: r.source.clone() };
-            self.store.put_replica(&stored).map_err(internal)?;
+            self.store.put_replica(&stored).await.map_err(internal)?;
             match self.apply_replica(id, Some(stored)) {
                 Applied::Changed { was } => was,
                 _ => next,
@@ -375,11 +377,10 @@ impl Operator {
     /// in that beat yet): it counts as busy until it does.
     async fn inflight_elsewhere(&self, replica: &str, since_ms: u64) -> i64 {
         let Some(me) = self.store.instance().map(str::to_string) else { return 0 };
-        let store = self.store.clone();
-        let beats = tokio::task::spawn_blocking(move || store.instances()).await;
+        let beats = self.store.instances().await;
         let now = crate::clock::now_ms();
         match beats {
-            Ok(Ok(beats)) => beats
+            Ok(beats) => beats
                 .iter()
                 .filter(|b| b.instance != me && now.saturating_sub(b.at_ms) <= INSTANCE_TIMEOUT_MS)
                 .map(|b| if b.at_ms < since_ms { 1 } else { b.inflight.get(replica).copied().unwrap_or(0) })
@@ -417,23 +418,23 @@ impl Operator {
     }
 
     /// Deletes one pin: persisted first, as every operator action is.
-    pub fn delete_pin(&self, key: PrefixKey) -> Result<(), DomainError> {
-        let _serial = self.serial();
+    pub async fn delete_pin(&self, key: PrefixKey) -> Result<(), DomainError> {
+        let _serial = self.serial().await;
         let Some(replica) = self.pins.replica_of(key) else {
             return Err(DomainError::NotFound(format!("no pin {key:032x}")));
         };
-        self.store.write_pins(&[(key, None)]).map_err(internal)?;
+        self.store.write_pins(&[(key, None)]).await.map_err(internal)?;
         self.apply_pins([(key, None)]);
         self.events.record(EventKind::PinsDeleted, Some(&replica), None, format!("pin {key:032x} deleted"));
         Ok(())
     }
 
     /// Deletes every pin a replica holds (persisted first); returns how many.
-    pub fn delete_replica_pins(&self, id: &str) -> Result<usize, DomainError> {
-        let _serial = self.serial();
+    pub async fn delete_replica_pins(&self, id: &str) -> Result<usize, DomainError> {
+        let _serial = self.serial().await;
         self.replica(id)?;
         let deleted: Vec<PinChange> = self.pins.keys_of(id).into_iter().map(|k| (k, None)).collect();
-        self.store.write_pins(&deleted).map_err(internal)?;
+        self.store.write_pins(&deleted).await.map_err(internal)?;
         self.apply_pins(deleted.iter().cloned());
         if let Some(r) = self.fleet.get(id) {
             r.capacity.forget();

@@ -69,8 +69,8 @@ pub async fn read_fleet_loads(state: &AppState) {
     if state.store.instance().is_none() {
         return;
     }
-    let (sessions, store, fleet) = (state.sessions.clone(), state.store.clone(), state.fleet.snapshot_owned());
-    let read = tokio::task::spawn_blocking(move || sessions.read_fleet_loads(store.as_ref(), &fleet));
+    let fleet = state.fleet.snapshot_owned();
+    let read = state.sessions.read_fleet_loads(state.store.as_ref(), &fleet);
     // Not waited for beyond the budget: the last read stands.
     let _ = tokio::time::timeout(STORE_BUDGET, read).await;
 }
@@ -85,10 +85,10 @@ pub async fn admit_in_store(state: &AppState, replica: &Replica, session: Prefix
     }
     let footprint = state.sessions.room_of(replica).footprint(tokens);
     let ttl = state.sessions.settings().idle_ms + crate::sessions::STORE_SLACK_MS;
-    let (store, id, session) = (state.store.clone(), replica.id.to_string(), format!("{session:032x}"));
-    let asked = tokio::task::spawn_blocking(move || store.admit_session(&id, &session, footprint, capacity, ttl));
+    let session = format!("{session:032x}");
+    let asked = state.store.admit_session(&replica.id, &session, footprint, capacity, ttl);
     match tokio::time::timeout(STORE_BUDGET, asked).await {
-        Ok(Ok(Ok(admitted))) => admitted,
+        Ok(Ok(admitted)) => admitted,
         _ => true,
     }
 }

@@ -72,13 +72,10 @@ pub async fn stored_response(
 /// Step 1: the shared store's copy, within the read-through budget.
 async fn in_shared_store(state: &AppState, id: &str) -> Option<Arc<str>> {
     state.store.instance()?;
-    let (store, key) = (state.store.clone(), response_key(id));
     let budget = Duration::from_millis(state.config.store.read_through_ms);
-    // The store's client blocks: off the worker thread, and not waited for
-    // beyond the budget (a slow store costs this request nothing more).
-    let read = tokio::task::spawn_blocking(move || store.pin(key));
-    match tokio::time::timeout(budget, read).await {
-        Ok(Ok(Ok(Some(pin)))) => Some(pin.replica),
+    // Not waited for beyond the budget (a slow store costs this request nothing more).
+    match tokio::time::timeout(budget, state.store.pin(response_key(id))).await {
+        Ok(Ok(Some(pin))) => Some(pin.replica),
         _ => None,
     }
 }

@@ -283,14 +283,14 @@ impl Sessions {
 
     /// Reads every instance's session loads on `replicas` from a shared
     /// store into this view (replacing the last read). A store that is not
-    /// shared has none: nothing changes. Blocks on the store.
-    pub fn read_fleet_loads(
+    /// shared has none: nothing changes.
+    pub async fn read_fleet_loads(
         &self,
         store: &dyn crate::store::Store,
         replicas: &[Arc<Replica>],
     ) -> Result<(), crate::store::StoreError> {
         let ids: Vec<String> = replicas.iter().map(|r| r.id.to_string()).collect();
-        let loads = store.session_loads(&ids)?;
+        let loads = store.session_loads(&ids).await?;
         if loads.is_empty() {
             return Ok(());
         }

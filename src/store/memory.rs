@@ -35,26 +35,27 @@ impl MemoryStore {
     }
 }
 
+#[async_trait::async_trait]
 impl Store for MemoryStore {
     fn is_new(&self) -> bool {
         self.replicas.lock().expect("lock").is_empty()
     }
-    fn replicas(&self) -> Result<Vec<StoredReplica>, StoreError> {
+    async fn replicas(&self) -> Result<Vec<StoredReplica>, StoreError> {
         self.replica_reads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(self.replicas.lock().expect("lock").values().cloned().collect())
     }
-    fn put_replica(&self, r: &StoredReplica) -> Result<(), StoreError> {
+    async fn put_replica(&self, r: &StoredReplica) -> Result<(), StoreError> {
         self.replicas.lock().expect("lock").insert(r.spec.id.clone(), r.clone());
         Ok(())
     }
-    fn delete_replica(&self, id: &str) -> Result<(), StoreError> {
+    async fn delete_replica(&self, id: &str) -> Result<(), StoreError> {
         self.replicas.lock().expect("lock").remove(id);
         Ok(())
     }
-    fn pins(&self) -> Result<Vec<(PrefixKey, Pin)>, StoreError> {
+    async fn pins(&self) -> Result<Vec<(PrefixKey, Pin)>, StoreError> {
         Ok(self.pins.lock().expect("lock").iter().map(|(k, p)| (*k, p.clone())).collect())
     }
-    fn write_pins(&self, changes: &[PinChange]) -> Result<(), StoreError> {
+    async fn write_pins(&self, changes: &[PinChange]) -> Result<(), StoreError> {
         let mut pins = self.pins.lock().expect("lock");
         for (k, p) in changes {
             match p {
@@ -64,7 +65,7 @@ impl Store for MemoryStore {
         }
         Ok(())
     }
-    fn append_event(&self, e: &Event, dropped_up_to: Option<u64>) -> Result<(), StoreError> {
+    async fn append_event(&self, e: &Event, dropped_up_to: Option<u64>) -> Result<(), StoreError> {
         if self.skip_events {
             return Ok(());
         }
@@ -75,21 +76,21 @@ impl Store for MemoryStore {
         }
         Ok(())
     }
-    fn events(&self) -> Result<Vec<Event>, StoreError> {
+    async fn events(&self) -> Result<Vec<Event>, StoreError> {
         Ok(self.events.lock().expect("lock").values().cloned().collect())
     }
-    fn setting(&self, key: &str) -> Result<Option<serde_json::Value>, StoreError> {
+    async fn setting(&self, key: &str) -> Result<Option<serde_json::Value>, StoreError> {
         Ok(self.settings.lock().expect("lock").get(key).cloned())
     }
-    fn put_setting(&self, key: &str, value: &serde_json::Value) -> Result<(), StoreError> {
+    async fn put_setting(&self, key: &str, value: &serde_json::Value) -> Result<(), StoreError> {
         self.settings.lock().expect("lock").insert(key.to_string(), value.clone());
         Ok(())
     }
-    fn settings(&self, prefix: &str) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
+    async fn settings(&self, prefix: &str) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
         let settings = self.settings.lock().expect("lock");
         Ok(settings.iter().filter(|(k, _)| k.starts_with(prefix)).map(|(k, v)| (k.clone(), v.clone())).collect())
     }
-    fn flush(&self) -> Result<(), StoreError> {
+    async fn flush(&self) -> Result<(), StoreError> {
         Ok(())
     }
 }

@@ -99,53 +99,61 @@ pub struct InstanceBeat {
     pub running: std::collections::BTreeMap<String, (u64, u64)>,
 }
 
+/// Every call may wait on a network or a disk: callers await it, and no
+/// runtime worker blocks on it (Redis through its async client, sled on the
+/// blocking pool). A call's time is bounded by the store itself (Redis:
+/// `redis_store::TIMEOUT` per command).
+#[async_trait::async_trait]
 pub trait Store: Send + Sync {
     /// True when the database was created by this process (config seeds it).
     fn is_new(&self) -> bool;
-    fn replicas(&self) -> Result<Vec<StoredReplica>, StoreError>;
-    fn put_replica(&self, r: &StoredReplica) -> Result<(), StoreError>;
-    fn delete_replica(&self, id: &str) -> Result<(), StoreError>;
-    fn pins(&self) -> Result<Vec<(PrefixKey, Pin)>, StoreError>;
+    async fn replicas(&self) -> Result<Vec<StoredReplica>, StoreError>;
+    async fn put_replica(&self, r: &StoredReplica) -> Result<(), StoreError>;
+    async fn delete_replica(&self, id: &str) -> Result<(), StoreError>;
+    async fn pins(&self) -> Result<Vec<(PrefixKey, Pin)>, StoreError>;
     /// Applies a batch of pin changes atomically.
-    fn write_pins(&self, changes: &[PinChange]) -> Result<(), StoreError>;
+    async fn write_pins(&self, changes: &[PinChange]) -> Result<(), StoreError>;
     /// Appends an event; drops persisted events with ids up to `dropped_up_to`.
-    fn append_event(&self, e: &Event, dropped_up_to: Option<u64>) -> Result<(), StoreError>;
+    async fn append_event(&self, e: &Event, dropped_up_to: Option<u64>) -> Result<(), StoreError>;
     /// Appends a batch of events in order (one write where the store can).
-    fn append_events(&self, batch: &[crate::events::Pending]) -> Result<(), StoreError> {
-        batch.iter().try_for_each(|(e, dropped_up_to)| self.append_event(e, *dropped_up_to))
+    async fn append_events(&self, batch: &[crate::events::Pending]) -> Result<(), StoreError> {
+        for (e, dropped_up_to) in batch {
+            self.append_event(e, *dropped_up_to).await?;
+        }
+        Ok(())
     }
-    fn events(&self) -> Result<Vec<Event>, StoreError>;
-    fn setting(&self, key: &str) -> Result<Option<serde_json::Value>, StoreError>;
-    fn put_setting(&self, key: &str, value: &serde_json::Value) -> Result<(), StoreError>;
+    async fn events(&self) -> Result<Vec<Event>, StoreError>;
+    async fn setting(&self, key: &str) -> Result<Option<serde_json::Value>, StoreError>;
+    async fn put_setting(&self, key: &str, value: &serde_json::Value) -> Result<(), StoreError>;
     /// Every setting whose name starts with `prefix`, by name.
-    fn settings(&self, prefix: &str) -> Result<Vec<(String, serde_json::Value)>, StoreError>;
+    async fn settings(&self, prefix: &str) -> Result<Vec<(String, serde_json::Value)>, StoreError>;
     /// Makes everything written so far durable.
-    fn flush(&self) -> Result<(), StoreError>;
+    async fn flush(&self) -> Result<(), StoreError>;
 
     /// This instance's name, when the store is shared between instances.
     fn instance(&self) -> Option<&str> {
         None
     }
     /// Records this instance's heartbeat (shared stores only).
-    fn heartbeat(&self, _beat: &InstanceBeat) -> Result<(), StoreError> {
+    async fn heartbeat(&self, _beat: &InstanceBeat) -> Result<(), StoreError> {
         Ok(())
     }
     /// Every instance's last heartbeat (shared stores only).
-    fn instances(&self) -> Result<Vec<InstanceBeat>, StoreError> {
+    async fn instances(&self) -> Result<Vec<InstanceBeat>, StoreError> {
         Ok(Vec::new())
     }
     /// Takes one of `limit` fleet-wide large-context slots on `replica` as
     /// `lease` for `ttl_ms` (shared stores; an embedded store has one
     /// instance, whose own admission queue is the whole story).
-    fn try_lease(&self, _replica: &str, _lease: &str, _limit: u32, _ttl_ms: u64) -> Result<bool, StoreError> {
+    async fn try_lease(&self, _replica: &str, _lease: &str, _limit: u32, _ttl_ms: u64) -> Result<bool, StoreError> {
         Ok(true)
     }
     /// Gives a slot back.
-    fn release_lease(&self, _replica: &str, _lease: &str) -> Result<(), StoreError> {
+    async fn release_lease(&self, _replica: &str, _lease: &str) -> Result<(), StoreError> {
         Ok(())
     }
     /// Extends the leases this instance holds by `ttl_ms` from now.
-    fn renew_leases(&self, _leases: &[(String, String)], _ttl_ms: u64) -> Result<(), StoreError> {
+    async fn renew_leases(&self, _leases: &[(String, String)], _ttl_ms: u64) -> Result<(), StoreError> {
         Ok(())
     }
     /// Admits session `session` (its footprint in tokens) on `replica` if the
@@ -153,7 +161,7 @@ pub trait Store: Send + Sync {
     /// `capacity`; it is then resident there for `ttl_ms` unless renewed
     /// (shared stores: one atomic step, so two instances never admit into
     /// the same last room; an embedded store has one instance: always yes).
-    fn admit_session(
+    async fn admit_session(
         &self,
         _replica: &str,
         _session: &str,
@@ -165,29 +173,51 @@ pub trait Store: Send + Sync {
     }
     /// The live sessions' footprints on each of `replicas`, summed, across
     /// every instance (shared stores; empty otherwise).
-    fn session_loads(&self, _replicas: &[String]) -> Result<Vec<u64>, StoreError> {
+    async fn session_loads(&self, _replicas: &[String]) -> Result<Vec<u64>, StoreError> {
         Ok(Vec::new())
     }
     /// Keeps this instance's resident sessions (replica, session, footprint)
     /// alive for `ttl_ms` more.
-    fn keep_sessions(&self, _sessions: &[(String, String, u64)], _ttl_ms: u64) -> Result<(), StoreError> {
+    async fn keep_sessions(&self, _sessions: &[(String, String, u64)], _ttl_ms: u64) -> Result<(), StoreError> {
         Ok(())
     }
     /// Tells the other instances about pin changes at once, without
     /// persisting them (shared stores only; the flusher persists later).
-    fn publish_pins(&self, _changes: &[PinChange]) -> Result<(), StoreError> {
+    async fn publish_pins(&self, _changes: &[PinChange]) -> Result<(), StoreError> {
         Ok(())
     }
     /// Reads one pin from the shared store (shared stores only: an embedded
     /// store's pins are all in memory already).
-    fn pin(&self, _key: PrefixKey) -> Result<Option<Pin>, StoreError> {
+    async fn pin(&self, _key: PrefixKey) -> Result<Option<Pin>, StoreError> {
         Ok(None)
     }
-    /// Calls `on_change` with every change other instances make, until it
-    /// returns false (shared stores only; others never call it).
-    fn subscribe(&self, _on_change: Box<dyn Fn(Change) -> bool + Send>) -> Result<(), StoreError> {
-        Ok(())
+    /// The changes other instances make, as they come (shared stores only:
+    /// others return `None`). A task of the store's own listens, and ends
+    /// when the receiver is dropped; `Change::Lost` says it lost its
+    /// connection (and may have missed changes), `Change::Tick` that it
+    /// (re)subscribed or was idle for a while.
+    fn subscribe(&self) -> Option<tokio::sync::mpsc::Receiver<Change>> {
+        None
     }
+}
+
+/// The runtime the shared store's own tasks run on: announcing new pins,
+/// listening to the other instances, applying what they say. A pin
+/// announced here is on the critical path of an agent's next turn at
+/// another instance, a pub/sub hop later: on a thread of its own, neither
+/// the workers' load nor the main thread's tasks (the prober, the flusher)
+/// delay it. One per process, made when a shared store first needs it.
+pub fn background() -> &'static tokio::runtime::Handle {
+    static RUNTIME: std::sync::LazyLock<tokio::runtime::Handle> = std::sync::LazyLock::new(|| {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
+        let handle = runtime.handle().clone();
+        std::thread::Builder::new()
+            .name("prefixgate-store".into())
+            .spawn(move || runtime.block_on(std::future::pending::<()>()))
+            .expect("a thread for the store's tasks");
+        handle
+    });
+    &RUNTIME
 }
 
 /// The operator's state of a discovered replica is the setting of this
@@ -209,28 +239,28 @@ pub struct Copied {
 /// pins, events, the policy, the operator's states of discovered replicas),
 /// then makes it durable. Existing records with
 /// the same keys are overwritten; others in `dst` are left alone.
-pub fn copy(src: &dyn Store, dst: &dyn Store) -> Result<Copied, StoreError> {
+pub async fn copy(src: &dyn Store, dst: &dyn Store) -> Result<Copied, StoreError> {
     let mut copied = Copied::default();
-    for r in src.replicas()? {
-        dst.put_replica(&r)?;
+    for r in src.replicas().await? {
+        dst.put_replica(&r).await?;
         copied.replicas += 1;
     }
-    let pins: Vec<PinChange> = src.pins()?.into_iter().map(|(k, p)| (k, Some(p))).collect();
+    let pins: Vec<PinChange> = src.pins().await?.into_iter().map(|(k, p)| (k, Some(p))).collect();
     for batch in pins.chunks(10_000) {
-        dst.write_pins(batch)?;
+        dst.write_pins(batch).await?;
     }
     copied.pins = pins.len();
-    for e in src.events()? {
-        dst.append_event(&e, None)?;
+    for e in src.events().await? {
+        dst.append_event(&e, None).await?;
         copied.events += 1;
     }
-    let mut settings = src.settings(DISCOVERED_ADMIN_PREFIX)?;
-    settings.extend(src.setting("policy")?.map(|v| ("policy".to_string(), v)));
+    let mut settings = src.settings(DISCOVERED_ADMIN_PREFIX).await?;
+    settings.extend(src.setting("policy").await?.map(|v| ("policy".to_string(), v)));
     for (name, v) in settings {
-        dst.put_setting(&name, &v)?;
+        dst.put_setting(&name, &v).await?;
         copied.settings += 1;
     }
-    dst.flush()?;
+    dst.flush().await?;
     Ok(copied)
 }
 
@@ -242,9 +272,9 @@ pub fn now_us() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
 }
 
-pub fn open_url(url: &str, instance: &str) -> Result<std::sync::Arc<dyn Store>, StoreError> {
+pub async fn open_url(url: &str, instance: &str) -> Result<std::sync::Arc<dyn Store>, StoreError> {
     if ["redis://", "rediss://", "redis+unix://", "redis+sentinel://"].iter().any(|s| url.starts_with(s)) {
-        return Ok(std::sync::Arc::new(RedisStore::open(url, instance)?));
+        return Ok(std::sync::Arc::new(RedisStore::open(url, instance).await?));
     }
     if url == "memory:" {
         return Ok(std::sync::Arc::new(MemoryStore::default()));

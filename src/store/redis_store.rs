@@ -19,37 +19,45 @@
 //! as sled), `{prefix}:events` (sorted set by id), `{prefix}:settings`
 //! (hash: name -> JSON), `{prefix}:instances` (hash: name -> JSON beat).
 //!
-//! Every command runs with a read/write timeout (`TIMEOUT`) on a connection
-//! that is re-made after any error: a slow or dead Redis fails the flusher's
-//! batch (which is retried) and never a client request, which does not
-//! touch this store at all.
+//! Every command goes through redis' async client with a response timeout
+//! (`TIMEOUT`) on a multiplexed connection that is re-made after any error:
+//! a slow or dead Redis fails the flusher's batch (which is retried) and
+//! never holds a runtime worker; the request path reads it only within
+//! budgets of its own (`store.read_through_ms`, the hold's).
 
-use std::sync::Mutex;
+use std::sync::LazyLock;
 use std::time::Duration;
 
-use redis::{Commands, Connection};
+use futures_util::StreamExt;
+use redis::aio::MultiplexedConnection;
+use redis::{AsyncCommands, AsyncConnectionConfig, RedisResult};
 use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
 
 use super::{corrupt, decode_pin, encode_pin, Change, InstanceBeat, Store, StoreError, StoredReplica};
 use crate::events::Event;
 use crate::pins::{Pin, PinChange};
 use crate::policy::PrefixKey;
 
-/// Longest a single Redis command may take before it counts as a failure.
-const TIMEOUT: Duration = Duration::from_millis(500);
+/// Longest a single Redis command (or a connection attempt) may take
+/// before it counts as a failure.
+pub const TIMEOUT: Duration = Duration::from_millis(500);
 
 /// Key namespace in the Redis database.
 const PREFIX: &str = "prefixgate";
 
+/// A connection, made when first needed and dropped after any error.
+type Slot = tokio::sync::Mutex<Option<MultiplexedConnection>>;
+
 pub struct RedisStore {
     source: Source,
     /// Writes (operator actions, the flusher's batches, heartbeats).
-    conn: Mutex<Option<Connection>>,
+    conn: Slot,
     /// Announcements of new pins, on a connection of their own so they never
     /// queue behind a flusher's batch.
-    publisher: Mutex<Option<Connection>>,
+    publisher: Slot,
     /// Read-through lookups from the request path, for the same reason.
-    reader: Mutex<Option<Connection>>,
+    reader: Slot,
     instance: String,
     new: bool,
 }
@@ -100,11 +108,14 @@ impl Source {
         })
     }
 
-    fn client(&self) -> redis::RedisResult<redis::Client> {
+    async fn client(&self) -> RedisResult<redis::Client> {
         match self {
             Source::Direct(c) => Ok(c.clone()),
             Source::Sentinel { nodes, service, node } => {
-                redis::sentinel::Sentinel::build(nodes.clone())?.master_for(service, Some(node))
+                let mut sentinel = redis::sentinel::Sentinel::build(nodes.clone())?;
+                tokio::time::timeout(TIMEOUT, sentinel.async_master_for(service, Some(node)))
+                    .await
+                    .map_err(|_| timed_out("asking the sentinels"))?
             }
         }
     }
@@ -117,69 +128,84 @@ struct Envelope {
     change: Change,
 }
 
+fn timed_out(what: &str) -> redis::RedisError {
+    redis::RedisError::from(std::io::Error::new(std::io::ErrorKind::TimedOut, format!("{what} timed out")))
+}
+
 impl RedisStore {
     /// Connects to `url` (`redis://[:password@]host:port/db`, `rediss://...`
     /// for TLS, `redis+unix:///path/to/socket`, or
     /// `redis+sentinel://host:port,host:port/service` for a Sentinel-managed
     /// primary) as instance `instance`.
-    pub fn open(url: &str, instance: &str) -> Result<RedisStore, StoreError> {
+    pub async fn open(url: &str, instance: &str) -> Result<RedisStore, StoreError> {
         // rediss:// uses rustls; its crypto provider is chosen once per process
         // (an error here only means another part of the process chose first).
         let _ = rustls::crypto::ring::default_provider().install_default();
         let source = Source::parse(url)?;
         let store = RedisStore {
             source,
-            conn: Mutex::new(None),
-            publisher: Mutex::new(None),
-            reader: Mutex::new(None),
+            conn: Slot::default(),
+            publisher: Slot::default(),
+            reader: Slot::default(),
             instance: instance.to_string(),
             new: false,
         };
-        let created: bool =
-            store.run(|c| redis::cmd("HSETNX").arg(key("meta")).arg("schema").arg(super::SCHEMA_VERSION).query(c))?;
-        let found: u64 = store.run(|c| c.hget(key("meta"), "schema"))?;
+        let created: bool = store
+            .run(|mut c| async move {
+                redis::cmd("HSETNX").arg(key("meta")).arg("schema").arg(super::SCHEMA_VERSION).query_async(&mut c).await
+            })
+            .await?;
+        let found: u64 = store.run(|mut c| async move { c.hget(key("meta"), "schema").await }).await?;
         if found > super::SCHEMA_VERSION {
             return Err(StoreError::TooNew { found, supported: super::SCHEMA_VERSION });
         }
         Ok(RedisStore { new: created, ..store })
     }
 
-    fn connect(&self) -> Result<Connection, StoreError> {
-        let c = self.source.client()?.get_connection_with_timeout(TIMEOUT)?;
-        c.set_read_timeout(Some(TIMEOUT))?;
-        c.set_write_timeout(Some(TIMEOUT))?;
-        Ok(c)
+    async fn connect(&self) -> RedisResult<MultiplexedConnection> {
+        let config =
+            AsyncConnectionConfig::new().set_connection_timeout(Some(TIMEOUT)).set_response_timeout(Some(TIMEOUT));
+        self.source.client().await?.get_multiplexed_async_connection_with_config(&config).await
     }
 
-    /// Runs `f` on the connection, making one if needed; a failed command
-    /// drops the connection so the next call starts clean.
-    fn run<T>(&self, f: impl FnOnce(&mut Connection) -> redis::RedisResult<T>) -> Result<T, StoreError> {
-        self.run_on(&self.conn, f)
+    /// Runs `f` on the write connection, making one if needed; a failed
+    /// command drops the connection so the next call starts clean.
+    async fn run<T, F, Fut>(&self, f: F) -> Result<T, StoreError>
+    where
+        F: FnOnce(MultiplexedConnection) -> Fut,
+        Fut: std::future::Future<Output = RedisResult<T>>,
+    {
+        self.run_on(&self.conn, f).await
     }
 
-    fn run_on<T>(
-        &self,
-        conn: &Mutex<Option<Connection>>,
-        f: impl FnOnce(&mut Connection) -> redis::RedisResult<T>,
-    ) -> Result<T, StoreError> {
-        let mut slot = conn.lock().unwrap_or_else(|e| e.into_inner());
-        if slot.is_none() {
-            *slot = Some(self.connect()?);
-        }
-        let result = f(slot.as_mut().expect("connected"));
+    async fn run_on<T, F, Fut>(&self, slot: &Slot, f: F) -> Result<T, StoreError>
+    where
+        F: FnOnce(MultiplexedConnection) -> Fut,
+        Fut: std::future::Future<Output = RedisResult<T>>,
+    {
+        let conn = {
+            let mut slot = slot.lock().await;
+            match slot.as_ref() {
+                Some(c) => c.clone(),
+                None => slot.insert(self.connect().await?).clone(),
+            }
+        };
+        // The response timeout is the connection's; this bounds a call the
+        // connection does not time (a script that never answers, say) too.
+        let result = tokio::time::timeout(TIMEOUT * 2, f(conn)).await.unwrap_or_else(|_| Err(timed_out("a command")));
         if result.is_err() {
-            *slot = None;
+            *slot.lock().await = None;
         }
         Ok(result?)
     }
 
-    fn announce(&self, change: Change) -> Result<(), StoreError> {
-        self.announce_on(&self.conn, change)
+    async fn announce(&self, change: Change) -> Result<(), StoreError> {
+        self.announce_on(&self.conn, change).await
     }
 
-    fn announce_on(&self, conn: &Mutex<Option<Connection>>, change: Change) -> Result<(), StoreError> {
+    async fn announce_on(&self, slot: &Slot, change: Change) -> Result<(), StoreError> {
         let msg = serde_json::to_string(&Envelope { from: self.instance.clone(), change }).expect("serializable");
-        self.run_on(conn, |c| c.publish::<_, _, ()>(key("changes"), msg))
+        self.run_on(slot, |mut c| async move { c.publish::<_, _, ()>(key("changes"), msg).await }).await
     }
 }
 
@@ -188,31 +214,91 @@ fn pins_change(changes: &[PinChange]) -> Change {
     Change::Pins { pins, sent_us: super::now_us() }
 }
 
+/// One atomic script: forget expired leases, then take one if fewer than
+/// `limit` are held. A lease is a sorted-set member scored by its expiry,
+/// so an instance that dies without releasing gives its slots back when
+/// its leases expire (it stops renewing them).
+static TRY_LEASE: LazyLock<redis::Script> = LazyLock::new(|| {
+    redis::Script::new(
+        r"local now = tonumber(ARGV[1])
+          redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+          if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[2]) then
+            redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[4])
+            return 1
+          end
+          return 0",
+    )
+});
+
+/// One atomic script over a replica's live sessions: a sorted set of
+/// session ids scored by expiry, and a hash of their footprints. Expired
+/// ones go first; then the others' footprints are summed, and the
+/// session is admitted only if it fits within `capacity`.
+static ADMIT_SESSION: LazyLock<redis::Script> = LazyLock::new(|| {
+    redis::Script::new(
+        r"local now = tonumber(ARGV[1])
+          for _, s in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do
+            redis.call('HDEL', KEYS[2], s)
+          end
+          redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+          local sum = 0
+          local all = redis.call('HGETALL', KEYS[2])
+          for i = 1, #all, 2 do
+            if all[i] ~= ARGV[4] then sum = sum + tonumber(all[i + 1]) end
+          end
+          if sum + tonumber(ARGV[5]) <= tonumber(ARGV[2]) then
+            redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[4])
+            redis.call('HSET', KEYS[2], ARGV[4], ARGV[5])
+            return 1
+          end
+          return 0",
+    )
+});
+
+/// Every replica's live sessions' footprints, summed (expired ones left out).
+static SESSION_LOADS: LazyLock<redis::Script> = LazyLock::new(|| {
+    redis::Script::new(
+        r"local now = tonumber(ARGV[1])
+          local sums = {}
+          for i = 1, #KEYS, 2 do
+            local sum = 0
+            for _, s in ipairs(redis.call('ZRANGEBYSCORE', KEYS[i], '(' .. now, '+inf')) do
+              sum = sum + (tonumber(redis.call('HGET', KEYS[i + 1], s)) or 0)
+            end
+            table.insert(sums, sum)
+          end
+          return sums",
+    )
+});
+
+#[async_trait::async_trait]
 impl Store for RedisStore {
     fn is_new(&self) -> bool {
         self.new
     }
 
-    fn replicas(&self) -> Result<Vec<StoredReplica>, StoreError> {
-        let mut all: Vec<(String, String)> = self.run(|c| c.hgetall(key("replicas")))?;
+    async fn replicas(&self) -> Result<Vec<StoredReplica>, StoreError> {
+        let mut all: Vec<(String, String)> = self.run(|mut c| async move { c.hgetall(key("replicas")).await }).await?;
         // A hash has no order; every instance lists the fleet the same way.
         all.sort();
         all.iter().map(|(_, v)| serde_json::from_str(v).map_err(|e| corrupt("replicas")(e.to_string()))).collect()
     }
 
-    fn put_replica(&self, r: &StoredReplica) -> Result<(), StoreError> {
+    async fn put_replica(&self, r: &StoredReplica) -> Result<(), StoreError> {
         let v = serde_json::to_string(r).map_err(|e| StoreError::Backend(e.to_string()))?;
-        self.run(|c| c.hset::<_, _, _, ()>(key("replicas"), &r.spec.id, v))?;
-        self.announce(Change::Replica { id: r.spec.id.clone() })
+        let id = r.spec.id.clone();
+        self.run(|mut c| async move { c.hset::<_, _, _, ()>(key("replicas"), id, v).await }).await?;
+        self.announce(Change::Replica { id: r.spec.id.clone() }).await
     }
 
-    fn delete_replica(&self, id: &str) -> Result<(), StoreError> {
-        self.run(|c| c.hdel::<_, _, ()>(key("replicas"), id))?;
-        self.announce(Change::Replica { id: id.to_string() })
+    async fn delete_replica(&self, id: &str) -> Result<(), StoreError> {
+        let owned = id.to_string();
+        self.run(|mut c| async move { c.hdel::<_, _, ()>(key("replicas"), owned).await }).await?;
+        self.announce(Change::Replica { id: id.to_string() }).await
     }
 
-    fn pins(&self) -> Result<Vec<(PrefixKey, Pin)>, StoreError> {
-        let all: Vec<(Vec<u8>, Vec<u8>)> = self.run(|c| c.hgetall(key("pins")))?;
+    async fn pins(&self) -> Result<Vec<(PrefixKey, Pin)>, StoreError> {
+        let all: Vec<(Vec<u8>, Vec<u8>)> = self.run(|mut c| async move { c.hgetall(key("pins")).await }).await?;
         all.iter()
             .map(|(k, v)| {
                 let k: [u8; 16] = k.as_slice().try_into().map_err(|_| corrupt("pins")("key is not 16 bytes".into()))?;
@@ -222,7 +308,7 @@ impl Store for RedisStore {
     }
 
     /// One transaction per batch, then one announcement of the whole batch.
-    fn write_pins(&self, changes: &[PinChange]) -> Result<(), StoreError> {
+    async fn write_pins(&self, changes: &[PinChange]) -> Result<(), StoreError> {
         if changes.is_empty() {
             return Ok(());
         }
@@ -234,35 +320,37 @@ impl Store for RedisStore {
                 None => pipe.hdel(key("pins"), k.to_be_bytes().to_vec()).ignore(),
             };
         }
-        self.run(|c| pipe.query::<()>(c))?;
+        self.run(|mut c| async move { pipe.query_async::<()>(&mut c).await }).await?;
         // Announced again after persisting: an instance that missed the
         // first announcement (a full queue, a reconnect) catches up here.
-        self.announce(pins_change(changes))
+        self.announce(pins_change(changes)).await
     }
 
-    fn publish_pins(&self, changes: &[PinChange]) -> Result<(), StoreError> {
-        self.announce_on(&self.publisher, pins_change(changes))
+    async fn publish_pins(&self, changes: &[PinChange]) -> Result<(), StoreError> {
+        self.announce_on(&self.publisher, pins_change(changes)).await
     }
 
-    fn pin(&self, k: PrefixKey) -> Result<Option<Pin>, StoreError> {
-        let v: Option<Vec<u8>> = self.run_on(&self.reader, |c| c.hget(key("pins"), k.to_be_bytes().to_vec()))?;
+    async fn pin(&self, k: PrefixKey) -> Result<Option<Pin>, StoreError> {
+        let v: Option<Vec<u8>> = self
+            .run_on(&self.reader, |mut c| async move { c.hget(key("pins"), k.to_be_bytes().to_vec()).await })
+            .await?;
         v.map(|v| decode_pin(&v).map_err(corrupt("pins"))).transpose()
     }
 
-    fn append_event(&self, e: &Event, dropped_up_to: Option<u64>) -> Result<(), StoreError> {
+    async fn append_event(&self, e: &Event, dropped_up_to: Option<u64>) -> Result<(), StoreError> {
         let v = serde_json::to_string(e).map_err(|e| StoreError::Backend(e.to_string()))?;
         let mut pipe = redis::pipe();
         pipe.zadd(key("events"), v, e.id).ignore();
         if let Some(upto) = dropped_up_to {
             pipe.zrembyscore(key("events"), "-inf", upto).ignore();
         }
-        self.run(|c| pipe.query::<()>(c))?;
-        self.announce(Change::Event { event: e.clone() })
+        self.run(|mut c| async move { pipe.query_async::<()>(&mut c).await }).await?;
+        self.announce(Change::Event { event: e.clone() }).await
     }
 
     /// One pipeline for the batch: the writes, the trim, and each event's
     /// announcement (the other instances add them to their history).
-    fn append_events(&self, batch: &[crate::events::Pending]) -> Result<(), StoreError> {
+    async fn append_events(&self, batch: &[crate::events::Pending]) -> Result<(), StoreError> {
         let mut pipe = redis::pipe();
         for (e, _) in batch {
             let v = serde_json::to_string(e).map_err(|e| StoreError::Backend(e.to_string()))?;
@@ -279,27 +367,29 @@ impl Store for RedisStore {
             .expect("serializable");
             pipe.publish(key("changes"), msg).ignore();
         }
-        self.run(|c| pipe.query::<()>(c))
+        self.run(|mut c| async move { pipe.query_async::<()>(&mut c).await }).await
     }
 
-    fn events(&self) -> Result<Vec<Event>, StoreError> {
-        let all: Vec<String> = self.run(|c| c.zrange(key("events"), 0, -1))?;
+    async fn events(&self) -> Result<Vec<Event>, StoreError> {
+        let all: Vec<String> = self.run(|mut c| async move { c.zrange(key("events"), 0, -1).await }).await?;
         all.iter().map(|v| serde_json::from_str(v).map_err(|e| corrupt("events")(e.to_string()))).collect()
     }
 
-    fn setting(&self, name: &str) -> Result<Option<serde_json::Value>, StoreError> {
-        let v: Option<String> = self.run(|c| c.hget(key("settings"), name))?;
+    async fn setting(&self, name: &str) -> Result<Option<serde_json::Value>, StoreError> {
+        let name = name.to_string();
+        let v: Option<String> = self.run(|mut c| async move { c.hget(key("settings"), name).await }).await?;
         v.map(|v| serde_json::from_str(&v).map_err(|e| corrupt("settings")(e.to_string()))).transpose()
     }
 
-    fn put_setting(&self, name: &str, value: &serde_json::Value) -> Result<(), StoreError> {
-        self.run(|c| c.hset::<_, _, _, ()>(key("settings"), name, value.to_string()))?;
-        self.announce(Change::Setting { name: name.to_string() })
+    async fn put_setting(&self, name: &str, value: &serde_json::Value) -> Result<(), StoreError> {
+        let (owned, v) = (name.to_string(), value.to_string());
+        self.run(|mut c| async move { c.hset::<_, _, _, ()>(key("settings"), owned, v).await }).await?;
+        self.announce(Change::Setting { name: name.to_string() }).await
     }
 
-    fn settings(&self, prefix: &str) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
+    async fn settings(&self, prefix: &str) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
         // The settings hash holds a handful of names: read it whole.
-        let all: Vec<(String, String)> = self.run(|c| c.hgetall(key("settings")))?;
+        let all: Vec<(String, String)> = self.run(|mut c| async move { c.hgetall(key("settings")).await }).await?;
         all.into_iter()
             .filter(|(name, _)| name.starts_with(prefix))
             .map(|(name, v)| Ok((name, serde_json::from_str(&v).map_err(|e| corrupt("settings")(e.to_string()))?)))
@@ -307,7 +397,7 @@ impl Store for RedisStore {
     }
 
     /// Redis persists on its own terms (RDB/AOF, configured on the server).
-    fn flush(&self) -> Result<(), StoreError> {
+    async fn flush(&self) -> Result<(), StoreError> {
         Ok(())
     }
 
@@ -315,42 +405,29 @@ impl Store for RedisStore {
         Some(&self.instance)
     }
 
-    fn heartbeat(&self, beat: &InstanceBeat) -> Result<(), StoreError> {
+    async fn heartbeat(&self, beat: &InstanceBeat) -> Result<(), StoreError> {
         let v = serde_json::to_string(beat).expect("serializable");
-        self.run(|c| c.hset::<_, _, _, ()>(key("instances"), &beat.instance, v))
+        let name = beat.instance.clone();
+        self.run(|mut c| async move { c.hset::<_, _, _, ()>(key("instances"), name, v).await }).await
     }
 
-    fn instances(&self) -> Result<Vec<InstanceBeat>, StoreError> {
-        let all: Vec<(String, String)> = self.run(|c| c.hgetall(key("instances")))?;
+    async fn instances(&self) -> Result<Vec<InstanceBeat>, StoreError> {
+        let all: Vec<(String, String)> = self.run(|mut c| async move { c.hgetall(key("instances")).await }).await?;
         Ok(all.iter().filter_map(|(_, v)| serde_json::from_str(v).ok()).collect())
     }
 
-    /// One atomic script: forget expired leases, then take one if fewer than
-    /// `limit` are held. A lease is a sorted-set member scored by its expiry,
-    /// so an instance that dies without releasing gives its slots back when
-    /// its leases expire (it stops renewing them).
-    fn try_lease(&self, replica: &str, lease: &str, limit: u32, ttl_ms: u64) -> Result<bool, StoreError> {
-        let script = redis::Script::new(
-            r"local now = tonumber(ARGV[1])
-              redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-              if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[2]) then
-                redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[4])
-                return 1
-              end
-              return 0",
-        );
+    async fn try_lease(&self, replica: &str, lease: &str, limit: u32, ttl_ms: u64) -> Result<bool, StoreError> {
         let now = crate::clock::now_ms();
-        let took: i64 = self.run(|c| {
-            script.key(key(&format!("leases:{replica}"))).arg(now).arg(limit).arg(ttl_ms).arg(lease).invoke(c)
-        })?;
+        let (leases, lease) = (key(&format!("leases:{replica}")), lease.to_string());
+        let took: i64 = self
+            .run(|mut c| async move {
+                TRY_LEASE.key(leases).arg(now).arg(limit).arg(ttl_ms).arg(lease).invoke_async(&mut c).await
+            })
+            .await?;
         Ok(took == 1)
     }
 
-    /// One atomic script over a replica's live sessions: a sorted set of
-    /// session ids scored by expiry, and a hash of their footprints. Expired
-    /// ones go first; then the others' footprints are summed, and the
-    /// session is admitted only if it fits within `capacity`.
-    fn admit_session(
+    async fn admit_session(
         &self,
         replica: &str,
         session: &str,
@@ -358,57 +435,47 @@ impl Store for RedisStore {
         capacity: u64,
         ttl_ms: u64,
     ) -> Result<bool, StoreError> {
-        let script = redis::Script::new(
-            r"local now = tonumber(ARGV[1])
-              for _, s in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do
-                redis.call('HDEL', KEYS[2], s)
-              end
-              redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-              local sum = 0
-              local all = redis.call('HGETALL', KEYS[2])
-              for i = 1, #all, 2 do
-                if all[i] ~= ARGV[4] then sum = sum + tonumber(all[i + 1]) end
-              end
-              if sum + tonumber(ARGV[5]) <= tonumber(ARGV[2]) then
-                redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[4])
-                redis.call('HSET', KEYS[2], ARGV[4], ARGV[5])
-                return 1
-              end
-              return 0",
-        );
         let now = crate::clock::now_ms();
         let (until, tokens) = (key(&format!("session_until:{replica}")), key(&format!("session_tokens:{replica}")));
-        let took: i64 = self.run(|c| {
-            script.key(&until).key(&tokens).arg(now).arg(capacity).arg(ttl_ms).arg(session).arg(footprint).invoke(c)
-        })?;
+        let session = session.to_string();
+        let took: i64 = self
+            .run(|mut c| async move {
+                ADMIT_SESSION
+                    .key(until)
+                    .key(tokens)
+                    .arg(now)
+                    .arg(capacity)
+                    .arg(ttl_ms)
+                    .arg(session)
+                    .arg(footprint)
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await?;
         Ok(took == 1)
     }
 
-    fn session_loads(&self, replicas: &[String]) -> Result<Vec<u64>, StoreError> {
-        let script = redis::Script::new(
-            r"local now = tonumber(ARGV[1])
-              local sums = {}
-              for i = 1, #KEYS, 2 do
-                local sum = 0
-                for _, s in ipairs(redis.call('ZRANGEBYSCORE', KEYS[i], '(' .. now, '+inf')) do
-                  sum = sum + (tonumber(redis.call('HGET', KEYS[i + 1], s)) or 0)
-                end
-                table.insert(sums, sum)
-              end
-              return sums",
-        );
+    async fn session_loads(&self, replicas: &[String]) -> Result<Vec<u64>, StoreError> {
         if replicas.is_empty() {
             return Ok(Vec::new());
         }
-        let mut invocation = script.prepare_invoke();
-        for r in replicas {
-            invocation.key(key(&format!("session_until:{r}"))).key(key(&format!("session_tokens:{r}")));
-        }
-        invocation.arg(crate::clock::now_ms());
-        self.run(|c| invocation.invoke(c))
+        let keys: Vec<(String, String)> = replicas
+            .iter()
+            .map(|r| (key(&format!("session_until:{r}")), key(&format!("session_tokens:{r}"))))
+            .collect();
+        let now = crate::clock::now_ms();
+        self.run(|mut c| async move {
+            let mut invocation = SESSION_LOADS.prepare_invoke();
+            for (until, tokens) in keys {
+                invocation.key(until).key(tokens);
+            }
+            invocation.arg(now);
+            invocation.invoke_async(&mut c).await
+        })
+        .await
     }
 
-    fn keep_sessions(&self, sessions: &[(String, String, u64)], ttl_ms: u64) -> Result<(), StoreError> {
+    async fn keep_sessions(&self, sessions: &[(String, String, u64)], ttl_ms: u64) -> Result<(), StoreError> {
         if sessions.is_empty() {
             return Ok(());
         }
@@ -418,14 +485,15 @@ impl Store for RedisStore {
             pipe.zadd(key(&format!("session_until:{replica}")), session, until).ignore();
             pipe.hset(key(&format!("session_tokens:{replica}")), session, footprint).ignore();
         }
-        self.run(|c| pipe.query::<()>(c))
+        self.run(|mut c| async move { pipe.query_async::<()>(&mut c).await }).await
     }
 
-    fn release_lease(&self, replica: &str, lease: &str) -> Result<(), StoreError> {
-        self.run(|c| c.zrem::<_, _, ()>(key(&format!("leases:{replica}")), lease))
+    async fn release_lease(&self, replica: &str, lease: &str) -> Result<(), StoreError> {
+        let (leases, lease) = (key(&format!("leases:{replica}")), lease.to_string());
+        self.run(|mut c| async move { c.zrem::<_, _, ()>(leases, lease).await }).await
     }
 
-    fn renew_leases(&self, leases: &[(String, String)], ttl_ms: u64) -> Result<(), StoreError> {
+    async fn renew_leases(&self, leases: &[(String, String)], ttl_ms: u64) -> Result<(), StoreError> {
         if leases.is_empty() {
             return Ok(());
         }
@@ -435,67 +503,68 @@ impl Store for RedisStore {
             // XX: renew only what is still ours (an expired lease stays gone).
             pipe.cmd("ZADD").arg(key(&format!("leases:{replica}"))).arg("XX").arg(until).arg(lease).ignore();
         }
-        self.run(|c| pipe.query::<()>(c))
+        self.run(|mut c| async move { pipe.query_async::<()>(&mut c).await }).await
     }
 
-    /// Listens on the changes channel on a thread of its own (reconnecting
+    /// Listens on the changes channel in a task of its own (reconnecting
     /// after errors, with a short pause) and hands other instances' changes
-    /// to `on_change` until it returns false.
-    fn subscribe(&self, on_change: Box<dyn Fn(Change) -> bool + Send>) -> Result<(), StoreError> {
-        let source = self.source.clone();
-        let me = self.instance.clone();
-        std::thread::Builder::new()
-            .name("prefixgate-store-changes".into())
-            .spawn(move || loop {
-                let listened = (|| -> redis::RedisResult<bool> {
-                    let mut conn = source.client()?.get_connection_with_timeout(TIMEOUT)?;
-                    let mut pubsub = conn.as_pubsub();
-                    pubsub.subscribe(key("changes"))?;
-                    // Subscribed: a re-read the follower owes (at start, after a
-                    // lost connection) happens now, not at the first message,
-                    // which it would delay.
-                    if !on_change(Change::Tick) {
-                        return Ok(false);
-                    }
-                    // Wake up now and then to notice that nobody listens any more.
-                    pubsub.set_read_timeout(Some(Duration::from_millis(500)))?;
-                    loop {
-                        let msg = match pubsub.get_message() {
-                            Ok(m) => m,
-                            Err(e) if e.is_timeout() => {
-                                if !on_change(Change::Tick) {
-                                    return Ok(false);
-                                }
-                                continue;
-                            }
-                            Err(e) => return Err(e),
-                        };
-                        let payload: String = msg.get_payload()?;
-                        match serde_json::from_str::<Envelope>(&payload) {
-                            Ok(env) if env.from == me => {}
-                            Ok(env) => {
-                                if !on_change(env.change) {
-                                    return Ok(false);
-                                }
-                            }
-                            Err(e) => tracing::warn!("ignoring a malformed change notice: {e}"),
-                        }
-                    }
-                })();
-                match listened {
-                    Ok(false) => return,
-                    Ok(true) => {}
+    /// to the receiver until it is dropped.
+    fn subscribe(&self) -> Option<mpsc::Receiver<Change>> {
+        let (tx, rx) = mpsc::channel(1024);
+        let (source, me) = (self.source.clone(), self.instance.clone());
+        super::background().spawn(async move {
+            loop {
+                match listen(&source, &me, &tx).await {
+                    Ok(()) => return,
                     Err(e) => {
-                        if !on_change(Change::Lost) {
+                        if tx.send(Change::Lost).await.is_err() {
                             return;
                         }
                         tracing::debug!("store change listener: {e}; reconnecting");
-                        std::thread::sleep(Duration::from_millis(200));
+                        tokio::time::sleep(Duration::from_millis(200)).await;
                     }
                 }
-            })
-            .map_err(|e| StoreError::Backend(format!("cannot start the change listener: {e}")))?;
-        Ok(())
+            }
+        });
+        Some(rx)
+    }
+}
+
+/// One subscription, until the connection fails (an error) or nobody
+/// listens any more (`Ok`).
+async fn listen(source: &Source, me: &str, tx: &mpsc::Sender<Change>) -> RedisResult<()> {
+    let client = source.client().await?;
+    let mut pubsub =
+        tokio::time::timeout(TIMEOUT, client.get_async_pubsub()).await.map_err(|_| timed_out("subscribing"))??;
+    tokio::time::timeout(TIMEOUT, pubsub.subscribe(key("changes"))).await.map_err(|_| timed_out("subscribing"))??;
+    // Subscribed: a re-read the follower owes (at start, after a lost
+    // connection) happens now, not at the first message, which it would delay.
+    if tx.send(Change::Tick).await.is_err() {
+        return Ok(());
+    }
+    let mut messages = pubsub.on_message();
+    loop {
+        // Idle now and then: a tick lets the follower notice it owes a re-read.
+        let msg = match tokio::time::timeout(Duration::from_millis(500), messages.next()).await {
+            Err(_) => {
+                if tx.send(Change::Tick).await.is_err() {
+                    return Ok(());
+                }
+                continue;
+            }
+            Ok(None) => return Err(timed_out("the subscription (connection closed)")),
+            Ok(Some(m)) => m,
+        };
+        let payload: String = msg.get_payload()?;
+        match serde_json::from_str::<Envelope>(&payload) {
+            Ok(env) if env.from == me => {}
+            Ok(env) => {
+                if tx.send(env.change).await.is_err() {
+                    return Ok(());
+                }
+            }
+            Err(e) => tracing::warn!("ignoring a malformed change notice: {e}"),
+        }
     }
 }
 

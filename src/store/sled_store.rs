@@ -8,12 +8,19 @@ use crate::pins::{Pin, PinChange};
 use crate::policy::PrefixKey;
 
 pub struct SledStore {
+    trees: Trees,
+    new: bool,
+}
+
+/// The database and its trees (each a cheap handle to shared state): what
+/// a call takes to the blocking pool.
+#[derive(Clone)]
+struct Trees {
     db: sled::Db,
     replicas: sled::Tree,
     pins: sled::Tree,
     events: sled::Tree,
     settings: sled::Tree,
-    new: bool,
 }
 
 impl SledStore {
@@ -23,27 +30,98 @@ impl SledStore {
         let db = sled::Config::new().path(dir.join("db")).open()?;
         let new = migrations::read_version(&db)? == 0 && db.tree_names().len() <= 1;
         migrations::run(&db)?;
-        Ok(SledStore {
+        let trees = Trees {
             replicas: db.open_tree("replicas")?,
             pins: db.open_tree("pin_pages")?,
             events: db.open_tree("events")?,
             settings: db.open_tree("settings")?,
             db,
-            new,
-        })
+        };
+        Ok(SledStore { trees, new })
     }
 
     /// Bytes on disk (for the size measurements in the docs).
     pub fn size_on_disk(&self) -> u64 {
-        self.db.size_on_disk().unwrap_or(0)
+        self.trees.db.size_on_disk().unwrap_or(0)
+    }
+
+    /// Runs `call` on the blocking pool: sled's reads may wait on the disk
+    /// and a flush on fsync, and no runtime worker waits on either.
+    async fn blocking<T: Send + 'static>(
+        &self,
+        call: impl FnOnce(&Trees) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let trees = self.trees.clone();
+        tokio::task::spawn_blocking(move || call(&trees))
+            .await
+            .map_err(|e| StoreError::Backend(format!("the store call did not finish: {e}")))?
     }
 }
 
+#[async_trait::async_trait]
 impl Store for SledStore {
     fn is_new(&self) -> bool {
         self.new
     }
 
+    async fn replicas(&self) -> Result<Vec<StoredReplica>, StoreError> {
+        self.blocking(|t| t.replicas()).await
+    }
+
+    async fn put_replica(&self, r: &StoredReplica) -> Result<(), StoreError> {
+        let r = r.clone();
+        self.blocking(move |t| t.put_replica(&r)).await
+    }
+
+    async fn delete_replica(&self, id: &str) -> Result<(), StoreError> {
+        let id = id.to_string();
+        self.blocking(move |t| t.delete_replica(&id)).await
+    }
+
+    async fn pins(&self) -> Result<Vec<(PrefixKey, Pin)>, StoreError> {
+        self.blocking(|t| t.pins()).await
+    }
+
+    async fn write_pins(&self, changes: &[PinChange]) -> Result<(), StoreError> {
+        let changes = changes.to_vec();
+        self.blocking(move |t| t.write_pins(&changes)).await
+    }
+
+    async fn append_event(&self, e: &Event, dropped_up_to: Option<u64>) -> Result<(), StoreError> {
+        let e = e.clone();
+        self.blocking(move |t| t.append_event(&e, dropped_up_to)).await
+    }
+
+    async fn append_events(&self, batch: &[crate::events::Pending]) -> Result<(), StoreError> {
+        let batch = batch.to_vec();
+        self.blocking(move |t| t.append_events(&batch)).await
+    }
+
+    async fn events(&self) -> Result<Vec<Event>, StoreError> {
+        self.blocking(|t| t.events()).await
+    }
+
+    async fn setting(&self, key: &str) -> Result<Option<serde_json::Value>, StoreError> {
+        let key = key.to_string();
+        self.blocking(move |t| t.setting(&key)).await
+    }
+
+    async fn put_setting(&self, key: &str, value: &serde_json::Value) -> Result<(), StoreError> {
+        let (key, value) = (key.to_string(), value.clone());
+        self.blocking(move |t| t.put_setting(&key, &value)).await
+    }
+
+    async fn settings(&self, prefix: &str) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
+        let prefix = prefix.to_string();
+        self.blocking(move |t| t.settings(&prefix)).await
+    }
+
+    async fn flush(&self) -> Result<(), StoreError> {
+        self.blocking(|t| t.flush()).await
+    }
+}
+
+impl Trees {
     fn replicas(&self) -> Result<Vec<StoredReplica>, StoreError> {
         self.replicas
             .iter()
@@ -168,8 +246,8 @@ impl Store for SledStore {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_schema_1_database_is_migrated_and_its_pins_load() {
+    #[tokio::test]
+    async fn a_schema_1_database_is_migrated_and_its_pins_load() {
         let dir = tempfile::tempdir().unwrap();
         let pin = Pin {
             replica: "a".into(),
@@ -193,12 +271,12 @@ mod tests {
         }
         let store = SledStore::open(dir.path()).unwrap();
         assert!(!store.is_new());
-        assert_eq!(store.pins().unwrap(), vec![(7, pin.clone())]);
-        assert!(store.db.open_tree("pins").unwrap().is_empty(), "moved into pages");
+        assert_eq!(store.pins().await.unwrap(), vec![(7, pin.clone())]);
+        assert!(store.trees.db.open_tree("pins").unwrap().is_empty(), "moved into pages");
         // Changes after the migration land in the pages.
-        store.write_pins(&[(7, None), (8, Some(pin.clone()))]).unwrap();
-        assert_eq!(store.pins().unwrap(), vec![(8, pin)]);
-        assert_eq!(migrations::read_version(&store.db).unwrap(), migrations::SCHEMA_VERSION);
+        store.write_pins(&[(7, None), (8, Some(pin.clone()))]).await.unwrap();
+        assert_eq!(store.pins().await.unwrap(), vec![(8, pin)]);
+        assert_eq!(migrations::read_version(&store.trees.db).unwrap(), migrations::SCHEMA_VERSION);
     }
 
     #[test]

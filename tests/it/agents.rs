@@ -115,18 +115,18 @@ async fn a_stored_response_whose_replica_is_gone_is_a_clear_error_never_a_silent
     let (home, id) = (first.replica.clone(), first.body["id"].as_str().unwrap().to_string());
     let follow = json!({"model": "sim-model", "input": "again", "previous_response_id": id});
     // Draining: follow-ups are still served until the drain completes.
-    gw.gw.operator.drain(&home).unwrap();
+    gw.gw.operator.drain(&home).await.unwrap();
     let r = post_with(&url, &follow, &[]).await;
     assert_eq!((r.status, r.replica.as_str()), (200, home.as_str()));
     // Disabled: a clear 503 naming the replica, in OpenAI's shape.
-    gw.gw.operator.disable(&home).unwrap();
+    gw.gw.operator.disable(&home).await.unwrap();
     let r = post_with(&url, &follow, &[]).await;
     assert_eq!(r.status, 503, "{}", r.body);
     assert_eq!(r.body["error"]["code"], "response_replica_unavailable");
     let msg = r.body["error"]["message"].as_str().unwrap();
     assert!(msg.contains(&id) && msg.contains(&format!("'{home}'")) && msg.contains("disabled"), "{msg}");
     // Removed: a 404 that says so.
-    gw.gw.operator.remove_replica(&home).unwrap();
+    gw.gw.operator.remove_replica(&home).await.unwrap();
     let r = post_with(&url, &follow, &[]).await;
     assert_eq!((r.status, r.body["error"]["code"].as_str()), (404, Some("response_replica_removed")));
     assert!(r.body["error"]["message"].as_str().unwrap().contains("removed from the fleet"));

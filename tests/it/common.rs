@@ -81,13 +81,13 @@ impl Gw {
 }
 
 pub async fn start_gateway(config: Config) -> Gw {
-    let state = AppState::open(config).unwrap();
+    let state = AppState::open(config).await.unwrap();
     start_state(state).await
 }
 
 /// Starts a gateway over a store the test provides (to make it fail, say).
 pub async fn start_gateway_with_store(config: Config, store: Arc<dyn prefixgate::store::Store>) -> Gw {
-    start_state(AppState::with_store(config, store).unwrap()).await
+    start_state(AppState::with_store(config, store).await.unwrap()).await
 }
 
 async fn start_state(gw: Arc<AppState>) -> Gw {

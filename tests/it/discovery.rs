@@ -458,7 +458,7 @@ async fn two_instances_on_one_redis_and_one_dns_server_share_the_operators_state
         wait_until("both found", Duration::from_secs(15), || fleet_ids(gw) == both).await;
     }
     // Nothing discovered is written where the other instance reads replicas.
-    assert!(a.gw.store.replicas().unwrap().is_empty());
+    assert!(a.gw.store.replicas().await.unwrap().is_empty());
     // Disabled on one instance: disabled on the other.
     let disable = format!("{}/admin/v1/replicas/{}/disable", a.admin, both[1]);
     assert_eq!(admin("POST", &disable, None, None).await.0, 200);
@@ -478,7 +478,7 @@ async fn two_instances_on_one_redis_and_one_dns_server_share_the_operators_state
         })
         .await;
     }
-    assert!(a.gw.store.replicas().unwrap().is_empty());
+    assert!(a.gw.store.replicas().await.unwrap().is_empty());
     for gw in gws {
         gw.stop().await;
     }
@@ -534,7 +534,7 @@ async fn after_a_restart_discovered_replicas_are_found_again_and_their_pins_and_
         chat(&gw, &[("user", "a conversation that outlives a restart"), ("assistant", "x"), ("user", "y")]).await;
     assert_eq!((turn2.route.as_str(), turn2.replica.as_str()), ("pinned", first.replica.as_str()));
     let other = if first.replica == "a" { "b" } else { "a" };
-    gw.gw.operator.disable(other).unwrap();
+    gw.gw.operator.disable(other).await.unwrap();
     gw.stop().await;
 
     let gw = start_gateway(config).await;
@@ -552,7 +552,7 @@ async fn after_a_restart_discovered_replicas_are_found_again_and_their_pins_and_
     )
     .await;
     assert_eq!((turn3.route.as_str(), turn3.replica.as_str()), ("pinned", first.replica.as_str()));
-    assert!(gw.gw.store.replicas().unwrap().is_empty(), "discovered replicas are not stored");
+    assert!(gw.gw.store.replicas().await.unwrap().is_empty(), "discovered replicas are not stored");
     gw.stop().await;
 }
 

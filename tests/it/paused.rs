@@ -93,22 +93,22 @@ async fn the_flusher_writes_pins_behind_the_requests_once_per_interval() {
     let mut config = prefixgate::config::Config::default();
     config.pins.flush_interval_ms = 200;
     let store: Arc<dyn prefixgate::store::Store> = Arc::new(prefixgate::store::MemoryStore::default());
-    let state = prefixgate::state::AppState::with_store(config, store.clone()).unwrap();
+    let state = prefixgate::state::AppState::with_store(config, store.clone()).await.unwrap();
     let flusher = tokio::spawn(prefixgate::flusher(state.clone(), None));
     settle().await;
     state.pins.record(7, &Arc::from("a"), None, 10, 1, Default::default());
     tokio::time::advance(Duration::from_millis(199)).await;
     settle().await;
-    assert!(store.pins().unwrap().is_empty(), "nothing is written on the request path or before the interval");
+    assert!(store.pins().await.unwrap().is_empty(), "nothing is written on the request path or before the interval");
     tokio::time::advance(Duration::from_millis(1)).await;
     // The batch is written on a blocking thread: wait for it in real time,
     // keeping this task busy so that paused time stays where it is.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while store.pins().unwrap().is_empty() {
+    while store.pins().await.unwrap().is_empty() {
         assert!(std::time::Instant::now() < deadline, "the flusher never wrote the pin");
         tokio::task::yield_now().await;
     }
-    assert_eq!(store.pins().unwrap()[0].0, 7);
+    assert_eq!(store.pins().await.unwrap()[0].0, 7);
     flusher.abort();
 }
 

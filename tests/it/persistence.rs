@@ -17,21 +17,22 @@ async fn pins_replicas_admin_state_and_events_survive_a_graceful_restart() {
 
     let gw = start_gateway(config.clone()).await;
     let first = chat(&gw, &[("user", "persist me")]).await;
-    gw.gw.operator.set_admin("b", AdminState::Draining).unwrap();
-    gw.gw.operator.set_admin("b", AdminState::Active).unwrap();
-    gw.gw.operator.set_admin("a", AdminState::Disabled).unwrap();
-    gw.gw.operator.set_admin("a", AdminState::Active).unwrap();
+    gw.gw.operator.set_admin("b", AdminState::Draining).await.unwrap();
+    gw.gw.operator.set_admin("b", AdminState::Active).await.unwrap();
+    gw.gw.operator.set_admin("a", AdminState::Disabled).await.unwrap();
+    gw.gw.operator.set_admin("a", AdminState::Active).await.unwrap();
     let c = prefixgate::fleet::ReplicaSpec::new("c", "http://127.0.0.1:9");
-    gw.gw.operator.add_replica(c).unwrap();
-    gw.gw.operator.set_admin("c", AdminState::Disabled).unwrap();
+    gw.gw.operator.add_replica(c).await.unwrap();
+    gw.gw.operator.set_admin("c", AdminState::Disabled).await.unwrap();
     let policy = prefixgate::policy::PolicySettings {
         mode: prefixgate::policy::Mode::Affinity,
         identity: prefixgate::policy::IdentityBlocks { block_bytes: 2048, block_tokens: 128 },
     };
-    gw.gw.operator.set_policy(policy).unwrap();
+    gw.gw.operator.set_policy(policy).await.unwrap();
     gw.gw
         .operator
         .set_policy(prefixgate::policy::PolicySettings { mode: prefixgate::policy::Mode::Shape, ..policy })
+        .await
         .unwrap();
     let events_before = gw.gw.events.query(&Default::default());
     let last_id = gw.gw.events.query(&prefixgate::events::EventFilter { limit: 1, ..Default::default() })[0].id;

@@ -26,9 +26,9 @@ struct FlakyStore {
 }
 
 impl FlakyStore {
-    fn check(&self) -> Result<(), StoreError> {
+    async fn check(&self) -> Result<(), StoreError> {
         if self.slow.load(Ordering::SeqCst) {
-            std::thread::sleep(Duration::from_secs(1));
+            tokio::time::sleep(Duration::from_secs(1)).await;
         }
         if self.broken.load(Ordering::SeqCst) {
             return Err(StoreError::Backend("disk on fire".into()));
@@ -37,45 +37,46 @@ impl FlakyStore {
     }
 }
 
+#[async_trait::async_trait]
 impl Store for FlakyStore {
     fn is_new(&self) -> bool {
         self.inner.is_new()
     }
-    fn replicas(&self) -> Result<Vec<StoredReplica>, StoreError> {
-        self.inner.replicas()
+    async fn replicas(&self) -> Result<Vec<StoredReplica>, StoreError> {
+        self.inner.replicas().await
     }
-    fn put_replica(&self, r: &StoredReplica) -> Result<(), StoreError> {
-        self.check()?;
-        self.inner.put_replica(r)
+    async fn put_replica(&self, r: &StoredReplica) -> Result<(), StoreError> {
+        self.check().await?;
+        self.inner.put_replica(r).await
     }
-    fn delete_replica(&self, id: &str) -> Result<(), StoreError> {
-        self.check()?;
-        self.inner.delete_replica(id)
+    async fn delete_replica(&self, id: &str) -> Result<(), StoreError> {
+        self.check().await?;
+        self.inner.delete_replica(id).await
     }
-    fn pins(&self) -> Result<Vec<(PrefixKey, Pin)>, StoreError> {
-        self.inner.pins()
+    async fn pins(&self) -> Result<Vec<(PrefixKey, Pin)>, StoreError> {
+        self.inner.pins().await
     }
-    fn write_pins(&self, changes: &[PinChange]) -> Result<(), StoreError> {
-        self.inner.write_pins(changes)
+    async fn write_pins(&self, changes: &[PinChange]) -> Result<(), StoreError> {
+        self.inner.write_pins(changes).await
     }
-    fn append_event(&self, e: &Event, dropped_up_to: Option<u64>) -> Result<(), StoreError> {
-        self.inner.append_event(e, dropped_up_to)
+    async fn append_event(&self, e: &Event, dropped_up_to: Option<u64>) -> Result<(), StoreError> {
+        self.inner.append_event(e, dropped_up_to).await
     }
-    fn events(&self) -> Result<Vec<Event>, StoreError> {
-        self.inner.events()
+    async fn events(&self) -> Result<Vec<Event>, StoreError> {
+        self.inner.events().await
     }
-    fn setting(&self, key: &str) -> Result<Option<Value>, StoreError> {
-        self.inner.setting(key)
+    async fn setting(&self, key: &str) -> Result<Option<Value>, StoreError> {
+        self.inner.setting(key).await
     }
-    fn put_setting(&self, key: &str, value: &Value) -> Result<(), StoreError> {
-        self.check()?;
-        self.inner.put_setting(key, value)
+    async fn put_setting(&self, key: &str, value: &Value) -> Result<(), StoreError> {
+        self.check().await?;
+        self.inner.put_setting(key, value).await
     }
-    fn settings(&self, prefix: &str) -> Result<Vec<(String, Value)>, StoreError> {
-        self.inner.settings(prefix)
+    async fn settings(&self, prefix: &str) -> Result<Vec<(String, Value)>, StoreError> {
+        self.inner.settings(prefix).await
     }
-    fn flush(&self) -> Result<(), StoreError> {
-        self.inner.flush()
+    async fn flush(&self) -> Result<(), StoreError> {
+        self.inner.flush().await
     }
 }
 
@@ -114,7 +115,7 @@ async fn an_operator_action_whose_write_fails_changes_nothing_in_memory() {
     store.broken.store(false, Ordering::SeqCst);
     let (s, v) = admin("POST", &format!("{base}/replicas/a/drain"), None, None).await;
     assert_eq!((s, v["admin_state"].as_str()), (200, Some("draining")));
-    assert_eq!(store.replicas().unwrap()[0].admin, prefixgate::fleet::AdminState::Draining);
+    assert_eq!(store.replicas().await.unwrap()[0].admin, prefixgate::fleet::AdminState::Draining);
     gw.stop().await;
 }
 
@@ -145,7 +146,7 @@ async fn get_capacity_reports_without_recording_anything() {
         kv_tokens: Some(100),
         ..prefixgate::fleet::ReplicaSpec::new("a", "http://127.0.0.1:9")
     }];
-    let state = prefixgate::state::AppState::open(config).unwrap();
+    let state = prefixgate::state::AppState::open(config).await.unwrap();
     let replica: Arc<str> = Arc::from("a");
     let _running = state.capacity.running.worker().begin(&replica, None, 1_000);
     let app = atest::init_service(prefixgate::create_admin_app(actix_web::web::Data::from(state.clone()))).await;

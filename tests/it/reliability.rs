@@ -55,7 +55,7 @@ async fn a_request_stuck_on_a_black_hole_gets_504_while_the_gateway_stays_respon
     // The probe would mark it down; this test wants the request path.
     let traffic = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let admin_l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let gwr = prefixgate::state::AppState::open(config).unwrap();
+    let gwr = prefixgate::state::AppState::open(config).await.unwrap();
     let running = prefixgate::start(gwr.clone(), traffic, admin_l).unwrap();
     let base = format!("http://{}", running.traffic_addr);
     let url = format!("{base}/v1/chat/completions");
@@ -84,7 +84,7 @@ async fn garbage_and_truncated_replies_are_clean_errors_not_hangs() {
         config.health.interval_ms = 3_600_000;
         let traffic = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let admin_l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let gwr = prefixgate::state::AppState::open(config).unwrap();
+        let gwr = prefixgate::state::AppState::open(config).await.unwrap();
         let running = prefixgate::start(gwr.clone(), traffic, admin_l).unwrap();
         match expect_status {
             // 502 when the request met the garbage; 503 when the health probe met it first.

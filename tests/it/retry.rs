@@ -109,7 +109,7 @@ async fn gateway_with(id: &str, url: &str, ok: &Sim, tweak: impl FnOnce(&mut pre
     config.health.interval_ms = 60_000;
     tweak(&mut config);
     let gw = start_gateway(config).await;
-    gw.gw.operator.add_replica(ReplicaSpec::new(id, url)).unwrap();
+    gw.gw.operator.add_replica(ReplicaSpec::new(id, url)).await.unwrap();
     let (url, body) = chat_to(&gw, "warm-up");
     assert_eq!(post(&url, &body).await.replica, "ok");
     gw

@@ -186,7 +186,7 @@ async fn no_routable_replica_is_a_503_with_retry_after_and_recovery_is_automatic
     let a = start_sim("a", fast_sim()).await;
     let gw = start_gateway(test_config(&[&a])).await;
     let r = gw.gw.fleet.get("a").unwrap();
-    gw.gw.operator.set_admin("a", prefixgate::fleet::AdminState::Disabled).unwrap();
+    gw.gw.operator.set_admin("a", prefixgate::fleet::AdminState::Disabled).await.unwrap();
     let mut resp = client()
         .post(format!("{}/v1/chat/completions", gw.base))
         .send_json(&chat_body(&[("user", "x")], json!({})))
@@ -196,7 +196,7 @@ async fn no_routable_replica_is_a_503_with_retry_after_and_recovery_is_automatic
     assert_eq!(resp.headers().get("retry-after").unwrap(), "1");
     let v: serde_json::Value = resp.json().await.unwrap();
     assert_eq!(v["error"]["code"], "no_routable_replica");
-    gw.gw.operator.set_admin("a", prefixgate::fleet::AdminState::Active).unwrap();
+    gw.gw.operator.set_admin("a", prefixgate::fleet::AdminState::Active).await.unwrap();
     assert_eq!(chat(&gw, &[("user", "x")]).await.status, 200);
     assert_eq!(r.inflight(), 0);
     gw.stop().await;

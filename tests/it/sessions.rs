@@ -194,19 +194,19 @@ async fn two_instances_share_the_room_and_never_admit_into_the_same_last_room() 
 }
 
 /// The store refuses a second session into a replica's last room, atomically.
-#[test]
-fn the_store_admits_one_session_into_the_last_room() {
+#[actix_web::test]
+async fn the_store_admits_one_session_into_the_last_room() {
     let Some(redis) = crate::shared::Redis::start() else { return };
-    let store = prefixgate::store::open_url(&redis.url, "gw1").unwrap();
-    let other = prefixgate::store::open_url(&redis.url, "gw2").unwrap();
-    assert!(store.admit_session("a", "s1", 12_000, 20_000, 60_000).unwrap());
-    assert!(!other.admit_session("a", "s2", 12_000, 20_000, 60_000).unwrap(), "no room left");
-    assert!(other.admit_session("a", "s3", 8_000, 20_000, 60_000).unwrap(), "a smaller one fits");
-    assert_eq!(store.session_loads(&["a".into(), "b".into()]).unwrap(), vec![20_000, 0]);
+    let store = prefixgate::store::open_url(&redis.url, "gw1").await.unwrap();
+    let other = prefixgate::store::open_url(&redis.url, "gw2").await.unwrap();
+    assert!(store.admit_session("a", "s1", 12_000, 20_000, 60_000).await.unwrap());
+    assert!(!other.admit_session("a", "s2", 12_000, 20_000, 60_000).await.unwrap(), "no room left");
+    assert!(other.admit_session("a", "s3", 8_000, 20_000, 60_000).await.unwrap(), "a smaller one fits");
+    assert_eq!(store.session_loads(&["a".into(), "b".into()]).await.unwrap(), vec![20_000, 0]);
     // An entry that is not renewed expires, and its room opens.
-    assert!(store.admit_session("b", "s4", 20_000, 20_000, 1).unwrap());
-    std::thread::sleep(Duration::from_millis(20));
-    assert!(other.admit_session("b", "s5", 20_000, 20_000, 60_000).unwrap());
+    assert!(store.admit_session("b", "s4", 20_000, 20_000, 1).await.unwrap());
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert!(other.admit_session("b", "s5", 20_000, 20_000, 60_000).await.unwrap());
 }
 
 /// A held session whose room opens on a replica that is draining is not
@@ -220,7 +220,7 @@ async fn a_held_session_is_placed_again_when_the_replica_with_room_drains() {
     wait_until("the third held", Duration::from_secs(5), || gw.gw.sessions.held() == 1).await;
     // The first's replica drains: its room opens when "one" idles out, but
     // it takes no new traffic. The second keeps working a while, then stops.
-    gw.gw.operator.drain(&one.replica).unwrap();
+    gw.gw.operator.drain(&one.replica).await.unwrap();
     for n in 2..8 {
         send(&gw, "two", n).await;
         actix_web::rt::time::sleep(Duration::from_millis(100)).await;

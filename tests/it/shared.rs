@@ -261,8 +261,8 @@ async fn redis_going_away_costs_no_request_and_pins_written_meanwhile_reach_it_a
     wait_until("the transition recorded", Duration::from_secs(5), || own(kinds[1]) > 0).await;
     assert!(kinds.iter().all(|k| own(*k) == 1), "one event per transition");
     // The restarted Redis was empty: every pin written during the outage is there now.
-    let reader = RedisStore::open(&redis.url, "reader").unwrap();
-    let stored: std::collections::HashSet<u128> = reader.pins().unwrap().into_iter().map(|(k, _)| k).collect();
+    let reader = RedisStore::open(&redis.url, "reader").await.unwrap();
+    let stored: std::collections::HashSet<u128> = reader.pins().await.unwrap().into_iter().map(|(k, _)| k).collect();
     for text in &during {
         let key = prefixgate::policy::identity::extract(
             prefixgate::policy::Endpoint::Chat,
@@ -280,28 +280,30 @@ async fn redis_going_away_costs_no_request_and_pins_written_meanwhile_reach_it_a
         .await;
     }
     // The restarted Redis lost the fleet too: an instance put it back, nobody lost a replica.
-    wait_until("the fleet restored in Redis", Duration::from_secs(10), || {
-        reader.replicas().is_ok_and(|r| r.len() == 2)
-    })
-    .await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !reader.replicas().await.is_ok_and(|r| r.len() == 2) {
+        assert!(std::time::Instant::now() < deadline, "timed out waiting for the fleet restored in Redis");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert!(gws.iter().all(|g| g.gw.fleet.snapshot().len() == 2));
     for gw in gws {
         gw.stop().await;
     }
 }
 
-#[test]
-fn store_copy_moves_everything_from_sled_to_redis_and_back() {
+#[actix_web::test]
+async fn store_copy_moves_everything_from_sled_to_redis_and_back() {
     let Some(redis) = Redis::start() else { return };
     let dir = tempfile::tempdir().unwrap();
     let sled_url = format!("sled:{}", dir.path().join("a").display());
     let back_url = format!("sled:{}", dir.path().join("b").display());
-    let src = prefixgate::store::open_url(&sled_url, "t").unwrap();
+    let src = prefixgate::store::open_url(&sled_url, "t").await.unwrap();
     src.put_replica(&prefixgate::store::StoredReplica {
         spec: prefixgate::fleet::ReplicaSpec::new("gpu-0", "http://127.0.0.1:1"),
         admin: AdminState::Draining,
         source: Default::default(),
     })
+    .await
     .unwrap();
     let pins: Vec<prefixgate::pins::PinChange> = (0..1_000u128)
         .map(|k| {
@@ -317,7 +319,7 @@ fn store_copy_moves_everything_from_sled_to_redis_and_back() {
             (k << 64 | k, Some(pin))
         })
         .collect();
-    src.write_pins(&pins).unwrap();
+    src.write_pins(&pins).await.unwrap();
     for id in 1..=5u64 {
         let e = prefixgate::events::Event {
             id,
@@ -330,13 +332,14 @@ fn store_copy_moves_everything_from_sled_to_redis_and_back() {
             instance: None,
             trace_id: None,
         };
-        src.append_event(&e, None).unwrap();
+        src.append_event(&e, None).await.unwrap();
     }
     src.put_setting("policy", &json!({"mode": "roundrobin", "identity": {"block_bytes": 64, "block_tokens": 8}}))
+        .await
         .unwrap();
     // An operator's disable of a discovered replica, kept by name.
     let kept = format!("{}engine-0-8000", prefixgate::store::DISCOVERED_ADMIN_PREFIX);
-    src.put_setting(&kept, &json!("disabled")).unwrap();
+    src.put_setting(&kept, &json!("disabled")).await.unwrap();
     drop(src);
     for (from, to) in [(&sled_url, &redis.url), (&redis.url, &back_url)] {
         let out = Command::new(env!("CARGO_BIN_EXE_prefixgate"))
@@ -346,18 +349,20 @@ fn store_copy_moves_everything_from_sled_to_redis_and_back() {
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         assert!(String::from_utf8_lossy(&out.stdout).contains("1 replica(s), 1000 pin(s), 5 event(s), 2 setting(s)"));
     }
-    let (a, b) =
-        (prefixgate::store::open_url(&sled_url, "t").unwrap(), prefixgate::store::open_url(&back_url, "t").unwrap());
-    let sorted = |s: &Arc<dyn Store>| {
-        let mut p = s.pins().unwrap();
+    let (a, b) = (
+        prefixgate::store::open_url(&sled_url, "t").await.unwrap(),
+        prefixgate::store::open_url(&back_url, "t").await.unwrap(),
+    );
+    async fn sorted(s: &Arc<dyn Store>) -> Vec<(u128, prefixgate::pins::Pin)> {
+        let mut p = s.pins().await.unwrap();
         p.sort_by_key(|(k, _)| *k);
         p
-    };
-    assert_eq!(sorted(&a), sorted(&b));
-    assert_eq!(a.replicas().unwrap(), b.replicas().unwrap());
-    assert_eq!(a.events().unwrap(), b.events().unwrap());
-    assert_eq!(a.setting("policy").unwrap(), b.setting("policy").unwrap());
-    assert_eq!(b.setting(&kept).unwrap(), Some(json!("disabled")));
+    }
+    assert_eq!(sorted(&a).await, sorted(&b).await);
+    assert_eq!(a.replicas().await.unwrap(), b.replicas().await.unwrap());
+    assert_eq!(a.events().await.unwrap(), b.events().await.unwrap());
+    assert_eq!(a.setting("policy").await.unwrap(), b.setting("policy").await.unwrap());
+    assert_eq!(b.setting(&kept).await.unwrap(), Some(json!("disabled")));
 }
 
 #[actix_web::test]
