@@ -212,6 +212,15 @@ impl AppState {
         Ok(changes.len())
     }
 
+    /// True when the request path may ask the shared store: there is one,
+    /// and the flusher's last round trip to it went through. A store that
+    /// stopped answering costs requests nothing: they go on from this
+    /// instance's own view until the flusher gets through again (within a
+    /// flush interval of the store's return).
+    pub fn shared_store_answers(&self) -> bool {
+        self.store.instance().is_some() && self.store_up.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     /// Records the store's reachability: one event and one log line per transition.
     pub fn note_store(&self, error: Option<&StoreError>) {
         use std::sync::atomic::Ordering;

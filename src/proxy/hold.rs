@@ -66,7 +66,7 @@ const STORE_BUDGET: Duration = Duration::from_millis(250);
 /// sessions' view (no-op without one; a slow or dead store leaves the last
 /// read, and the request goes on).
 pub async fn read_fleet_loads(state: &AppState) {
-    if state.store.instance().is_none() {
+    if !state.shared_store_answers() {
         return;
     }
     let fleet = state.fleet.snapshot_owned();
@@ -80,7 +80,7 @@ pub async fn read_fleet_loads(state: &AppState) {
 /// yes (this instance's view decides; it never blocks on the store).
 pub async fn admit_in_store(state: &AppState, replica: &Replica, session: PrefixKey, tokens: u64) -> bool {
     let Some(capacity) = replica.kv_capacity() else { return true };
-    if state.store.instance().is_none() {
+    if !state.shared_store_answers() {
         return true;
     }
     let footprint = state.sessions.room_of(replica).footprint(tokens);

@@ -71,7 +71,9 @@ pub async fn stored_response(
 
 /// Step 1: the shared store's copy, within the read-through budget.
 async fn in_shared_store(state: &AppState, id: &str) -> Option<Arc<str>> {
-    state.store.instance()?;
+    if !state.shared_store_answers() {
+        return None;
+    }
     let budget = Duration::from_millis(state.config.store.read_through_ms);
     // Not waited for beyond the budget (a slow store costs this request nothing more).
     match tokio::time::timeout(budget, state.store.pin(response_key(id))).await {

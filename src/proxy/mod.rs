@@ -337,7 +337,8 @@ async fn admit(state: &AppState, recorder: &OutcomeRecorder, replica: &Arc<Repli
     let wait = Duration::from_millis(cfg.wait_ms);
     let local = replica.large_slots.acquire(&replica.id, limit, wait, cfg.max_queue).await;
     let fleet = match (&local, replica.spec().max_large_inflight) {
-        (Ok(_), Some(n)) => {
+        // A store that stopped answering is not asked: the local limit applies alone.
+        (Ok(_), Some(n)) if state.shared_store_answers() => {
             let left = wait.saturating_sub(started.elapsed());
             state.leases.acquire(&state.store, &replica.id, n, left).await
         }

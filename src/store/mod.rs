@@ -12,6 +12,11 @@ pub use event_writer::EventWriter;
 pub use memory::MemoryStore;
 pub use migrations::{Migration, MIGRATIONS, SCHEMA_VERSION};
 pub use redis_store::RedisStore;
+
+/// Longest one Redis command may take before it counts as a failure.
+pub fn redis_store_timeout() -> std::time::Duration {
+    redis_store::TIMEOUT
+}
 pub use sled_store::SledStore;
 
 use serde::{Deserialize, Serialize};

@@ -622,3 +622,127 @@ async fn with_redis_down_a_follow_up_unknown_here_is_found_by_asking_the_replica
         gw.stop().await;
     }
 }
+
+/// A TCP front for the test's Redis that, while `slow` is set, holds every
+/// answer for `delay` before passing it on: a Redis across a congested link.
+struct SlowLink {
+    addr: std::net::SocketAddr,
+    slow: Arc<std::sync::atomic::AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl SlowLink {
+    async fn start(redis: &Redis, delay: Duration) -> SlowLink {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let slow = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (socket, flag) = (redis.socket.clone(), slow.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::UnixStream::connect(&socket).await else { continue };
+                let flag = flag.clone();
+                tokio::spawn(async move {
+                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                    let (mut client_rx, mut client_tx) = client.into_split();
+                    let (mut server_rx, mut server_tx) = server.into_split();
+                    let asks = async move { tokio::io::copy(&mut client_rx, &mut server_tx).await };
+                    let answers = async move {
+                        let mut buf = vec![0u8; 64 * 1024];
+                        loop {
+                            let n = server_rx.read(&mut buf).await?;
+                            if n == 0 {
+                                return Ok::<_, std::io::Error>(());
+                            }
+                            if flag.load(std::sync::atomic::Ordering::SeqCst) {
+                                tokio::time::sleep(delay).await;
+                            }
+                            client_tx.write_all(&buf[..n]).await?;
+                        }
+                    };
+                    let _ = futures_util::future::join(asks, answers).await;
+                });
+            }
+        });
+        SlowLink { addr, slow, task }
+    }
+
+    fn set_slow(&self, slow: bool) {
+        self.slow.store(slow, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for SlowLink {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Issue 32: the store is reached asynchronously. A Redis that answers after
+/// 2 s holds the admin action that writes to it (and only that action: the
+/// admin API's reads go on), while `/v1` requests, new sessions and
+/// continuations alike, never wait for it.
+#[actix_web::test]
+async fn a_redis_that_answers_after_two_seconds_holds_admin_actions_and_never_a_request() {
+    let Some(redis) = Redis::start() else { return };
+    let link = SlowLink::start(&redis, Duration::from_secs(2)).await;
+    let (a, b) = (start_sim("a", fast_sim()).await, start_sim("b", fast_sim()).await);
+    let mut c = shared_config(&[&a, &b], &redis, "gw0");
+    c.store.url = Some(format!("redis://{}", link.addr));
+    // The hold on: a new session's placement reads the fleet's loads and
+    // admits itself in the store, when the store answers.
+    c.sessions.max_wait_ms = 10_000;
+    c.sessions.hold_min_tokens = 1;
+    let gw = start_gateway(c).await;
+    let system = text("slow store system prompt", 600);
+    assert_eq!(chat(&gw, &[("system", &system), ("user", "before")]).await.status, 200);
+
+    link.set_slow(true);
+    wait_until("the flusher noticed the slow store", Duration::from_secs(10), || {
+        !gw.gw.store_up.load(std::sync::atomic::Ordering::Acquire)
+    })
+    .await;
+    // An admin action waits on the store, in a task of its own.
+    let drain = {
+        let url = format!("{}/admin/v1/replicas/b/drain", gw.admin);
+        actix_web::rt::spawn(async move {
+            let started = Instant::now();
+            let (status, _) = admin("POST", &url, None, None).await;
+            (status, started.elapsed())
+        })
+    };
+    // Meanwhile: requests, new sessions (placed with the hold on) and
+    // continuations, each far quicker than one store answer.
+    for i in 0..20 {
+        let started = Instant::now();
+        let turn = if i % 2 == 0 {
+            chat(&gw, &[("system", &text(&format!("new session {i}"), 600)), ("user", "hi")]).await
+        } else {
+            chat(&gw, &[("system", &system), ("user", "before"), ("assistant", "ok"), ("user", &format!("more {i}"))])
+                .await
+        };
+        assert_eq!(turn.status, 200, "{}", turn.body);
+        let took = started.elapsed();
+        // A request that waited would have waited a placement's store budget (250 ms).
+        assert!(took < Duration::from_millis(150), "request {i} waited on the store: {took:?}");
+    }
+    // The admin API's reads answer while the action waits.
+    let started = Instant::now();
+    let (status, _) = admin("GET", &format!("{}/admin/v1/replicas", gw.admin), None, None).await;
+    assert_eq!(status, 200);
+    assert!(started.elapsed() < Duration::from_millis(400), "a read waited behind the action");
+    // The action itself waited for the store and, refused by its timeout, changed nothing.
+    let (status, took) = drain.await.unwrap();
+    assert_eq!(status, 500, "the store write timed out");
+    assert!(took >= prefixgate::store::redis_store_timeout(), "it waited for the store ({took:?})");
+    assert_eq!(gw.gw.fleet.get("b").unwrap().admin(), AdminState::Active);
+
+    // The store answers again: the instance is back in step, and the action goes through.
+    link.set_slow(false);
+    wait_until("the store answers again", Duration::from_secs(10), || {
+        gw.gw.store_up.load(std::sync::atomic::Ordering::Acquire)
+    })
+    .await;
+    let (status, _) = admin("POST", &format!("{}/admin/v1/replicas/b/drain", gw.admin), None, None).await;
+    assert_eq!(status, 200);
+    gw.stop().await;
+}
