@@ -57,7 +57,16 @@ pub struct Running {
     traffic: ServerHandle,
     admin: ServerHandle,
     servers: Vec<actix_web::rt::task::JoinHandle<std::io::Result<()>>>,
-    background: Vec<actix_web::rt::task::JoinHandle<()>>,
+    background: Background,
+}
+
+/// The background tasks. The flusher is asked to stop and finishes the
+/// round it is in: aborted mid-write, a store call it made would run on
+/// without it (a sled write on the blocking pool keeps the database open).
+struct Background {
+    flusher: actix_web::rt::task::JoinHandle<()>,
+    stop_flusher: Arc<tokio::sync::Notify>,
+    others: Vec<actix_web::rt::task::JoinHandle<()>>,
 }
 
 impl Running {
@@ -67,10 +76,13 @@ impl Running {
         futures_util::future::join(self.traffic.stop(true), self.admin.stop(true)).await;
         futures_util::future::join_all(self.servers).await;
         // The background tasks hold the gateway (and so the database): end them.
-        for task in &self.background {
+        let Background { flusher, stop_flusher, others } = self.background;
+        for task in &others {
             task.abort();
         }
-        futures_util::future::join_all(self.background).await;
+        stop_flusher.notify_one();
+        let _ = flusher.await;
+        futures_util::future::join_all(others).await;
         if let Err(e) = self.state.flush_all().await {
             tracing::error!("final flush failed: {e}");
         }
@@ -123,14 +135,16 @@ pub fn start(state: Arc<AppState>, traffic: TcpListener, admin: TcpListener) -> 
 
 /// Health checks; the pin and event flusher; capacity evaluation, pin
 /// pruning and rate-limiter pruning. Each task holds only the handles it uses.
-fn spawn_background(state: &Arc<AppState>, admin_addr: SocketAddr) -> Vec<actix_web::rt::task::JoinHandle<()>> {
+fn spawn_background(state: &Arc<AppState>, admin_addr: SocketAddr) -> Background {
     let health = actix_web::rt::spawn(fleet::health::run(
         state.config.health.clone(),
         Duration::from_millis(state.config.timeouts.connect_ms),
         state.fleet.clone(),
         state.health.clone(),
     ));
-    let flusher = actix_web::rt::spawn(flusher(state.clone(), Some(format!("http://{admin_addr}"))));
+    let stop_flusher = Arc::new(tokio::sync::Notify::new());
+    let flusher =
+        actix_web::rt::spawn(flusher(state.clone(), Some(format!("http://{admin_addr}")), stop_flusher.clone()));
     let housekeeping = actix_web::rt::spawn({
         let (fleet, pins, capacity, events, access) = (
             state.fleet.clone(),
@@ -172,19 +186,22 @@ fn spawn_background(state: &Arc<AppState>, admin_addr: SocketAddr) -> Vec<actix_
             }
         }
     });
-    let mut tasks = vec![health, flusher, housekeeping, sessions];
-    tasks.extend(state.discovery.spawn(&state.operator, &state.metrics, state.telemetry.tracer().cloned()));
-    tasks
+    let mut others = vec![health, housekeeping, sessions];
+    others.extend(state.discovery.spawn(&state.operator, &state.metrics, state.telemetry.tracer().cloned()));
+    Background { flusher, stop_flusher, others }
 }
 
 /// The pin and event flusher: every `pins.flush_interval_ms`, the heartbeat
 /// and one batch of pins and events (an fsync on the blocking pool, or round
-/// trips to a shared store, awaited). Forever; a failed batch is retried at
-/// the next tick.
-pub async fn flusher(state: Arc<AppState>, admin_url: Option<String>) {
+/// trips to a shared store, awaited). Until `stop` is told (between rounds);
+/// a failed batch is retried at the next tick.
+pub async fn flusher(state: Arc<AppState>, admin_url: Option<String>, stop: Arc<tokio::sync::Notify>) {
     let every = Duration::from_millis(state.config.pins.flush_interval_ms);
     loop {
-        tokio::time::sleep(every).await;
+        tokio::select! {
+            _ = stop.notified() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
         if let Err(e) = state.sync_with_store(admin_url.clone()).await {
             tracing::error!("pin flush failed (will retry): {e}");
         }

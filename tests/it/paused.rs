@@ -94,7 +94,7 @@ async fn the_flusher_writes_pins_behind_the_requests_once_per_interval() {
     config.pins.flush_interval_ms = 200;
     let store: Arc<dyn prefixgate::store::Store> = Arc::new(prefixgate::store::MemoryStore::default());
     let state = prefixgate::state::AppState::with_store(config, store.clone()).await.unwrap();
-    let flusher = tokio::spawn(prefixgate::flusher(state.clone(), None));
+    let flusher = tokio::spawn(prefixgate::flusher(state.clone(), None, Default::default()));
     settle().await;
     state.pins.record(7, &Arc::from("a"), None, 10, 1, Default::default());
     tokio::time::advance(Duration::from_millis(199)).await;
