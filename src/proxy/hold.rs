@@ -103,7 +103,13 @@ pub async fn hold_if_full(state: &AppState, lookup: &Lookup, tokens: u64) -> Res
     }
     read_fleet_loads(state).await;
     let model = lookup.shape.model.as_deref();
-    let first = verdict(&candidate_rooms(state, model), tokens, hold.hold_min_tokens);
+    let min_tokens =
+        |rooms: &[Room]| hold.hold_min_tokens.unwrap_or_else(|| crate::sessions::room::default_min_tokens(rooms));
+    let judge = || {
+        let rooms = candidate_rooms(state, model);
+        verdict(&rooms, tokens, min_tokens(&rooms))
+    };
+    let first = judge();
     if first == Verdict::Admit {
         return Ok(None);
     }
@@ -115,10 +121,7 @@ pub async fn hold_if_full(state: &AppState, lookup: &Lookup, tokens: u64) -> Res
     }
     // The held gauge is read from the queue at scrape: a waiter dropped
     // here (its client went away) leaves nothing to undo.
-    let held = state
-        .sessions
-        .hold(|| verdict(&candidate_rooms(state, model), tokens, hold.hold_min_tokens) == Verdict::Admit)
-        .await;
+    let held = state.sessions.hold(|| judge() == Verdict::Admit).await;
     let held = match held {
         Ok(held) => held,
         Err(e) => {

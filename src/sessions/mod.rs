@@ -56,7 +56,10 @@ pub struct SessionConfig {
     pub max_held: usize,
     /// A new session whose footprint is smaller than this many tokens is
     /// never held (on llama.cpp slots every session takes a whole slot).
-    pub hold_min_tokens: u64,
+    /// Unset: a sixteenth of the smallest candidate replica's KV capacity
+    /// (a 3,072-token pool: 192; a 1,000,000-token one: 62,500), since what
+    /// matters is a session's share of a pool, not its size.
+    pub hold_min_tokens: Option<u64>,
 }
 
 impl Default for SessionConfig {
@@ -66,7 +69,7 @@ impl Default for SessionConfig {
             idle_ms: 5_000,
             max_wait_ms: 120_000,
             max_held: 256,
-            hold_min_tokens: 2_048,
+            hold_min_tokens: None,
         }
     }
 }
@@ -411,7 +414,13 @@ mod tests {
     use super::*;
 
     fn settings() -> SessionConfig {
-        SessionConfig { idle_ms: 1_000, max_wait_ms: 10_000, max_held: 2, hold_min_tokens: 1, ..Default::default() }
+        SessionConfig {
+            idle_ms: 1_000,
+            max_wait_ms: 10_000,
+            max_held: 2,
+            hold_min_tokens: Some(1),
+            ..Default::default()
+        }
     }
 
     fn replica(id: &str) -> Arc<Replica> {

@@ -67,6 +67,13 @@ pub enum Verdict {
     HoldAlone,
 }
 
+/// The default `sessions.hold_min_tokens`: a sixteenth of the smallest
+/// known capacity among `rooms` (0 when none is known: nothing to hold
+/// against anyway).
+pub fn default_min_tokens(rooms: &[Room]) -> u64 {
+    rooms.iter().filter_map(|r| r.capacity).min().unwrap_or(0) / 16
+}
+
 /// `min_tokens`: a session whose footprint is smaller than this never
 /// waits (a short chat costs a replica little, and holding it costs its user
 /// a turn). On slots, every session takes a whole slot: it always matters.
@@ -116,6 +123,18 @@ mod tests {
         assert_eq!(verdict(&[room(100, 10), room(100, 20)], 150, 10), Verdict::HoldAlone);
         assert_eq!(verdict(&[room(100, 0), room(100, 20)], 150, 10), Verdict::Admit, "an empty replica takes it");
         assert_eq!(verdict(&[], 150, 10), Verdict::Admit);
+    }
+
+    #[test]
+    fn the_default_threshold_is_a_share_of_the_smallest_pool() {
+        assert_eq!(default_min_tokens(&[room(3_072, 0), room(12_000, 0)]), 192);
+        assert_eq!(default_min_tokens(&[room(1_000_000, 0)]), 62_500);
+        let unknown = Room { capacity: None, taken: 0, slot_tokens: None };
+        assert_eq!(default_min_tokens(&[unknown]), 0);
+        // A 150-token chat on a 3,072-token pool is below it; a 1,200-token agent turn is not.
+        let small_pool = [room(3_072, 3_000), room(3_072, 2_900)];
+        assert_eq!(verdict(&small_pool, 150, default_min_tokens(&small_pool)), Verdict::Admit);
+        assert_eq!(verdict(&small_pool, 1_200, default_min_tokens(&small_pool)), Verdict::Hold);
     }
 
     #[test]

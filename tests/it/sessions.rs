@@ -14,7 +14,8 @@ fn card() -> prefixgate::sim::SimConfig {
 }
 
 fn holding(sims: &[&Sim], max_wait_ms: u64, max_held: usize) -> Config {
-    let sessions = SessionConfig { idle_ms: 300, max_wait_ms, max_held, hold_min_tokens: 1_000, ..Default::default() };
+    let sessions =
+        SessionConfig { idle_ms: 300, max_wait_ms, max_held, hold_min_tokens: Some(1_000), ..Default::default() };
     Config { sessions, ..test_config(sims) }
 }
 

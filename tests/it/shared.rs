@@ -691,7 +691,7 @@ async fn a_redis_that_answers_after_two_seconds_holds_admin_actions_and_never_a_
     // The hold on: a new session's placement reads the fleet's loads and
     // admits itself in the store, when the store answers.
     c.sessions.max_wait_ms = 10_000;
-    c.sessions.hold_min_tokens = 1;
+    c.sessions.hold_min_tokens = Some(1);
     let gw = start_gateway(c).await;
     let system = text("slow store system prompt", 600);
     assert_eq!(chat(&gw, &[("system", &system), ("user", "before")]).await.status, 200);
