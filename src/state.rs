@@ -281,18 +281,8 @@ impl AppState {
     /// instance's loads read back, so this instance places by the fleet's room.
     async fn keep_sessions(&self) -> Result<(), StoreError> {
         let fleet = self.fleet.snapshot_owned();
-        let ours: Vec<(String, String, u64)> = self
-            .sessions
-            .residents()
-            .into_iter()
-            .filter_map(|(replica, session, tokens)| {
-                let r = fleet.iter().find(|r| r.id == replica)?;
-                let footprint = self.sessions.room_of(r).footprint(tokens);
-                Some((replica.to_string(), format!("{session:032x}"), footprint))
-            })
-            .collect();
-        let ttl = self.sessions.settings().idle_ms + crate::sessions::STORE_SLACK_MS;
-        self.store.keep_sessions(&ours, ttl).await?;
+        let ours = self.sessions.kept(crate::clock::now_ms());
+        self.store.keep_sessions(&ours).await?;
         self.sessions.read_fleet_loads(self.store.as_ref(), &fleet).await
     }
 

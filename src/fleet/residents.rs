@@ -18,6 +18,30 @@ pub struct Resident {
     /// A turn of it ran here (not only another instance's pins say so):
     /// this instance keeps it alive in a shared store.
     pub ours: bool,
+    /// The longest silence between two of its turns seen here, ms (0: none
+    /// yet): how long this agent's tool calls take, so when it has left.
+    pub longest_gap_ms: u64,
+}
+
+/// A session idles out after this many times its longest gap between turns.
+pub const GAP_FACTOR: u64 = 3;
+
+/// ... and never sooner than this: a loop that returns at once still gets
+/// a moment (the client's own work, a pub/sub hop to another instance).
+pub const MIN_IDLE_MS: u64 = 500;
+
+impl Resident {
+    /// How long after its last turn this session idles out: a few times its
+    /// longest gap, between `MIN_IDLE_MS` and `idle_ms` (`sessions.idle_ms`,
+    /// also what a session with one turn so far gets). An agent that returns
+    /// at once gives its room back soon after it stops; one running long
+    /// tool calls keeps it through them (up to `idle_ms`).
+    pub fn idle_after_ms(&self, idle_ms: u64) -> u64 {
+        match self.longest_gap_ms {
+            0 => idle_ms,
+            gap => gap.saturating_mul(GAP_FACTOR).clamp(MIN_IDLE_MS.min(idle_ms), idle_ms),
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -41,5 +65,21 @@ impl Residents {
 
     pub fn set_fleet_load(&self, tokens: u64) {
         self.fleet_load.store(tokens, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_idle_out_is_a_few_times_the_longest_gap_between_a_floor_and_idle_ms() {
+        let with_gap = |longest_gap_ms| Resident { tokens: 1, last_ms: 0, running: 0, ours: true, longest_gap_ms };
+        assert_eq!(with_gap(0).idle_after_ms(5_000), 5_000, "one turn so far: idle_ms");
+        assert_eq!(with_gap(10).idle_after_ms(5_000), MIN_IDLE_MS, "an agent that returns at once");
+        assert_eq!(with_gap(1_000).idle_after_ms(5_000), 3_000);
+        assert_eq!(with_gap(8_000).idle_after_ms(30_000), 24_000, "8 s tool calls keep their room");
+        assert_eq!(with_gap(8_000).idle_after_ms(5_000), 5_000, "never past idle_ms");
+        assert_eq!(with_gap(10).idle_after_ms(100), 100, "a floor above idle_ms gives way to it");
     }
 }

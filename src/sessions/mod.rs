@@ -11,8 +11,10 @@
 //!
 //! - A session is a conversation the gateway pins (a prefix family, a
 //!   session key, a stored-response chain). It is *resident* on its replica
-//!   from its first turn while a turn runs, and until `idle_ms` after its
-//!   last turn ended.
+//!   from its first turn while a turn runs, and until it idles out after its
+//!   last turn ended: a few times its own longest gap between turns, between
+//!   a floor and `idle_ms` (`Resident::idle_after_ms`). Every hand-off of
+//!   room waits that long, so it is learned per session.
 //! - A new session (conversation-shaped, nothing pinned yet) whose
 //!   footprint matters is held in a FIFO queue when no candidate has room
 //!   (`room.rs`); turns of resident sessions are never held. The head of
@@ -213,7 +215,17 @@ impl Sessions {
             let moved = if here { None } else { state.leave(session) };
             state.home.insert(session, Arc::downgrade(replica));
             let mut on = replica.residents.lock();
-            let r = on.entry(session).or_insert(Resident { tokens, last_ms: now_ms, running: 0, ours: true });
+            let r = on.entry(session).or_insert(Resident {
+                tokens,
+                last_ms: now_ms,
+                running: 0,
+                ours: true,
+                longest_gap_ms: moved.map_or(0, |m| m.longest_gap_ms),
+            });
+            if r.running == 0 {
+                // The silence since its last turn ended: how long its agent was away.
+                r.longest_gap_ms = r.longest_gap_ms.max(now_ms.saturating_sub(r.last_ms));
+            }
             r.tokens = tokens.max(moved.map_or(0, |m| m.tokens));
             r.last_ms = now_ms;
             r.running += 1;
@@ -245,13 +257,13 @@ impl Sessions {
         }
         state.home.insert(session, Arc::downgrade(replica));
         let mut on = replica.residents.lock();
-        let r = on.entry(session).or_insert(Resident { tokens, last_ms, running: 0, ours: false });
+        let r = on.entry(session).or_insert(Resident { tokens, last_ms, running: 0, ours: false, longest_gap_ms: 0 });
         r.tokens = r.tokens.max(tokens);
         r.last_ms = r.last_ms.max(last_ms);
     }
 
-    /// Forgets the sessions idle for longer than `idle_ms`, and those whose
-    /// replica left; true when any went (room opened: the held are told).
+    /// Forgets the sessions idle for longer than their idle-out
+    /// (`Resident::idle_after_ms`), and those whose replica left; true when any went (room opened: the held are told).
     pub fn sweep(&self, now_ms: u64) -> bool {
         let idle_ms = self.settings.idle_ms;
         let mut gone = false;
@@ -261,7 +273,9 @@ impl Sessions {
                 return false;
             };
             let mut on = replica.residents.lock();
-            let idle = on.get(session).is_none_or(|r| r.running == 0 && now_ms.saturating_sub(r.last_ms) > idle_ms);
+            let idle = on
+                .get(session)
+                .is_none_or(|r| r.running == 0 && now_ms.saturating_sub(r.last_ms) > r.idle_after_ms(idle_ms));
             if idle {
                 on.remove(session);
                 gone = true;
@@ -304,17 +318,23 @@ impl Sessions {
         Ok(())
     }
 
-    /// This instance's resident sessions, (replica, session, tokens): what
-    /// the flusher keeps alive in a shared store.
-    pub fn residents(&self) -> Vec<(Arc<str>, PrefixKey, u64)> {
+    /// This instance's resident sessions as a shared store keeps them: the
+    /// flusher renews them, each until it idles out (plus `STORE_SLACK_MS`,
+    /// since the flusher renews them only every flush interval).
+    pub fn kept(&self, now_ms: u64) -> Vec<crate::store::KeptSession> {
+        let idle_ms = self.settings.idle_ms;
         let state = self.lock();
         let mut out = Vec::new();
         for (session, home) in &state.home {
             let Some(replica) = home.upgrade() else { continue };
-            let tokens = replica.residents.lock().get(session).filter(|r| r.ours).map(|r| r.tokens);
-            if let Some(tokens) = tokens {
-                out.push((replica.id.clone(), *session, tokens));
-            }
+            let Some(r) = replica.residents.lock().get(session).filter(|r| r.ours).copied() else { continue };
+            let from = if r.running > 0 { now_ms } else { r.last_ms };
+            out.push(crate::store::KeptSession {
+                replica: replica.id.to_string(),
+                session: format!("{session:032x}"),
+                footprint: self.room_of(&replica).footprint(r.tokens),
+                until_ms: from + r.idle_after_ms(idle_ms) + STORE_SLACK_MS,
+            });
         }
         out
     }
@@ -439,6 +459,32 @@ mod tests {
         assert!(!s.sweep(ended + 500));
         assert!(s.sweep(ended + 1_001));
         assert_eq!((Sessions::resident(&a).sessions, s.len()), (0, 0));
+    }
+
+    #[test]
+    fn a_session_idles_out_after_a_few_times_its_own_longest_gap() {
+        let s = Sessions::new(SessionConfig { idle_ms: 10_000, ..settings() });
+        let a = replica("a");
+        // A tool-calling agent: 2 s between its turns. Idle 6 s after its last turn, not 10.
+        drop(s.begin_turn(&a, 1, 500, crate::clock::now_ms()));
+        let last = crate::clock::now_ms() + 2_000;
+        drop(s.begin_turn(&a, 1, 600, last));
+        assert!(!s.sweep(last + 5_900));
+        assert!(s.sweep(last + 6_100));
+        assert!(!s.is_resident(1));
+        // A loop that returns at once: gone soon after it stops, at the floor.
+        drop(s.begin_turn(&a, 2, 500, crate::clock::now_ms()));
+        let last = crate::clock::now_ms() + 10;
+        drop(s.begin_turn(&a, 2, 600, last));
+        assert!(!s.sweep(last + crate::fleet::residents::MIN_IDLE_MS - 50));
+        assert!(s.sweep(last + crate::fleet::residents::MIN_IDLE_MS + 50));
+        // Its entry in a shared store lives exactly that long, plus the flusher's slack.
+        drop(s.begin_turn(&a, 3, 500, crate::clock::now_ms()));
+        let last = crate::clock::now_ms() + 1_000;
+        drop(s.begin_turn(&a, 3, 600, last));
+        let kept = s.kept(last);
+        assert_eq!(kept.len(), 1);
+        assert_eq!(kept[0].until_ms, last + 3_000 + STORE_SLACK_MS);
     }
 
     #[test]

@@ -89,6 +89,17 @@ pub enum Change {
     Tick,
 }
 
+/// One of this instance's resident sessions, as a shared store keeps it:
+/// its replica, its id (32 hex digits), its footprint in tokens, and until
+/// when it stays there (ms since the epoch: when it idles out, unless renewed).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeptSession {
+    pub replica: String,
+    pub session: String,
+    pub footprint: u64,
+    pub until_ms: u64,
+}
+
 /// One gateway instance's heartbeat in a shared store.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct InstanceBeat {
@@ -181,9 +192,9 @@ pub trait Store: Send + Sync {
     async fn session_loads(&self, _replicas: &[String]) -> Result<Vec<u64>, StoreError> {
         Ok(Vec::new())
     }
-    /// Keeps this instance's resident sessions (replica, session, footprint)
-    /// alive for `ttl_ms` more.
-    async fn keep_sessions(&self, _sessions: &[(String, String, u64)], _ttl_ms: u64) -> Result<(), StoreError> {
+    /// Keeps this instance's resident sessions where they are, each until it
+    /// idles out.
+    async fn keep_sessions(&self, _sessions: &[KeptSession]) -> Result<(), StoreError> {
         Ok(())
     }
     /// Tells the other instances about pin changes at once, without

@@ -34,7 +34,7 @@ use redis::{AsyncCommands, AsyncConnectionConfig, RedisResult};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
-use super::{corrupt, decode_pin, encode_pin, Change, InstanceBeat, Store, StoreError, StoredReplica};
+use super::{corrupt, decode_pin, encode_pin, Change, InstanceBeat, KeptSession, Store, StoreError, StoredReplica};
 use crate::events::Event;
 use crate::pins::{Pin, PinChange};
 use crate::policy::PrefixKey;
@@ -475,15 +475,14 @@ impl Store for RedisStore {
         .await
     }
 
-    async fn keep_sessions(&self, sessions: &[(String, String, u64)], ttl_ms: u64) -> Result<(), StoreError> {
+    async fn keep_sessions(&self, sessions: &[KeptSession]) -> Result<(), StoreError> {
         if sessions.is_empty() {
             return Ok(());
         }
-        let until = crate::clock::now_ms() + ttl_ms;
         let mut pipe = redis::pipe();
-        for (replica, session, footprint) in sessions {
-            pipe.zadd(key(&format!("session_until:{replica}")), session, until).ignore();
-            pipe.hset(key(&format!("session_tokens:{replica}")), session, footprint).ignore();
+        for s in sessions {
+            pipe.zadd(key(&format!("session_until:{}", s.replica)), &s.session, s.until_ms).ignore();
+            pipe.hset(key(&format!("session_tokens:{}", s.replica)), &s.session, s.footprint).ignore();
         }
         self.run(|mut c| async move { pipe.query_async::<()>(&mut c).await }).await
     }
