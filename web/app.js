@@ -124,6 +124,7 @@ function renderReplicas(replicas, capacity) {
       el("td", {}, r.models.join(", ") || "—"),
       el("td", {}, bar, el("span", { class: "bar-label" }, `${fmtTokens(ws)} / ${fmtTokens(kv)}`), el("br"),
         el("small", { class: "sessions" }, `${c.resident_sessions || 0} session(s)` +
+          (c.resident_tokens ? ` holding ${fmtTokens(c.resident_tokens)} (projected)` : "") +
           (c.room_tokens !== undefined ? ` · room ${fmtTokens(Math.max(0, c.room_tokens))}` : ""))),
       // The value first, on its own line under the header; the trend below it.
       el("td", { class: "ttfb" }, el("span", { class: "ttfb-value" }, ttfbLabel(state.ttfb[r.id])), sparkline(state.ttfb[r.id] || [])),
@@ -142,10 +143,15 @@ function renderCapacity(capacity) {
   banner.textContent = capacity && capacity.warning ? capacity.warning : "";
   const q = capacity && capacity.sessions;
   const held = $("#held");
-  held.hidden = !q || (!q.held && !q.waited);
+  held.hidden = !q || (!q.held && !q.waited && !q.projected_tokens);
   if (q) {
+    const projection = q.projected_tokens
+      ? ` New sessions are admitted at what sessions here grew to: ~${fmtTokens(q.projected_tokens)} ` +
+        `(learned from ${q.projections_learned} session(s), ${q.projection_links} prompt(s) of their own).`
+      : "";
     held.textContent = `${q.held} new session(s) waiting for room at the KV wall; ${q.waited} waited so far ` +
-      `(mean ${q.mean_wait_ms} ms, longest ${q.max_wait_seen_ms} ms, ${q.over_capacity} admitted over capacity)`;
+      `(mean ${q.mean_wait_ms} ms, longest ${q.max_wait_seen_ms} ms, ${q.over_capacity} admitted over capacity).` +
+      projection;
   }
 }
 

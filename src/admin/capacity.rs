@@ -20,11 +20,13 @@ async fn get_capacity(s: web::Data<AppState>) -> web::Json<CapacityReport> {
     // The sessions' side: who is resident where, the room left, the queue.
     for r in &mut report.replicas {
         if let Some(replica) = s.fleet.get(&r.replica) {
-            r.resident_sessions = crate::sessions::Sessions::resident(&replica).sessions;
+            let resident = crate::sessions::Sessions::resident(&replica);
+            (r.resident_sessions, r.resident_tokens) = (resident.sessions, resident.counted_tokens);
             r.room_tokens = s.sessions.room_of(&replica).left();
         }
     }
-    let (settings, waits) = (s.sessions.settings(), s.sessions.wait_stats());
+    let (settings, waits, projections) =
+        (s.sessions.settings(), s.sessions.wait_stats(), s.sessions.projection_figures());
     report.sessions = SessionQueue {
         held: s.sessions.held(),
         max_held: settings.max_held,
@@ -34,6 +36,9 @@ async fn get_capacity(s: web::Data<AppState>) -> web::Json<CapacityReport> {
         over_capacity: waits.over_capacity,
         mean_wait_ms: waits.total_ms.checked_div(waits.waited).unwrap_or(0),
         max_wait_seen_ms: waits.max_ms,
+        projected_tokens: projections.fleet_tokens,
+        projections_learned: projections.sessions_learned,
+        projection_links: projections.links,
     };
     web::Json(report)
 }

@@ -35,6 +35,10 @@ pub struct ReplicaCapacity {
     /// Sessions resident here now (`sessions/`: first turn until idle).
     #[serde(default)]
     pub resident_sessions: usize,
+    /// What they count for against the room, tokens: each at the larger of
+    /// its context now and what it was projected to grow to.
+    #[serde(default)]
+    pub resident_tokens: u64,
     /// KV room left for new sessions in tokens (negative: over); absent
     /// when the capacity is unknown.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -90,6 +94,18 @@ pub struct SessionQueue {
     /// Mean and longest wait, in ms.
     pub mean_wait_ms: u64,
     pub max_wait_seen_ms: u64,
+    /// What a new session with no first link of its own is projected to
+    /// grow to, tokens: the upper quartile of the peaks of the sessions
+    /// that ended here (absent: nothing learned yet; sessions are then
+    /// admitted at their first turn's size).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub projected_tokens: Option<u64>,
+    /// Sessions whose peak the projections learned from (the latest 64).
+    #[serde(default)]
+    pub projections_learned: usize,
+    /// First links (system prompt, instructions, tools) with a projection of their own.
+    #[serde(default)]
+    pub projection_links: usize,
 }
 
 /// What the verdict needs to know of one replica, gathered by the caller
@@ -148,6 +164,7 @@ pub(super) fn compute(
             bytes_per_token: r.bytes_per_token,
             over_capacity: kv_tokens.is_some_and(|kv| working_set_tokens > kv),
             resident_sessions: 0,
+            resident_tokens: 0,
             room_tokens: None,
         });
     }

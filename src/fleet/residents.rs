@@ -9,9 +9,17 @@ use std::sync::{Mutex, MutexGuard};
 use crate::policy::PrefixKey;
 
 /// One resident session.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 pub struct Resident {
+    /// Its context now, tokens (its latest turn's).
     pub tokens: u64,
+    /// The largest context it reached: what it teaches the projections when it ends.
+    pub peak_tokens: u64,
+    /// What it was projected to reach when it arrived (0: nothing learned):
+    /// it counts against the room at the larger of this and `tokens`.
+    pub projected: u64,
+    /// Its first link (system prompt, instructions, tools), when it has one.
+    pub link: Option<crate::policy::PrefixKey>,
     pub last_ms: u64,
     /// Turns running now: a session mid-turn is never idle.
     pub running: u32,
@@ -31,6 +39,11 @@ pub const GAP_FACTOR: u64 = 3;
 pub const MIN_IDLE_MS: u64 = 500;
 
 impl Resident {
+    /// What it counts for against its replica's room, tokens.
+    pub fn counted_tokens(&self) -> u64 {
+        self.tokens.max(self.projected)
+    }
+
     /// How long after its last turn this session idles out: a few times its
     /// longest gap, between `MIN_IDLE_MS` and `idle_ms` (`sessions.idle_ms`,
     /// also what a session with one turn so far gets). An agent that returns
@@ -74,7 +87,7 @@ mod tests {
 
     #[test]
     fn the_idle_out_is_a_few_times_the_longest_gap_between_a_floor_and_idle_ms() {
-        let with_gap = |longest_gap_ms| Resident { tokens: 1, last_ms: 0, running: 0, ours: true, longest_gap_ms };
+        let with_gap = |longest_gap_ms| Resident { tokens: 1, longest_gap_ms, ..Default::default() };
         assert_eq!(with_gap(0).idle_after_ms(5_000), 5_000, "one turn so far: idle_ms");
         assert_eq!(with_gap(10).idle_after_ms(5_000), MIN_IDLE_MS, "an agent that returns at once");
         assert_eq!(with_gap(1_000).idle_after_ms(5_000), 3_000);

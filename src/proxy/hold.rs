@@ -58,6 +58,21 @@ fn candidate_rooms(state: &AppState, model: Option<&str>) -> Vec<Room> {
         .collect()
 }
 
+/// A session's first link (system prompt, instructions, tools): what its
+/// projection is kept by (`sessions/projection.rs`).
+pub fn first_link(lookup: &Lookup) -> Option<PrefixKey> {
+    lookup.shape.boundaries.first().map(|b| b.key)
+}
+
+/// The tokens a new session of `now` tokens is admitted against: what its
+/// first link's sessions (else the fleet's) grew to, at most the largest
+/// candidate's capacity (`projection::admitted_tokens`).
+pub fn admitted_tokens(state: &AppState, lookup: &Lookup, now: u64) -> u64 {
+    let projected = state.sessions.project(first_link(lookup));
+    let largest = candidate_rooms(state, lookup.shape.model.as_deref()).iter().filter_map(|r| r.capacity).max();
+    crate::sessions::projection::admitted_tokens(now, projected, largest)
+}
+
 /// Longest a placement waits on a shared store (reading the fleet's loads,
 /// admitting a session); past it, this instance's own view decides.
 const STORE_BUDGET: Duration = Duration::from_millis(250);

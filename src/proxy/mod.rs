@@ -219,7 +219,9 @@ async fn forward_request(
         let family = pinned.as_ref().map(|(_, p)| p.family).or(shape.pin_at);
         let ticket = recorder.running(&replica.id, family, est_tokens);
         // Resident from this turn on; idle only once it ended.
-        let turn = of_session.map(|s| state.sessions.begin_turn(replica, s.id, est_tokens, crate::clock::now_ms()));
+        let turn = of_session.map(|s| {
+            state.sessions.begin_turn(replica, s.id, hold::first_link(&lookup), est_tokens, crate::clock::now_ms())
+        });
         recorder.routed(&Routed {
             replica: &replica.id,
             pin_at: shape.pin_at,
@@ -303,7 +305,8 @@ async fn place_new_session(
     recorder: &OutcomeRecorder,
     session: crate::policy::PrefixKey,
 ) -> Result<(Option<(Arc<Replica>, RouteReason)>, Option<Duration>), ApiError> {
-    let tokens = crate::tokens::estimate_tokens(lookup.shape.prompt_bytes);
+    // Admitted against what it will hold, not only its first turn.
+    let tokens = hold::admitted_tokens(state, lookup, crate::tokens::estimate_tokens(lookup.shape.prompt_bytes));
     let max_wait = Duration::from_millis(state.sessions.settings().max_wait_ms);
     let started = Instant::now();
     let mut waited: Option<Duration> = None;

@@ -28,6 +28,7 @@
 //! What is kept is bounded by the sessions alive: an idle session is
 //! forgotten by the sweep, a replica's with the replica.
 
+pub mod projection;
 pub mod room;
 
 use std::collections::VecDeque;
@@ -113,6 +114,8 @@ pub struct Sessions {
     /// `[sessions]`: idle_ms, max_wait_ms, max_held, hold_min_tokens.
     settings: SessionConfig,
     state: Mutex<State>,
+    /// What sessions grow to, learned from those that ended here.
+    projections: Mutex<projection::Projections>,
     /// Told when room may have opened.
     changed: tokio::sync::Notify,
     /// How the waits went, since start.
@@ -180,6 +183,8 @@ impl Held {
 pub struct ResidentFigures {
     pub sessions: usize,
     pub tokens: u64,
+    /// Each at the larger of its context now and its projection.
+    pub counted_tokens: u64,
 }
 
 impl Sessions {
@@ -187,6 +192,7 @@ impl Sessions {
         Arc::new(Sessions {
             settings,
             state: Mutex::default(),
+            projections: Mutex::default(),
             changed: tokio::sync::Notify::new(),
             waits: Mutex::default(),
         })
@@ -200,33 +206,35 @@ impl Sessions {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A turn of `session` (`tokens` of context) starts on `replica`: it is
-    /// resident there from now (moved, if it lived elsewhere).
+    /// A turn of `session` (`tokens` of context; `link` its first link) starts
+    /// on `replica`: it is resident there from now (moved, if it lived
+    /// elsewhere). A session new here counts at its projection from now on.
     pub fn begin_turn(
         self: &Arc<Self>,
         replica: &Arc<Replica>,
         session: PrefixKey,
+        link: Option<PrefixKey>,
         tokens: u64,
         now_ms: u64,
     ) -> SessionTurn {
+        let projected = self.project(link).unwrap_or(0);
         let moved = {
             let mut state = self.lock();
             let here = state.home.get(&session).is_some_and(|home| std::ptr::eq(home.as_ptr(), Arc::as_ptr(replica)));
             let moved = if here { None } else { state.leave(session) };
             state.home.insert(session, Arc::downgrade(replica));
             let mut on = replica.residents.lock();
-            let r = on.entry(session).or_insert(Resident {
-                tokens,
-                last_ms: now_ms,
-                running: 0,
-                ours: true,
-                longest_gap_ms: moved.map_or(0, |m| m.longest_gap_ms),
+            let r = on.entry(session).or_insert(match moved {
+                // A move keeps what the session was: its gaps, peak and projection.
+                Some(m) => Resident { last_ms: now_ms, running: 0, ours: true, ..m },
+                None => Resident { tokens, last_ms: now_ms, ours: true, projected, link, ..Default::default() },
             });
             if r.running == 0 {
                 // The silence since its last turn ended: how long its agent was away.
                 r.longest_gap_ms = r.longest_gap_ms.max(now_ms.saturating_sub(r.last_ms));
             }
             r.tokens = tokens.max(moved.map_or(0, |m| m.tokens));
+            r.peak_tokens = r.peak_tokens.max(r.tokens);
             r.last_ms = now_ms;
             r.running += 1;
             r.ours = true;
@@ -257,8 +265,9 @@ impl Sessions {
         }
         state.home.insert(session, Arc::downgrade(replica));
         let mut on = replica.residents.lock();
-        let r = on.entry(session).or_insert(Resident { tokens, last_ms, running: 0, ours: false, longest_gap_ms: 0 });
+        let r = on.entry(session).or_insert(Resident { tokens, last_ms, ..Default::default() });
         r.tokens = r.tokens.max(tokens);
+        r.peak_tokens = r.peak_tokens.max(r.tokens);
         r.last_ms = r.last_ms.max(last_ms);
     }
 
@@ -267,6 +276,7 @@ impl Sessions {
     pub fn sweep(&self, now_ms: u64) -> bool {
         let idle_ms = self.settings.idle_ms;
         let mut gone = false;
+        let mut ended = Vec::new();
         self.lock().home.retain(|session, home| {
             let Some(replica) = home.upgrade() else {
                 gone = true;
@@ -277,11 +287,17 @@ impl Sessions {
                 .get(session)
                 .is_none_or(|r| r.running == 0 && now_ms.saturating_sub(r.last_ms) > r.idle_after_ms(idle_ms));
             if idle {
-                on.remove(session);
+                ended.extend(on.remove(session));
                 gone = true;
             }
             !idle
         });
+        if !ended.is_empty() {
+            let mut projections = self.projections();
+            for r in ended {
+                projections.learn(r.link, r.peak_tokens);
+            }
+        }
         if gone {
             self.changed.notify_waiters();
         }
@@ -294,7 +310,7 @@ impl Sessions {
     pub fn room_of(&self, r: &Replica) -> Room {
         let slot_tokens = r.slot_tokens();
         let shape = Room { capacity: None, taken: 0, slot_tokens };
-        let here: u64 = r.residents.lock().values().map(|s| shape.footprint(s.tokens)).sum();
+        let here: u64 = r.residents.lock().values().map(|s| shape.footprint(s.counted_tokens())).sum();
         Room { capacity: r.kv_capacity(), taken: here.max(r.residents.fleet_load()), slot_tokens }
     }
 
@@ -332,7 +348,7 @@ impl Sessions {
             out.push(crate::store::KeptSession {
                 replica: replica.id.to_string(),
                 session: format!("{session:032x}"),
-                footprint: self.room_of(&replica).footprint(r.tokens),
+                footprint: self.room_of(&replica).footprint(r.counted_tokens()),
                 until_ms: from + r.idle_after_ms(idle_ms) + STORE_SLACK_MS,
             });
         }
@@ -342,7 +358,26 @@ impl Sessions {
     /// What the capacity view shows of `replica`'s sessions.
     pub fn resident(replica: &Replica) -> ResidentFigures {
         let on = replica.residents.lock();
-        ResidentFigures { sessions: on.len(), tokens: on.values().map(|r| r.tokens).sum() }
+        ResidentFigures {
+            sessions: on.len(),
+            tokens: on.values().map(|r| r.tokens).sum(),
+            counted_tokens: on.values().map(|r| r.counted_tokens()).sum(),
+        }
+    }
+
+    fn projections(&self) -> std::sync::MutexGuard<'_, projection::Projections> {
+        self.projections.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// What a session of first link `link` is expected to grow to (None:
+    /// nothing learned yet).
+    pub fn project(&self, link: Option<PrefixKey>) -> Option<u64> {
+        self.projections().project(link)
+    }
+
+    /// What the capacity view shows of the projections.
+    pub fn projection_figures(&self) -> projection::ProjectionFigures {
+        self.projections().figures()
     }
 
     /// True when `session` is resident on a replica still there (its turns
@@ -451,8 +486,8 @@ mod tests {
     fn a_session_is_resident_while_its_turn_runs_and_until_it_idles_out() {
         let s = Sessions::new(settings());
         let a = replica("a");
-        let turn = s.begin_turn(&a, 7, 500, 0);
-        assert_eq!(Sessions::resident(&a), ResidentFigures { sessions: 1, tokens: 500 });
+        let turn = s.begin_turn(&a, 7, None, 500, 0);
+        assert_eq!(Sessions::resident(&a), ResidentFigures { sessions: 1, tokens: 500, counted_tokens: 500 });
         assert!(!s.sweep(5_000), "mid-turn: never idle");
         drop(turn);
         let ended = crate::clock::now_ms();
@@ -466,33 +501,59 @@ mod tests {
         let s = Sessions::new(SessionConfig { idle_ms: 10_000, ..settings() });
         let a = replica("a");
         // A tool-calling agent: 2 s between its turns. Idle 6 s after its last turn, not 10.
-        drop(s.begin_turn(&a, 1, 500, crate::clock::now_ms()));
+        drop(s.begin_turn(&a, 1, None, 500, crate::clock::now_ms()));
         let last = crate::clock::now_ms() + 2_000;
-        drop(s.begin_turn(&a, 1, 600, last));
+        drop(s.begin_turn(&a, 1, None, 600, last));
         assert!(!s.sweep(last + 5_900));
         assert!(s.sweep(last + 6_100));
         assert!(!s.is_resident(1));
         // A loop that returns at once: gone soon after it stops, at the floor.
-        drop(s.begin_turn(&a, 2, 500, crate::clock::now_ms()));
+        drop(s.begin_turn(&a, 2, None, 500, crate::clock::now_ms()));
         let last = crate::clock::now_ms() + 10;
-        drop(s.begin_turn(&a, 2, 600, last));
+        drop(s.begin_turn(&a, 2, None, 600, last));
         assert!(!s.sweep(last + crate::fleet::residents::MIN_IDLE_MS - 50));
         assert!(s.sweep(last + crate::fleet::residents::MIN_IDLE_MS + 50));
         // Its entry in a shared store lives exactly that long, plus the flusher's slack.
-        drop(s.begin_turn(&a, 3, 500, crate::clock::now_ms()));
+        drop(s.begin_turn(&a, 3, None, 500, crate::clock::now_ms()));
         let last = crate::clock::now_ms() + 1_000;
-        drop(s.begin_turn(&a, 3, 600, last));
+        drop(s.begin_turn(&a, 3, None, 600, last));
         let kept = s.kept(last);
         assert_eq!(kept.len(), 1);
         assert_eq!(kept[0].until_ms, last + 3_000 + STORE_SLACK_MS);
     }
 
     #[test]
+    fn the_projection_learns_what_ended_sessions_grew_to_and_new_ones_count_at_it() {
+        let s = Sessions::new(settings());
+        let a = replica("a");
+        a.set_observed_kv(Some(12_000));
+        let link = Some(42);
+        assert_eq!(s.project(link), None, "a cold gateway projects nothing");
+        // An agent of that link grows from 2,000 to 9,000 tokens, then idles out.
+        let start = crate::clock::now_ms();
+        for (i, tokens) in [2_000, 5_500, 9_000].into_iter().enumerate() {
+            drop(s.begin_turn(&a, 1, link, tokens, start + i as u64));
+        }
+        assert_eq!(s.room_of(&a).left(), Some(3_000));
+        assert!(s.sweep(crate::clock::now_ms() + 60_000));
+        assert_eq!(s.project(link), Some(9_000));
+        assert_eq!(s.project(Some(7)), Some(9_000), "another link: the fleet's");
+        // A new session of that link counts at 9,000 from its first 2,000-token turn.
+        drop(s.begin_turn(&a, 2, link, 2_000, crate::clock::now_ms()));
+        assert_eq!(s.room_of(&a).left(), Some(3_000));
+        // And at what it holds, once it outgrows its projection.
+        drop(s.begin_turn(&a, 2, link, 10_000, crate::clock::now_ms()));
+        assert_eq!(s.room_of(&a).left(), Some(2_000));
+        let figures = s.projection_figures();
+        assert_eq!((figures.fleet_tokens, figures.sessions_learned, figures.links), (Some(9_000), 1, 1));
+    }
+
+    #[test]
     fn a_moved_session_lives_where_it_went_and_a_removed_replica_takes_its_sessions() {
         let s = Sessions::new(settings());
         let (a, b) = (replica("a"), replica("b"));
-        drop(s.begin_turn(&a, 1, 300, 0));
-        drop(s.begin_turn(&b, 1, 200, 1));
+        drop(s.begin_turn(&a, 1, None, 300, 0));
+        drop(s.begin_turn(&b, 1, None, 200, 1));
         assert_eq!((Sessions::resident(&a).sessions, Sessions::resident(&b).tokens), (0, 300));
         s.seen_elsewhere(&a, 2, 100, 5);
         a.set_observed_kv(Some(1_000));

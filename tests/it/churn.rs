@@ -65,11 +65,13 @@ async fn thousands_of_names_churned_through_the_admin_api_leave_nothing_behind()
     // capacity evaluation each second), so each is bounded, not matched.
     let now = kept(&gw);
     let before = at_100.unwrap();
-    let names =
-        "[interned names, replicas with series, replica records alive (calibration, admission slots, capacity state)]";
+    let names = "[interned names, replicas with series, replica records alive (calibration, admission slots, \
+                 capacity state, resident sessions), sessions indexed]";
     // Sessions whose replica left go at the next sweep (every 200 ms): what
     // is indexed is what the last few hundred ms served (about 20 here).
-    for (i, bound) in [2, 2, 2, 100].into_iter().enumerate() {
+    // Records of removed replicas live while something in flight holds them
+    // (a probe round holds the fleet it started with): a few, never more.
+    for (i, bound) in [2, 2, 4, 100].into_iter().enumerate() {
         assert!(now[i] <= bound && before[i] <= bound, "{names}: after 100 {before:?}, after 2,000 {now:?}");
     }
     assert_eq!(gw.gw.fleet.snapshot().len(), 1);
