@@ -293,3 +293,58 @@ async fn with_the_store_down_new_sessions_go_on_from_the_instances_own_view() {
     third.abort();
     gw.stop().await;
 }
+
+/// Issue 31: a session's footprint is what it will hold. Agents sharing one
+/// system prompt start at ~3,000 tokens and grow to ~15,000. Once one such
+/// session ended, the gateway knows: two new ones fill the two 20,000-token
+/// cards, and a third waits, though its first turn alone would fit.
+#[actix_web::test]
+async fn new_sessions_are_admitted_at_what_their_kind_grew_to() {
+    let (a, b) = (start_sim("a", card()).await, start_sim("b", card()).await);
+    let gw = start_gateway(holding(&[&a, &b], 10_000, 8)).await;
+    capacity_read(&gw).await;
+    let system = text("the shared agent system prompt", 1_000);
+    let turn = |family: &str, n: usize| {
+        let mut m = vec![("system".to_string(), system.clone()), ("user".to_string(), text(family, 2_000))];
+        for i in 1..n {
+            m.push(("assistant".into(), format!("{family} step {i}")));
+            m.push(("user".into(), text(&format!("{family} tool output {i}"), 4_000)));
+        }
+        m
+    };
+    let send = |family: &'static str, n: usize| {
+        let (base, m) = (gw.base.clone(), turn(family, n));
+        actix_web::rt::spawn(async move {
+            let refs: Vec<(&str, &str)> = m.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
+            post(&format!("{base}/v1/chat/completions"), &chat_body(&refs, json!({}))).await
+        })
+    };
+    // The first agent grows to ~15,000 tokens over four turns, then ends.
+    for n in 1..=4 {
+        assert_eq!(send("first", n).await.unwrap().status, 200);
+    }
+    wait_until("the first session ended and was learned", Duration::from_secs(10), || {
+        gw.gw.sessions.projection_figures().sessions_learned == 1
+    })
+    .await;
+    let learned = gw.gw.sessions.projection_figures().fleet_tokens.unwrap();
+    assert!((14_000..17_000).contains(&learned), "projected {learned}");
+    // Two new agents: one per card, each counted at its projection.
+    let (one, two) = (send("second", 1).await.unwrap(), send("third", 1).await.unwrap());
+    assert_eq!((one.status, two.status), (200, 200));
+    assert_ne!(one.replica, two.replica, "each to the card with the most room");
+    assert_eq!((held_ms(&one), held_ms(&two)), (None, None));
+    let (_, capacity) = admin("GET", &format!("{}/admin/v1/capacity", gw.admin), None, None).await;
+    for r in capacity["replicas"].as_array().unwrap() {
+        assert_eq!(r["resident_tokens"].as_u64(), Some(learned), "{r}");
+    }
+    assert_eq!(capacity["sessions"]["projected_tokens"].as_u64(), Some(learned));
+    // A third: ~3,000 tokens would fit beside either, ~15,000 does not. It waits.
+    let fourth = send("fourth", 1);
+    wait_until("the fourth held", Duration::from_secs(5), || gw.gw.sessions.held() == 1).await;
+    // Room opens when one of the two idles out; then it goes.
+    let fourth = fourth.await.unwrap();
+    assert_eq!(fourth.status, 200);
+    assert!(held_ms(&fourth).is_some_and(|ms| ms > 0), "it says it waited");
+    gw.stop().await;
+}
