@@ -62,6 +62,9 @@ pub enum EventKind {
     /// A new session waited `sessions.max_wait_ms` without room and was
     /// admitted anyway, over capacity (or was larger than any replica).
     SessionOverCapacity,
+    /// A resident session's turn waited at its boundary: its replica's
+    /// sessions outgrew its KV, and it was the youngest there.
+    SessionPaused,
 }
 
 impl std::str::FromStr for EventKind {

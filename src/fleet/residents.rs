@@ -20,6 +20,9 @@ pub struct Resident {
     pub projected: u64,
     /// Its first link (system prompt, instructions, tools), when it has one.
     pub link: Option<crate::policy::PrefixKey>,
+    /// When it arrived on this replica (its first turn here), ms: the
+    /// youngest is the one whose turns pause when the pool is crossed.
+    pub arrived_ms: u64,
     pub last_ms: u64,
     /// Turns running now: a session mid-turn is never idle.
     pub running: u32,

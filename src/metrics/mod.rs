@@ -196,6 +196,7 @@ pub struct Metrics {
     pub held_sessions: Gauge,
     /// New sessions admitted over capacity (no room opened within the wait).
     pub sessions_over_capacity: Counter,
+    pub session_turns_paused: Counter,
     /// Sessions resident per replica, and the room left (tokens; set at scrape).
     pub resident_sessions: Family<ReplicaLabels, Gauge>,
     pub room_tokens: Family<ReplicaLabels, Gauge>,
@@ -250,6 +251,7 @@ impl Metrics {
             session_hold: Histogram::new(exponential_buckets(0.01, 2.0, 15)),
             held_sessions: Gauge::default(),
             sessions_over_capacity: Counter::default(),
+            session_turns_paused: Counter::default(),
             resident_sessions: Family::default(),
             room_tokens: Family::default(),
             spans_dropped: Counter::default(),
@@ -387,6 +389,11 @@ impl Metrics {
             "prefixgate_sessions_over_capacity",
             "New sessions admitted over capacity after waiting sessions.max_wait_ms",
             m.sessions_over_capacity.clone(),
+        );
+        registry.register(
+            "prefixgate_session_turns_paused",
+            "Turns of resident sessions paused at their boundary: their replica's sessions outgrew its KV",
+            m.session_turns_paused.clone(),
         );
         registry.register(
             "prefixgate_resident_sessions",

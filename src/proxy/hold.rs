@@ -73,6 +73,24 @@ pub fn admitted_tokens(state: &AppState, lookup: &Lookup, now: u64) -> u64 {
     crate::sessions::projection::admitted_tokens(now, projected, largest)
 }
 
+/// Pauses this turn of resident session `session` on `replica` while the
+/// sessions there outgrew its KV and it is the youngest (`Sessions::pause_if_over`);
+/// history and metrics record a pause. Returns how long it paused.
+pub async fn pause_if_over(state: &AppState, replica: &Replica, session: PrefixKey, tokens: u64) -> Option<Duration> {
+    let paused = state.sessions.pause_if_over(replica, session, tokens).await?;
+    state.metrics.session_turns_paused.inc();
+    state.events.record(
+        EventKind::SessionPaused,
+        Some(&replica.id),
+        None,
+        format!(
+            "a turn of ~{tokens} tokens paused {} ms: the sessions here outgrew its KV and it was the youngest",
+            paused.as_millis()
+        ),
+    );
+    Some(paused)
+}
+
 /// Longest a placement waits on a shared store (reading the fleet's loads,
 /// admitting a session); past it, this instance's own view decides.
 const STORE_BUDGET: Duration = Duration::from_millis(250);

@@ -189,21 +189,34 @@ async fn forward_request(
     let of_session = hold::session_of(&lookup, &settings, state);
     let new_session = of_session.is_some_and(|s| s.new);
     let mut retries = Retries::default();
-    let (mut placed, held_for) = match of_session.filter(|s| s.new) {
+    let (mut placed, mut held_for) = match of_session.filter(|s| s.new) {
         Some(s) => {
             let _waiting = trace.child(state, "prefixgate.hold");
             place_new_session(state, &settings, &lookup, &mut retries, &recorder, s.id).await?
         }
         None => (None, None),
     };
-    if let Some(waited) = held_for {
-        trace.set(|| [KeyValue::new("prefixgate.held_ms", waited.as_millis() as i64)]);
-    }
+    let mut paused_once = false;
     loop {
         let (replica, reason) = match placed.take() {
             Some(target) => target,
             None => next_target(state, &settings, &lookup, &mut retries, &recorder, new_session)?,
         };
+        // A resident session's turn pauses here, before it starts, while its
+        // replica's sessions outgrew the KV and it is the youngest there.
+        if let Some(s) = of_session.filter(|s| !s.new && !paused_once) {
+            paused_once = true;
+            let tokens = replica.calibration.estimate(shape.prompt_bytes);
+            if state.sessions.must_pause(&replica, s.id, tokens) {
+                let _waiting = trace.child(state, "prefixgate.pause");
+                if let Some(paused) = hold::pause_if_over(state, &replica, s.id, tokens).await {
+                    held_for = Some(held_for.unwrap_or_default() + paused);
+                }
+            }
+        }
+        if let Some(waited) = held_for {
+            trace.set(|| [KeyValue::new("prefixgate.held_ms", waited.as_millis() as i64)]);
+        }
         let started = Instant::now();
         let permit = match large {
             true => {

@@ -63,6 +63,13 @@ pub struct SessionConfig {
     /// (a 3,072-token pool: 192; a 1,000,000-token one: 62,500), since what
     /// matters is a session's share of a pool, not its size.
     pub hold_min_tokens: Option<u64>,
+    /// When a replica's resident sessions outgrow its KV anyway (their
+    /// projections fell short, or nothing was learned yet), the next turn of
+    /// the youngest one there waits, at a turn boundary, until room opens
+    /// (at most `max_wait_ms`), so the older ones stay warm instead of all
+    /// evicting each other. A paused agent waits for others' work: turn it
+    /// off where one agent's latency matters more than the fleet's.
+    pub pause: bool,
 }
 
 impl Default for SessionConfig {
@@ -73,6 +80,7 @@ impl Default for SessionConfig {
             max_wait_ms: 120_000,
             max_held: 256,
             hold_min_tokens: None,
+            pause: true,
         }
     }
 }
@@ -116,6 +124,8 @@ pub struct Sessions {
     state: Mutex<State>,
     /// What sessions grow to, learned from those that ended here.
     projections: Mutex<projection::Projections>,
+    /// Turns paused now.
+    paused: std::sync::atomic::AtomicUsize,
     /// Told when room may have opened.
     changed: tokio::sync::Notify,
     /// How the waits went, since start.
@@ -141,6 +151,34 @@ pub struct SessionTurn {
 impl Drop for SessionTurn {
     fn drop(&mut self) {
         self.sessions.end_turn(self.session, crate::clock::now_ms());
+    }
+}
+
+/// A paused turn: its session counts as busy until the pause ends, however
+/// it ends (room opened, the wait ran out, or the client went away and the
+/// request's future was dropped).
+struct PausedTurn<'a> {
+    sessions: &'a Sessions,
+    replica: &'a Replica,
+    session: PrefixKey,
+}
+
+impl<'a> PausedTurn<'a> {
+    fn start(sessions: &'a Sessions, replica: &'a Replica, session: PrefixKey) -> PausedTurn<'a> {
+        if let Some(r) = replica.residents.lock().get_mut(&session) {
+            r.running += 1;
+        }
+        sessions.paused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        PausedTurn { sessions, replica, session }
+    }
+}
+
+impl Drop for PausedTurn<'_> {
+    fn drop(&mut self) {
+        if let Some(r) = self.replica.residents.lock().get_mut(&self.session) {
+            r.running = r.running.saturating_sub(1);
+        }
+        self.sessions.paused.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -193,6 +231,7 @@ impl Sessions {
             settings,
             state: Mutex::default(),
             projections: Mutex::default(),
+            paused: Default::default(),
             changed: tokio::sync::Notify::new(),
             waits: Mutex::default(),
         })
@@ -226,8 +265,16 @@ impl Sessions {
             let mut on = replica.residents.lock();
             let r = on.entry(session).or_insert(match moved {
                 // A move keeps what the session was: its gaps, peak and projection.
-                Some(m) => Resident { last_ms: now_ms, running: 0, ours: true, ..m },
-                None => Resident { tokens, last_ms: now_ms, ours: true, projected, link, ..Default::default() },
+                Some(m) => Resident { last_ms: now_ms, arrived_ms: now_ms, running: 0, ours: true, ..m },
+                None => Resident {
+                    tokens,
+                    last_ms: now_ms,
+                    arrived_ms: now_ms,
+                    ours: true,
+                    projected,
+                    link,
+                    ..Default::default()
+                },
             });
             if r.running == 0 {
                 // The silence since its last turn ended: how long its agent was away.
@@ -265,7 +312,7 @@ impl Sessions {
         }
         state.home.insert(session, Arc::downgrade(replica));
         let mut on = replica.residents.lock();
-        let r = on.entry(session).or_insert(Resident { tokens, last_ms, ..Default::default() });
+        let r = on.entry(session).or_insert(Resident { tokens, last_ms, arrived_ms: last_ms, ..Default::default() });
         r.tokens = r.tokens.max(tokens);
         r.peak_tokens = r.peak_tokens.max(r.tokens);
         r.last_ms = r.last_ms.max(last_ms);
@@ -386,6 +433,55 @@ impl Sessions {
         self.lock().home_of(session).is_some()
     }
 
+    /// True when the next turn of resident `session` on `replica`, at
+    /// `tokens` of context, must pause (`room::must_pause`).
+    /// (Off with `sessions.pause = false`, or with the hold off.)
+    pub fn must_pause(&self, replica: &Replica, session: PrefixKey, tokens: u64) -> bool {
+        if !self.settings.pause || self.settings.max_wait_ms == 0 {
+            return false;
+        }
+        let Some(capacity) = replica.kv_capacity() else { return false };
+        let shape = Room { capacity: Some(capacity), taken: 0, slot_tokens: replica.slot_tokens() };
+        let on = replica.residents.lock();
+        let Some(me) = on.get(&session) else { return false };
+        let me = room::Occupant { arrived_ms: me.arrived_ms, tokens: tokens.max(me.tokens) };
+        let others = on
+            .iter()
+            .filter(|(s, _)| **s != session)
+            .map(|(_, r)| room::Occupant { arrived_ms: r.arrived_ms, tokens: r.tokens });
+        room::must_pause(&shape, me, others)
+    }
+
+    /// Pauses the next turn of resident `session` on `replica` (`tokens` of
+    /// context with this turn) while the residents there are over its pool
+    /// and it is the youngest (`room::must_pause`), at most `max_wait_ms`;
+    /// returns how long it paused, if it did. The turn has not started: a
+    /// turn that started is never cut. While paused the session counts as
+    /// busy (it cannot idle out: the room that opens is for it).
+    pub async fn pause_if_over(&self, replica: &Replica, session: PrefixKey, tokens: u64) -> Option<Duration> {
+        if !self.must_pause(replica, session, tokens) {
+            return None;
+        }
+        let _busy = PausedTurn::start(self, replica, session);
+        let started = tokio::time::Instant::now();
+        let deadline = started + Duration::from_millis(self.settings.max_wait_ms);
+        loop {
+            // Registered before looking, so a change in between is not missed.
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            let now = tokio::time::Instant::now();
+            if !self.must_pause(replica, session, tokens) || now >= deadline {
+                break;
+            }
+            tokio::select! {
+                _ = changed => {}
+                _ = tokio::time::sleep(RECHECK.min(deadline - now)) => {}
+            }
+        }
+        Some(started.elapsed())
+    }
+
     /// Counts one finished wait.
     pub fn record_wait(&self, held: Held) {
         let mut w = self.waits.lock().unwrap_or_else(|e| e.into_inner());
@@ -398,6 +494,11 @@ impl Sessions {
 
     pub fn wait_stats(&self) -> WaitStats {
         *self.waits.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Turns of resident sessions paused now.
+    pub fn paused(&self) -> usize {
+        self.paused.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Sessions waiting now.
@@ -546,6 +647,37 @@ mod tests {
         assert_eq!(s.room_of(&a).left(), Some(2_000));
         let figures = s.projection_figures();
         assert_eq!((figures.fleet_tokens, figures.sessions_learned, figures.links), (Some(9_000), 1, 1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_paused_turn_resumes_when_room_opens_or_at_max_wait_ms() {
+        let s = Sessions::new(settings()); // max_wait_ms 10 s
+        let a = replica("a");
+        a.set_observed_kv(Some(12_000));
+        let now = crate::clock::now_ms();
+        drop(s.begin_turn(&a, 1, None, 5_000, now));
+        drop(s.begin_turn(&a, 2, None, 5_000, now + 1));
+        assert!(!s.must_pause(&a, 1, 7_000), "the older one never pauses");
+        assert!(!s.must_pause(&a, 2, 7_000), "within the pool");
+        assert!(s.must_pause(&a, 2, 8_000), "the youngest, over the pool");
+        // Room opens when the older one idles out: the pause ends then.
+        let paused = tokio::spawn({
+            let (s, a) = (s.clone(), a.clone());
+            async move { s.pause_if_over(&a, 2, 8_000).await }
+        });
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        assert_eq!(s.paused(), 1);
+        assert!(s.sweep(crate::clock::now_ms() + 60_000));
+        assert!(s.is_resident(2) && !s.is_resident(1), "the older idled out; the paused one, busy, did not");
+        assert_eq!(paused.await.unwrap(), Some(Duration::from_millis(1_500)));
+        assert_eq!(s.paused(), 0);
+        // No room ever: it goes after max_wait_ms.
+        drop(s.begin_turn(&a, 3, None, 5_000, crate::clock::now_ms()));
+        drop(s.begin_turn(&a, 4, None, 5_000, crate::clock::now_ms() + 10));
+        assert!(s.must_pause(&a, 4, 8_000));
+        let started = tokio::time::Instant::now();
+        assert_eq!(s.pause_if_over(&a, 4, 8_000).await, Some(Duration::from_millis(10_000)));
+        assert_eq!(started.elapsed(), Duration::from_millis(10_000));
     }
 
     #[test]

@@ -97,6 +97,30 @@ pub fn verdict(rooms: &[Room], tokens: u64, min_tokens: u64) -> Verdict {
     }
 }
 
+/// One resident session as the pause sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Occupant {
+    /// When it arrived here (its first turn), ms.
+    pub arrived_ms: u64,
+    /// Its context now, tokens.
+    pub tokens: u64,
+}
+
+/// Whether the next turn of `me` (a resident of `room`'s replica, now at
+/// `tokens` of context) must pause: the residents' contexts with this turn
+/// exceed the replica's capacity, and `me` is the youngest there. Pausing
+/// the youngest keeps the older sessions warm; pausing all would thrash
+/// every one. `others` are the other residents. Unknown capacity: never.
+pub fn must_pause(room: &Room, me: Occupant, others: impl IntoIterator<Item = Occupant>) -> bool {
+    let Some(capacity) = room.capacity else { return false };
+    let (mut taken, mut youngest) = (room.footprint(me.tokens), true);
+    for o in others {
+        taken += room.footprint(o.tokens);
+        youngest &= o.arrived_ms <= me.arrived_ms;
+    }
+    taken > capacity && youngest
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -135,6 +159,24 @@ mod tests {
         let small_pool = [room(3_072, 3_000), room(3_072, 2_900)];
         assert_eq!(verdict(&small_pool, 150, default_min_tokens(&small_pool)), Verdict::Admit);
         assert_eq!(verdict(&small_pool, 1_200, default_min_tokens(&small_pool)), Verdict::Hold);
+    }
+
+    #[test]
+    fn only_the_youngest_resident_pauses_and_only_over_the_pool() {
+        let pool = room(12_000, 0);
+        let at = |arrived_ms, tokens| Occupant { arrived_ms, tokens };
+        // Three sessions at 4,000 fit; the youngest growing to 5,000 crosses the pool.
+        assert!(!must_pause(&pool, at(3, 4_000), [at(1, 4_000), at(2, 4_000)]));
+        assert!(must_pause(&pool, at(3, 5_000), [at(1, 4_000), at(2, 4_000)]));
+        // An older one crossing it does not pause: the youngest will.
+        assert!(!must_pause(&pool, at(2, 5_000), [at(1, 4_000), at(3, 4_000)]));
+        // Room opened (the oldest idled out): the youngest goes on.
+        assert!(!must_pause(&pool, at(3, 5_000), [at(2, 4_000)]));
+        let unknown = Room { capacity: None, taken: 0, slot_tokens: None };
+        assert!(!must_pause(&unknown, at(3, 50_000), [at(1, 4_000)]));
+        // On one-slot llama.cpp replicas, a second conversation never fits beside the first.
+        let slot = Room { capacity: Some(8_192), taken: 0, slot_tokens: Some(8_192) };
+        assert!(must_pause(&slot, at(2, 100), [at(1, 100)]));
     }
 
     #[test]

@@ -348,3 +348,52 @@ async fn new_sessions_are_admitted_at_what_their_kind_grew_to() {
     assert!(held_ms(&fourth).is_some_and(|ms| ms > 0), "it says it waited");
     gw.stop().await;
 }
+
+/// Issue 31: when a replica's sessions outgrow its KV anyway (nothing
+/// learned yet), the youngest one's next turn pauses at its boundary until
+/// room opens, and says so; the older one's turns go on, never paused.
+#[actix_web::test]
+async fn the_youngest_sessions_turn_pauses_when_its_replica_is_over_its_pool_and_resumes_when_room_opens() {
+    let a = start_sim("a", card()).await;
+    let gw = start_gateway(holding(&[&a], 10_000, 8)).await;
+    capacity_read(&gw).await;
+    // Turn n of a family: its own ~6,000-token prompt, then 3,000 new tokens a turn.
+    let turn = |family: &str, n: usize| {
+        let mut m = vec![("system".to_string(), text(family, 6_000)), ("user".to_string(), "go".to_string())];
+        for i in 1..n {
+            m.push(("assistant".into(), format!("step {i}")));
+            m.push(("user".into(), text(&format!("{family} output {i}"), 3_000)));
+        }
+        m
+    };
+    let send = |family: &'static str, n: usize| {
+        let (base, m) = (gw.base.clone(), turn(family, n));
+        actix_web::rt::spawn(async move {
+            let refs: Vec<(&str, &str)> = m.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
+            post(&format!("{base}/v1/chat/completions"), &chat_body(&refs, json!({}))).await
+        })
+    };
+    // Both fit at first: ~6,000 + ~6,000 of 20,000.
+    for r in [send("older", 1).await.unwrap(), send("younger", 1).await.unwrap()] {
+        assert_eq!((r.status, held_ms(&r)), (200, None));
+    }
+    // The older grows to ~9,000: still within the pool, nobody pauses.
+    let r = send("older", 2).await.unwrap();
+    assert_eq!((r.status, held_ms(&r)), (200, None));
+    // The younger's next turn (~12,000) would cross it: it pauses.
+    let younger = send("younger", 3);
+    wait_until("the younger paused", Duration::from_secs(5), || gw.gw.sessions.paused() == 1).await;
+    // The older goes on meanwhile: it is not the youngest, it never pauses.
+    let r = send("older", 3).await.unwrap();
+    assert_eq!((r.status, held_ms(&r)), (200, None), "an older session's turn never pauses");
+    assert!(!younger.is_finished(), "still paused while the older one is resident");
+    // The older stops; once it idles out, room opens and the younger goes, warm.
+    let younger = younger.await.unwrap();
+    assert_eq!(younger.status, 200);
+    assert!(held_ms(&younger).is_some_and(|ms| ms >= 300), "it says it paused: {:?}", held_ms(&younger));
+    assert_eq!(gw.gw.events.count(prefixgate::events::EventKind::SessionPaused), 1);
+    assert!(cached_tokens(&younger) > 0, "it resumed where its prefix was");
+    let metrics = gw.gw.metrics.encode();
+    assert!(metrics.contains("prefixgate_session_turns_paused_total 1"), "the pause is counted");
+    gw.stop().await;
+}
