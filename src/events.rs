@@ -65,6 +65,9 @@ pub enum EventKind {
     /// A resident session's turn waited at its boundary: its replica's
     /// sessions outgrew its KV, and it was the youngest there.
     SessionPaused,
+    /// A pinned turn's receipt showed its replica lost the session's prefix:
+    /// the replica takes no new session above the load it was lost at.
+    KvWallSeen,
 }
 
 impl std::str::FromStr for EventKind {

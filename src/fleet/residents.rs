@@ -66,7 +66,26 @@ pub struct Residents {
     /// With a shared store: the footprints of every instance's live
     /// sessions here, as last read (`store.session_loads`).
     fleet_load: AtomicU64,
+    /// The load (tokens of resident context) at which this replica was seen
+    /// to lose a resident session's prefix: its wall in practice, whatever
+    /// its capacity says (0: none seen). Receipts set and raise it.
+    wall: AtomicU64,
 }
+
+/// What a pinned turn's receipt says about its replica.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Receipt {
+    /// The turn found less than half the prefix it should have: the
+    /// replica did not keep the session (at `load` tokens resident).
+    Lost { load: u64 },
+    /// The turn found its prefix: the replica holds `load` tokens resident.
+    Kept { load: u64 },
+    /// Too small to say, or in between.
+    Unclear,
+}
+
+/// A receipt below this many predicted cached tokens says nothing.
+pub const MIN_RECEIPT_TOKENS: u64 = 256;
 
 impl Residents {
     /// The sessions resident here. `Sessions` takes its own lock first,
@@ -82,11 +101,59 @@ impl Residents {
     pub fn set_fleet_load(&self, tokens: u64) {
         self.fleet_load.store(tokens, Ordering::Relaxed);
     }
+
+    /// The wall receipts found (None: none seen).
+    pub fn wall(&self) -> Option<u64> {
+        Some(self.wall.load(Ordering::Relaxed)).filter(|w| *w > 0)
+    }
+
+    /// Reads a pinned turn's receipt: `predicted` cached tokens (the prefix
+    /// it should have found on its home) against the `cached` tokens the
+    /// engine reported. A lost prefix lowers the wall to the load it was
+    /// lost at (the replica takes no new session above it); a kept one at
+    /// a higher load raises it. Returns what it read.
+    pub fn receipt(&self, predicted: u64, cached: u64) -> Receipt {
+        if predicted < MIN_RECEIPT_TOKENS {
+            return Receipt::Unclear;
+        }
+        let load: u64 = self.lock().values().map(|r| r.tokens).sum();
+        if cached.saturating_mul(2) < predicted {
+            let _ = self.wall.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| match w {
+                0 => Some(load),
+                w => Some(w.min(load)),
+            });
+            Receipt::Lost { load }
+        } else if cached.saturating_mul(10) >= predicted.saturating_mul(9) {
+            let _ =
+                self.wall.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| (w > 0 && load > w).then_some(load));
+            Receipt::Kept { load }
+        } else {
+            Receipt::Unclear
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lost_prefix_sets_the_wall_at_the_load_it_was_lost_at_and_a_kept_one_raises_it() {
+        let r = Residents::default();
+        r.lock().insert(1, Resident { tokens: 6_000, ..Default::default() });
+        r.lock().insert(2, Resident { tokens: 5_000, ..Default::default() });
+        assert_eq!(r.receipt(100, 0), Receipt::Unclear, "too small to say");
+        assert_eq!(r.receipt(5_000, 4_900), Receipt::Kept { load: 11_000 });
+        assert_eq!(r.wall(), None, "no loss seen: no wall");
+        assert_eq!(r.receipt(5_000, 1_000), Receipt::Lost { load: 11_000 });
+        assert_eq!(r.wall(), Some(11_000));
+        r.lock().insert(3, Resident { tokens: 2_000, ..Default::default() });
+        assert_eq!(r.receipt(5_000, 5_000), Receipt::Kept { load: 13_000 });
+        assert_eq!(r.wall(), Some(13_000), "kept at a higher load: the wall is higher");
+        r.lock().remove(&3);
+        assert_eq!(r.receipt(5_000, 0), Receipt::Lost { load: 11_000 });
+        assert_eq!(r.wall(), Some(11_000));
+    }
 
     #[test]
     fn the_idle_out_is_a_few_times_the_longest_gap_between_a_floor_and_idle_ms() {

@@ -279,6 +279,7 @@ async fn forward_request(
                     metrics,
                     reason,
                     status: resp.status().as_u16(),
+                    predicted_cached,
                     started,
                     prompt_bytes: shape.prompt_bytes,
                     held: (guard, permit, ticket, turn),

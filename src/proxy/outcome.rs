@@ -270,6 +270,24 @@ impl OutcomeRecorder {
 }
 
 impl OutcomeRecorder {
+    /// Reads a pinned turn's receipt: a prefix its home lost means the
+    /// replica is over its wall in practice. It then takes no new session
+    /// above the load it lost it at (`Residents::receipt`); said once per
+    /// lowering, in history and the log.
+    fn receipt(&self, replica: &Replica, predicted: u64, cached: u64) {
+        let before = replica.residents.wall();
+        if let crate::fleet::residents::Receipt::Lost { load } = replica.residents.receipt(predicted, cached) {
+            if before.is_none_or(|w| load < w) {
+                let detail = format!(
+                    "a pinned turn found {cached} of ~{predicted} cached tokens at ~{load} tokens resident: \
+                     the replica did not keep the session; no new session above that load"
+                );
+                tracing::warn!(replica = %replica.id, "{detail}");
+                self.events.record(EventKind::KvWallSeen, Some(&replica.id), None, detail);
+            }
+        }
+    }
+
     /// A response the replica stored (Responses API): follow-ups naming it
     /// must come back here. Persisted like any pin.
     pub fn stored_response(&self, id: &str, replica: &Arc<str>) {
@@ -301,6 +319,9 @@ pub struct Outcome {
     pub metrics: Rc<RouteMetrics>,
     pub reason: RouteReason,
     pub status: u16,
+    /// The cached tokens a pinned turn should find on its home: with what
+    /// the engine reports, its receipt (did the replica keep the session?).
+    pub predicted_cached: Option<u64>,
     pub started: Instant,
     pub prompt_bytes: usize,
     pub held: Held,
@@ -348,6 +369,9 @@ impl BodyEnd for Outcome {
             if measured.is_some() { &m.measured } else { &m.unmeasured }.inc();
             if let Some(u) = measured {
                 self.replica().calibration.calibrate(self.prompt_bytes, u.prompt_tokens);
+                if let (Some(predicted), Some(cached)) = (self.predicted_cached, u.cached_tokens) {
+                    self.recorder.receipt(self.replica(), predicted, cached);
+                }
                 route.prompt_tokens.inc_by(u.prompt_tokens);
                 route.cached_tokens.inc_by(u.cached_tokens.unwrap_or(0));
             }

@@ -358,7 +358,12 @@ impl Sessions {
         let slot_tokens = r.slot_tokens();
         let shape = Room { capacity: None, taken: 0, slot_tokens };
         let here: u64 = r.residents.lock().values().map(|s| shape.footprint(s.counted_tokens())).sum();
-        Room { capacity: r.kv_capacity(), taken: here.max(r.residents.fleet_load()), slot_tokens }
+        // A wall its receipts found is its capacity in practice, if lower.
+        let capacity = match (r.kv_capacity(), r.residents.wall()) {
+            (Some(c), Some(w)) => Some(c.min(w)),
+            (c, _) => c,
+        };
+        Room { capacity, taken: here.max(r.residents.fleet_load()), slot_tokens }
     }
 
     /// Reads every instance's session loads on `replicas` from a shared
@@ -444,11 +449,12 @@ impl Sessions {
         let shape = Room { capacity: Some(capacity), taken: 0, slot_tokens: replica.slot_tokens() };
         let on = replica.residents.lock();
         let Some(me) = on.get(&session) else { return false };
-        let me = room::Occupant { arrived_ms: me.arrived_ms, tokens: tokens.max(me.tokens) };
-        let others = on
-            .iter()
-            .filter(|(s, _)| **s != session)
-            .map(|(_, r)| room::Occupant { arrived_ms: r.arrived_ms, tokens: r.tokens });
+        let me = room::Occupant { arrived_ms: me.arrived_ms, id: session, tokens: tokens.max(me.tokens) };
+        let others = on.iter().filter(|(s, _)| **s != session).map(|(s, r)| room::Occupant {
+            arrived_ms: r.arrived_ms,
+            id: *s,
+            tokens: r.tokens,
+        });
         room::must_pause(&shape, me, others)
     }
 

@@ -102,6 +102,10 @@ pub fn verdict(rooms: &[Room], tokens: u64, min_tokens: u64) -> Verdict {
 pub struct Occupant {
     /// When it arrived here (its first turn), ms.
     pub arrived_ms: u64,
+    /// Its id: sessions that arrived in the same millisecond are ordered by
+    /// it, so exactly one of them is the youngest (two "youngest" sessions
+    /// would pause each other until `max_wait_ms`).
+    pub id: u128,
     /// Its context now, tokens.
     pub tokens: u64,
 }
@@ -116,7 +120,7 @@ pub fn must_pause(room: &Room, me: Occupant, others: impl IntoIterator<Item = Oc
     let (mut taken, mut youngest) = (room.footprint(me.tokens), true);
     for o in others {
         taken += room.footprint(o.tokens);
-        youngest &= o.arrived_ms <= me.arrived_ms;
+        youngest &= (o.arrived_ms, o.id) < (me.arrived_ms, me.id);
     }
     taken > capacity && youngest
 }
@@ -164,7 +168,7 @@ mod tests {
     #[test]
     fn only_the_youngest_resident_pauses_and_only_over_the_pool() {
         let pool = room(12_000, 0);
-        let at = |arrived_ms, tokens| Occupant { arrived_ms, tokens };
+        let at = |arrived_ms, tokens| Occupant { arrived_ms, id: u128::from(arrived_ms), tokens };
         // Three sessions at 4,000 fit; the youngest growing to 5,000 crosses the pool.
         assert!(!must_pause(&pool, at(3, 4_000), [at(1, 4_000), at(2, 4_000)]));
         assert!(must_pause(&pool, at(3, 5_000), [at(1, 4_000), at(2, 4_000)]));
@@ -177,6 +181,10 @@ mod tests {
         // On one-slot llama.cpp replicas, a second conversation never fits beside the first.
         let slot = Room { capacity: Some(8_192), taken: 0, slot_tokens: Some(8_192) };
         assert!(must_pause(&slot, at(2, 100), [at(1, 100)]));
+        // Two that arrived in the same millisecond: exactly one pauses.
+        let (x, y) =
+            (Occupant { arrived_ms: 5, id: 1, tokens: 7_000 }, Occupant { arrived_ms: 5, id: 2, tokens: 7_000 });
+        assert!(must_pause(&pool, y, [x]) != must_pause(&pool, x, [y]));
     }
 
     #[test]

@@ -397,3 +397,43 @@ async fn the_youngest_sessions_turn_pauses_when_its_replica_is_over_its_pool_and
     assert!(metrics.contains("prefixgate_session_turns_paused_total 1"), "the pause is counted");
     gw.stop().await;
 }
+
+/// Issue 31: the engine's own word. A pinned turn that finds almost none of
+/// the prefix it should have (a one-shot evicted it) shows the replica did
+/// not keep the session: it takes no new session above that load, though
+/// its capacity says there is room, until room opens below it.
+#[actix_web::test]
+async fn a_receipt_that_shows_a_lost_prefix_closes_the_replica_to_new_sessions() {
+    let a = start_sim("a", card()).await;
+    let gw = start_gateway(holding(&[&a], 10_000, 8)).await;
+    capacity_read(&gw).await;
+    let first = send(&gw, "kept", 1).await;
+    assert_eq!(first.status, 200);
+    // A one-shot of ~19,000 tokens: the 20,000-token pool evicts the session's prefix.
+    let one_shot = chat(&gw, &[("user", &text("a large one-shot", 19_000))]).await;
+    assert_eq!(one_shot.status, 200);
+    let second = send(&gw, "kept", 2).await;
+    assert_eq!((second.status, second.route.as_str()), (200, "pinned"));
+    assert!(cached_tokens(&second) < 1_000, "the prefix was lost: {} cached", cached_tokens(&second));
+    assert_eq!(events_of(&gw, prefixgate::events::EventKind::KvWallSeen), 1);
+    let wall = gw.gw.fleet.get("a").unwrap().residents.wall().expect("a wall seen");
+    assert!((12_000..13_000).contains(&wall), "the load it was lost at: {wall}");
+    // A new ~6,000-token session would fit the capacity (20,000), not the wall.
+    let newcomer = spawn_turn_of(&gw, "newcomer", 6_000);
+    wait_until("the newcomer held", Duration::from_secs(5), || gw.gw.sessions.held() == 1).await;
+    // The session idles out below the wall: room opens, the newcomer goes.
+    let newcomer = newcomer.await.unwrap();
+    assert_eq!(newcomer.status, 200);
+    assert!(held_ms(&newcomer).is_some());
+    gw.stop().await;
+}
+
+/// A family's first turn of about `tokens`, sent on its own task (it may be held).
+fn spawn_turn_of(gw: &Gw, family: &'static str, tokens: usize) -> actix_web::rt::task::JoinHandle<Reply> {
+    let base = gw.base.clone();
+    actix_web::rt::spawn(async move {
+        let m = [("system", text(family, tokens)), ("user", format!("{family} task"))];
+        let refs: Vec<(&str, &str)> = m.iter().map(|(r, c)| (*r, c.as_str())).collect();
+        post(&format!("{base}/v1/chat/completions"), &chat_body(&refs, json!({}))).await
+    })
+}
