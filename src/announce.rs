@@ -38,15 +38,15 @@ pub struct Announcer {
 
 impl Announcer {
     /// Starts the publishing task for a shared store (on the store's own
-    /// runtime, `store::background`); for any other store, an announcer
-    /// that does nothing.
+    /// runtime, `Store::runtime`); for any other store, an announcer that
+    /// does nothing.
     pub fn start(store: &Arc<dyn Store>, metrics: Arc<Metrics>) -> Announcer {
-        if store.instance().is_none() {
+        let Some(runtime) = store.runtime() else {
             return Announcer { queue: None, metrics };
-        }
+        };
         let (tx, rx) = channel(QUEUE);
-        let (store, counts) = (store.clone(), metrics.clone());
-        crate::store::background().spawn(async move { publish(rx, &*store, &counts).await });
+        let (task_store, counts) = (store.clone(), metrics.clone());
+        runtime.spawn(async move { publish(rx, &*task_store, &counts).await });
         Announcer { queue: Some(tx), metrics }
     }
 
@@ -142,6 +142,11 @@ mod tests {
         }
         fn instance(&self) -> Option<&str> {
             Some("me")
+        }
+        fn runtime(&self) -> Option<&tokio::runtime::Handle> {
+            static RUNTIME: std::sync::LazyLock<crate::store::OwnRuntime> =
+                std::sync::LazyLock::new(|| crate::store::OwnRuntime::start("test-store").unwrap());
+            Some(RUNTIME.handle())
         }
         async fn publish_pins(&self, changes: &[PinChange]) -> Result<(), StoreError> {
             drop(self.gate.lock().await);

@@ -117,8 +117,8 @@ async fn resync(operator: &Operator) -> Result<(), StoreError> {
 /// shared): a task applies each change the store's listener hears, until the
 /// gateway is gone.
 pub fn follow(follower: Arc<Follower>, store: &dyn Store) {
-    let Some(mut changes) = store.subscribe() else { return };
-    crate::store::background().spawn(async move {
+    let (Some(mut changes), Some(runtime)) = (store.subscribe(), store.runtime()) else { return };
+    runtime.spawn(async move {
         while let Some(change) = changes.recv().await {
             if !follower.apply(change).await {
                 return;

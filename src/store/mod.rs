@@ -215,25 +215,39 @@ pub trait Store: Send + Sync {
     fn subscribe(&self) -> Option<tokio::sync::mpsc::Receiver<Change>> {
         None
     }
+    /// Where the shared store's own tasks run (`OwnRuntime`): shared stores
+    /// only (the others have no tasks: nobody to tell, nothing to hear).
+    fn runtime(&self) -> Option<&tokio::runtime::Handle> {
+        None
+    }
 }
 
-/// The runtime the shared store's own tasks run on: announcing new pins,
-/// listening to the other instances, applying what they say. A pin
-/// announced here is on the critical path of an agent's next turn at
-/// another instance, a pub/sub hop later: on a thread of its own, neither
-/// the workers' load nor the main thread's tasks (the prober, the flusher)
-/// delay it. One per process, made when a shared store first needs it.
-pub fn background() -> &'static tokio::runtime::Handle {
-    static RUNTIME: std::sync::LazyLock<tokio::runtime::Handle> = std::sync::LazyLock::new(|| {
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
+/// A runtime on a thread of its own, for a shared store's own tasks:
+/// announcing new pins, listening to the other instances, applying what
+/// they say. A pin announced there is on the critical path of an agent's
+/// next turn at another instance, a pub/sub hop later: on its own thread,
+/// neither the workers' load nor the main thread's tasks (the prober, the
+/// flusher) delay it. The thread ends when the last handle to it is dropped
+/// (with its store).
+pub struct OwnRuntime {
+    handle: tokio::runtime::Handle,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+impl OwnRuntime {
+    pub fn start(name: &str) -> std::io::Result<OwnRuntime> {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         let handle = runtime.handle().clone();
-        std::thread::Builder::new()
-            .name("prefixgate-store".into())
-            .spawn(move || runtime.block_on(std::future::pending::<()>()))
-            .expect("a thread for the store's tasks");
-        handle
-    });
-    &RUNTIME
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        std::thread::Builder::new().name(name.into()).spawn(move || {
+            let _ = runtime.block_on(stopped);
+        })?;
+        Ok(OwnRuntime { handle, _stop: stop })
+    }
+
+    pub fn handle(&self) -> &tokio::runtime::Handle {
+        &self.handle
+    }
 }
 
 /// The operator's state of a discovered replica is the setting of this

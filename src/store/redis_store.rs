@@ -60,6 +60,8 @@ pub struct RedisStore {
     reader: Slot,
     instance: String,
     new: bool,
+    /// Where its listener, and the gateway's announcer and follower, run.
+    runtime: std::sync::Arc<super::OwnRuntime>,
 }
 
 impl From<redis::RedisError> for StoreError {
@@ -149,6 +151,10 @@ impl RedisStore {
             reader: Slot::default(),
             instance: instance.to_string(),
             new: false,
+            runtime: std::sync::Arc::new(
+                super::OwnRuntime::start("prefixgate-store")
+                    .map_err(|e| StoreError::Backend(format!("cannot start the store's thread: {e}")))?,
+            ),
         };
         let created: bool = store
             .run(|mut c| async move {
@@ -405,6 +411,10 @@ impl Store for RedisStore {
         Some(&self.instance)
     }
 
+    fn runtime(&self) -> Option<&tokio::runtime::Handle> {
+        Some(self.runtime.handle())
+    }
+
     async fn heartbeat(&self, beat: &InstanceBeat) -> Result<(), StoreError> {
         let v = serde_json::to_string(beat).expect("serializable");
         let name = beat.instance.clone();
@@ -511,7 +521,7 @@ impl Store for RedisStore {
     fn subscribe(&self) -> Option<mpsc::Receiver<Change>> {
         let (tx, rx) = mpsc::channel(1024);
         let (source, me) = (self.source.clone(), self.instance.clone());
-        super::background().spawn(async move {
+        self.runtime.handle().spawn(async move {
             loop {
                 match listen(&source, &me, &tx).await {
                     Ok(()) => return,
