@@ -14,16 +14,18 @@
 # Settings: sessions.idle_ms=1000, sessions.hold_min_tokens=512.
 # Prints each arm's wall time and the bench report (warm p50/p90, cached).
 # BIN=path/to/prefixgate runs that build instead of building this tree.
-# Never run in CI. Usage: [FAMILIES=4 TIME_SCALE=0.25 SIM_KV=12000] bench/sim-wall.sh
+# Never run in CI. Usage: [FAMILIES=4 TIME_SCALE=1 SIM_KV=12000 PREFILL_TPS=4100 DECODE_TPS=40] bench/sim-wall.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-FAMILIES=${FAMILIES:-4}; TIME_SCALE=${TIME_SCALE:-0.25}; SIM_KV=${SIM_KV:-12000}
+FAMILIES=${FAMILIES:-4}; TIME_SCALE=${TIME_SCALE:-1}; SIM_KV=${SIM_KV:-12000}
+# The simulated card's defaults (the seed's): prefill 4,100 tokens/s, decode 40.
+PREFILL_TPS=${PREFILL_TPS:-4100}; DECODE_TPS=${DECODE_TPS:-40}
 if [ -z "${BIN:-}" ]; then cargo build --release -q; fi
 bin=${BIN:-$PWD/target/release/prefixgate}
 source bench/lib.sh
 bench_init
 for i in 0 1; do
-  start_sim "s$i" --kv-tokens "$SIM_KV" --prefill-tps 2000 --decode-tps 40 --time-scale "$TIME_SCALE"
+  start_sim "s$i" --kv-tokens "$SIM_KV" --prefill-tps "$PREFILL_TPS" --decode-tps "$DECODE_TPS" --time-scale "$TIME_SCALE"
 done
 reps="--replica s0=${SIM_URL[s0]} --replica s1=${SIM_URL[s1]}"
 common=(--set sessions.idle_ms=1000 --set sessions.hold_min_tokens=512)

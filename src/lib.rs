@@ -175,13 +175,30 @@ fn spawn_background(state: &Arc<AppState>, admin_addr: SocketAddr) -> Background
     });
     // Sessions idle out, and the held look at the room again (capacity read
     // by the prober, replicas added, other instances' pins).
+    // A session of this instance's that idled out is given back to the
+    // fleet at once (a shared store): the others' held sessions need not
+    // wait for its entry to expire.
     let sessions = actix_web::rt::spawn({
-        let sessions = state.sessions.clone();
+        let (sessions, store) = (state.sessions.clone(), state.store.clone());
         async move {
             loop {
                 tokio::time::sleep(sessions::RECHECK).await;
-                if !sessions.sweep(clock::now_ms()) && sessions.held() > 0 {
+                let swept = sessions.sweep(clock::now_ms());
+                if !swept.any && sessions.held() > 0 {
                     sessions.recheck();
+                }
+                if store.instance().is_some() && !swept.released.is_empty() {
+                    let released: Vec<(String, String)> =
+                        swept.released.iter().map(|(r, s)| (r.to_string(), format!("{s:032x}"))).collect();
+                    let store = store.clone();
+                    actix_web::rt::spawn(async move {
+                        if let Err(e) = store.release_sessions(&released).await {
+                            tracing::debug!(
+                                "could not release {} session(s) at once (they expire): {e}",
+                                released.len()
+                            );
+                        }
+                    });
                 }
             }
         }

@@ -62,6 +62,18 @@ impl Follower {
                 operator.events.insert_remote(event);
                 Ok(())
             }
+            Change::SessionsReleased { sessions, sent_us } => {
+                for (replica, session) in sessions {
+                    if let Ok(session) = u128::from_str_radix(&session, 16) {
+                        operator.sessions.released_elsewhere(&replica, session);
+                    }
+                }
+                if sent_us > 0 {
+                    let delay = crate::store::now_us().saturating_sub(sent_us);
+                    metrics.propagation.observe(delay as f64 / 1e6);
+                }
+                Ok(())
+            }
             Change::Lost => {
                 self.resync.store(true, Ordering::Release);
                 return true;

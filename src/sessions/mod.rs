@@ -132,6 +132,15 @@ pub struct Sessions {
     waits: Mutex<WaitStats>,
 }
 
+/// What a sweep did.
+#[derive(Debug, Default)]
+pub struct Swept {
+    /// Any session went (room may have opened).
+    pub any: bool,
+    /// This instance's own sessions that idled out, by replica.
+    pub released: Vec<(Arc<str>, PrefixKey)>,
+}
+
 /// Waits of held sessions, since start.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct WaitStats {
@@ -319,11 +328,13 @@ impl Sessions {
     }
 
     /// Forgets the sessions idle for longer than their idle-out
-    /// (`Resident::idle_after_ms`), and those whose replica left; true when any went (room opened: the held are told).
-    pub fn sweep(&self, now_ms: u64) -> bool {
+    /// (`Resident::idle_after_ms`), and those whose replica left (room
+    /// opened: the held are told). Says which of this instance's own went,
+    /// for the other instances to hear at once (`Store::release_sessions`).
+    pub fn sweep(&self, now_ms: u64) -> Swept {
         let idle_ms = self.settings.idle_ms;
         let mut gone = false;
-        let mut ended = Vec::new();
+        let (mut ended, mut released) = (Vec::new(), Vec::new());
         self.lock().home.retain(|session, home| {
             let Some(replica) = home.upgrade() else {
                 gone = true;
@@ -334,7 +345,12 @@ impl Sessions {
                 .get(session)
                 .is_none_or(|r| r.running == 0 && now_ms.saturating_sub(r.last_ms) > r.idle_after_ms(idle_ms));
             if idle {
-                ended.extend(on.remove(session));
+                if let Some(r) = on.remove(session) {
+                    if r.ours {
+                        released.push((replica.id.clone(), *session));
+                    }
+                    ended.push(r);
+                }
                 gone = true;
             }
             !idle
@@ -348,7 +364,23 @@ impl Sessions {
         if gone {
             self.changed.notify_waiters();
         }
-        gone
+        Swept { any: gone, released }
+    }
+
+    /// Another instance released `session` on `replica` (it idled out
+    /// there, the last to serve it): it leaves here too unless a turn of it
+    /// runs here now, and the held look at the room again.
+    pub fn released_elsewhere(&self, replica: &str, session: PrefixKey) {
+        let mut state = self.lock();
+        let Some(home) = state.home_of(session).filter(|r| &*r.id == replica) else { return };
+        let mut on = home.residents.lock();
+        if on.get(&session).is_some_and(|r| r.running == 0) {
+            on.remove(&session);
+            drop(on);
+            state.home.remove(&session);
+            drop(state);
+            self.changed.notify_waiters();
+        }
     }
 
     /// The room `r` has for new sessions now: its capacity, and the
@@ -595,11 +627,11 @@ mod tests {
         let a = replica("a");
         let turn = s.begin_turn(&a, 7, None, 500, 0);
         assert_eq!(Sessions::resident(&a), ResidentFigures { sessions: 1, tokens: 500, counted_tokens: 500 });
-        assert!(!s.sweep(5_000), "mid-turn: never idle");
+        assert!(!s.sweep(5_000).any, "mid-turn: never idle");
         drop(turn);
         let ended = crate::clock::now_ms();
-        assert!(!s.sweep(ended + 500));
-        assert!(s.sweep(ended + 1_001));
+        assert!(!s.sweep(ended + 500).any);
+        assert!(s.sweep(ended + 1_001).any);
         assert_eq!((Sessions::resident(&a).sessions, s.len()), (0, 0));
     }
 
@@ -611,15 +643,15 @@ mod tests {
         drop(s.begin_turn(&a, 1, None, 500, crate::clock::now_ms()));
         let last = crate::clock::now_ms() + 2_000;
         drop(s.begin_turn(&a, 1, None, 600, last));
-        assert!(!s.sweep(last + 5_900));
-        assert!(s.sweep(last + 6_100));
+        assert!(!s.sweep(last + 5_900).any);
+        assert!(s.sweep(last + 6_100).any);
         assert!(!s.is_resident(1));
         // A loop that returns at once: gone soon after it stops, at the floor.
         drop(s.begin_turn(&a, 2, None, 500, crate::clock::now_ms()));
         let last = crate::clock::now_ms() + 10;
         drop(s.begin_turn(&a, 2, None, 600, last));
-        assert!(!s.sweep(last + crate::fleet::residents::MIN_IDLE_MS - 50));
-        assert!(s.sweep(last + crate::fleet::residents::MIN_IDLE_MS + 50));
+        assert!(!s.sweep(last + crate::fleet::residents::MIN_IDLE_MS - 50).any);
+        assert!(s.sweep(last + crate::fleet::residents::MIN_IDLE_MS + 50).any);
         // Its entry in a shared store lives exactly that long, plus the flusher's slack.
         drop(s.begin_turn(&a, 3, None, 500, crate::clock::now_ms()));
         let last = crate::clock::now_ms() + 1_000;
@@ -642,7 +674,7 @@ mod tests {
             drop(s.begin_turn(&a, 1, link, tokens, start + i as u64));
         }
         assert_eq!(s.room_of(&a).left(), Some(3_000));
-        assert!(s.sweep(crate::clock::now_ms() + 60_000));
+        assert!(s.sweep(crate::clock::now_ms() + 60_000).any);
         assert_eq!(s.project(link), Some(9_000));
         assert_eq!(s.project(Some(7)), Some(9_000), "another link: the fleet's");
         // A new session of that link counts at 9,000 from its first 2,000-token turn.
@@ -673,7 +705,7 @@ mod tests {
         });
         tokio::time::sleep(Duration::from_millis(1_500)).await;
         assert_eq!(s.paused(), 1);
-        assert!(s.sweep(crate::clock::now_ms() + 60_000));
+        assert!(s.sweep(crate::clock::now_ms() + 60_000).any);
         assert!(s.is_resident(2) && !s.is_resident(1), "the older idled out; the paused one, busy, did not");
         assert_eq!(paused.await.unwrap(), Some(Duration::from_millis(1_500)));
         assert_eq!(s.paused(), 0);
@@ -703,7 +735,7 @@ mod tests {
         drop(a);
         assert!(gone.upgrade().is_none());
         assert_eq!((s.is_resident(2), s.is_resident(1)), (false, true));
-        assert!(s.sweep(crate::clock::now_ms()), "the sweep drops the sessions whose replica left");
+        assert!(s.sweep(crate::clock::now_ms()).any, "the sweep drops the sessions whose replica left");
         assert_eq!(s.len(), 1);
     }
 

@@ -83,6 +83,14 @@ pub enum Change {
     Setting { name: String },
     /// An event another instance recorded.
     Event { event: Event },
+    /// Sessions that idled out on the instance that served them last,
+    /// (replica, session as 32 hex digits), and when that was announced
+    /// (microseconds since the epoch): their room is free fleet-wide now.
+    SessionsReleased {
+        sessions: Vec<(String, String)>,
+        #[serde(default)]
+        sent_us: u64,
+    },
     /// Never sent: the listener lost its connection and may have missed changes.
     Lost,
     /// Never sent: the listener is idle (a chance to notice nobody listens).
@@ -195,6 +203,14 @@ pub trait Store: Send + Sync {
     /// Keeps this instance's resident sessions where they are, each until it
     /// idles out.
     async fn keep_sessions(&self, _sessions: &[KeptSession]) -> Result<(), StoreError> {
+        Ok(())
+    }
+    /// Gives back the room of this instance's sessions that idled out,
+    /// (replica, session as 32 hex digits), at once and fleet-wide: their
+    /// entries leave the store and the other instances are told, so the
+    /// sessions they hold look at the room again now, not when the entries
+    /// expire (shared stores only).
+    async fn release_sessions(&self, _sessions: &[(String, String)]) -> Result<(), StoreError> {
         Ok(())
     }
     /// Tells the other instances about pin changes at once, without

@@ -497,6 +497,22 @@ impl Store for RedisStore {
         self.run(|mut c| async move { pipe.query_async::<()>(&mut c).await }).await
     }
 
+    /// One pipeline: the entries leave, and one announcement says so.
+    async fn release_sessions(&self, sessions: &[(String, String)]) -> Result<(), StoreError> {
+        if sessions.is_empty() {
+            return Ok(());
+        }
+        let mut pipe = redis::pipe();
+        for (replica, session) in sessions {
+            pipe.zrem(key(&format!("session_until:{replica}")), session).ignore();
+            pipe.hdel(key(&format!("session_tokens:{replica}")), session).ignore();
+        }
+        let change = Change::SessionsReleased { sessions: sessions.to_vec(), sent_us: super::now_us() };
+        let msg = serde_json::to_string(&Envelope { from: self.instance.clone(), change }).expect("serializable");
+        pipe.publish(key("changes"), msg).ignore();
+        self.run_on(&self.publisher, |mut c| async move { pipe.query_async::<()>(&mut c).await }).await
+    }
+
     async fn release_lease(&self, replica: &str, lease: &str) -> Result<(), StoreError> {
         let (leases, lease) = (key(&format!("leases:{replica}")), lease.to_string());
         self.run(|mut c| async move { c.zrem::<_, _, ()>(leases, lease).await }).await

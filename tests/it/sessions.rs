@@ -437,3 +437,45 @@ fn spawn_turn_of(gw: &Gw, family: &'static str, tokens: usize) -> actix_web::rt:
         post(&format!("{base}/v1/chat/completions"), &chat_body(&refs, json!({}))).await
     })
 }
+
+/// Issue 31: a session that idles out on the instance that served it is
+/// given back to the fleet at once: its entry leaves the shared store and
+/// the other instance forgets it within milliseconds, not when the entry
+/// would have expired (a flush interval and `STORE_SLACK_MS` later).
+#[actix_web::test]
+async fn a_released_session_reaches_another_instance_in_milliseconds() {
+    let Some(redis) = crate::shared::Redis::start() else { return };
+    let a = start_sim("a", card()).await;
+    let config = |name: &str| {
+        let mut c = holding(&[&a], 10_000, 8);
+        c.store.url = Some(redis.url.clone());
+        c.store.instance = Some(name.to_string());
+        c.pins.flush_interval_ms = 50;
+        c
+    };
+    let (g1, g2) = (start_gateway(config("gw1")).await, start_gateway(config("gw2")).await);
+    let store = prefixgate::store::open_url(&redis.url, "reader").await.unwrap();
+    let load = || async { store.session_loads(&["a".to_string()]).await.unwrap()[0] };
+    // A session on gw1; gw1 keeps it in the store, and gw2 knows it from its pins.
+    for n in 1..=2 {
+        assert_eq!(send(&g1, "one", n).await.status, 200);
+    }
+    let session = g1.gw.sessions.kept(prefixgate::clock::now_ms())[0].clone();
+    let key = u128::from_str_radix(&session.session, 16).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while load().await == 0 || !g2.gw.sessions.is_resident(key) {
+        assert!(std::time::Instant::now() < deadline, "the session never reached the store and gw2");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // It idles out on gw1 (300 ms after its turn, at most a sweep later).
+    wait_until("idled out on gw1", Duration::from_secs(5), || !g1.gw.sessions.is_resident(key)).await;
+    let released = std::time::Instant::now();
+    assert!(session.until_ms > prefixgate::clock::now_ms() + 500, "its entry would have lived on");
+    // Gone from the store and from gw2 at once, not at its expiry.
+    while load().await != 0 || g2.gw.sessions.is_resident(key) {
+        assert!(released.elapsed() < Duration::from_millis(300), "the release did not propagate at once");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    g1.stop().await;
+    g2.stop().await;
+}
