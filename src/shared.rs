@@ -96,31 +96,21 @@ impl Follower {
 }
 
 async fn resync(operator: &Operator) -> Result<(), StoreError> {
-    let store = &operator.store;
-    let stored = store.replicas().await?;
-    let fleet = operator.fleet.snapshot();
-    if stored.is_empty() && !fleet.is_empty() {
-        // The store came back empty (a Redis restarted without persistence):
-        // its loss is not an operator removing every replica. Put this
-        // instance's state back instead; the flusher rewrites every pin.
-        tracing::warn!("the shared store came back empty; restoring it from this instance's state");
-        for r in fleet.iter().filter(|r| !r.source.is_discovered()) {
-            let (spec, source) = ((**r.spec()).clone(), r.source.clone());
-            store.put_replica(&crate::store::StoredReplica { spec, admin: r.admin(), source }).await?;
-        }
+    if operator.resync_replicas().await? {
+        // The store came back empty: the rest of this instance's state goes
+        // back too; the flusher rewrites every pin.
         operator.persist_discovered_admin().await?;
-        store.put_setting("policy", &serde_json::to_value(operator.policy.get()).expect("serializable")).await?;
+        let policy = serde_json::to_value(operator.policy.get()).expect("serializable");
+        operator.store.put_setting("policy", &policy).await?;
         operator.pins.mark_all_dirty();
     } else {
-        // The list read once above, applied whole (not re-read per replica).
-        operator.apply_stored_replicas(stored).await;
         operator.reload_policy().await?;
         operator.reload_discovered_admin().await?;
     }
     // Read in both cases: an instance that reconnected first may already
     // have written its pins into the emptied store (announced before this
     // listener was back) without having restored the replicas yet.
-    operator.apply_pins(store.pins().await?.into_iter().map(|(k, p)| (k, Some(p))));
+    operator.apply_pins(operator.store.pins().await?.into_iter().map(|(k, p)| (k, Some(p))));
     tracing::info!("re-read the shared state (at start, or after the listener lost its connection)");
     Ok(())
 }

@@ -274,25 +274,42 @@ impl Operator {
         Ok(self.apply_replica(id, stored))
     }
 
-    /// Makes this instance's replicas what `stored` (the store's whole
-    /// list, read once) says: a resync after a lost connection. Replicas
-    /// here that the list lacks were removed elsewhere.
-    pub(crate) async fn apply_stored_replicas(&self, stored: Vec<StoredReplica>) {
+    /// Makes this instance's replicas what the store's whole list says (a
+    /// resync at start or after a lost connection), the list read once and
+    /// applied under the same lock as local actions: an action cannot land
+    /// between the read and the apply and be undone by a stale list.
+    /// Replicas here that the list lacks were removed elsewhere. A store that
+    /// came back empty while this instance has replicas lost its data (a
+    /// Redis restarted without persistence): its replicas are put back
+    /// instead, and true says so.
+    pub(crate) async fn resync_replicas(&self) -> Result<bool, StoreError> {
         let _serial = self.serial().await;
+        let stored = self.store.replicas().await?;
+        let fleet = self.fleet.snapshot_owned();
+        if stored.is_empty() && !fleet.is_empty() {
+            tracing::warn!("the shared store came back empty; restoring it from this instance's state");
+            for r in fleet.iter().filter(|r| !r.source.is_discovered()) {
+                let (spec, source) = ((**r.spec()).clone(), r.source.clone());
+                self.store.put_replica(&StoredReplica { spec, admin: r.admin(), source }).await?;
+            }
+            return Ok(true);
+        }
         let mut stored: std::collections::BTreeMap<String, StoredReplica> =
             stored.into_iter().map(|r| (r.spec.id.clone(), r)).collect();
-        let here: Vec<String> = self.fleet.snapshot().iter().map(|r| r.id.to_string()).collect();
-        for id in here {
-            let s = stored.remove(&id);
-            self.apply_replica(&id, s);
+        for r in fleet.iter() {
+            let s = stored.remove(&*r.id);
+            self.apply_replica(&r.id, s);
         }
         for (id, s) in stored {
             self.apply_replica(&id, Some(s));
         }
+        Ok(false)
     }
 
-    /// Re-reads the policy from the store and applies it.
+    /// Re-reads the policy from the store and applies it, under the lock a
+    /// local change takes (a stale read applied after it would undo it).
     pub(crate) async fn reload_policy(&self) -> Result<(), StoreError> {
+        let _serial = self.serial().await;
         if let Some(v) = self.store.setting("policy").await? {
             let next: PolicySettings = serde_json::from_value(v)
                 .map_err(|e| StoreError::Corrupt { tree: "settings", detail: e.to_string() })?;
