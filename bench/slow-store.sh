@@ -9,18 +9,21 @@
 # store answers), half continuations of one conversation. It prints p50 and
 # p99 per phase and their ratio, then times one admin action (a drain) in
 # each phase: the action waits on the store, requests do not.
+# BIN=path/to/prefixgate runs that build instead of building this tree.
 # Never run in CI. Needs: redis-server, redis-cli, python3, curl.
 # Usage: REQUESTS=2000 DELAY_MS=2000 bench/slow-store.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REQUESTS=${REQUESTS:-2000}; DELAY_MS=${DELAY_MS:-2000}
-cargo build --release -q
-bin=$PWD/target/release/prefixgate
+if [ -z "${BIN:-}" ]; then cargo build --release -q; fi
+bin=${BIN:-$PWD/target/release/prefixgate}
 source bench/lib.sh
 bench_init
 tmp=$BENCH_TMP
-start_sim a --time-scale 0
-start_sim b --time-scale 0
+# Large pools and a short idle-out: the hold places every new session (and
+# asks the store) but never makes one wait, so the store is all that differs.
+start_sim a --time-scale 0 --kv-tokens 10000000
+start_sim b --time-scale 0 --kv-tokens 10000000
 
 redis-server --port 0 --unixsocket "$tmp/redis.sock" --save "" --appendonly no >/dev/null 2>&1 &
 until redis-cli -s "$tmp/redis.sock" ping >/dev/null 2>&1; do sleep 0.1; done
@@ -51,7 +54,7 @@ until (exec 3<>"/dev/tcp/127.0.0.1/$link_port") 2>/dev/null; do sleep 0.1; done
 PREFIXGATE_STORE_INSTANCE=gw0 PREFIXGATE_PINS_FLUSH_INTERVAL_MS=200 \
   start_gateway gw "$bin" --store "redis://127.0.0.1:$link_port" \
   --replica "a=${SIM_URL[a]}" --replica "b=${SIM_URL[b]}" \
-  --set sessions.max_wait_ms=10000 --set sessions.hold_min_tokens=1
+  --set sessions.max_wait_ms=10000 --set sessions.hold_min_tokens=1 --set sessions.idle_ms=500
 wait_replicas_up "${GW_ADMIN[gw]}" 2
 
 # phase NAME: REQUESTS requests; prints the phase's p50 and p99 in ms.
