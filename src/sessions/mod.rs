@@ -503,21 +503,30 @@ impl Sessions {
         let _busy = PausedTurn::start(self, replica, session);
         let started = tokio::time::Instant::now();
         let deadline = started + Duration::from_millis(self.settings.max_wait_ms);
+        self.wait_for(deadline, || !self.must_pause(replica, session, tokens)).await;
+        Some(started.elapsed())
+    }
+
+    /// Waits until `ready` says yes (true) or `deadline` passed (false),
+    /// looking again at every change (`changed`) and every `RECHECK`.
+    async fn wait_for(&self, deadline: tokio::time::Instant, ready: impl Fn() -> bool) -> bool {
         loop {
             // Registered before looking, so a change in between is not missed.
             let changed = self.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
+            if ready() {
+                return true;
+            }
             let now = tokio::time::Instant::now();
-            if !self.must_pause(replica, session, tokens) || now >= deadline {
-                break;
+            if now >= deadline {
+                return false;
             }
             tokio::select! {
                 _ = changed => {}
                 _ = tokio::time::sleep(RECHECK.min(deadline - now)) => {}
             }
         }
-        Some(started.elapsed())
     }
 
     /// Counts one finished wait.
@@ -582,23 +591,10 @@ impl Sessions {
         };
         let started = tokio::time::Instant::now();
         let deadline = started + Duration::from_millis(self.settings.max_wait_ms);
-        loop {
-            // Registered before looking, so a change in between is not missed.
-            let changed = self.changed.notified();
-            tokio::pin!(changed);
-            changed.as_mut().enable();
-            let first = self.lock().held.front() == Some(&ticket.id);
-            if first && admit() {
-                return Ok(Held::Placed(started.elapsed()));
-            }
-            let now = tokio::time::Instant::now();
-            if now >= deadline {
-                return Ok(Held::OverCapacity(started.elapsed()));
-            }
-            tokio::select! {
-                _ = changed => {}
-                _ = tokio::time::sleep(RECHECK.min(deadline - now)) => {}
-            }
+        let first_with_room = || self.lock().held.front() == Some(&ticket.id) && admit();
+        match self.wait_for(deadline, first_with_room).await {
+            true => Ok(Held::Placed(started.elapsed())),
+            false => Ok(Held::OverCapacity(started.elapsed())),
         }
     }
 }

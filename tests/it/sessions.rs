@@ -51,10 +51,14 @@ async fn full_cards(config: impl FnOnce(&mut Config)) -> (Sim, Sim, Gw, Reply, R
 
 /// A family's first turn, sent on its own task (it may be held).
 fn spawn_turn(gw: &Gw, family: &'static str) -> actix_web::rt::task::JoinHandle<Reply> {
+    spawn_chat(gw, turn(family, 1))
+}
+
+/// One chat turn of `messages`, sent on its own task (it may wait).
+fn spawn_chat(gw: &Gw, messages: Vec<(String, String)>) -> actix_web::rt::task::JoinHandle<Reply> {
     let base = gw.base.clone();
     actix_web::rt::spawn(async move {
-        let m = turn(family, 1);
-        let refs: Vec<(&str, &str)> = m.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
+        let refs: Vec<(&str, &str)> = messages.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
         post(&format!("{base}/v1/chat/completions"), &chat_body(&refs, json!({}))).await
     })
 }
@@ -312,13 +316,7 @@ async fn new_sessions_are_admitted_at_what_their_kind_grew_to() {
         }
         m
     };
-    let send = |family: &'static str, n: usize| {
-        let (base, m) = (gw.base.clone(), turn(family, n));
-        actix_web::rt::spawn(async move {
-            let refs: Vec<(&str, &str)> = m.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
-            post(&format!("{base}/v1/chat/completions"), &chat_body(&refs, json!({}))).await
-        })
-    };
+    let send = |family: &str, n: usize| spawn_chat(&gw, turn(family, n));
     // The first agent grows to ~15,000 tokens over four turns, then ends.
     for n in 1..=4 {
         assert_eq!(send("first", n).await.unwrap().status, 200);
@@ -366,13 +364,7 @@ async fn the_youngest_sessions_turn_pauses_when_its_replica_is_over_its_pool_and
         }
         m
     };
-    let send = |family: &'static str, n: usize| {
-        let (base, m) = (gw.base.clone(), turn(family, n));
-        actix_web::rt::spawn(async move {
-            let refs: Vec<(&str, &str)> = m.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
-            post(&format!("{base}/v1/chat/completions"), &chat_body(&refs, json!({}))).await
-        })
-    };
+    let send = |family: &str, n: usize| spawn_chat(&gw, turn(family, n));
     // Both fit at first: ~6,000 + ~6,000 of 20,000.
     for r in [send("older", 1).await.unwrap(), send("younger", 1).await.unwrap()] {
         assert_eq!((r.status, held_ms(&r)), (200, None));
@@ -429,13 +421,8 @@ async fn a_receipt_that_shows_a_lost_prefix_closes_the_replica_to_new_sessions()
 }
 
 /// A family's first turn of about `tokens`, sent on its own task (it may be held).
-fn spawn_turn_of(gw: &Gw, family: &'static str, tokens: usize) -> actix_web::rt::task::JoinHandle<Reply> {
-    let base = gw.base.clone();
-    actix_web::rt::spawn(async move {
-        let m = [("system", text(family, tokens)), ("user", format!("{family} task"))];
-        let refs: Vec<(&str, &str)> = m.iter().map(|(r, c)| (*r, c.as_str())).collect();
-        post(&format!("{base}/v1/chat/completions"), &chat_body(&refs, json!({}))).await
-    })
+fn spawn_turn_of(gw: &Gw, family: &str, tokens: usize) -> actix_web::rt::task::JoinHandle<Reply> {
+    spawn_chat(gw, vec![("system".into(), text(family, tokens)), ("user".into(), format!("{family} task"))])
 }
 
 /// Issue 31: a session that idles out on the instance that served it is
