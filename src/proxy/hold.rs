@@ -17,6 +17,8 @@ use crate::fleet::Replica;
 use crate::policy::{Mode, PolicySettings, PrefixKey};
 use crate::sessions::room::{verdict, Verdict};
 use crate::sessions::Held;
+use std::sync::Arc;
+
 use crate::sessions::Room;
 use crate::state::AppState;
 
@@ -108,21 +110,46 @@ pub async fn read_fleet_loads(state: &AppState) {
     let _ = tokio::time::timeout(STORE_BUDGET, read).await;
 }
 
-/// Admits new session `session` on `replica` in a shared store: false when
-/// another instance took that last room first. A slow or dead store says
-/// yes (this instance's view decides; it never blocks on the store).
-pub async fn admit_in_store(state: &AppState, replica: &Replica, session: PrefixKey, tokens: u64) -> bool {
-    let Some(capacity) = replica.kv_capacity() else { return true };
+/// Places new session `session` through a shared store among the replicas
+/// that tie with `target` in this instance's view (equal room, or every
+/// candidate when a capacity is unknown; `target` first): the one with the
+/// fewest sessions fleet-wide (`Store::place_session`), within capacity when
+/// `enforce` (the hold on). Two instances that each pick by their own
+/// counter would otherwise put their new sessions on one replica of two.
+/// None: no room left (another instance took the last first). Without a
+/// shared store that answers in time, `target`: this instance's view decides.
+pub async fn place_in_store(
+    state: &AppState,
+    lookup: &Lookup,
+    target: &Arc<Replica>,
+    tried: &[Arc<str>],
+    session: PrefixKey,
+    tokens: u64,
+    enforce: bool,
+) -> Option<Arc<Replica>> {
     if !state.shared_store_answers() {
-        return true;
+        return Some(target.clone());
     }
-    let footprint = state.sessions.room_of(replica).footprint(tokens);
+    let target_room = state.sessions.room_of(target);
+    let mut tied = vec![(target.clone(), target_room)];
+    let fleet = state.fleet.snapshot_owned();
+    let model = lookup.shape.model.as_deref();
+    for r in fleet.iter().filter(|r| r.id != target.id && r.routable() && model.is_none_or(|m| r.serves(m))) {
+        let room = state.sessions.room_of(r);
+        let ties = room.capacity.is_none() || target_room.capacity.is_none() || room.left() == target_room.left();
+        if ties && !tried.contains(&r.id) {
+            tied.push((r.clone(), room));
+        }
+    }
+    let candidates: Vec<(String, Option<u64>)> =
+        tied.iter().map(|(r, room)| (r.id.to_string(), room.capacity)).collect();
+    let footprint = target_room.footprint(tokens);
     let ttl = state.sessions.settings().idle_ms + crate::sessions::STORE_SLACK_MS;
     let session = format!("{session:032x}");
-    let asked = state.store.admit_session(&replica.id, &session, footprint, capacity, ttl);
+    let asked = state.store.place_session(&candidates, &session, footprint, ttl, enforce);
     match tokio::time::timeout(STORE_BUDGET, asked).await {
-        Ok(Ok(admitted)) => admitted,
-        _ => true,
+        Ok(Ok(placed)) => placed.map(|i| tied[i].0.clone()),
+        _ => Some(target.clone()),
     }
 }
 

@@ -308,9 +308,10 @@ async fn forward_request(
 }
 
 /// A new session's first target: held while no replica has room (`hold.rs`),
-/// then placed where the most room is, and (with a shared store) admitted
-/// there atomically: another instance that took the last room first sends
-/// it back to wait. Returns the target and how long it waited, if it did.
+/// then placed where the most room is (ties broken fleet-wide by the fewest
+/// sessions), and (with a shared store) admitted there atomically: another
+/// instance that took the last room first sends it back to wait. Returns
+/// the target and how long it waited, if it did.
 async fn place_new_session(
     state: &AppState,
     settings: &PolicySettings,
@@ -328,14 +329,15 @@ async fn place_new_session(
         if let Some(w) = hold::hold_if_full(state, lookup, tokens).await? {
             waited = Some(waited.unwrap_or_default() + w);
         }
-        let target = next_target(state, settings, lookup, retries, recorder, true)?;
-        if max_wait.is_zero() || started.elapsed() >= max_wait {
-            return Ok((Some(target), waited));
+        let (target, reason) = next_target(state, settings, lookup, retries, recorder, true)?;
+        // Past the wait (or with the hold off), placed without a capacity check.
+        let enforce = !max_wait.is_zero() && started.elapsed() < max_wait;
+        if let Some(placed) =
+            hold::place_in_store(state, lookup, &target, &retries.tried, session, tokens, enforce).await
+        {
+            return Ok((Some((placed, reason)), waited));
         }
-        if hold::admit_in_store(state, &target.0, session, tokens).await {
-            return Ok((Some(target), waited));
-        }
-        tracing::debug!(replica = %target.0.id, "another instance took the last room first: waiting again");
+        tracing::debug!(replica = %target.id, "another instance took the last room first: waiting again");
         tokio::time::sleep(crate::sessions::RECHECK).await;
     }
 }

@@ -180,20 +180,25 @@ pub trait Store: Send + Sync {
     async fn renew_leases(&self, _leases: &[(String, String)], _ttl_ms: u64) -> Result<(), StoreError> {
         Ok(())
     }
-    /// Admits session `session` (its footprint in tokens) on `replica` if the
-    /// other instances' live sessions there leave room for it within
-    /// `capacity`; it is then resident there for `ttl_ms` unless renewed
-    /// (shared stores: one atomic step, so two instances never admit into
-    /// the same last room; an embedded store has one instance: always yes).
-    async fn admit_session(
+    /// Places new session `session` (its footprint in tokens) on one of
+    /// `candidates` (replica, capacity: None unknown), which tie in this
+    /// instance's view, the one it would pick first: the candidate with the
+    /// fewest live sessions across every instance, among those with room
+    /// for it when `enforce_capacity`; first in order on a tie. It is then
+    /// resident there for `ttl_ms` unless renewed. Returns the candidate's
+    /// index, None when none has room. Shared stores do it in one atomic
+    /// step, so two instances neither admit into the same last room nor
+    /// both put their new sessions on the same replica of two that tie; an
+    /// embedded store has one instance: the first candidate.
+    async fn place_session(
         &self,
-        _replica: &str,
+        _candidates: &[(String, Option<u64>)],
         _session: &str,
         _footprint: u64,
-        _capacity: u64,
         _ttl_ms: u64,
-    ) -> Result<bool, StoreError> {
-        Ok(true)
+        _enforce_capacity: bool,
+    ) -> Result<Option<usize>, StoreError> {
+        Ok(Some(0))
     }
     /// The live sessions' footprints on each of `replicas`, summed, across
     /// every instance (shared stores; empty otherwise).

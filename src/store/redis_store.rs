@@ -236,28 +236,40 @@ static TRY_LEASE: LazyLock<redis::Script> = LazyLock::new(|| {
     )
 });
 
-/// One atomic script over a replica's live sessions: a sorted set of
-/// session ids scored by expiry, and a hash of their footprints. Expired
-/// ones go first; then the others' footprints are summed, and the
-/// session is admitted only if it fits within `capacity`.
-static ADMIT_SESSION: LazyLock<redis::Script> = LazyLock::new(|| {
+/// One atomic script over the candidates' live sessions: per replica a
+/// sorted set of session ids scored by expiry, and a hash of their
+/// footprints. Expired ones go first; then, of the candidates with room
+/// (when capacity is enforced), the one with the fewest other sessions
+/// takes the session (the first on a tie). Returns its index, or -1.
+static PLACE_SESSION: LazyLock<redis::Script> = LazyLock::new(|| {
     redis::Script::new(
-        r"local now = tonumber(ARGV[1])
-          for _, s in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do
-            redis.call('HDEL', KEYS[2], s)
+        r"local now, ttl, session = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+          local footprint, enforce = tonumber(ARGV[4]), ARGV[5] == '1'
+          local best, fewest = -1, nil
+          for i = 1, #KEYS / 2 do
+            local until_key, tokens_key = KEYS[2 * i - 1], KEYS[2 * i]
+            for _, s in ipairs(redis.call('ZRANGEBYSCORE', until_key, '-inf', now)) do
+              redis.call('HDEL', tokens_key, s)
+            end
+            redis.call('ZREMRANGEBYSCORE', until_key, '-inf', now)
+            local sum, count = 0, 0
+            local all = redis.call('HGETALL', tokens_key)
+            for j = 1, #all, 2 do
+              if all[j] ~= session then
+                sum = sum + tonumber(all[j + 1])
+                count = count + 1
+              end
+            end
+            local capacity = tonumber(ARGV[5 + i])
+            local fits = (not enforce) or capacity < 0 or sum + footprint <= capacity
+            if fits and (fewest == nil or count < fewest) then
+              best, fewest = i, count
+            end
           end
-          redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-          local sum = 0
-          local all = redis.call('HGETALL', KEYS[2])
-          for i = 1, #all, 2 do
-            if all[i] ~= ARGV[4] then sum = sum + tonumber(all[i + 1]) end
-          end
-          if sum + tonumber(ARGV[5]) <= tonumber(ARGV[2]) then
-            redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[4])
-            redis.call('HSET', KEYS[2], ARGV[4], ARGV[5])
-            return 1
-          end
-          return 0",
+          if best < 0 then return -1 end
+          redis.call('ZADD', KEYS[2 * best - 1], now + ttl, session)
+          redis.call('HSET', KEYS[2 * best], session, footprint)
+          return best - 1",
     )
 });
 
@@ -437,32 +449,35 @@ impl Store for RedisStore {
         Ok(took == 1)
     }
 
-    async fn admit_session(
+    async fn place_session(
         &self,
-        replica: &str,
+        candidates: &[(String, Option<u64>)],
         session: &str,
         footprint: u64,
-        capacity: u64,
         ttl_ms: u64,
-    ) -> Result<bool, StoreError> {
+        enforce_capacity: bool,
+    ) -> Result<Option<usize>, StoreError> {
+        if candidates.is_empty() {
+            return Ok(None);
+        }
         let now = crate::clock::now_ms();
-        let (until, tokens) = (key(&format!("session_until:{replica}")), key(&format!("session_tokens:{replica}")));
         let session = session.to_string();
-        let took: i64 = self
+        let candidates = candidates.to_vec();
+        let placed: i64 = self
             .run(|mut c| async move {
-                ADMIT_SESSION
-                    .key(until)
-                    .key(tokens)
-                    .arg(now)
-                    .arg(capacity)
-                    .arg(ttl_ms)
-                    .arg(session)
-                    .arg(footprint)
-                    .invoke_async(&mut c)
-                    .await
+                let mut invocation = PLACE_SESSION.prepare_invoke();
+                for (replica, _) in &candidates {
+                    invocation.key(key(&format!("session_until:{replica}")));
+                    invocation.key(key(&format!("session_tokens:{replica}")));
+                }
+                invocation.arg(now).arg(ttl_ms).arg(session).arg(footprint).arg(u8::from(enforce_capacity));
+                for (_, capacity) in &candidates {
+                    invocation.arg(capacity.map_or(-1, |c| c as i64));
+                }
+                invocation.invoke_async(&mut c).await
             })
             .await?;
-        Ok(took == 1)
+        Ok(usize::try_from(placed).ok())
     }
 
     async fn session_loads(&self, replicas: &[String]) -> Result<Vec<u64>, StoreError> {

@@ -198,20 +198,29 @@ async fn two_instances_share_the_room_and_never_admit_into_the_same_last_room() 
     g2.stop().await;
 }
 
-/// The store refuses a second session into a replica's last room, atomically.
+/// The store refuses a second session into a replica's last room, atomically;
+/// and of replicas that tie, it takes the one with the fewest sessions.
 #[actix_web::test]
-async fn the_store_admits_one_session_into_the_last_room() {
+async fn the_store_admits_one_session_into_the_last_room_and_spreads_ties() {
     let Some(redis) = crate::shared::Redis::start() else { return };
     let store = prefixgate::store::open_url(&redis.url, "gw1").await.unwrap();
     let other = prefixgate::store::open_url(&redis.url, "gw2").await.unwrap();
-    assert!(store.admit_session("a", "s1", 12_000, 20_000, 60_000).await.unwrap());
-    assert!(!other.admit_session("a", "s2", 12_000, 20_000, 60_000).await.unwrap(), "no room left");
-    assert!(other.admit_session("a", "s3", 8_000, 20_000, 60_000).await.unwrap(), "a smaller one fits");
+    let on = |replica: &str, capacity: u64| vec![(replica.to_string(), Some(capacity))];
+    assert_eq!(store.place_session(&on("a", 20_000), "s1", 12_000, 60_000, true).await.unwrap(), Some(0));
+    assert_eq!(other.place_session(&on("a", 20_000), "s2", 12_000, 60_000, true).await.unwrap(), None, "no room");
+    assert_eq!(other.place_session(&on("a", 20_000), "s3", 8_000, 60_000, true).await.unwrap(), Some(0), "it fits");
     assert_eq!(store.session_loads(&["a".into(), "b".into()]).await.unwrap(), vec![20_000, 0]);
+    // Past the hold (capacity not enforced) it is placed anyway.
+    assert_eq!(other.place_session(&on("a", 20_000), "s6", 8_000, 60_000, false).await.unwrap(), Some(0));
     // An entry that is not renewed expires, and its room opens.
-    assert!(store.admit_session("b", "s4", 20_000, 20_000, 1).await.unwrap());
+    assert_eq!(store.place_session(&on("b", 20_000), "s4", 20_000, 1, true).await.unwrap(), Some(0));
     tokio::time::sleep(Duration::from_millis(20)).await;
-    assert!(other.admit_session("b", "s5", 20_000, 20_000, 60_000).await.unwrap());
+    assert_eq!(other.place_session(&on("b", 20_000), "s5", 20_000, 60_000, true).await.unwrap(), Some(0));
+    // Ties: "c" and "d" (capacity unknown), each instance naming "c" first.
+    let tie = vec![("c".to_string(), None), ("d".to_string(), None)];
+    assert_eq!(store.place_session(&tie, "t1", 1_000, 60_000, false).await.unwrap(), Some(0));
+    assert_eq!(other.place_session(&tie, "t2", 1_000, 60_000, false).await.unwrap(), Some(1), "the fewest sessions");
+    assert_eq!(other.place_session(&tie, "t3", 1_000, 60_000, false).await.unwrap(), Some(0), "then the first");
 }
 
 /// A held session whose room opens on a replica that is draining is not
@@ -466,3 +475,36 @@ async fn a_released_session_reaches_another_instance_in_milliseconds() {
     g1.stop().await;
     g2.stop().await;
 }
+
+/// Issue 31: ties are broken fleet-wide. Two instances, each with its own
+/// spread counter, whose first picks are the same replica: the hold off, a
+/// new session through each still lands one on each replica, because the
+/// store places a new session among the replicas that tie where the fewest
+/// sessions are.
+#[actix_web::test]
+async fn new_sessions_at_two_instances_spread_over_replicas_that_tie() {
+    let Some(redis) = crate::shared::Redis::start() else { return };
+    let (a, b) = (start_sim("a", card()).await, start_sim("b", card()).await);
+    let config = |name: &str| {
+        let mut c = test_config(&[&a, &b]); // the hold off
+        c.store.url = Some(redis.url.clone());
+        c.store.instance = Some(name.to_string());
+        c.pins.flush_interval_ms = 50;
+        c
+    };
+    let (g1, g2) = (start_gateway(config(TIED.0)).await, start_gateway(config(TIED.1)).await);
+    for g in [&g1, &g2] {
+        capacity_read(g).await;
+    }
+    for round in 0..3 {
+        let one = send(&g1, &format!("one {round}"), 1).await;
+        let two = send(&g2, &format!("two {round}"), 1).await;
+        assert_eq!((one.status, two.status), (200, 200));
+        assert_ne!(one.replica, two.replica, "round {round}: one new session on each replica");
+    }
+    g1.stop().await;
+    g2.stop().await;
+}
+
+/// Two instance names whose spread counters start on the same replica.
+const TIED: (&str, &str) = ("gw-a", "gw-b");
