@@ -6,7 +6,9 @@
 //! session key) that nothing pins yet: an agent's first turn. One-shots and
 //! batch members are not sessions: they keep the counter spread, unheld.
 //! Turns of a resident session (pinned, named by its key, or a stored
-//! response's chain) are never held: holding a warm session helps nobody.
+//! response's chain) are never held in the queue of new sessions: they
+//! pause only when their replica is crossed and they are the youngest
+//! there (`pause_if_over`), so the older sessions stay warm.
 
 use std::time::Duration;
 

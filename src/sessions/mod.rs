@@ -17,7 +17,9 @@
 //!   room waits that long, so it is learned per session.
 //! - A new session (conversation-shaped, nothing pinned yet) whose
 //!   footprint matters is held in a FIFO queue when no candidate has room
-//!   (`room.rs`); turns of resident sessions are never held. The head of
+//!   (`room.rs`); turns of resident sessions are never queued with them
+//!   (they pause, youngest first, only when their replica is crossed:
+//!   `pause_if_over`). The head of
 //!   the queue goes as soon as room opens (a session idles out, moves, its
 //!   replica leaves or capacity grows: re-checked on each change and every
 //!   `RECHECK`), to the replica with the most room. After `max_wait_ms` it
@@ -465,7 +467,7 @@ impl Sessions {
     }
 
     /// True when `session` is resident on a replica still there (its turns
-    /// are never held).
+    /// are not queued as a new session's).
     pub fn is_resident(&self, session: PrefixKey) -> bool {
         self.lock().home_of(session).is_some()
     }
