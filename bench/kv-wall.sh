@@ -103,8 +103,12 @@ done
 arm hold hold "$FAMILIES"
 curl -s "${GW_ADMIN[hold]}/admin/v1/capacity" | python3 -c 'import json,sys; print("queue:", json.load(sys.stdin)["sessions"])'
 arm off off "$FAMILIES"
-# By hand: half the families, then the other half, through the hold-off gateway.
+# By hand: half the families, then the other half, through the hold-off
+# gateway, once the off arm's sessions idled out (a replica still counting
+# them has less room, and two new sessions placed at the same moment would
+# both go to the other one).
 half=$((FAMILIES / 2))
+sleep "$(echo "$IDLE_MS / 1000 + 1" | bc -l)"
 start=$(date +%s.%N)
 arm by-hand-1 off "$half"
 sleep "$(echo "$IDLE_MS / 1000" | bc -l)"
