@@ -46,10 +46,7 @@ impl Follower {
             Change::Pins { pins, sent_us } => {
                 operator
                     .apply_pins(pins.into_iter().filter_map(|(k, p)| Some((u128::from_str_radix(&k, 16).ok()?, p))));
-                if sent_us > 0 {
-                    let delay = crate::store::now_us().saturating_sub(sent_us);
-                    metrics.propagation.observe(delay as f64 / 1e6);
-                }
+                observe_propagation(&metrics, sent_us);
                 Ok(())
             }
             Change::Replica { id } => operator.reload_replica(&id).await.map(|_| ()),
@@ -68,10 +65,7 @@ impl Follower {
                         operator.sessions.released_elsewhere(&replica, session);
                     }
                 }
-                if sent_us > 0 {
-                    let delay = crate::store::now_us().saturating_sub(sent_us);
-                    metrics.propagation.observe(delay as f64 / 1e6);
-                }
+                observe_propagation(&metrics, sent_us);
                 Ok(())
             }
             Change::Lost => {
@@ -92,6 +86,15 @@ impl Follower {
             self.resync.store(true, Ordering::Release);
         }
         true
+    }
+}
+
+/// The delay from another instance announcing a change (`sent_us`; 0 from
+/// an older instance: unknown) to this one applying it.
+fn observe_propagation(metrics: &Metrics, sent_us: u64) {
+    if sent_us > 0 {
+        let delay = crate::store::now_us().saturating_sub(sent_us);
+        metrics.propagation.observe(delay as f64 / 1e6);
     }
 }
 

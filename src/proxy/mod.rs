@@ -185,7 +185,8 @@ async fn forward_request(
         [Some(KeyValue::new("prefixgate.dialect", shape.dialect.as_str())), model].into_iter().flatten()
     });
     // A new session waits here while no replica has room for it (the KV
-    // wall, `sessions/`); a turn of a resident one never does.
+    // wall, `sessions/`); a turn of a resident one may pause below, before
+    // its first attempt, when its replica is crossed.
     let of_session = hold::session_of(&lookup, &settings, state);
     let new_session = of_session.is_some_and(|s| s.new);
     let mut retries = Retries::default();
@@ -196,26 +197,25 @@ async fn forward_request(
         }
         None => (None, None),
     };
-    let mut paused_once = false;
+    let mut first_attempt = true;
     loop {
         let (replica, reason) = match placed.take() {
             Some(target) => target,
             None => next_target(state, &settings, &lookup, &mut retries, &recorder, new_session)?,
         };
-        // A resident session's turn pauses here, before it starts, while its
-        // replica's sessions outgrew the KV and it is the youngest there.
-        if let Some(s) = of_session.filter(|s| !s.new && !paused_once) {
-            paused_once = true;
-            let tokens = replica.calibration.estimate(shape.prompt_bytes);
-            if state.sessions.must_pause(&replica, s.id, tokens) {
+        let est_tokens = replica.calibration.estimate(shape.prompt_bytes);
+        if std::mem::take(&mut first_attempt) {
+            // A resident session's turn pauses here, before it starts, while
+            // its replica's sessions outgrew the KV and it is the youngest there.
+            if let Some(s) = of_session.filter(|s| !s.new && state.sessions.must_pause(&replica, s.id, est_tokens)) {
                 let _waiting = trace.child(state, "prefixgate.pause");
-                if let Some(paused) = hold::pause_if_over(state, &replica, s.id, tokens).await {
+                if let Some(paused) = hold::pause_if_over(state, &replica, s.id, est_tokens).await {
                     held_for = Some(held_for.unwrap_or_default() + paused);
                 }
             }
-        }
-        if let Some(waited) = held_for {
-            trace.set(|| [KeyValue::new("prefixgate.held_ms", waited.as_millis() as i64)]);
+            if let Some(waited) = held_for {
+                trace.set(|| [KeyValue::new("prefixgate.held_ms", waited.as_millis() as i64)]);
+            }
         }
         let started = Instant::now();
         let permit = match large {
@@ -228,7 +228,6 @@ async fn forward_request(
         // The guard holds the replica from here on (one reference, not two).
         let guard = replica.begin(*large);
         let replica = &guard.replica;
-        let est_tokens = replica.calibration.estimate(shape.prompt_bytes);
         let family = pinned.as_ref().map(|(_, p)| p.family).or(shape.pin_at);
         let ticket = recorder.running(&replica.id, family, est_tokens);
         // Resident from this turn on; idle only once it ended.
