@@ -112,14 +112,17 @@ pub async fn read_fleet_loads(state: &AppState) {
     let _ = tokio::time::timeout(STORE_BUDGET, read).await;
 }
 
-/// Places new session `session` through a shared store among the replicas
-/// that tie with `target` in this instance's view (equal room, or every
-/// candidate when a capacity is unknown; `target` first): the one with the
-/// fewest sessions fleet-wide (`Store::place_session`), within capacity when
-/// `enforce` (the hold on). Two instances that each pick by their own
-/// counter would otherwise put their new sessions on one replica of two.
-/// None: no room left (another instance took the last first). Without a
-/// shared store that answers in time, `target`: this instance's view decides.
+/// Places new session `session` through a shared store: among `target`
+/// (this instance's pick, first) and every other replica it could as well
+/// go to (routable, serving its model, not tried yet, with a large slot
+/// free when it is large), the one with the most room and then the fewest
+/// sessions fleet-wide in the store's own count (`Store::place_session`),
+/// within capacity when `enforce` (the hold on). Two instances that each
+/// pick by their own counter and their own, a flush old, view of the
+/// others' sessions would otherwise put their new sessions on one replica
+/// of two. None: no room left (another instance took the last first).
+/// Without a shared store that answers in time, `target`: this instance's
+/// view decides.
 pub async fn place_in_store(
     state: &AppState,
     lookup: &Lookup,
@@ -133,24 +136,26 @@ pub async fn place_in_store(
         return Some(target.clone());
     }
     let target_room = state.sessions.room_of(target);
-    let mut tied = vec![(target.clone(), target_room)];
+    let mut choices = vec![(target.clone(), target_room)];
     let fleet = state.fleet.snapshot_owned();
     let model = lookup.shape.model.as_deref();
-    for r in fleet.iter().filter(|r| r.id != target.id && r.routable() && model.is_none_or(|m| r.serves(m))) {
-        let room = state.sessions.room_of(r);
-        let ties = room.capacity.is_none() || target_room.capacity.is_none() || room.left() == target_room.left();
-        if ties && !tried.contains(&r.id) {
-            tied.push((r.clone(), room));
-        }
+    let eligible = |r: &Replica| {
+        r.routable()
+            && !tried.contains(&r.id)
+            && model.is_none_or(|m| r.serves(m))
+            && (!lookup.large || r.large_slots.has_free_slot(r.spec().max_large_inflight))
+    };
+    for r in fleet.iter().filter(|r| r.id != target.id && eligible(r)) {
+        choices.push((r.clone(), state.sessions.room_of(r)));
     }
     let candidates: Vec<(String, Option<u64>)> =
-        tied.iter().map(|(r, room)| (r.id.to_string(), room.capacity)).collect();
+        choices.iter().map(|(r, room)| (r.id.to_string(), room.capacity)).collect();
     let footprint = target_room.footprint(tokens);
     let ttl = state.sessions.settings().idle_ms + crate::sessions::STORE_SLACK_MS;
     let session = format!("{session:032x}");
     let asked = state.store.place_session(&candidates, &session, footprint, ttl, enforce);
     match tokio::time::timeout(STORE_BUDGET, asked).await {
-        Ok(Ok(placed)) => placed.map(|i| tied[i].0.clone()),
+        Ok(Ok(placed)) => placed.map(|i| choices[i].0.clone()),
         _ => Some(target.clone()),
     }
 }

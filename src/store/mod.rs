@@ -181,10 +181,11 @@ pub trait Store: Send + Sync {
         Ok(())
     }
     /// Places new session `session` (its footprint in tokens) on one of
-    /// `candidates` (replica, capacity: None unknown), which tie in this
-    /// instance's view, the one it would pick first: the candidate with the
-    /// fewest live sessions across every instance, among those with room
-    /// for it when `enforce_capacity`; first in order on a tie. It is then
+    /// `candidates` (replica, capacity: None unknown), the first being the
+    /// one this instance would pick: among those with room for it when
+    /// `enforce_capacity`, the candidate with the most room left across
+    /// every instance (when every capacity is known), then the fewest live
+    /// sessions, then the first in order. It is then
     /// resident there for `ttl_ms` unless renewed. Returns the candidate's
     /// index, None when none has room. Shared stores do it in one atomic
     /// step, so two instances neither admit into the same last room nor

@@ -239,13 +239,22 @@ static TRY_LEASE: LazyLock<redis::Script> = LazyLock::new(|| {
 /// One atomic script over the candidates' live sessions: per replica a
 /// sorted set of session ids scored by expiry, and a hash of their
 /// footprints. Expired ones go first; then, of the candidates with room
-/// (when capacity is enforced), the one with the fewest other sessions
-/// takes the session (the first on a tie). Returns its index, or -1.
+/// (when capacity is enforced), the one with the most room left in the
+/// store's own count takes the session (every capacity known), then the
+/// one with the fewest other sessions, then the first. The store's count,
+/// not the asking instance's, decides: an instance's view of the others'
+/// sessions lags by a flush, and two instances that each saw a different
+/// replica as roomiest would otherwise both pick theirs. Returns its
+/// index, or -1.
 static PLACE_SESSION: LazyLock<redis::Script> = LazyLock::new(|| {
     redis::Script::new(
         r"local now, ttl, session = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
           local footprint, enforce = tonumber(ARGV[4]), ARGV[5] == '1'
-          local best, fewest = -1, nil
+          local known = true
+          for i = 1, #KEYS / 2 do
+            if tonumber(ARGV[5 + i]) < 0 then known = false end
+          end
+          local best, most, fewest = -1, nil, nil
           for i = 1, #KEYS / 2 do
             local until_key, tokens_key = KEYS[2 * i - 1], KEYS[2 * i]
             for _, s in ipairs(redis.call('ZRANGEBYSCORE', until_key, '-inf', now)) do
@@ -262,8 +271,10 @@ static PLACE_SESSION: LazyLock<redis::Script> = LazyLock::new(|| {
             end
             local capacity = tonumber(ARGV[5 + i])
             local fits = (not enforce) or capacity < 0 or sum + footprint <= capacity
-            if fits and (fewest == nil or count < fewest) then
-              best, fewest = i, count
+            local left = 0
+            if known then left = capacity - sum end
+            if fits and (best < 0 or left > most or (left == most and count < fewest)) then
+              best, most, fewest = i, left, count
             end
           end
           if best < 0 then return -1 end
