@@ -128,7 +128,6 @@ impl AppState {
             store: store.clone(),
             policy: policy.clone(),
             capacity: capacity.clone(),
-            metrics: metrics.clone(),
             sessions: sessions.clone(),
             discovered_admin: std::sync::Mutex::new(crate::operator::read_discovered_admin(store.as_ref()).await?),
             serial: Default::default(),

@@ -257,6 +257,8 @@ async fn metrics(s: web::Data<AppState>) -> HttpResponse {
         .fleet
         .snapshot()
         .iter()
+        // Counters a dashboard divides by: present from the start, at zero.
+        .inspect(|r| r.series.admission(&s.metrics, false, 0))
         .map(|r| crate::metrics::ReplicaGauges {
             id: r.id.to_string(),
             inflight: r.inflight(),
@@ -269,7 +271,7 @@ async fn metrics(s: web::Data<AppState>) -> HttpResponse {
             room_tokens: s.sessions.room_of(r).left(),
         })
         .collect();
-    s.metrics.refresh_gauges(&replicas, &report, |name| s.fleet.get(name).is_some());
+    s.metrics.refresh_gauges(&replicas, &report);
     s.metrics.events_unwritten.set(s.event_writer.backlog() as i64);
     let dropped = &s.metrics.events_unwritten_dropped;
     dropped.inc_by(s.events.unwritten_dropped().saturating_sub(dropped.get()));

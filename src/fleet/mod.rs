@@ -382,6 +382,10 @@ pub struct Replica {
     pub capacity: Arc<crate::capacity::CapacityRecord>,
     /// The sessions resident here (the KV wall).
     pub residents: residents::Residents,
+    /// Its metric series: they leave the exposition when it leaves the fleet.
+    pub series: crate::metrics::ReplicaSeries,
+    /// Its name as the `x-prefixgate-replica` response header's value.
+    pub name_header: awc::http::header::HeaderValue,
 }
 
 impl Replica {
@@ -390,8 +394,11 @@ impl Replica {
     }
 
     pub fn from_source(spec: ReplicaSpec, admin: AdminState, source: ReplicaSource) -> Replica {
+        let id: Arc<str> = Arc::from(spec.id.as_str());
         Replica {
-            id: Arc::from(spec.id.as_str()),
+            series: crate::metrics::ReplicaSeries::new(&id),
+            name_header: awc::http::header::HeaderValue::from_str(&id).expect("a slug is a valid header value"),
+            id,
             source,
             left_source_ms: AtomicU64::new(0),
             spec: ArcSwap::from_pointee(spec),
@@ -612,6 +619,7 @@ impl Fleet {
     /// goes with the last request that still holds it.
     pub fn remove(&self, id: &str) -> Option<Arc<Replica>> {
         let removed = self.list.update(|list| Some(list.remove(list.iter().position(|r| &*r.id == id)?)))?;
+        removed.series.remove();
         let mut held = self.removed.lock().unwrap_or_else(|e| e.into_inner());
         held.retain(|r| r.strong_count() > 0);
         held.push(Arc::downgrade(&removed));

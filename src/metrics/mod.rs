@@ -8,18 +8,11 @@
 //! that mirror fleet state are set at scrape time from the fleet itself, so
 //! they cannot disagree with it.
 //!
-//! A replica's series leave with it: every series labelled with a replica is
-//! listed under its name (`ReplicaSeries`) when it is created, and a removed
-//! replica's are taken out of their families (`forget_replica`, and again
-//! at each scrape for any a request still in flight re-created). Prometheus
-//! marks a vanished series stale by itself. Without this, a fleet whose pods
-//! come back under new names grew every scrape by ~49 series per name.
+//! A replica's series live on its fleet record and leave with it
+//! (`replica.rs`).
 
 use std::borrow::Cow;
-use std::cell::RefCell;
-use std::rc::Rc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
@@ -30,8 +23,10 @@ use prometheus_client::registry::Registry;
 
 use crate::striped::{StripedCounter, StripedHistogram};
 
-use crate::by_arc::ByArc;
 use crate::capacity::CapacityReport;
+
+mod replica;
+pub use replica::{ReplicaSeries, RouteMetrics};
 
 // Label values on the request path are shared replica names and static
 // strings: a label set costs no allocation per request.
@@ -142,22 +137,8 @@ pub struct ReplicaGauges {
     pub room_tokens: Option<i64>,
 }
 
-/// The series labelled with one replica (those created on the request
-/// path; the gauges are rebuilt at every scrape).
-#[derive(Default)]
-struct ReplicaSeries {
-    requests: Vec<RequestLabels>,
-    routes: Vec<RouteLabels>,
-    failovers: Vec<FailoverLabels>,
-}
-
 pub struct Metrics {
     registry: Registry,
-    /// Every replica-labelled series by replica name, to remove a replica's.
-    series: Mutex<foldhash::HashMap<Arc<str>, ReplicaSeries>>,
-    /// Bumped when a replica's series are removed: the workers' caches of
-    /// handles start over (a cached handle would count into a removed series).
-    removals: AtomicU64,
     pub requests: Family<RequestLabels, StripedCounter>,
     pub upstream_ttfb: HistogramFamily<RouteLabels>,
     pub request_duration: HistogramFamily<RouteLabels>,
@@ -262,8 +243,6 @@ impl Metrics {
             discovery_stale: Family::default(),
             discovery_changes: Family::default(),
             registry: Registry::default(),
-            series: Mutex::default(),
-            removals: AtomicU64::new(0),
         };
         // Registration clones the families (they share state through Arcs).
         registry.register(
@@ -450,90 +429,6 @@ impl Metrics {
         Metrics { registry, ..m }
     }
 
-    fn series(&self) -> std::sync::MutexGuard<'_, foldhash::HashMap<Arc<str>, ReplicaSeries>> {
-        self.series.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Counts a failover from `from` to `to` (`to` "none": nowhere left).
-    pub fn failover(&self, from: &Arc<str>, to: &Arc<str>) {
-        let labels = FailoverLabels { from: from.into(), to: to.into() };
-        if self.failovers.get(&labels).is_none() {
-            let mut series = self.series();
-            for name in [from, to].into_iter().filter(|n| &***n != "none") {
-                push_once(&mut series.entry(name.clone()).or_default().failovers, &labels);
-            }
-        }
-        self.failovers.get_or_create(&labels).inc();
-    }
-
-    /// Counts a large request that waited for an admission slot on `replica`.
-    pub fn admission_waited(&self, replica: &str) {
-        self.note_replica(replica);
-        self.admission_waits.get_or_create(&replica_label(replica)).inc();
-    }
-
-    /// Counts a large request rejected by admission on `replica`.
-    pub fn admission_rejected(&self, replica: &str) {
-        self.note_replica(replica);
-        self.admission_rejections.get_or_create(&replica_label(replica)).inc();
-    }
-
-    /// Removes every series labelled with `replica`, which has left the fleet.
-    pub fn forget_replica(&self, replica: &str) {
-        self.forget_replicas(|name| name == replica);
-    }
-
-    /// Removes the series of every replica `gone` names.
-    fn forget_replicas(&self, gone: impl Fn(&str) -> bool) {
-        let mut series = self.series();
-        let names: Vec<Arc<str>> = series.keys().filter(|n| gone(n)).cloned().collect();
-        if names.is_empty() {
-            return;
-        }
-        for name in &names {
-            let s = series.remove(name).unwrap_or_default();
-            for l in &s.requests {
-                self.requests.remove(l);
-            }
-            for l in &s.routes {
-                self.upstream_ttfb.remove(l);
-                self.request_duration.remove(l);
-                self.prompt_tokens.remove(l);
-                self.cached_tokens.remove(l);
-            }
-            for l in &s.failovers {
-                self.failovers.remove(l);
-            }
-            let l = replica_label(name);
-            self.admission_waits.remove(&l);
-            self.admission_rejections.remove(&l);
-        }
-        self.removals.fetch_add(1, Ordering::Release);
-    }
-
-    /// Lists `replica` as having series (its admission counters, at least).
-    fn note_replica(&self, replica: &str) {
-        let mut series = self.series();
-        if !series.contains_key(replica) {
-            series.insert(Arc::from(replica), ReplicaSeries::default());
-        }
-    }
-
-    // Two workers create the same series each (their caches are their
-    // own): listed once. The lists are a handful of routes and statuses.
-    fn note_route(&self, labels: &RouteLabels) {
-        push_once(&mut self.series().entry(labels.replica.0.clone()).or_default().routes, labels);
-    }
-
-    fn note_request(&self, labels: &RequestLabels) {
-        push_once(&mut self.series().entry(labels.replica.0.clone()).or_default().requests, labels);
-    }
-
-    /// Series kept for replicas (for the churn test and measurement).
-    pub fn replicas_with_series(&self) -> usize {
-        self.series().len()
-    }
-
     /// Starts a discovery source's series at zero, so a rate over a quiet
     /// series is 0, not absent.
     pub fn discovery_source(&self, source: &str) {
@@ -567,12 +462,7 @@ impl Metrics {
     /// Sets the gauges that mirror fleet and capacity state (at scrape time,
     /// from the components themselves, so they cannot disagree with them).
     /// Pin counts are kept incrementally by the pin table: no scan here.
-    ///
-    /// `is_live` says whether a replica exists now: the series of any other
-    /// (a request still in flight on a removed replica counted after it
-    /// left) are removed here, so a scrape never shows a removed replica.
-    pub fn refresh_gauges(&self, replicas: &[ReplicaGauges], report: &CapacityReport, is_live: impl Fn(&str) -> bool) {
-        self.forget_replicas(|name| !is_live(name));
+    pub fn refresh_gauges(&self, replicas: &[ReplicaGauges], report: &CapacityReport) {
         for family in [
             &self.inflight,
             &self.large_inflight,
@@ -600,10 +490,6 @@ impl Metrics {
             if let Some(room) = r.room_tokens {
                 self.room_tokens.get_or_create(&l).set(room);
             }
-            // Counters a dashboard divides by: present from the start, at zero.
-            self.note_replica(&r.id);
-            self.admission_waits.get_or_create(&l).inc_by(0);
-            self.admission_rejections.get_or_create(&l).inc_by(0);
         }
         for r in &report.replicas {
             let l = replica_label(&r.replica);
@@ -628,6 +514,20 @@ impl Metrics {
             .collect()
     }
 
+    /// The replica names the exposition carries (labels `replica`, `from`
+    /// and `to`): for the churn test, which bounds them.
+    pub fn replica_names_exposed(&self) -> usize {
+        let text = self.encode();
+        let mut names = std::collections::BTreeSet::new();
+        for label in ["replica=\"", "from=\"", "to=\""] {
+            for (i, _) in text.match_indices(label) {
+                let rest = &text[i + label.len()..];
+                names.insert(&rest[..rest.find('"').unwrap_or(0)]);
+            }
+        }
+        names.len()
+    }
+
     pub fn encode(&self) -> String {
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("writing to a String cannot fail");
@@ -641,53 +541,14 @@ impl Default for Metrics {
     }
 }
 
-/// The request-path metrics of one (replica, route): looked up once per
-/// request and carried with it to the end of its body.
-pub struct RouteMetrics {
-    pub upstream_ttfb: StripedHistogram,
-    pub request_duration: StripedHistogram,
-    pub prompt_tokens: StripedCounter,
-    pub cached_tokens: StripedCounter,
-    /// `prefixgate_requests_total` by status, created on first use.
-    requests: RefCell<foldhash::HashMap<Cow<'static, str>, StripedCounter>>,
-    labels: RouteLabels,
-    shared: Arc<Metrics>,
-}
-
-impl RouteMetrics {
-    /// Counts one request in `prefixgate_requests_total`.
-    pub fn count_request(&self, status: Cow<'static, str>) {
-        if let Some(c) = self.requests.borrow().get(&status) {
-            c.inc();
-            return;
-        }
-        let labels = RequestLabels { replica: self.labels.replica.clone(), route: self.labels.route, status };
-        self.shared.note_request(&labels);
-        let c = self.shared.requests.get_or_create(&labels).clone();
-        c.inc();
-        self.requests.borrow_mut().insert(labels.status, c);
-    }
-}
-
-/// One replica's request-path handles, by route (a handful of static names).
-#[derive(Default)]
-struct ReplicaRoutes(RefCell<Vec<(&'static str, Rc<RouteMetrics>)>>);
-
-/// One worker's handles on the request-path metrics. A family guards its
-/// label map with a lock that every reader writes to (the reader count), so
-/// two workers looking up the same label set bounce that cache line between
-/// cores on every request. A worker keeps its own map of handles instead
-/// (clones share the family's atomics, so the exposition is unchanged).
-/// A removed replica's series leave their families: the cache starts over
-/// after any removal, so a handle never counts into a series that is gone.
+/// One worker's handles on the request-path counters that name no replica.
+/// A family guards its label map with a lock that every reader writes to
+/// (the reader count), so two workers looking up the same label set bounce
+/// that cache line between cores on every request: a worker keeps its own
+/// clones (they share the family's atomics; the exposition is unchanged).
+/// A replica's handles are on its record (`ReplicaSeries`).
 pub struct WorkerMetrics {
     shared: Arc<Metrics>,
-    /// `Metrics::removals` when the cache was last cleared.
-    removals_seen: std::cell::Cell<u64>,
-    /// Keyed by the replica name's `Arc` (`ByArc`): finding a request's
-    /// handles clones no shared `Arc`, each clone a write to a cache line
-    /// both workers use.
-    routes: ByArc<str, Rc<ReplicaRoutes>>,
     pub measured: StripedCounter,
     pub unmeasured: StripedCounter,
     pub pin_hits: StripedCounter,
@@ -704,42 +565,12 @@ impl WorkerMetrics {
             unmeasured: result(&shared.usage_measured, "unmeasured"),
             pin_hits: result(&shared.pin_lookups, "hit"),
             pin_misses: result(&shared.pin_lookups, "miss"),
-            routes: ByArc::default(),
-            removals_seen: std::cell::Cell::new(shared.removals.load(Ordering::Acquire)),
             shared,
         }
     }
 
-    pub fn shared(&self) -> &Metrics {
+    pub fn shared(&self) -> &Arc<Metrics> {
         &self.shared
-    }
-
-    pub fn route(&self, replica: &Arc<str>, route: &'static str) -> Rc<RouteMetrics> {
-        // Written only when a replica's series are removed: a read here
-        // moves no cache line between the workers.
-        let removals = self.shared.removals.load(Ordering::Acquire);
-        if removals != self.removals_seen.get() {
-            self.removals_seen.set(removals);
-            self.routes.clear();
-        }
-        let routes = self.routes.get(replica, |_| Rc::default());
-        if let Some((_, m)) = routes.0.borrow().iter().find(|(r, _)| *r == route) {
-            return m.clone();
-        }
-        let labels = RouteLabels { replica: replica.into(), route };
-        let s = &self.shared;
-        s.note_route(&labels);
-        let m = Rc::new(RouteMetrics {
-            upstream_ttfb: s.upstream_ttfb.get_or_create(&labels).clone(),
-            request_duration: s.request_duration.get_or_create(&labels).clone(),
-            prompt_tokens: s.prompt_tokens.get_or_create(&labels).clone(),
-            cached_tokens: s.cached_tokens.get_or_create(&labels).clone(),
-            requests: RefCell::default(),
-            shared: s.clone(),
-            labels,
-        });
-        routes.0.borrow_mut().push((route, m.clone()));
-        m
     }
 }
 
@@ -752,68 +583,4 @@ fn push_once<T: PartialEq + Clone>(list: &mut Vec<T>, item: &T) {
 
 pub fn replica_label(id: &str) -> ReplicaLabels {
     ReplicaLabels { replica: id.to_string() }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn workers_count_into_the_same_series_whatever_name_instance_they_hold() {
-        let shared = Arc::new(Metrics::new());
-        let (w1, w2) = (WorkerMetrics::new(shared.clone()), WorkerMetrics::new(shared.clone()));
-        let a: Arc<str> = Arc::from("gpu-a");
-        // The same name in another allocation (a replica removed and added again).
-        let a_again: Arc<str> = Arc::from("gpu-a");
-        w1.route(&a, "spread").count_request(status_label(200));
-        w1.route(&a, "spread").count_request(status_label(200));
-        w2.route(&a_again, "spread").count_request(status_label(200));
-        w2.route(&a_again, "spread").count_request(status_label(599));
-        w1.route(&a, "spread").prompt_tokens.inc_by(5);
-        w2.route(&a_again, "spread").prompt_tokens.inc_by(7);
-        w1.measured.inc();
-        w2.measured.inc();
-        let text = shared.encode();
-        let line = |prefix: &str| text.lines().find(|l| l.starts_with(prefix)).map(str::to_string);
-        assert_eq!(
-            line(r#"prefixgate_requests_total{replica="gpu-a",route="spread",status="200"}"#).as_deref(),
-            Some(r#"prefixgate_requests_total{replica="gpu-a",route="spread",status="200"} 3"#)
-        );
-        assert!(line(r#"prefixgate_requests_total{replica="gpu-a",route="spread",status="599"} 1"#).is_some());
-        assert!(line(r#"prefixgate_prompt_tokens_total{replica="gpu-a",route="spread"} 12"#).is_some(), "{text}");
-        assert!(line(r#"prefixgate_usage_measured_total{result="measured"} 2"#).is_some(), "{text}");
-    }
-
-    #[test]
-    fn a_removed_replicas_series_leave_the_exposition_and_the_index() {
-        let shared = Arc::new(Metrics::new());
-        let w = WorkerMetrics::new(shared.clone());
-        let (a, b): (Arc<str>, Arc<str>) = (Arc::from("gpu-a"), Arc::from("gpu-b"));
-        for r in [&a, &b] {
-            let m = w.route(r, "spread");
-            m.count_request(status_label(200));
-            m.upstream_ttfb.observe(0.1);
-        }
-        shared.failover(&a, &b);
-        shared.admission_waited("gpu-a");
-        // A request still in flight on gpu-a holds its handles.
-        let held = w.route(&a, "pinned");
-        shared.forget_replica("gpu-a");
-        let text = shared.encode();
-        assert!(!text.contains("gpu-a"), "{text}");
-        assert!(text.contains(r#"prefixgate_requests_total{replica="gpu-b",route="spread",status="200"} 1"#));
-        assert_eq!(shared.replicas_with_series(), 1);
-        // It ends after the removal, with a status not seen before: a new
-        // series, which the next scrape's sweep removes.
-        held.count_request(status_label(502));
-        assert!(shared.encode().contains("gpu-a"));
-        let report = crate::capacity::Capacity::new(60).report(&[], 0);
-        shared.refresh_gauges(&[], &report, |name| name == "gpu-b");
-        assert!(!shared.encode().contains("gpu-a"));
-        // The worker's cache started over: gpu-b still counts into its series.
-        w.route(&b, "spread").count_request(status_label(200));
-        assert!(shared
-            .encode()
-            .contains(r#"prefixgate_requests_total{replica="gpu-b",route="spread",status="200"} 2"#));
-    }
 }

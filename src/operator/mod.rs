@@ -92,8 +92,6 @@ pub struct Operator {
     pub(crate) store: Arc<dyn Store>,
     pub(crate) policy: Arc<CurrentPolicy>,
     pub(crate) capacity: Arc<Capacity>,
-    /// Per-replica metric series: they leave with their replica.
-    pub(crate) metrics: Arc<crate::metrics::Metrics>,
     /// Sessions resident on each replica: they leave with it.
     pub(crate) sessions: Arc<crate::sessions::Sessions>,
     /// The operator's state of discovered replicas, by name (`discovered.rs`).
@@ -133,7 +131,6 @@ impl Operator {
             store,
             policy: Arc::new(CurrentPolicy::new(policy)),
             capacity: Arc::new(Capacity::new(300)),
-            metrics: Arc::default(),
             sessions: crate::sessions::Sessions::new(Default::default()),
             discovered_admin: Default::default(),
             serial: Default::default(),
@@ -250,8 +247,8 @@ impl Operator {
     /// its record, `fleet::Replica`: dropping the record is the removal, and
     /// a request still in flight keeps it only until it ends. Besides the
     /// record: its pins and interned name (the pin table's own index, by
-    /// design), and its metric series (Prometheus families are keyed by
-    /// label values; the registry lists each replica's to remove them).
+    /// design). Its metric series are listed on the record and leave the
+    /// exposition as it leaves the fleet (`Fleet::remove`).
     /// Returns how many pins went. A follow-up naming a response the
     /// replica stored must hear that its replica is gone: those pins stay
     /// (see `PinTable`) until they expire, and the name with them.
@@ -261,9 +258,7 @@ impl Operator {
     /// outlives it (a fleet whose pods return under new names runs for months).
     pub(crate) fn forget_replica(&self, id: &str) -> usize {
         self.fleet.remove(id);
-        let pins = self.pins.remove_replica_pins(id, true);
-        self.metrics.forget_replica(id);
-        pins
+        self.pins.remove_replica_pins(id, true)
     }
 
     /// Re-reads replica `id` from the store and applies it (another

@@ -123,6 +123,18 @@ pub enum RouteReason {
 }
 
 impl RouteReason {
+    /// Every reason, in declaration order (`reason as usize` indexes it).
+    pub const ALL: [RouteReason; 8] = [
+        RouteReason::Pinned,
+        RouteReason::Spread,
+        RouteReason::RoundRobin,
+        RouteReason::Affinity,
+        RouteReason::Repinned,
+        RouteReason::Failover,
+        RouteReason::Session,
+        RouteReason::Response,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             RouteReason::Pinned => "pinned",

@@ -72,22 +72,16 @@ impl Base {
     }
 }
 
-/// What one worker derived from the replicas once, instead of per request:
-/// each spec's base URL parsed (so a request's upstream URI is put together
-/// from parts, not formatted as a string and parsed back), and each name as
-/// a header value.
+/// What one worker derived from the replicas' specs once, instead of per
+/// request: each spec's base URL parsed (so a request's upstream URI is put
+/// together from parts, not formatted as a string and parsed back). Keyed
+/// by the spec's `Arc`, so an edited spec is parsed afresh.
 #[derive(Default)]
 pub struct PerReplica {
     bases: ByArc<ReplicaSpec, Option<Rc<Base>>>,
-    names: ByArc<str, HeaderValue>,
 }
 
 impl PerReplica {
-    /// The replica's name as the `x-prefixgate-replica` header value.
-    pub fn name_header(&self, id: &Arc<str>) -> HeaderValue {
-        self.names.get(id, |id| HeaderValue::from_str(id).expect("a slug is a valid header value"))
-    }
-
     /// The upstream URI: the replica's base URL, then the client's path and
     /// query; and the `Host` header for it (None: awc derives it).
     pub fn target(&self, spec: &Arc<ReplicaSpec>, client: &Uri) -> (Uri, Option<HeaderValue>) {
@@ -188,13 +182,5 @@ mod tests {
         // A changed spec is a new Arc: parsed afresh, not served from the cache.
         let moved = spec("http://10.0.0.6:9000");
         assert_eq!(target(&moved).0, "http://10.0.0.6:9000/v1/chat/completions?x=1&y=%20");
-    }
-
-    #[test]
-    fn a_replicas_name_header_is_its_id() {
-        let replicas = PerReplica::default();
-        let id: Arc<str> = Arc::from("gpu-a_1");
-        assert_eq!(replicas.name_header(&id), "gpu-a_1");
-        assert_eq!(replicas.name_header(&id), "gpu-a_1");
     }
 }

@@ -252,7 +252,7 @@ async fn forward_request(
         match attempt::send(request, body.clone()).await {
             Ok(resp) => {
                 trace::attempt_ended(&attempt_span, Ok(resp.status().as_u16()));
-                let (metrics, predicted_cached) = recorder.responded(&Responded {
+                let predicted_cached = recorder.responded(&Responded {
                     replica,
                     reason,
                     success: resp.status().is_success(),
@@ -275,7 +275,6 @@ async fn forward_request(
                 });
                 let outcome = Outcome {
                     recorder: recorder.into_inner(),
-                    metrics,
                     reason,
                     status: resp.status().as_u16(),
                     predicted_cached,
@@ -285,7 +284,7 @@ async fn forward_request(
                     trace: trace.clone(),
                 };
                 let idle = Duration::from_millis(config.timeouts.idle_stream_ms);
-                let name = upstream.replicas.name_header(&outcome.replica().id);
+                let name = outcome.replica().name_header.clone();
                 let mut out = respond(resp, outcome, name, predicted_cached, idle, shape.dialect);
                 if let Some(waited) = held_for {
                     out.headers_mut().insert(HEADER_HELD_MS, HeaderValue::from(waited.as_millis() as u64));
@@ -365,12 +364,12 @@ async fn admit(state: &AppState, recorder: &OutcomeRecorder, replica: &Arc<Repli
     match (local, fleet) {
         (Ok((permit, how)), Ok((lease, waited))) => {
             if how == Admitted::AfterWaiting || waited {
-                recorder.admission_waited(&replica.id);
+                recorder.admission_waited(replica);
             }
             Ok((permit, lease))
         }
         (Err(e), _) | (_, Err(e)) => {
-            recorder.admission_rejected(&replica.id);
+            recorder.admission_rejected(replica);
             Err(e.into())
         }
     }

@@ -4,7 +4,6 @@
 //! (rejected, attempt failed, responded, body ended) and it decides what
 //! each means for every piece of state, so no two places write one thing.
 
-use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,7 +18,7 @@ use crate::error::ApiError;
 use crate::events::{EventKind, EventLog};
 use crate::fleet::health::{HealthTracker, Observation};
 use crate::fleet::{InflightGuard, Replica};
-use crate::metrics::{Metrics, ResultLabels, RouteMetrics, WorkerMetrics};
+use crate::metrics::{Metrics, ResultLabels, WorkerMetrics};
 use crate::pins::{Pin, PinOrigin, PinSource, PinTable};
 use crate::policy::sessions::{response_key, KeyKind, SessionKey};
 use crate::policy::{Dialect, PrefixKey, PrefixMatch, RouteReason};
@@ -87,7 +86,7 @@ impl OutcomeRecorder {
         }
     }
 
-    pub fn metrics(&self) -> &Metrics {
+    pub fn metrics(&self) -> &Arc<Metrics> {
         self.metrics.shared()
     }
 
@@ -105,12 +104,20 @@ impl OutcomeRecorder {
         if hit { &self.metrics.pin_hits } else { &self.metrics.pin_misses }.inc();
     }
 
-    pub fn admission_waited(&self, replica: &str) {
-        self.metrics().admission_waited(replica);
+    pub fn admission_waited(&self, replica: &Replica) {
+        replica.series.admission(self.metrics(), false, 1);
     }
 
-    pub fn admission_rejected(&self, replica: &str) {
-        self.metrics().admission_rejected(replica);
+    pub fn admission_rejected(&self, replica: &Replica) {
+        replica.series.admission(self.metrics(), true, 1);
+    }
+
+    /// Counts failovers from each of `tried` to `to` (None: nowhere left).
+    /// A replica that left the fleet meanwhile is not counted.
+    fn failovers(&self, tried: &[Arc<str>], to: Option<&Replica>) {
+        for from in tried.iter().filter_map(|id| self.fleet.get(id)) {
+            from.series.failover(self.metrics(), to.map(|r| &r.series));
+        }
     }
 
     /// No plan: the request ends here, after failing on `tried` (if anywhere).
@@ -126,10 +133,7 @@ impl OutcomeRecorder {
             }
             PlanError::NoReplica => {
                 self.rejected("no_replica");
-                let nowhere: Arc<str> = Arc::from("none");
-                for from in tried {
-                    self.metrics().failover(from, &nowhere);
-                }
+                self.failovers(tried, None);
                 ApiError::NoReplica
             }
         }
@@ -168,7 +172,7 @@ impl OutcomeRecorder {
                 false
             }
             AttemptFailure::Timeout | AttemptFailure::Upstream => {
-                self.metrics.route(&replica.id, reason.as_str()).count_request(e.status_label().into());
+                replica.series.count_request(self.metrics(), reason, e.status_label().into());
                 false
             }
         }
@@ -207,19 +211,10 @@ impl OutcomeRecorder {
     }
 
     /// A response head arrived. Records failovers, the pin (for a success),
-    /// a moved conversation, and time to first byte. Returns the request's
-    /// metric handles (for `Outcome`), and the cached tokens the route
-    /// predicts (a warm turn on its own replica).
-    pub fn responded(&self, r: &Responded) -> (Rc<RouteMetrics>, Option<u64>) {
-        let route = self.metrics.route(&r.replica.id, r.reason.as_str());
-        let predicted = self.record_response(r, &route);
-        (route, predicted)
-    }
-
-    fn record_response(&self, r: &Responded, route: &RouteMetrics) -> Option<u64> {
-        for from in r.tried {
-            self.metrics().failover(from, &r.replica.id);
-        }
+    /// a moved conversation, and time to first byte. Returns the cached
+    /// tokens the route predicts (a warm turn on its own replica).
+    pub fn responded(&self, r: &Responded) -> Option<u64> {
+        self.failovers(r.tried, Some(r.replica));
         if let Some((from, true)) = r.failed_from {
             self.events.record(
                 EventKind::Failover,
@@ -228,7 +223,7 @@ impl OutcomeRecorder {
                 "connection failed before any response byte; retried",
             );
         }
-        route.upstream_ttfb.observe(r.ttfb.as_secs_f64());
+        r.replica.series.route(self.metrics(), r.reason).upstream_ttfb.observe(r.ttfb.as_secs_f64());
         if !r.success {
             return None;
         }
@@ -316,7 +311,6 @@ pub type Held = (
 /// running ticket with it.
 pub struct Outcome {
     pub recorder: Arc<OutcomeRecorder>,
-    pub metrics: Rc<RouteMetrics>,
     pub reason: RouteReason,
     pub status: u16,
     /// The cached tokens a pinned turn should find on its home: with what
@@ -349,7 +343,8 @@ impl BodyEnd for Outcome {
             BodyOutcome::IdleTimeout => "idle_timeout".into(),
             BodyOutcome::ClientGone => "client_gone".into(),
         };
-        let route = &self.metrics;
+        let series = &self.replica().series;
+        let route = series.route(m.shared(), self.reason);
         route.request_duration.observe(self.started.elapsed().as_secs_f64());
         let complete = outcome == BodyOutcome::Complete;
         let succeeded = complete && (200..300).contains(&self.status);
@@ -364,7 +359,7 @@ impl BodyEnd for Outcome {
                 measured.and_then(|u| u.cached_tokens).map(|c| KeyValue::new("prefixgate.cached_tokens", c as i64));
             [Some(code), body, input, cached].into_iter().flatten()
         });
-        route.count_request(status);
+        series.count_request(m.shared(), self.reason, status);
         if succeeded {
             if measured.is_some() { &m.measured } else { &m.unmeasured }.inc();
             if let Some(u) = measured {
