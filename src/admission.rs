@@ -1,28 +1,29 @@
 //! Admission for large contexts (opt-in, per replica `max_large_inflight`).
 //!
 //! A large request bound for a replica at its limit waits in that replica's
-//! FIFO queue, bounded in time (`admission.wait_ms`) and length
+//! queue, bounded in time (`admission.wait_ms`) and length
 //! (`admission.max_queue`); past either it is rejected with 503 and
-//! Retry-After. Slots are handed straight to the next waiter on release, so
-//! the queue is fair. Every path releases: the permit is an RAII guard, and a
+//! Retry-After. Slots are handed straight to the next waiter on release, in
+//! the queue's order: by priority class, then turns between clients, then
+//! arrival (`priority::FairQueue`). Every path releases: the permit is an RAII guard, and a
 //! waiter that goes away (client disconnect, timeout) either leaves the queue
 //! or, if it was granted a slot in the same instant, gives the slot back.
 //!
 //! The seed measured that one large request per card did *not* help on its
 //! workload; this is a lever to measure, off unless configured.
 
-use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::oneshot;
 
 use crate::domain_error::DomainError;
+use crate::priority::{FairQueue, Who};
 
 #[derive(Default)]
 struct Slots {
     in_use: u32,
-    waiters: VecDeque<(u64, oneshot::Sender<()>)>,
+    waiters: FairQueue<oneshot::Sender<()>>,
 }
 
 /// One replica's large-context slots and their queue. Kept on the
@@ -31,7 +32,6 @@ struct Slots {
 #[derive(Default)]
 pub struct LargeSlots {
     slots: Mutex<Slots>,
-    next_waiter: std::sync::atomic::AtomicU64,
 }
 
 /// The replica's limit, read again at every release so a limit changed at
@@ -77,11 +77,12 @@ impl LargeSlots {
         s.in_use < limit && s.waiters.is_empty()
     }
 
-    /// Takes a slot, waiting in line if needed; `replica` names it in a
-    /// refusal.
+    /// Takes a slot for `who`, waiting in line if needed; `replica` names
+    /// it in a refusal.
     pub async fn acquire(
         self: &Arc<Self>,
         replica: &str,
+        who: &Who,
         limit: Limit,
         wait: Duration,
         max_queue: usize,
@@ -103,8 +104,7 @@ impl LargeSlots {
                 }
                 Some(_) => {
                     let (tx, rx) = oneshot::channel();
-                    let id = self.next_waiter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    slots.waiters.push_back((id, tx));
+                    let id = slots.waiters.push(who.class, who.client.clone(), tx);
                     Waiter { slots: self.clone(), id, rx: Some(rx), limit: limit.clone() }
                 }
             }
@@ -129,10 +129,10 @@ impl LargeSlots {
     /// Hands free slots to waiters in order, skipping those that left.
     fn grant(slots: &mut Slots, limit: Option<u32>) {
         while limit.is_none_or(|l| slots.in_use < l) {
-            let Some((_, tx)) = slots.waiters.pop_front() else {
+            let Some(waiter) = slots.waiters.pop() else {
                 break;
             };
-            if tx.send(()).is_ok() {
+            if waiter.value.send(()).is_ok() {
                 slots.in_use += 1;
             }
         }
@@ -175,7 +175,7 @@ impl Drop for Waiter {
         if granted {
             self.slots.release((self.limit)());
         } else {
-            self.slots.lock().waiters.retain(|(id, _)| *id != self.id);
+            self.slots.lock().waiters.remove(self.id);
         }
     }
 }
@@ -192,12 +192,13 @@ mod tests {
     async fn waiters_are_served_in_order_and_slots_never_leak() {
         let a = Arc::new(LargeSlots::default());
         let r = "r";
-        let (first, how) = a.acquire(r, limit(1), Duration::from_secs(5), 8).await.unwrap();
+        let (first, how) = a.acquire(r, &Who::default(), limit(1), Duration::from_secs(5), 8).await.unwrap();
         assert_eq!(how, Admitted::AtOnce);
         let a2 = a.clone();
         let r2 = r;
-        let second =
-            tokio::spawn(async move { a2.acquire(r2, limit(1), Duration::from_secs(5), 8).await.map(|(p, h)| (h, p)) });
+        let second = tokio::spawn(async move {
+            a2.acquire(r2, &Who::default(), limit(1), Duration::from_secs(5), 8).await.map(|(p, h)| (h, p))
+        });
         while a.queued() == 0 {
             tokio::task::yield_now().await;
         }
@@ -213,10 +214,13 @@ mod tests {
     async fn a_full_queue_and_a_timeout_are_rejections_that_leave_nothing_behind() {
         let a = Arc::new(LargeSlots::default());
         let r = "r";
-        let (held, _) = a.acquire(r, limit(1), Duration::from_secs(1), 0).await.unwrap();
-        assert!(matches!(a.acquire(r, limit(1), Duration::from_secs(1), 0).await, Err(DomainError::Overloaded { .. })));
+        let (held, _) = a.acquire(r, &Who::default(), limit(1), Duration::from_secs(1), 0).await.unwrap();
         assert!(matches!(
-            a.acquire(r, limit(1), Duration::from_millis(20), 4).await,
+            a.acquire(r, &Who::default(), limit(1), Duration::from_secs(1), 0).await,
+            Err(DomainError::Overloaded { .. })
+        ));
+        assert!(matches!(
+            a.acquire(r, &Who::default(), limit(1), Duration::from_millis(20), 4).await,
             Err(DomainError::Overloaded { .. })
         ));
         assert_eq!((a.in_use(), a.queued()), (1, 0));
@@ -225,11 +229,50 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_freed_slot_goes_to_the_highest_class_waiting_then_by_clients_turns() {
+        use crate::priority::Class;
+        let a = Arc::new(LargeSlots::default());
+        let who = |class, client: &str| Who { class, stated: true, client: Arc::from(client) };
+        let (held, _) = a.acquire("r", &who(Class::Default, "x"), limit(1), Duration::from_secs(5), 8).await.unwrap();
+        let (order_tx, mut order) = tokio::sync::mpsc::unbounded_channel();
+        // Queued in this order: two background ones of client a, one default
+        // of a, one default of b, one interactive.
+        let queued = [
+            (Class::Background, "a"),
+            (Class::Background, "a"),
+            (Class::Default, "a"),
+            (Class::Default, "a"),
+            (Class::Default, "b"),
+            (Class::Interactive, "c"),
+        ];
+        for (i, (class, client)) in queued.into_iter().enumerate() {
+            let (slots, tx, w) = (a.clone(), order_tx.clone(), who(class, client));
+            tokio::spawn(async move {
+                let (p, _) = slots.acquire("r", &w, limit(1), Duration::from_secs(5), 8).await.unwrap();
+                tx.send(i).unwrap();
+                drop(p);
+            });
+            while a.queued() < i + 1 {
+                tokio::task::yield_now().await;
+            }
+        }
+        drop(held);
+        let mut got = Vec::new();
+        for _ in 0..queued.len() {
+            got.push(order.recv().await.unwrap());
+        }
+        // Interactive first; then default, where b's one goes before a's second; background last.
+        assert_eq!(got, [5, 2, 4, 3, 0, 1]);
+        assert_eq!((a.in_use(), a.queued()), (0, 0));
+    }
+
+    #[tokio::test]
     async fn a_cancelled_waiter_leaves_the_queue() {
         let a = Arc::new(LargeSlots::default());
         let r = "r";
-        let (held, _) = a.acquire(r, limit(1), Duration::from_secs(1), 4).await.unwrap();
-        let wait = a.acquire(r, limit(1), Duration::from_secs(10), 4);
+        let (held, _) = a.acquire(r, &Who::default(), limit(1), Duration::from_secs(1), 4).await.unwrap();
+        let who = Who::default();
+        let wait = a.acquire(r, &who, limit(1), Duration::from_secs(10), 4);
         // Poll once so it queues, then drop it (a client that went away).
         let mut wait = Box::pin(wait);
         assert!(futures_util::poll!(wait.as_mut()).is_pending());

@@ -20,6 +20,7 @@ pub use crate::fleet::health::HealthConfig;
 pub use crate::discovery::SourceConfig;
 use crate::fleet::ReplicaSpec;
 use crate::policy::{IdentityBlocks, Mode};
+pub use crate::priority::PriorityConfig;
 pub use crate::sessions::SessionConfig;
 pub use crate::telemetry::TracingConfig;
 
@@ -62,6 +63,9 @@ pub struct Config {
     pub capacity: CapacityConfig,
     #[schema(inline)]
     pub sessions: SessionConfig,
+    /// Who waits at the wall: priority classes, clients, preemption (README "Priority").
+    #[schema(inline)]
+    pub priority: PriorityConfig,
     #[schema(inline)]
     pub store: StoreConfig,
     #[schema(inline)]
@@ -200,6 +204,7 @@ impl Default for Config {
             admission: AdmissionConfig::default(),
             capacity: CapacityConfig::default(),
             sessions: SessionConfig::default(),
+            priority: PriorityConfig::default(),
             tracing: TracingConfig::default(),
             store: StoreConfig::default(),
             replicas: Vec::new(),

@@ -63,8 +63,14 @@ pub enum EventKind {
     /// admitted anyway, over capacity (or was larger than any replica).
     SessionOverCapacity,
     /// A resident session's turn waited at its boundary: its replica's
-    /// sessions outgrew its KV, and it was the youngest there.
+    /// sessions outgrew its KV and it was the first to give way there (the
+    /// lowest class, the client with the most sessions, the youngest), or a
+    /// higher class had taken its room.
     SessionPaused,
+    /// A resident session's room went, between its turns, to a waiting
+    /// session of a higher class (`priority.preempt`): its next turn waits
+    /// for room.
+    SessionPreempted,
     /// A pinned turn's receipt showed its replica lost the session's prefix:
     /// the replica takes no new session above the load it was lost at.
     KvWallSeen,

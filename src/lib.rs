@@ -27,6 +27,7 @@ pub mod metrics;
 pub mod operator;
 pub mod pins;
 pub mod policy;
+pub mod priority;
 pub mod proxy;
 pub mod read_mostly;
 pub mod sessions;

@@ -4,7 +4,7 @@
 use actix_web::{get, web};
 use utoipa_actix_web::service_config::ServiceConfig;
 
-use crate::capacity::{CapacityReport, SessionQueue};
+use crate::capacity::{CapacityReport, HeldByClass, SessionQueue};
 use crate::state::AppState;
 
 pub fn routes(cfg: &mut ServiceConfig) {
@@ -39,6 +39,12 @@ async fn get_capacity(s: web::Data<AppState>) -> web::Json<CapacityReport> {
         projected_tokens: projections.fleet_tokens,
         projections_learned: projections.sessions_learned,
         projection_links: projections.links,
+        held_by_class: {
+            let [interactive, default, background] = s.sessions.held_by_class();
+            HeldByClass { interactive, default, background }
+        },
+        paused_turns: s.sessions.paused(),
+        queue: s.sessions.queue(crate::clock::now_ms()),
     };
     web::Json(report)
 }

@@ -275,7 +275,9 @@ async fn metrics(s: web::Data<AppState>) -> HttpResponse {
     s.metrics.events_unwritten.set(s.event_writer.backlog() as i64);
     let dropped = &s.metrics.events_unwritten_dropped;
     dropped.inc_by(s.events.unwritten_dropped().saturating_sub(dropped.get()));
-    s.metrics.held_sessions.set(s.sessions.held() as i64);
+    for (class, held) in crate::priority::Class::ALL.into_iter().zip(s.sessions.held_by_class()) {
+        s.metrics.held_sessions.get_or_create(&crate::metrics::ClassLabels::of(class)).set(held as i64);
+    }
     let spans = &s.metrics.spans_dropped;
     spans.inc_by(s.telemetry.dropped().saturating_sub(spans.get()));
     s.metrics.store_up.set(i64::from(s.store_up.load(std::sync::atomic::Ordering::Acquire)));

@@ -35,7 +35,10 @@ use std::sync::{Arc, Mutex};
 
 pub use running::{RunningRequest, RunningRequests, RunningTicket, RunningWorker};
 use verdict::compute;
-pub use verdict::{AggregateCapacity, CapacityReport, KvSource, ReplicaCapacity, ReplicaInput, SessionQueue, Verdict};
+pub use verdict::{
+    AggregateCapacity, CapacityReport, HeldByClass, KvSource, QueuedSession, ReplicaCapacity, ReplicaInput,
+    SessionQueue, Verdict,
+};
 pub use working_set::WorkingSet;
 
 use crate::events::{EventKind, EventLog};

@@ -106,6 +106,37 @@ pub struct SessionQueue {
     /// First links (system prompt, instructions, tools) with a projection of their own.
     #[serde(default)]
     pub projection_links: usize,
+    /// Waiting now, by priority class.
+    #[serde(default)]
+    pub held_by_class: HeldByClass,
+    /// Turns of resident sessions paused now (their replica crossed, or
+    /// their room taken by a higher class).
+    #[serde(default)]
+    pub paused_turns: usize,
+    /// The sessions waiting, in the order they go: by class, then turns
+    /// between clients, then arrival.
+    #[serde(default)]
+    pub queue: Vec<QueuedSession>,
+}
+
+/// Sessions waiting, by priority class.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct HeldByClass {
+    pub interactive: usize,
+    pub default: usize,
+    pub background: usize,
+}
+
+/// One session waiting for room.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct QueuedSession {
+    pub class: crate::priority::Class,
+    /// Its client: an API key's hash (`key-...`), an `x-prefixgate-client`
+    /// name, or `anonymous`.
+    pub client: String,
+    /// Its estimated footprint, tokens.
+    pub tokens: u64,
+    pub waited_ms: u64,
 }
 
 /// What the verdict needs to know of one replica, gathered by the caller

@@ -32,6 +32,14 @@ pub struct Resident {
     /// The longest silence between two of its turns seen here, ms (0: none
     /// yet): how long this agent's tool calls take, so when it has left.
     pub longest_gap_ms: u64,
+    /// Its priority class: its first turn's, unless a later turn said another.
+    pub class: crate::priority::Class,
+    /// Its client, hashed (turns between clients when residents give way).
+    pub client: u64,
+    /// A waiting session of a higher class took its room between its turns
+    /// (`priority.preempt`): it counts for nothing until its next turn,
+    /// which waits for room again.
+    pub preempted: bool,
 }
 
 /// A session idles out after this many times its longest gap between turns.
@@ -44,7 +52,10 @@ pub const MIN_IDLE_MS: u64 = 500;
 impl Resident {
     /// What it counts for against its replica's room, tokens.
     pub fn counted_tokens(&self) -> u64 {
-        self.tokens.max(self.projected)
+        match self.preempted {
+            true => 0,
+            false => self.tokens.max(self.projected),
+        }
     }
 
     /// How long after its last turn this session idles out: a few times its

@@ -95,6 +95,17 @@ pub struct FailoverLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ClassLabels {
+    pub class: &'static str,
+}
+
+impl ClassLabels {
+    pub fn of(class: crate::priority::Class) -> ClassLabels {
+        ClassLabels { class: class.as_str() }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResultLabels {
     pub result: &'static str,
 }
@@ -115,6 +126,11 @@ pub fn status_label(status: u16) -> Cow<'static, str> {
 }
 
 type HistogramFamily<L> = Family<L, StripedHistogram, fn() -> StripedHistogram>;
+
+fn hold_histogram() -> Histogram {
+    // 10 ms .. ~164 s: a hand-off between sessions to sessions.max_wait_ms.
+    Histogram::new(exponential_buckets(0.01, 2.0, 15))
+}
 
 fn latency_histogram() -> StripedHistogram {
     // 1 ms .. ~524 s: covers a warm first token and a cold 90k-token prefill.
@@ -172,9 +188,11 @@ pub struct Metrics {
     /// Pin changes the flusher wrote to the store.
     pub pins_persisted: Counter,
     /// New sessions' waits for room at the KV wall, placed or not.
-    pub session_hold: Histogram,
+    pub session_hold: Family<ClassLabels, Histogram, fn() -> Histogram>,
     /// New sessions waiting for room now.
-    pub held_sessions: Gauge,
+    pub held_sessions: Family<ClassLabels, Gauge>,
+    /// Resident sessions whose room went to a waiting higher class.
+    pub sessions_preempted: Family<ClassLabels, Counter>,
     /// New sessions admitted over capacity (no room opened within the wait).
     pub sessions_over_capacity: Counter,
     pub session_turns_paused: Counter,
@@ -229,8 +247,9 @@ impl Metrics {
             stored_response_lookups: Family::default(),
             pins_persisted: Counter::default(),
             // 10 ms .. ~164 s: a session waits for another to finish.
-            session_hold: Histogram::new(exponential_buckets(0.01, 2.0, 15)),
-            held_sessions: Gauge::default(),
+            session_hold: Family::new_with_constructor(hold_histogram as fn() -> Histogram),
+            held_sessions: Family::default(),
+            sessions_preempted: Family::default(),
             sessions_over_capacity: Counter::default(),
             session_turns_paused: Counter::default(),
             resident_sessions: Family::default(),
@@ -360,10 +379,19 @@ impl Metrics {
         );
         registry.register(
             "prefixgate_session_hold_seconds",
-            "How long new sessions waited for room at the KV wall",
+            "How long new sessions waited for room at the KV wall, by priority class",
             m.session_hold.clone(),
         );
-        registry.register("prefixgate_held_sessions", "New sessions waiting for room now", m.held_sessions.clone());
+        registry.register(
+            "prefixgate_held_sessions",
+            "New sessions waiting for room now, by priority class",
+            m.held_sessions.clone(),
+        );
+        registry.register(
+            "prefixgate_sessions_preempted",
+            "Resident sessions whose room went to a waiting session of a higher class, by the preempted one's class",
+            m.sessions_preempted.clone(),
+        );
         registry.register(
             "prefixgate_sessions_over_capacity",
             "New sessions admitted over capacity after waiting sessions.max_wait_ms",
@@ -425,6 +453,13 @@ impl Metrics {
         }
         for result in ["store", "replica", "unknown"] {
             m.stored_response_lookups.get_or_create(&ResultLabels { result }).inc_by(0);
+        }
+        // Every class starts at zero, so a rate over a quiet class is 0, not absent.
+        for class in crate::priority::Class::ALL {
+            let l = ClassLabels::of(class);
+            m.sessions_preempted.get_or_create(&l).inc_by(0);
+            m.held_sessions.get_or_create(&l).set(0);
+            let _ = m.session_hold.get_or_create(&l);
         }
         Metrics { registry, ..m }
     }

@@ -17,6 +17,7 @@ use crate::error::ApiError;
 use crate::events::EventKind;
 use crate::fleet::Replica;
 use crate::policy::{Mode, PolicySettings, PrefixKey};
+use crate::priority::{Class, Who};
 use crate::sessions::room::{verdict, Verdict};
 use crate::sessions::Held;
 use std::sync::Arc;
@@ -62,6 +63,26 @@ fn candidate_rooms(state: &AppState, model: Option<&str>) -> Vec<Room> {
         .collect()
 }
 
+/// Preempts lower-class sessions between turns for a waiting session of
+/// `who`'s class (`Sessions::preempt_for`); history and metrics record
+/// each. True when any was.
+fn preempt_for(state: &AppState, model: Option<&str>, tokens: u64, who: &Who) -> bool {
+    let candidates: Vec<Arc<Replica>> =
+        state.fleet.snapshot().iter().filter(|r| r.routable() && model.is_none_or(|m| r.serves(m))).cloned().collect();
+    let preempted = state.sessions.preempt_for(&candidates, who.class, tokens);
+    for (replica, class) in &preempted {
+        state.metrics.sessions_preempted.get_or_create(&crate::metrics::ClassLabels::of(*class)).inc();
+        let detail = format!(
+            "a {} session gave its room, between its turns, to a waiting session of ~{tokens} tokens ({}); its next turn waits for room",
+            class.as_str(),
+            who_said(who)
+        );
+        tracing::info!(replica = %replica, class = class.as_str(), "a session was preempted at its turn boundary");
+        state.events.record(EventKind::SessionPreempted, Some(replica), None, detail);
+    }
+    !preempted.is_empty()
+}
+
 /// A session's first link (system prompt, instructions, tools): what its
 /// projection is kept by (`sessions/projection.rs`).
 pub fn first_link(lookup: &Lookup) -> Option<PrefixKey> {
@@ -80,19 +101,32 @@ pub fn admitted_tokens(state: &AppState, lookup: &Lookup, now: u64) -> u64 {
 /// Pauses this turn of resident session `session` on `replica` while the
 /// sessions there outgrew its KV and it is the youngest (`Sessions::pause_if_over`);
 /// history and metrics record a pause. Returns how long it paused.
-pub async fn pause_if_over(state: &AppState, replica: &Replica, session: PrefixKey, tokens: u64) -> Option<Duration> {
+pub async fn pause_if_over(
+    state: &AppState,
+    replica: &Replica,
+    session: PrefixKey,
+    tokens: u64,
+    who: &Who,
+) -> Option<Duration> {
+    let preempted = replica.residents.lock().get(&session).is_some_and(|r| r.preempted);
     let paused = state.sessions.pause_if_over(replica, session, tokens).await?;
     state.metrics.session_turns_paused.inc();
+    let why = match preempted {
+        true => "a session of a higher class had taken its room",
+        false => "the sessions here outgrew its KV and it was the first to give way",
+    };
     state.events.record(
         EventKind::SessionPaused,
         Some(&replica.id),
         None,
-        format!(
-            "a turn of ~{tokens} tokens paused {} ms: the sessions here outgrew its KV and it was the youngest",
-            paused.as_millis()
-        ),
+        format!("a turn of ~{tokens} tokens ({}) paused {} ms: {why}", who_said(who), paused.as_millis()),
     );
     Some(paused)
+}
+
+/// A request's class and client, as history records them.
+pub fn who_said(who: &Who) -> String {
+    format!("class {}, client {}", who.class.as_str(), who.client)
 }
 
 /// Longest a placement waits on a shared store (reading the fleet's loads,
@@ -163,7 +197,12 @@ pub async fn place_in_store(
 /// Holds a new session of about `tokens` while no candidate has room for
 /// it (off with `sessions.max_wait_ms = 0`). Returns how long it waited,
 /// when it did; history and metrics record it.
-pub async fn hold_if_full(state: &AppState, lookup: &Lookup, tokens: u64) -> Result<Option<Duration>, ApiError> {
+pub async fn hold_if_full(
+    state: &AppState,
+    lookup: &Lookup,
+    tokens: u64,
+    who: &Who,
+) -> Result<Option<Duration>, ApiError> {
     let hold = state.sessions.settings();
     if hold.max_wait_ms == 0 {
         return Ok(None);
@@ -188,7 +227,12 @@ pub async fn hold_if_full(state: &AppState, lookup: &Lookup, tokens: u64) -> Res
     }
     // The held gauge is read from the queue at scrape: a waiter dropped
     // here (its client went away) leaves nothing to undo.
-    let held = state.sessions.hold(|| judge() == Verdict::Admit).await;
+    // At the head with no room: lower classes between turns give theirs.
+    let preempt = state.config.priority.preempt && who.class > Class::Background;
+    let admit = || {
+        judge() == Verdict::Admit || (preempt && preempt_for(state, model, tokens, who) && judge() == Verdict::Admit)
+    };
+    let held = state.sessions.hold(who, tokens, admit).await;
     let held = match held {
         Ok(held) => held,
         Err(e) => {
@@ -197,7 +241,7 @@ pub async fn hold_if_full(state: &AppState, lookup: &Lookup, tokens: u64) -> Res
         }
     };
     let waited = held.waited();
-    state.metrics.session_hold.observe(waited.as_secs_f64());
+    state.metrics.session_hold.get_or_create(&crate::metrics::ClassLabels::of(who.class)).observe(waited.as_secs_f64());
     state.sessions.record_wait(held);
     let alone = if first == Verdict::HoldAlone { " (larger than any replica: it runs alone)" } else { "" };
     match held {
@@ -206,7 +250,11 @@ pub async fn hold_if_full(state: &AppState, lookup: &Lookup, tokens: u64) -> Res
                 EventKind::SessionHeld,
                 None,
                 None,
-                format!("a new session of ~{tokens} tokens waited {} ms for room{alone}", waited.as_millis()),
+                format!(
+                    "a new session of ~{tokens} tokens ({}) waited {} ms for room{alone}",
+                    who_said(who),
+                    waited.as_millis()
+                ),
             );
         }
         Held::OverCapacity(_) => {
@@ -221,7 +269,8 @@ pub async fn hold_if_full(state: &AppState, lookup: &Lookup, tokens: u64) -> Res
                 None,
                 None,
                 format!(
-                    "a new session of ~{tokens} tokens waited {} ms (sessions.max_wait_ms) without room and was admitted over capacity{alone}",
+                    "a new session of ~{tokens} tokens ({}) waited {} ms (sessions.max_wait_ms) without room and was admitted over capacity{alone}",
+                    who_said(who),
                     waited.as_millis()
                 ),
             );

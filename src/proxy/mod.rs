@@ -175,6 +175,14 @@ async fn forward_request(
     trace: &trace::RequestTrace,
 ) -> Result<HttpResponse, ApiError> {
     let config = &state.config;
+    // Who waits at the wall (`priority.rs`): an unknown class is refused
+    // before anything is read or queued.
+    let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok());
+    let who = crate::priority::resolve(&config.priority, header).map_err(|e| ApiError::BadRequest(e.0))?;
+    trace.set(|| {
+        let client = opentelemetry::StringValue::from(who.client.clone());
+        [KeyValue::new("prefixgate.priority", who.class.as_str()), KeyValue::new("prefixgate.client", client)]
+    });
     let body = read_body(payload, config.limits.max_body_bytes).await?;
     let settings = state.policy.get();
     let hop = Hop { state, upstream: &upstream, recorder: &recorder, trace };
@@ -193,11 +201,12 @@ async fn forward_request(
     let (mut placed, mut held_for) = match of_session.filter(|s| s.new) {
         Some(s) => {
             let _waiting = trace.child(state, "prefixgate.hold");
-            place_new_session(state, &settings, &lookup, &mut retries, &recorder, s.id).await?
+            place_new_session(state, &settings, &lookup, &mut retries, &recorder, s.id, &who).await?
         }
         None => (None, None),
     };
     let mut first_attempt = true;
+    let mut held_said: Option<Duration> = None;
     loop {
         let (replica, reason) = match placed.take() {
             Some(target) => target,
@@ -209,22 +218,30 @@ async fn forward_request(
             // its replica's sessions outgrew the KV and it is the youngest there.
             if let Some(s) = of_session.filter(|s| !s.new && state.sessions.must_pause(&replica, s.id, est_tokens)) {
                 let _waiting = trace.child(state, "prefixgate.pause");
-                if let Some(paused) = hold::pause_if_over(state, &replica, s.id, est_tokens).await {
+                if let Some(paused) = hold::pause_if_over(state, &replica, s.id, est_tokens, &who).await {
                     held_for = Some(held_for.unwrap_or_default() + paused);
                 }
-            }
-            if let Some(waited) = held_for {
-                trace.set(|| [KeyValue::new("prefixgate.held_ms", waited.as_millis() as i64)]);
             }
         }
         let started = Instant::now();
         let permit = match large {
             true => {
                 let _waiting = trace.child(state, "prefixgate.admission");
-                Some(admit(state, &recorder, &replica).await?)
+                let permit = admit(state, &recorder, &replica, &who).await?;
+                // A wait for a slot is a wait the client had, like the hold's.
+                let waited = started.elapsed();
+                if waited >= Duration::from_millis(1) {
+                    held_for = Some(held_for.unwrap_or_default() + waited);
+                }
+                Some(permit)
             }
             false => None,
         };
+        // Said once, and again only if a retry waited more.
+        if let Some(waited) = held_for.filter(|_| held_for != held_said) {
+            trace.set(|| [KeyValue::new("prefixgate.held_ms", waited.as_millis() as i64)]);
+            held_said = held_for;
+        }
         // The guard holds the replica from here on (one reference, not two).
         let guard = replica.begin(*large);
         let replica = &guard.replica;
@@ -232,7 +249,8 @@ async fn forward_request(
         let ticket = recorder.running(&replica.id, family, est_tokens);
         // Resident from this turn on; idle only once it ended.
         let turn = of_session.map(|s| {
-            state.sessions.begin_turn(replica, s.id, hold::first_link(&lookup), est_tokens, crate::clock::now_ms())
+            let link = hold::first_link(&lookup);
+            state.sessions.begin_turn(replica, s.id, link, est_tokens, &who, crate::clock::now_ms())
         });
         recorder.routed(&Routed {
             replica: &replica.id,
@@ -317,6 +335,7 @@ async fn place_new_session(
     retries: &mut Retries,
     recorder: &OutcomeRecorder,
     session: crate::policy::PrefixKey,
+    who: &crate::priority::Who,
 ) -> Result<(Option<(Arc<Replica>, RouteReason)>, Option<Duration>), ApiError> {
     // Admitted against what it will hold, not only its first turn.
     let tokens = hold::admitted_tokens(state, lookup, crate::tokens::estimate_tokens(lookup.shape.prompt_bytes));
@@ -324,7 +343,7 @@ async fn place_new_session(
     let started = Instant::now();
     let mut waited: Option<Duration> = None;
     loop {
-        if let Some(w) = hold::hold_if_full(state, lookup, tokens).await? {
+        if let Some(w) = hold::hold_if_full(state, lookup, tokens, who).await? {
             waited = Some(waited.unwrap_or_default() + w);
         }
         let (target, reason) = next_target(state, settings, lookup, retries, recorder, true)?;
@@ -346,13 +365,18 @@ type LargeSlot = (Permit, Option<crate::leases::FleetLease>);
 
 /// Waits for a large-context slot on `replica`: this instance's FIFO queue
 /// first, then the fleet-wide lease, all within `admission.wait_ms`.
-async fn admit(state: &AppState, recorder: &OutcomeRecorder, replica: &Arc<Replica>) -> Result<LargeSlot, ApiError> {
+async fn admit(
+    state: &AppState,
+    recorder: &OutcomeRecorder,
+    replica: &Arc<Replica>,
+    who: &crate::priority::Who,
+) -> Result<LargeSlot, ApiError> {
     let r = replica.clone();
     let limit = Arc::new(move || r.spec().max_large_inflight);
     let cfg = &state.config.admission;
     let started = tokio::time::Instant::now();
     let wait = Duration::from_millis(cfg.wait_ms);
-    let local = replica.large_slots.acquire(&replica.id, limit, wait, cfg.max_queue).await;
+    let local = replica.large_slots.acquire(&replica.id, who, limit, wait, cfg.max_queue).await;
     let fleet = match (&local, replica.spec().max_large_inflight) {
         // A store that stopped answering is not asked: the local limit applies alone.
         (Ok(_), Some(n)) if state.shared_store_answers() => {

@@ -33,14 +33,15 @@
 pub mod projection;
 pub mod room;
 
-use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
+use crate::capacity::QueuedSession;
 use crate::domain_error::DomainError;
 use crate::fleet::residents::Resident;
 use crate::fleet::Replica;
 use crate::policy::PrefixKey;
+use crate::priority::{Class, FairQueue, Who};
 pub use room::{Room, Verdict};
 use serde::{Deserialize, Serialize};
 
@@ -102,9 +103,23 @@ struct State {
     /// fleet is gone once no request holds it, and its sessions leave this
     /// index at the next sweep: a removal needs no call here.
     home: foldhash::HashMap<PrefixKey, Weak<Replica>>,
-    /// Held sessions' tickets, oldest first.
-    held: VecDeque<u64>,
-    next_ticket: u64,
+    /// Held sessions, by class, then turns between clients (`priority.rs`).
+    held: FairQueue<HeldWaiter>,
+    /// Tickets turned away after they queued (`max_held` reached by a
+    /// higher class): their waiters answer 503.
+    evicted: Vec<u64>,
+}
+
+/// What the queue keeps of a held session (for the capacity view).
+#[derive(Debug, Clone, Copy)]
+struct HeldWaiter {
+    tokens: u64,
+    since_ms: u64,
+}
+
+/// A client id as residents keep it (a hash: `Resident` stays `Copy`).
+fn client_hash(client: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(client.as_bytes())
 }
 
 impl State {
@@ -203,7 +218,8 @@ pub struct Ticket {
 impl Drop for Ticket {
     fn drop(&mut self) {
         let mut state = self.sessions.lock();
-        state.held.retain(|t| *t != self.id);
+        state.held.remove(self.id);
+        state.evicted.retain(|t| *t != self.id);
         drop(state);
         // The next in line may go now.
         self.sessions.changed.notify_waiters();
@@ -256,15 +272,18 @@ impl Sessions {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A turn of `session` (`tokens` of context; `link` its first link) starts
-    /// on `replica`: it is resident there from now (moved, if it lived
-    /// elsewhere). A session new here counts at its projection from now on.
+    /// A turn of `session` (`tokens` of context; `link` its first link) of
+    /// `who` starts on `replica`: it is resident there from now (moved, if
+    /// it lived elsewhere). A session new here counts at its projection
+    /// from now on. Its class is its first turn's, or a later turn's that
+    /// states one.
     pub fn begin_turn(
         self: &Arc<Self>,
         replica: &Arc<Replica>,
         session: PrefixKey,
         link: Option<PrefixKey>,
         tokens: u64,
+        who: &Who,
         now_ms: u64,
     ) -> SessionTurn {
         let projected = self.project(link).unwrap_or(0);
@@ -284,9 +303,15 @@ impl Sessions {
                     ours: true,
                     projected,
                     link,
+                    class: who.class,
+                    client: client_hash(&who.client),
                     ..Default::default()
                 },
             });
+            if who.stated {
+                r.class = who.class;
+            }
+            r.preempted = false;
             if r.running == 0 {
                 // The silence since its last turn ended: how long its agent was away.
                 r.longest_gap_ms = r.longest_gap_ms.max(now_ms.saturating_sub(r.last_ms));
@@ -473,23 +498,83 @@ impl Sessions {
     }
 
     /// True when the next turn of resident `session` on `replica`, at
-    /// `tokens` of context, must pause (`room::must_pause`).
+    /// `tokens` of context, must pause (`room::must_pause`), or waits for
+    /// room again after a higher class took its room (`preempt_for`).
     /// (Off with `sessions.pause = false`, or with the hold off.)
     pub fn must_pause(&self, replica: &Replica, session: PrefixKey, tokens: u64) -> bool {
-        if !self.settings.pause || self.settings.max_wait_ms == 0 {
+        if self.settings.max_wait_ms == 0 {
             return false;
         }
         let Some(capacity) = replica.kv_capacity() else { return false };
         let shape = Room { capacity: Some(capacity), taken: 0, slot_tokens: replica.slot_tokens() };
         let on = replica.residents.lock();
-        let Some(me) = on.get(&session) else { return false };
-        let me = room::Occupant { arrived_ms: me.arrived_ms, id: session, tokens: tokens.max(me.tokens) };
-        let others = on.iter().filter(|(s, _)| **s != session).map(|(s, r)| room::Occupant {
+        let Some(me) = on.get(&session).copied() else { return false };
+        if me.preempted {
+            // Alone, it goes: no room would open for it by waiting.
+            let alone = on.len() == 1;
+            drop(on);
+            return !alone && !self.room_of(replica).fits(tokens);
+        }
+        if !self.settings.pause {
+            return false;
+        }
+        let client_sessions =
+            |class: Class, client: u64| on.values().filter(|r| r.class == class && r.client == client).count();
+        let occupant = |id: PrefixKey, r: &Resident, tokens: u64| room::Occupant {
             arrived_ms: r.arrived_ms,
-            id: *s,
-            tokens: r.tokens,
-        });
-        room::must_pause(&shape, me, others)
+            id,
+            tokens,
+            class: r.class,
+            client_sessions: client_sessions(r.class, r.client),
+        };
+        let others = on.iter().filter(|(s, _)| **s != session).map(|(s, r)| occupant(*s, r, r.tokens));
+        room::must_pause(&shape, occupant(session, &me, tokens.max(me.tokens)), others)
+    }
+
+    /// A waiting session of `class` and `tokens` at the head of the hold
+    /// gives it room (`priority.preempt`): on the candidate where the fewest
+    /// of this instance's lower-class residents between turns free enough
+    /// (`room::preemptible`), those are preempted: they count for nothing
+    /// from now, and their next turns wait for room again. Returns the
+    /// replica and the classes of the sessions preempted (empty: none).
+    pub fn preempt_for(&self, candidates: &[Arc<Replica>], class: Class, tokens: u64) -> Vec<(Arc<str>, Class)> {
+        let rooms: Vec<(Room, Vec<(room::Occupant, bool)>)> = candidates
+            .iter()
+            .map(|r| {
+                let room = self.room_of(r);
+                let residents = r
+                    .residents
+                    .lock()
+                    .iter()
+                    .filter(|(_, s)| s.ours && !s.preempted)
+                    .map(|(id, s)| {
+                        let o = room::Occupant {
+                            arrived_ms: s.arrived_ms,
+                            id: *id,
+                            tokens: s.counted_tokens(),
+                            class: s.class,
+                            client_sessions: 1,
+                        };
+                        (o, s.running > 0)
+                    })
+                    .collect();
+                (room, residents)
+            })
+            .collect();
+        let footprint = |room: &Room| room.footprint(tokens);
+        let Some(need) = rooms.first().map(|(room, _)| footprint(room)) else { return Vec::new() };
+        let Some((i, victims)) = room::preemptible(&rooms, class, need) else { return Vec::new() };
+        let replica = &candidates[i];
+        let mut on = replica.residents.lock();
+        let mut out = Vec::new();
+        for id in victims {
+            // Still between turns (a turn may have begun since): else left alone.
+            if let Some(r) = on.get_mut(&id).filter(|r| r.running == 0 && r.class < class) {
+                r.preempted = true;
+                out.push((replica.id.clone(), r.class));
+            }
+        }
+        out
     }
 
     /// Pauses the next turn of resident `session` on `replica` (`tokens` of
@@ -571,33 +656,69 @@ impl Sessions {
 
     /// Waits until `admit` (the room now, judged by the caller) says yes
     /// while this session is first in line, or `max_wait_ms` passed. The
-    /// queue is fair: a later session does not pass the first. Past
-    /// `max_held` waiting, refused at once. Dropping the future leaves the
-    /// queue (a client that went away).
-    pub async fn hold(self: &Arc<Self>, admit: impl Fn() -> bool) -> Result<Held, DomainError> {
+    /// line is ordered by class, then turns between clients (`priority.rs`):
+    /// a later session passes only by a higher class or a client's turn.
+    /// Past `max_held` waiting, the lowest class is refused first: the
+    /// newcomer, unless the last in line is of a lower class (that one is
+    /// refused instead). Dropping the future leaves the queue (a client
+    /// that went away).
+    pub async fn hold(self: &Arc<Self>, who: &Who, tokens: u64, admit: impl Fn() -> bool) -> Result<Held, DomainError> {
+        let full = |waiting: usize| DomainError::Overloaded {
+            message: format!("the replicas' KV is full and {waiting} new sessions already wait for room; retry later"),
+            retry_after: Duration::from_millis(self.settings.max_wait_ms / 2).max(Duration::from_secs(1)),
+        };
         let ticket = {
             let mut state = self.lock();
             if state.held.len() >= self.settings.max_held {
-                return Err(DomainError::Overloaded {
-                    message: format!(
-                        "the replicas' KV is full and {} new sessions already wait for room; retry later",
-                        state.held.len()
-                    ),
-                    retry_after: Duration::from_millis(self.settings.max_wait_ms / 2).max(Duration::from_secs(1)),
-                });
+                match state.held.last().filter(|last| last.class < who.class).map(|last| last.id) {
+                    Some(lower) => {
+                        state.held.remove(lower);
+                        state.evicted.push(lower);
+                    }
+                    None => return Err(full(state.held.len())),
+                }
             }
-            state.next_ticket += 1;
-            let id = state.next_ticket;
-            state.held.push_back(id);
+            let waiter = HeldWaiter { tokens, since_ms: crate::clock::now_ms() };
+            let id = state.held.push(who.class, who.client.clone(), waiter);
             Ticket { sessions: self.clone(), id }
         };
         let started = tokio::time::Instant::now();
         let deadline = started + Duration::from_millis(self.settings.max_wait_ms);
-        let first_with_room = || self.lock().held.front() == Some(&ticket.id) && admit();
-        match self.wait_for(deadline, first_with_room).await {
+        let first_with_room = || {
+            let state = self.lock();
+            let (first, gone) = (state.held.head().is_some_and(|h| h.id == ticket.id), !state.held.contains(ticket.id));
+            drop(state);
+            gone || (first && admit())
+        };
+        let placed = self.wait_for(deadline, first_with_room).await;
+        if self.lock().evicted.contains(&ticket.id) {
+            return Err(full(self.settings.max_held));
+        }
+        match placed {
             true => Ok(Held::Placed(started.elapsed())),
             false => Ok(Held::OverCapacity(started.elapsed())),
         }
+    }
+
+    /// Sessions waiting now, by class (`Class::ALL` order).
+    pub fn held_by_class(&self) -> [usize; 3] {
+        self.lock().held.by_class()
+    }
+
+    /// The held sessions in the order they go.
+    pub fn queue(&self, now_ms: u64) -> Vec<QueuedSession> {
+        let state = self.lock();
+        state
+            .held
+            .in_order()
+            .into_iter()
+            .map(|w| QueuedSession {
+                class: w.class,
+                client: w.client.to_string(),
+                tokens: w.value.tokens,
+                waited_ms: now_ms.saturating_sub(w.value.since_ms),
+            })
+            .collect()
     }
 }
 
@@ -623,7 +744,7 @@ mod tests {
     fn a_session_is_resident_while_its_turn_runs_and_until_it_idles_out() {
         let s = Sessions::new(settings());
         let a = replica("a");
-        let turn = s.begin_turn(&a, 7, None, 500, 0);
+        let turn = s.begin_turn(&a, 7, None, 500, &Who::default(), 0);
         assert_eq!(Sessions::resident(&a), ResidentFigures { sessions: 1, tokens: 500, counted_tokens: 500 });
         assert!(!s.sweep(5_000).any, "mid-turn: never idle");
         drop(turn);
@@ -638,22 +759,22 @@ mod tests {
         let s = Sessions::new(SessionConfig { idle_ms: 10_000, ..settings() });
         let a = replica("a");
         // A tool-calling agent: 2 s between its turns. Idle 6 s after its last turn, not 10.
-        drop(s.begin_turn(&a, 1, None, 500, crate::clock::now_ms()));
+        drop(s.begin_turn(&a, 1, None, 500, &Who::default(), crate::clock::now_ms()));
         let last = crate::clock::now_ms() + 2_000;
-        drop(s.begin_turn(&a, 1, None, 600, last));
+        drop(s.begin_turn(&a, 1, None, 600, &Who::default(), last));
         assert!(!s.sweep(last + 5_900).any);
         assert!(s.sweep(last + 6_100).any);
         assert!(!s.is_resident(1));
         // A loop that returns at once: gone soon after it stops, at the floor.
-        drop(s.begin_turn(&a, 2, None, 500, crate::clock::now_ms()));
+        drop(s.begin_turn(&a, 2, None, 500, &Who::default(), crate::clock::now_ms()));
         let last = crate::clock::now_ms() + 10;
-        drop(s.begin_turn(&a, 2, None, 600, last));
+        drop(s.begin_turn(&a, 2, None, 600, &Who::default(), last));
         assert!(!s.sweep(last + crate::fleet::residents::MIN_IDLE_MS - 50).any);
         assert!(s.sweep(last + crate::fleet::residents::MIN_IDLE_MS + 50).any);
         // Its entry in a shared store lives exactly that long, plus the flusher's slack.
-        drop(s.begin_turn(&a, 3, None, 500, crate::clock::now_ms()));
+        drop(s.begin_turn(&a, 3, None, 500, &Who::default(), crate::clock::now_ms()));
         let last = crate::clock::now_ms() + 1_000;
-        drop(s.begin_turn(&a, 3, None, 600, last));
+        drop(s.begin_turn(&a, 3, None, 600, &Who::default(), last));
         let kept = s.kept(last);
         assert_eq!(kept.len(), 1);
         assert_eq!(kept[0].until_ms, last + 3_000 + STORE_SLACK_MS);
@@ -669,17 +790,17 @@ mod tests {
         // An agent of that link grows from 2,000 to 9,000 tokens, then idles out.
         let start = crate::clock::now_ms();
         for (i, tokens) in [2_000, 5_500, 9_000].into_iter().enumerate() {
-            drop(s.begin_turn(&a, 1, link, tokens, start + i as u64));
+            drop(s.begin_turn(&a, 1, link, tokens, &Who::default(), start + i as u64));
         }
         assert_eq!(s.room_of(&a).left(), Some(3_000));
         assert!(s.sweep(crate::clock::now_ms() + 60_000).any);
         assert_eq!(s.project(link), Some(9_000));
         assert_eq!(s.project(Some(7)), Some(9_000), "another link: the fleet's");
         // A new session of that link counts at 9,000 from its first 2,000-token turn.
-        drop(s.begin_turn(&a, 2, link, 2_000, crate::clock::now_ms()));
+        drop(s.begin_turn(&a, 2, link, 2_000, &Who::default(), crate::clock::now_ms()));
         assert_eq!(s.room_of(&a).left(), Some(3_000));
         // And at what it holds, once it outgrows its projection.
-        drop(s.begin_turn(&a, 2, link, 10_000, crate::clock::now_ms()));
+        drop(s.begin_turn(&a, 2, link, 10_000, &Who::default(), crate::clock::now_ms()));
         assert_eq!(s.room_of(&a).left(), Some(2_000));
         let figures = s.projection_figures();
         assert_eq!((figures.fleet_tokens, figures.sessions_learned, figures.links), (Some(9_000), 1, 1));
@@ -691,8 +812,8 @@ mod tests {
         let a = replica("a");
         a.set_observed_kv(Some(12_000));
         let now = crate::clock::now_ms();
-        drop(s.begin_turn(&a, 1, None, 5_000, now));
-        drop(s.begin_turn(&a, 2, None, 5_000, now + 1));
+        drop(s.begin_turn(&a, 1, None, 5_000, &Who::default(), now));
+        drop(s.begin_turn(&a, 2, None, 5_000, &Who::default(), now + 1));
         assert!(!s.must_pause(&a, 1, 7_000), "the older one never pauses");
         assert!(!s.must_pause(&a, 2, 7_000), "within the pool");
         assert!(s.must_pause(&a, 2, 8_000), "the youngest, over the pool");
@@ -708,8 +829,8 @@ mod tests {
         assert_eq!(paused.await.unwrap(), Some(Duration::from_millis(1_500)));
         assert_eq!(s.paused(), 0);
         // No room ever: it goes after max_wait_ms.
-        drop(s.begin_turn(&a, 3, None, 5_000, crate::clock::now_ms()));
-        drop(s.begin_turn(&a, 4, None, 5_000, crate::clock::now_ms() + 10));
+        drop(s.begin_turn(&a, 3, None, 5_000, &Who::default(), crate::clock::now_ms()));
+        drop(s.begin_turn(&a, 4, None, 5_000, &Who::default(), crate::clock::now_ms() + 10));
         assert!(s.must_pause(&a, 4, 8_000));
         let started = tokio::time::Instant::now();
         assert_eq!(s.pause_if_over(&a, 4, 8_000).await, Some(Duration::from_millis(10_000)));
@@ -720,8 +841,8 @@ mod tests {
     fn a_moved_session_lives_where_it_went_and_a_removed_replica_takes_its_sessions() {
         let s = Sessions::new(settings());
         let (a, b) = (replica("a"), replica("b"));
-        drop(s.begin_turn(&a, 1, None, 300, 0));
-        drop(s.begin_turn(&b, 1, None, 200, 1));
+        drop(s.begin_turn(&a, 1, None, 300, &Who::default(), 0));
+        drop(s.begin_turn(&b, 1, None, 200, &Who::default(), 1));
         assert_eq!((Sessions::resident(&a).sessions, Sessions::resident(&b).tokens), (0, 300));
         s.seen_elsewhere(&a, 2, 100, 5);
         a.set_observed_kv(Some(1_000));
@@ -747,16 +868,19 @@ mod tests {
         };
         let first = tokio::spawn({
             let (s, has_room) = (s.clone(), has_room.clone());
-            async move { s.hold(has_room).await }
+            async move { s.hold(&Who::default(), 1, has_room).await }
         });
         tokio::task::yield_now().await;
         let second = tokio::spawn({
             let s = s.clone();
-            async move { s.hold(|| true).await }
+            async move { s.hold(&Who::default(), 1, || true).await }
         });
         tokio::task::yield_now().await;
         assert_eq!(s.held(), 2, "the second waits behind the first, though it would fit");
-        assert!(matches!(s.hold(|| true).await, Err(DomainError::Overloaded { .. })), "the queue is full");
+        assert!(
+            matches!(s.hold(&Who::default(), 1, || true).await, Err(DomainError::Overloaded { .. })),
+            "the queue is full"
+        );
         tokio::time::sleep(Duration::from_secs(1)).await;
         room.store(true, std::sync::atomic::Ordering::SeqCst);
         s.recheck();
@@ -764,10 +888,11 @@ mod tests {
         assert!(matches!(second.await.unwrap().unwrap(), Held::Placed(_)));
         assert_eq!(s.held(), 0);
         // No room ever: over capacity at max_wait_ms.
-        let over = s.hold(|| false).await.unwrap();
+        let over = s.hold(&Who::default(), 1, || false).await.unwrap();
         assert_eq!(over, Held::OverCapacity(Duration::from_millis(10_000)));
         // A waiter dropped mid-wait leaves the queue.
-        let mut gone = Box::pin(s.hold(|| false));
+        let who = Who::default();
+        let mut gone = Box::pin(s.hold(&who, 1, || false));
         assert!(futures_util::poll!(gone.as_mut()).is_pending());
         assert_eq!(s.held(), 1);
         drop(gone);

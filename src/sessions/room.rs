@@ -14,6 +14,8 @@
 //!   first turn until `sessions.idle_ms` of silence), and what other
 //!   instances reserved.
 
+use crate::priority::Class;
+
 /// What the placement knows of one candidate replica.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Room {
@@ -39,7 +41,7 @@ impl Room {
         }
     }
 
-    fn fits(&self, tokens: u64) -> bool {
+    pub fn fits(&self, tokens: u64) -> bool {
         self.left().is_some_and(|left| left >= self.footprint(tokens) as i64)
     }
 }
@@ -108,24 +110,74 @@ pub struct Occupant {
     pub id: u128,
     /// Its context now, tokens.
     pub tokens: u64,
+    /// Its priority class.
+    pub class: Class,
+    /// How many sessions of its class its client has resident here (itself
+    /// included): within a class, the client with the most yields first.
+    pub client_sessions: usize,
+}
+
+impl Occupant {
+    /// The order in which residents give way when their replica is crossed:
+    /// the lowest class first; within it, the client with the most sessions
+    /// here (fair turns between clients); then the youngest.
+    fn yield_order(&self) -> (Class, std::cmp::Reverse<usize>, std::cmp::Reverse<(u64, u128)>) {
+        (self.class, std::cmp::Reverse(self.client_sessions), std::cmp::Reverse((self.arrived_ms, self.id)))
+    }
 }
 
 /// Whether the next turn of `me` (a resident of `room`'s replica, now at
 /// `tokens` of context) must pause: the residents' contexts with this turn
-/// exceed the replica's capacity, and `me` is the youngest there. Pausing
-/// the youngest keeps the older sessions warm; pausing all would thrash
-/// every one. `others` are the other residents. Alone, a session never
-/// pauses, however large: no room would ever open for it. Unknown
-/// capacity: never.
+/// exceed the replica's capacity, and `me` is the first to give way there
+/// (`Occupant::yield_order`: the lowest class, the client with the most
+/// sessions, the youngest). Pausing one keeps the others warm; pausing all
+/// would thrash every one. `others` are the other residents. Alone, a
+/// session never pauses, however large: no room would ever open for it.
+/// Unknown capacity: never.
 pub fn must_pause(room: &Room, me: Occupant, others: impl IntoIterator<Item = Occupant>) -> bool {
     let Some(capacity) = room.capacity else { return false };
-    let (mut taken, mut youngest, mut alone) = (room.footprint(me.tokens), true, true);
+    let (mut taken, mut first, mut alone) = (room.footprint(me.tokens), true, true);
     for o in others {
         taken += room.footprint(o.tokens);
-        youngest &= (o.arrived_ms, o.id) < (me.arrived_ms, me.id);
+        first &= me.yield_order() < o.yield_order();
         alone = false;
     }
-    taken > capacity && youngest && !alone
+    taken > capacity && first && !alone
+}
+
+/// Which lower-class residents give their room to a waiting session of
+/// `class` and `footprint` tokens (`priority.preempt`): on each candidate
+/// (its room, and its residents with whether a turn of theirs runs now), the
+/// residents of a lower class between turns, lowest class and youngest
+/// first, until the session fits. Returns the candidate needing the fewest
+/// (index into `candidates`) and their ids; None when no candidate can be
+/// freed enough. A turn that started is never cut: a resident mid-turn is
+/// not taken.
+pub fn preemptible(
+    candidates: &[(Room, Vec<(Occupant, bool)>)],
+    class: Class,
+    footprint: u64,
+) -> Option<(usize, Vec<u128>)> {
+    let mut best: Option<(usize, Vec<u128>)> = None;
+    for (i, (room, residents)) in candidates.iter().enumerate() {
+        let Some(mut left) = room.left() else { continue };
+        let mut lower: Vec<&Occupant> =
+            residents.iter().filter(|(o, running)| o.class < class && !running).map(|(o, _)| o).collect();
+        lower.sort_by_key(|o| (o.class, std::cmp::Reverse((o.arrived_ms, o.id))));
+        let mut taken = Vec::new();
+        for o in lower {
+            if left >= footprint as i64 {
+                break;
+            }
+            left += room.footprint(o.tokens) as i64;
+            taken.push(o.id);
+        }
+        let fits = left >= footprint as i64;
+        if fits && !taken.is_empty() && best.as_ref().is_none_or(|(_, b)| taken.len() < b.len()) {
+            best = Some((i, taken));
+        }
+    }
+    best
 }
 
 #[cfg(test)]
@@ -171,7 +223,13 @@ mod tests {
     #[test]
     fn only_the_youngest_resident_pauses_and_only_over_the_pool() {
         let pool = room(12_000, 0);
-        let at = |arrived_ms, tokens| Occupant { arrived_ms, id: u128::from(arrived_ms), tokens };
+        let at = |arrived_ms, tokens| Occupant {
+            arrived_ms,
+            id: u128::from(arrived_ms),
+            tokens,
+            class: Class::Default,
+            client_sessions: 1,
+        };
         // Three sessions at 4,000 fit; the youngest growing to 5,000 crosses the pool.
         assert!(!must_pause(&pool, at(3, 4_000), [at(1, 4_000), at(2, 4_000)]));
         assert!(must_pause(&pool, at(3, 5_000), [at(1, 4_000), at(2, 4_000)]));
@@ -187,9 +245,50 @@ mod tests {
         // Alone on it, a session larger than the replica goes on: nothing would make room.
         assert!(!must_pause(&pool, at(1, 50_000), []));
         // Two that arrived in the same millisecond: exactly one pauses.
-        let (x, y) =
-            (Occupant { arrived_ms: 5, id: 1, tokens: 7_000 }, Occupant { arrived_ms: 5, id: 2, tokens: 7_000 });
+        let (x, y) = (Occupant { id: 1, ..at(5, 7_000) }, Occupant { id: 2, ..at(5, 7_000) });
         assert!(must_pause(&pool, y, [x]) != must_pause(&pool, x, [y]));
+    }
+
+    #[test]
+    fn the_lowest_class_gives_way_first_then_the_client_with_most_sessions() {
+        let pool = room(12_000, 0);
+        let o = |arrived_ms, class, client_sessions| Occupant {
+            arrived_ms,
+            id: u128::from(arrived_ms),
+            tokens: 7_000,
+            class,
+            client_sessions,
+        };
+        // An older background session pauses before a younger interactive one.
+        let (bg, int) = (o(1, Class::Background, 1), o(2, Class::Interactive, 1));
+        assert!(must_pause(&pool, bg, [int]) && !must_pause(&pool, int, [bg]));
+        // Same class: the client with three sessions here yields before the
+        // one with one, even though that one is younger.
+        let (many, one) = (o(1, Class::Default, 3), o(2, Class::Default, 1));
+        assert!(must_pause(&pool, many, [one]) && !must_pause(&pool, one, [many]));
+    }
+
+    #[test]
+    fn a_waiting_higher_class_takes_the_room_of_lower_ones_between_turns_only() {
+        let (bg, def, int) = (Class::Background, Class::Default, Class::Interactive);
+        // Two replicas of 12,000, each with two 5,000-token sessions; an
+        // interactive session of 7,000 waits.
+        let full = room(12_000, 10_000);
+        let o = |id: u128, class, arrived_ms, running| {
+            (Occupant { arrived_ms, id, tokens: 5_000, class, client_sessions: 1 }, running)
+        };
+        let a = vec![o(1, bg, 10, false), o(2, bg, 20, false)];
+        let b = vec![o(3, bg, 10, true), o(4, def, 20, false)];
+        // On a, the youngest background session frees enough.
+        assert_eq!(preemptible(&[(full, a.clone()), (full, b.clone())], int, 7_000), Some((0, vec![2])));
+        // On b the background session is mid-turn: never taken. The default
+        // one gives way to an interactive session, not to a default one.
+        assert_eq!(preemptible(&[(full, b.clone())], int, 7_000), Some((0, vec![4])));
+        assert_eq!(preemptible(&[(full, b.clone())], def, 7_000), None);
+        assert_eq!(preemptible(&[(full, b)], int, 8_000), None, "not enough without the one mid-turn");
+        assert_eq!(preemptible(&[(full, a.clone())], bg, 7_000), None, "background preempts no one");
+        // Room enough already: nothing is taken.
+        assert_eq!(preemptible(&[(room(12_000, 0), a)], int, 7_000), None);
     }
 
     #[test]

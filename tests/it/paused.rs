@@ -28,11 +28,12 @@ async fn an_admission_wait_ends_exactly_at_its_timeout_and_leaves_nothing_queued
     let admission = Arc::new(LargeSlots::default());
     let replica: Arc<str> = Arc::from("r");
     let limit: Arc<dyn Fn() -> Option<u32> + Send + Sync> = Arc::new(|| Some(1));
-    let (_held, _) = admission.acquire(&replica, limit.clone(), Duration::from_secs(1), 4).await.unwrap();
+    let (_held, _) =
+        admission.acquire(&replica, &Default::default(), limit.clone(), Duration::from_secs(1), 4).await.unwrap();
     let started = tokio::time::Instant::now();
     let waiting = tokio::spawn({
         let (admission, replica, limit) = (admission.clone(), replica.clone(), limit.clone());
-        async move { admission.acquire(&replica, limit, Duration::from_secs(30), 4).await.map(|_| ()) }
+        async move { admission.acquire(&replica, &Default::default(), limit, Duration::from_secs(30), 4).await.map(|_| ()) }
     });
     settle().await;
     assert_eq!(admission.queued(), 1);

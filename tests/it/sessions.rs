@@ -144,8 +144,8 @@ async fn past_the_wait_a_session_is_admitted_over_capacity_and_past_the_bound_re
     let mut resp = client().get(format!("{}/metrics", gw.admin)).send().await.unwrap();
     let text = String::from_utf8(resp.body().await.unwrap().to_vec()).unwrap();
     assert!(text.contains("prefixgate_sessions_over_capacity_total 1"), "{text}");
-    assert!(text.contains("prefixgate_session_hold_seconds_count 1"));
-    assert!(text.contains("prefixgate_held_sessions 0"));
+    assert!(text.contains(r#"prefixgate_session_hold_seconds_count{class="default"} 1"#), "{text}");
+    assert!(text.contains(r#"prefixgate_held_sessions{class="default"} 0"#));
     gw.stop().await;
 }
 
