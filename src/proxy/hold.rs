@@ -19,7 +19,7 @@ use crate::fleet::Replica;
 use crate::policy::{Mode, PolicySettings, PrefixKey};
 use crate::priority::{Class, Who};
 use crate::sessions::room::{verdict, Verdict};
-use crate::sessions::Held;
+use crate::sessions::{Held, Reservation};
 use std::sync::Arc;
 
 use crate::sessions::Room;
@@ -194,31 +194,34 @@ pub async fn place_in_store(
     }
 }
 
+/// What a new session's admission gives the request: how long it waited
+/// (if it did), and its reservation of room until its first turn is
+/// resident (None: the hold is off).
+pub type Admission = (Option<Duration>, Option<Reservation>);
+
 /// Holds a new session of about `tokens` while no candidate has room for
 /// it (off with `sessions.max_wait_ms = 0`). Returns how long it waited,
-/// when it did; history and metrics record it.
-pub async fn hold_if_full(
-    state: &AppState,
-    lookup: &Lookup,
-    tokens: u64,
-    who: &Who,
-) -> Result<Option<Duration>, ApiError> {
+/// when it did (history and metrics record it), and its reservation.
+pub async fn hold_if_full(state: &AppState, lookup: &Lookup, tokens: u64, who: &Who) -> Result<Admission, ApiError> {
     let hold = state.sessions.settings();
     if hold.max_wait_ms == 0 {
-        return Ok(None);
+        return Ok((None, None));
     }
     read_fleet_loads(state).await;
     let model = lookup.shape.model.as_deref();
     let min_tokens =
         |rooms: &[Room]| hold.hold_min_tokens.unwrap_or_else(|| crate::sessions::room::default_min_tokens(rooms));
-    let judge = || {
-        let rooms = candidate_rooms(state, model);
+    // The rooms as they will be once the sessions admitted before this one
+    // are resident (`reserved`: their tokens).
+    let judge = |reserved: &[u64]| {
+        let mut rooms = candidate_rooms(state, model);
+        crate::sessions::room::reserve(&mut rooms, reserved);
         verdict(&rooms, tokens, min_tokens(&rooms))
     };
-    let first = judge();
-    if first == Verdict::Admit {
-        return Ok(None);
+    if let Some(reservation) = state.sessions.admit_at_once(tokens, |reserved| judge(reserved) == Verdict::Admit) {
+        return Ok((None, Some(reservation)));
     }
+    let first = judge(&[]);
     if first == Verdict::HoldAlone {
         tracing::warn!(
             tokens,
@@ -229,11 +232,12 @@ pub async fn hold_if_full(
     // here (its client went away) leaves nothing to undo.
     // At the head with no room: lower classes between turns give theirs.
     let preempt = state.config.priority.preempt && who.class > Class::Background;
-    let admit = || {
-        judge() == Verdict::Admit || (preempt && preempt_for(state, model, tokens, who) && judge() == Verdict::Admit)
+    let admit = |reserved: &[u64]| {
+        judge(reserved) == Verdict::Admit
+            || (preempt && preempt_for(state, model, tokens, who) && judge(reserved) == Verdict::Admit)
     };
     let held = state.sessions.hold(who, tokens, admit).await;
-    let held = match held {
+    let (held, reservation) = match held {
         Ok(held) => held,
         Err(e) => {
             state.metrics.rejected.get_or_create(&crate::metrics::ResultLabels { result: "session_queue_full" }).inc();
@@ -276,5 +280,5 @@ pub async fn hold_if_full(
             );
         }
     }
-    Ok(Some(waited))
+    Ok((Some(waited), Some(reservation)))
 }

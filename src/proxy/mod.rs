@@ -198,12 +198,14 @@ async fn forward_request(
     let of_session = hold::session_of(&lookup, &settings, state);
     let new_session = of_session.is_some_and(|s| s.new);
     let mut retries = Retries::default();
-    let (mut placed, mut held_for) = match of_session.filter(|s| s.new) {
+    // A new session's reservation counts against the room until its first
+    // turn is resident (below).
+    let (mut placed, (mut held_for, mut reservation)) = match of_session.filter(|s| s.new) {
         Some(s) => {
             let _waiting = trace.child(state, "prefixgate.hold");
             place_new_session(state, &settings, &lookup, &mut retries, &recorder, s.id, &who).await?
         }
-        None => (None, None),
+        None => (None, (None, None)),
     };
     let mut first_attempt = true;
     let mut held_said: Option<Duration> = None;
@@ -252,6 +254,7 @@ async fn forward_request(
             let link = hold::first_link(&lookup);
             state.sessions.begin_turn(replica, s.id, link, est_tokens, &who, crate::clock::now_ms())
         });
+        drop(reservation.take());
         recorder.routed(&Routed {
             replica: &replica.id,
             pin_at: shape.pin_at,
@@ -336,14 +339,15 @@ async fn place_new_session(
     recorder: &OutcomeRecorder,
     session: crate::policy::PrefixKey,
     who: &crate::priority::Who,
-) -> Result<(Option<(Arc<Replica>, RouteReason)>, Option<Duration>), ApiError> {
+) -> Result<(Option<(Arc<Replica>, RouteReason)>, hold::Admission), ApiError> {
     // Admitted against what it will hold, not only its first turn.
     let tokens = hold::admitted_tokens(state, lookup, crate::tokens::estimate_tokens(lookup.shape.prompt_bytes));
     let max_wait = Duration::from_millis(state.sessions.settings().max_wait_ms);
     let started = Instant::now();
     let mut waited: Option<Duration> = None;
     loop {
-        if let Some(w) = hold::hold_if_full(state, lookup, tokens, who).await? {
+        let (w, reservation) = hold::hold_if_full(state, lookup, tokens, who).await?;
+        if let Some(w) = w {
             waited = Some(waited.unwrap_or_default() + w);
         }
         let (target, reason) = next_target(state, settings, lookup, retries, recorder, true)?;
@@ -352,7 +356,10 @@ async fn place_new_session(
         if let Some(placed) =
             hold::place_in_store(state, lookup, &target, &retries.tried, session, tokens, enforce).await
         {
-            return Ok((Some((placed, reason)), waited));
+            if let Some(r) = &reservation {
+                r.place(&placed.id);
+            }
+            return Ok((Some((placed, reason)), (waited, reservation)));
         }
         tracing::debug!(replica = %target.id, "another instance took the last room first: waiting again");
         tokio::time::sleep(crate::sessions::RECHECK).await;

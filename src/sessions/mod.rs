@@ -110,6 +110,40 @@ struct State {
     evicted: Vec<u64>,
 }
 
+/// A new session admitted to the room whose first turn is not resident yet.
+#[derive(Debug)]
+struct Reserved {
+    id: u64,
+    tokens: u64,
+    /// Where it was placed (None: not yet).
+    on: Option<Arc<str>>,
+}
+
+/// A new session admitted to the room, until its first turn is resident:
+/// counted against the room meanwhile, so the next in line is neither
+/// admitted into the same room nor placed on the same replica before the
+/// first is resident. Drop it once `begin_turn` ran (or the request ended).
+pub struct Reservation {
+    sessions: Arc<Sessions>,
+    id: u64,
+}
+
+impl Reservation {
+    /// It was placed on `replica`: counted there from now.
+    pub fn place(&self, replica: &Arc<str>) {
+        if let Some(r) = self.sessions.reservations().iter_mut().find(|r| r.id == self.id) {
+            r.on = Some(replica.clone());
+        }
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.sessions.reservations().retain(|r| r.id != self.id);
+        self.sessions.changed.notify_waiters();
+    }
+}
+
 /// What the queue keeps of a held session (for the capacity view).
 #[derive(Debug, Clone, Copy)]
 struct HeldWaiter {
@@ -147,6 +181,10 @@ pub struct Sessions {
     changed: tokio::sync::Notify,
     /// How the waits went, since start.
     waits: Mutex<WaitStats>,
+    /// New sessions admitted whose first turn is not resident yet. Its own
+    /// lock, never held with another: the room reads it.
+    reservations: Mutex<Vec<Reserved>>,
+    next_reservation: std::sync::atomic::AtomicU64,
 }
 
 /// What a sweep did.
@@ -261,6 +299,8 @@ impl Sessions {
             paused: Default::default(),
             changed: tokio::sync::Notify::new(),
             waits: Mutex::default(),
+            reservations: Mutex::default(),
+            next_reservation: Default::default(),
         })
     }
 
@@ -270,6 +310,23 @@ impl Sessions {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn reservations(&self) -> std::sync::MutexGuard<'_, Vec<Reserved>> {
+        self.reservations.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Reserves room for a new session of `tokens`. Called with the state
+    /// locked (`_admitting`): judging the room and reserving are one step.
+    fn reserve(self: &Arc<Self>, _admitting: &State, tokens: u64) -> Reservation {
+        let id = self.next_reservation.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.reservations().push(Reserved { id, tokens, on: None });
+        Reservation { sessions: self.clone(), id }
+    }
+
+    /// The tokens of the sessions admitted but not placed yet.
+    fn unplaced_tokens(&self) -> Vec<u64> {
+        self.reservations().iter().filter(|r| r.on.is_none()).map(|r| r.tokens).collect()
     }
 
     /// A turn of `session` (`tokens` of context; `link` its first link) of
@@ -416,7 +473,14 @@ impl Sessions {
     pub fn room_of(&self, r: &Replica) -> Room {
         let slot_tokens = r.slot_tokens();
         let shape = Room { capacity: None, taken: 0, slot_tokens };
-        let here: u64 = r.residents.lock().values().map(|s| shape.footprint(s.counted_tokens())).sum();
+        let resident: u64 = r.residents.lock().values().map(|s| shape.footprint(s.counted_tokens())).sum();
+        let placed: u64 = self
+            .reservations()
+            .iter()
+            .filter(|s| s.on.as_ref() == Some(&r.id))
+            .map(|s| shape.footprint(s.tokens))
+            .sum();
+        let here = resident + placed;
         // A wall its receipts found is its capacity in practice, if lower.
         let capacity = match (r.kv_capacity(), r.residents.wall()) {
             (Some(c), Some(w)) => Some(c.min(w)),
@@ -662,7 +726,12 @@ impl Sessions {
     /// newcomer, unless the last in line is of a lower class (that one is
     /// refused instead). Dropping the future leaves the queue (a client
     /// that went away).
-    pub async fn hold(self: &Arc<Self>, who: &Who, tokens: u64, admit: impl Fn() -> bool) -> Result<Held, DomainError> {
+    pub async fn hold(
+        self: &Arc<Self>,
+        who: &Who,
+        tokens: u64,
+        admit: impl Fn(&[u64]) -> bool,
+    ) -> Result<(Held, Reservation), DomainError> {
         let full = |waiting: usize| DomainError::Overloaded {
             message: format!("the replicas' KV is full and {waiting} new sessions already wait for room; retry later"),
             retry_after: Duration::from_millis(self.settings.max_wait_ms / 2).max(Duration::from_secs(1)),
@@ -684,20 +753,46 @@ impl Sessions {
         };
         let started = tokio::time::Instant::now();
         let deadline = started + Duration::from_millis(self.settings.max_wait_ms);
+        // Judged and reserved under the lock: the next in line sees this
+        // one's room taken, whichever worker it runs on.
+        let reserved = Mutex::new(None);
         let first_with_room = || {
             let state = self.lock();
-            let (first, gone) = (state.held.head().is_some_and(|h| h.id == ticket.id), !state.held.contains(ticket.id));
-            drop(state);
-            gone || (first && admit())
+            if !state.held.contains(ticket.id) {
+                return true; // turned away
+            }
+            let first = state.held.head().is_some_and(|h| h.id == ticket.id);
+            if first && admit(&self.unplaced_tokens()) {
+                *reserved.lock().unwrap_or_else(|e| e.into_inner()) = Some(self.reserve(&state, tokens));
+                return true;
+            }
+            false
         };
         let placed = self.wait_for(deadline, first_with_room).await;
         if self.lock().evicted.contains(&ticket.id) {
             return Err(full(self.settings.max_held));
         }
-        match placed {
-            true => Ok(Held::Placed(started.elapsed())),
-            false => Ok(Held::OverCapacity(started.elapsed())),
+        let held = match placed {
+            true => Held::Placed(started.elapsed()),
+            false => Held::OverCapacity(started.elapsed()),
+        };
+        let reservation = reserved
+            .into_inner()
+            .unwrap_or_else(|e| e.into_inner())
+            .unwrap_or_else(|| self.reserve(&self.lock(), tokens));
+        Ok((held, reservation))
+    }
+
+    /// Admits a new session at once when `admit` (given the tokens of the
+    /// sessions admitted but not resident yet) says there is room; judged
+    /// and reserved under one lock, so two arriving together do not both
+    /// take the last room. None: it must wait (`hold`).
+    pub fn admit_at_once(self: &Arc<Self>, tokens: u64, admit: impl Fn(&[u64]) -> bool) -> Option<Reservation> {
+        let state = self.lock();
+        if !admit(&self.unplaced_tokens()) {
+            return None;
         }
+        Some(self.reserve(&state, tokens))
     }
 
     /// Sessions waiting now, by class (`Class::ALL` order).
@@ -864,7 +959,7 @@ mod tests {
         let room = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let has_room = {
             let room = room.clone();
-            move || room.load(std::sync::atomic::Ordering::SeqCst)
+            move |_: &[u64]| room.load(std::sync::atomic::Ordering::SeqCst)
         };
         let first = tokio::spawn({
             let (s, has_room) = (s.clone(), has_room.clone());
@@ -873,26 +968,26 @@ mod tests {
         tokio::task::yield_now().await;
         let second = tokio::spawn({
             let s = s.clone();
-            async move { s.hold(&Who::default(), 1, || true).await }
+            async move { s.hold(&Who::default(), 1, |_: &[u64]| true).await }
         });
         tokio::task::yield_now().await;
         assert_eq!(s.held(), 2, "the second waits behind the first, though it would fit");
         assert!(
-            matches!(s.hold(&Who::default(), 1, || true).await, Err(DomainError::Overloaded { .. })),
+            matches!(s.hold(&Who::default(), 1, |_: &[u64]| true).await, Err(DomainError::Overloaded { .. })),
             "the queue is full"
         );
         tokio::time::sleep(Duration::from_secs(1)).await;
         room.store(true, std::sync::atomic::Ordering::SeqCst);
         s.recheck();
-        assert!(matches!(first.await.unwrap().unwrap(), Held::Placed(_)));
-        assert!(matches!(second.await.unwrap().unwrap(), Held::Placed(_)));
+        assert!(matches!(first.await.unwrap().unwrap().0, Held::Placed(_)));
+        assert!(matches!(second.await.unwrap().unwrap().0, Held::Placed(_)));
         assert_eq!(s.held(), 0);
         // No room ever: over capacity at max_wait_ms.
-        let over = s.hold(&Who::default(), 1, || false).await.unwrap();
+        let (over, _) = s.hold(&Who::default(), 1, |_: &[u64]| false).await.unwrap();
         assert_eq!(over, Held::OverCapacity(Duration::from_millis(10_000)));
         // A waiter dropped mid-wait leaves the queue.
         let who = Who::default();
-        let mut gone = Box::pin(s.hold(&who, 1, || false));
+        let mut gone = Box::pin(s.hold(&who, 1, |_: &[u64]| false));
         assert!(futures_util::poll!(gone.as_mut()).is_pending());
         assert_eq!(s.held(), 1);
         drop(gone);

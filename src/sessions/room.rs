@@ -69,6 +69,17 @@ pub enum Verdict {
     HoldAlone,
 }
 
+/// Counts sessions admitted but not resident yet (`reserved`: their
+/// tokens) against `rooms`, each where the most room is left: where it
+/// will most likely go. Unknown capacities take nothing.
+pub fn reserve(rooms: &mut [Room], reserved: &[u64]) {
+    for tokens in reserved {
+        if let Some(room) = rooms.iter_mut().filter(|r| r.capacity.is_some()).max_by_key(|r| r.left()) {
+            room.taken += room.footprint(*tokens);
+        }
+    }
+}
+
 /// The default `sessions.hold_min_tokens`: a sixteenth of the smallest
 /// known capacity among `rooms` (0 when none is known: nothing to hold
 /// against anyway).
@@ -206,6 +217,15 @@ mod tests {
         assert_eq!(verdict(&[room(100, 10), room(100, 20)], 150, 10), Verdict::HoldAlone);
         assert_eq!(verdict(&[room(100, 0), room(100, 20)], 150, 10), Verdict::Admit, "an empty replica takes it");
         assert_eq!(verdict(&[], 150, 10), Verdict::Admit);
+    }
+
+    #[test]
+    fn a_session_admitted_but_not_resident_yet_takes_the_most_room() {
+        let mut rooms = [room(100, 80), room(100, 10)];
+        reserve(&mut rooms, &[50]);
+        assert_eq!(rooms.map(|r| r.taken), [80, 60]);
+        // The next one of 50 no longer fits anywhere: it waits.
+        assert_eq!(verdict(&rooms, 50, 10), Verdict::Hold);
     }
 
     #[test]

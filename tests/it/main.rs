@@ -18,6 +18,7 @@ mod discovery;
 mod layers;
 mod paused;
 mod persistence;
+mod priority;
 mod qualitative;
 mod regressions;
 mod reliability;
