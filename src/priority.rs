@@ -180,23 +180,50 @@ pub struct FairQueue<T> {
     waiters: Vec<Waiter<T>>,
     /// Per class (`Class as usize`): the virtual time of the last waiter served.
     served: [u64; 3],
+    /// Turns clients had without waiting (`served_at_once`): where their
+    /// next waiter starts. Entries at or below their class's `served` say
+    /// nothing more and are dropped; at most `MAX_CREDITS` are kept.
+    credits: Vec<(Class, Arc<str>, u64)>,
     next_id: u64,
 }
 
+/// Clients whose turns without waiting are remembered (the most recent).
+const MAX_CREDITS: usize = 1024;
+
 impl<T> Default for FairQueue<T> {
     fn default() -> Self {
-        FairQueue { waiters: Vec::new(), served: [0; 3], next_id: 0 }
+        FairQueue { waiters: Vec::new(), served: [0; 3], credits: Vec::new(), next_id: 0 }
     }
 }
 
 impl<T> FairQueue<T> {
+    /// `client` had a turn of `class` without waiting (admitted at once):
+    /// its next waiter queues behind the clients that had none.
+    pub fn served_at_once(&mut self, class: Class, client: &Arc<str>) {
+        let next = self.next_vtime(class, client) + 1;
+        let floor = self.served[class as usize];
+        self.credits.retain(|(c, who, v)| !(*c == class && who == client) && *v > self.served[*c as usize]);
+        self.credits.push((class, client.clone(), next));
+        if self.credits.len() > MAX_CREDITS {
+            self.credits.remove(0);
+        }
+        debug_assert!(next > floor);
+    }
+
+    /// Where `client`'s next waiter of `class` starts.
+    fn next_vtime(&self, class: Class, client: &Arc<str>) -> u64 {
+        let floor = self.served[class as usize];
+        let queued = self.waiters.iter().filter(|w| w.class == class && w.client == *client).map(|w| w.vtime + 1);
+        let credit = self.credits.iter().filter(|(c, who, _)| *c == class && who == client).map(|(_, _, v)| *v);
+        queued.chain(credit).max().unwrap_or(floor).max(floor)
+    }
+
     /// Queues a waiter; returns its id.
     pub fn push(&mut self, class: Class, client: Arc<str>, value: T) -> u64 {
-        let floor = self.served[class as usize];
-        let last = self.waiters.iter().filter(|w| w.class == class && w.client == client).map(|w| w.vtime + 1).max();
+        let vtime = self.next_vtime(class, &client);
         self.next_id += 1;
         let id = self.next_id;
-        self.waiters.push(Waiter { id, class, client, vtime: last.unwrap_or(floor).max(floor), value });
+        self.waiters.push(Waiter { id, class, client, vtime, value });
         id
     }
 
@@ -360,6 +387,23 @@ mod tests {
         let b2 = q.push(Class::Default, b.clone(), ());
         let order = ids(&q);
         assert_eq!(order[..2], [b2, a_ids[2]], "{order:?}");
+    }
+
+    #[test]
+    fn a_client_whose_sessions_went_at_once_waits_behind_one_that_had_none() {
+        let mut q = FairQueue::default();
+        let (a, b): (Arc<str>, Arc<str>) = (Arc::from("a"), Arc::from("b"));
+        // A's first two went without waiting; its next four queue.
+        q.served_at_once(Class::Default, &a);
+        q.served_at_once(Class::Default, &a);
+        let a3 = q.push(Class::Default, a.clone(), ());
+        let b1 = q.push(Class::Default, b.clone(), ());
+        assert_eq!(ids(&q), [b1, a3], "B's first goes at the first room");
+        // Credits below the turns' point are dropped, so they stay few.
+        for i in 0..2_000 {
+            q.served_at_once(Class::Background, &Arc::from(format!("c{i}")));
+        }
+        assert!(q.credits.len() <= MAX_CREDITS);
     }
 
     #[test]

@@ -124,6 +124,9 @@ pub async fn stream_turn(
     if let Some(k) = &common.api_key {
         req = req.insert_header(("authorization", format!("Bearer {k}")));
     }
+    for (name, value) in &common.headers {
+        req = req.insert_header((name.as_str(), value.as_str()));
+    }
     let mut resp = req.send_json(&body).await.map_err(|e| e.to_string())?;
     let header = |n: &str| resp.headers().get(n).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
     let mut sample =

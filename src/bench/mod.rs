@@ -55,6 +55,20 @@ pub struct Common {
     /// Per-request timeout in seconds.
     #[arg(long, default_value_t = 600)]
     pub timeout: u64,
+    /// An extra request header, `NAME:VALUE` (repeatable): a priority class
+    /// (`x-prefixgate-priority:background`), a client
+    /// (`x-prefixgate-client:team-a`), a session header.
+    #[arg(long = "header", value_name = "NAME:VALUE", value_parser = parse_header)]
+    pub headers: Vec<(String, String)>,
+}
+
+/// `NAME:VALUE` as a header (the value trimmed; a valid name and value).
+fn parse_header(s: &str) -> Result<(String, String), String> {
+    let (name, value) = s.split_once(':').ok_or_else(|| format!("'{s}': expected NAME:VALUE"))?;
+    let (name, value) = (name.trim(), value.trim());
+    awc::http::header::HeaderName::from_bytes(name.as_bytes()).map_err(|e| format!("'{name}': {e}"))?;
+    awc::http::header::HeaderValue::from_str(value).map_err(|e| format!("'{value}': {e}"))?;
+    Ok((name.to_string(), value.to_string()))
 }
 
 impl Common {

@@ -218,7 +218,7 @@ pub async fn hold_if_full(state: &AppState, lookup: &Lookup, tokens: u64, who: &
         crate::sessions::room::reserve(&mut rooms, reserved);
         verdict(&rooms, tokens, min_tokens(&rooms))
     };
-    if let Some(reservation) = state.sessions.admit_at_once(tokens, |reserved| judge(reserved) == Verdict::Admit) {
+    if let Some(reservation) = state.sessions.admit_at_once(who, tokens, |reserved| judge(reserved) == Verdict::Admit) {
         return Ok((None, Some(reservation)));
     }
     let first = judge(&[]);

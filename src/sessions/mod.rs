@@ -787,11 +787,19 @@ impl Sessions {
     /// sessions admitted but not resident yet) says there is room; judged
     /// and reserved under one lock, so two arriving together do not both
     /// take the last room. None: it must wait (`hold`).
-    pub fn admit_at_once(self: &Arc<Self>, tokens: u64, admit: impl Fn(&[u64]) -> bool) -> Option<Reservation> {
-        let state = self.lock();
+    /// The client's turn counts: its next waiter queues behind clients that
+    /// had none (`FairQueue::served_at_once`).
+    pub fn admit_at_once(
+        self: &Arc<Self>,
+        who: &Who,
+        tokens: u64,
+        admit: impl Fn(&[u64]) -> bool,
+    ) -> Option<Reservation> {
+        let mut state = self.lock();
         if !admit(&self.unplaced_tokens()) {
             return None;
         }
+        state.held.served_at_once(who.class, &who.client);
         Some(self.reserve(&state, tokens))
     }
 
