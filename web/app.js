@@ -152,7 +152,20 @@ function renderCapacity(capacity) {
     held.textContent = `${q.held} new session(s) waiting for room at the KV wall; ${q.waited} waited so far ` +
       `(mean ${q.mean_wait_ms} ms, longest ${q.max_wait_seen_ms} ms, ${q.over_capacity} admitted over capacity).` +
       projection;
+    renderQueue(q.queue || []);
   }
+}
+
+// The held sessions in the order they go, each with its class and client.
+function renderQueue(queue) {
+  const list = $("#queue");
+  list.hidden = queue.length === 0;
+  list.replaceChildren(...queue.map((w) => {
+    const item = document.createElement("li");
+    item.dataset.class = w.class;
+    item.textContent = `${w.class} · ${w.client} · ~${fmtTokens(w.tokens)} · waiting ${w.waited_ms} ms`;
+    return item;
+  }));
 }
 
 // Mean time to first byte per replica since the last poll, from the
