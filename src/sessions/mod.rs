@@ -577,7 +577,11 @@ impl Sessions {
             // Alone, it goes: no room would open for it by waiting.
             let alone = on.len() == 1;
             drop(on);
-            return !alone && !self.room_of(replica).fits(tokens);
+            // The session that took its room may be admitted but not placed
+            // yet: counted here until it is, or this turn would slip in first.
+            let mut room = self.room_of(replica);
+            room.taken += self.unplaced_tokens().iter().map(|t| room.footprint(*t)).sum::<u64>();
+            return !alone && !room.fits(tokens);
         }
         if !self.settings.pause {
             return false;
