@@ -91,9 +91,16 @@ pub struct Who {
     pub client: Arc<str>,
 }
 
+/// The client of a request that names none: one shared name, not an
+/// allocation per request.
+fn anonymous() -> Arc<str> {
+    static ANONYMOUS: std::sync::LazyLock<Arc<str>> = std::sync::LazyLock::new(|| Arc::from("anonymous"));
+    ANONYMOUS.clone()
+}
+
 impl Default for Who {
     fn default() -> Self {
-        Who { class: Class::Default, stated: false, client: Arc::from("anonymous") }
+        Who { class: Class::Default, stated: false, client: anonymous() }
     }
 }
 
@@ -149,7 +156,7 @@ fn client_id<'a>(config: &PriorityConfig, header: &impl Fn(&str) -> Option<&'a s
     let bearer = header("authorization").and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")));
     match bearer.or_else(|| header("x-api-key")).map(str::trim).filter(|k| !k.is_empty()) {
         Some(key) => Arc::from(key_id(key)),
-        None => Arc::from("anonymous"),
+        None => anonymous(),
     }
 }
 

@@ -73,6 +73,22 @@ async fn queue(
     out
 }
 
+/// Waits for every queued turn: each answered 200; when each ended.
+async fn all_answered(waiting: Vec<actix_web::rt::task::JoinHandle<(Reply, Instant)>>) -> Vec<Instant> {
+    let mut ended = Vec::new();
+    for w in waiting {
+        let (r, at) = w.await.unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+        ended.push(at);
+    }
+    ended
+}
+
+async fn scrape(gw: &Gw) -> String {
+    let mut resp = client().get(format!("{}/metrics", gw.admin)).send().await.unwrap();
+    String::from_utf8(resp.body().await.unwrap().to_vec()).unwrap()
+}
+
 #[actix_web::test]
 async fn an_unknown_class_is_a_400_naming_the_header_and_nothing_is_queued() {
     let a = start_sim("a", card()).await;
@@ -107,16 +123,10 @@ async fn an_interactive_session_goes_before_background_ones_that_queued_first() 
         cap["sessions"]["queue"].as_array().unwrap().iter().map(|q| q["class"].as_str().unwrap()).collect();
     assert_eq!(classes, ["interactive", "background", "background"], "{cap}");
     assert_eq!(cap["sessions"]["held_by_class"], json!({"interactive": 1, "default": 0, "background": 2}));
-    let mut ended = Vec::new();
-    for w in waiting {
-        let (r, at) = w.await.unwrap();
-        assert_eq!(r.status, 200, "{}", r.body);
-        ended.push(at);
-    }
+    let ended = all_answered(waiting).await;
     // Each goes when the one before idled out: the interactive one first.
     assert!(ended[2] < ended[0] && ended[0] < ended[1], "interactive, then the background ones in order");
-    let mut resp = client().get(format!("{}/metrics", gw.admin)).send().await.unwrap();
-    let metrics = String::from_utf8(resp.body().await.unwrap().to_vec()).unwrap();
+    let metrics = scrape(&gw).await;
     assert!(metrics.contains(r#"prefixgate_session_hold_seconds_count{class="background"} 2"#), "{metrics}");
     assert!(metrics.contains(r#"prefixgate_session_hold_seconds_count{class="interactive"} 1"#));
     gw.stop().await;
@@ -132,12 +142,7 @@ async fn within_a_class_clients_take_turns() {
     const B: &[(&str, &str)] = &[("x-prefixgate-client", "team-b")];
     // Client A opens three at once, then B one: B's goes second, not fourth.
     let waiting = queue(&gw, &[("a1", A), ("a2", A), ("a3", A), ("b1", B)]).await;
-    let mut ended = Vec::new();
-    for w in waiting {
-        let (r, at) = w.await.unwrap();
-        assert_eq!(r.status, 200);
-        ended.push(at);
-    }
+    let ended = all_answered(waiting).await;
     let mut order: Vec<usize> = (0..4).collect();
     order.sort_by_key(|i| ended[*i]);
     eprintln!(
@@ -217,8 +222,7 @@ async fn a_waiting_interactive_session_takes_a_background_ones_room_at_its_turn_
         async move { post_with(&url, &short("bg", 3), &[]).await }
     });
     wait_until("the background turn paused", Duration::from_secs(5), || gw.gw.sessions.paused() == 1).await;
-    let mut resp = client().get(format!("{}/metrics", gw.admin)).send().await.unwrap();
-    let metrics = String::from_utf8(resp.body().await.unwrap().to_vec()).unwrap();
+    let metrics = scrape(&gw).await;
     assert!(metrics.contains(r#"prefixgate_sessions_preempted_total{class="background"} 1"#), "{metrics}");
     next.abort();
     gw.stop().await;
