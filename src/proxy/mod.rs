@@ -177,10 +177,7 @@ async fn forward_request(
     let config = &state.config;
     // Who waits at the wall (`priority.rs`): an unknown class is refused
     // before anything is read or queued.
-    // Found by scanning the few headers a request has: `get` with a name
-    // that is not a standard header builds that name anew (an allocation
-    // each, three a request here; bench/hop-instructions.sh counted them).
-    let header = |name: &str| req.headers().iter().find(|(k, _)| k.as_str() == name).and_then(|(_, v)| v.to_str().ok());
+    let header = |name: &str| priority_header(req, name);
     let who = crate::priority::resolve(&config.priority, header).map_err(|e| ApiError::BadRequest(e.0))?;
     trace.set(|| {
         let client = opentelemetry::StringValue::from(who.client.clone());
@@ -206,7 +203,10 @@ async fn forward_request(
     let (mut placed, (mut held_for, mut reservation)) = match of_session.filter(|s| s.new) {
         Some(s) => {
             let _waiting = trace.child(state, "prefixgate.hold");
-            place_new_session(state, &settings, &lookup, &mut retries, &recorder, s.id, &who).await?
+            // Boxed: a rare path whose future would otherwise grow every
+            // request's (bench/hop-instructions.sh: a larger request future
+            // cost each request ~1,000 instructions of allocator work).
+            Box::pin(place_new_session(state, &settings, &lookup, &mut retries, &recorder, s.id, &who)).await?
         }
         None => (None, (None, None)),
     };
@@ -223,7 +223,7 @@ async fn forward_request(
             // its replica's sessions outgrew the KV and it is the youngest there.
             if let Some(s) = of_session.filter(|s| !s.new && state.sessions.must_pause(&replica, s.id, est_tokens)) {
                 let _waiting = trace.child(state, "prefixgate.pause");
-                if let Some(paused) = hold::pause_if_over(state, &replica, s.id, est_tokens, &who).await {
+                if let Some(paused) = Box::pin(hold::pause_if_over(state, &replica, s.id, est_tokens, &who)).await {
                     held_for = Some(held_for.unwrap_or_default() + paused);
                 }
             }
@@ -232,7 +232,7 @@ async fn forward_request(
         let permit = match large {
             true => {
                 let _waiting = trace.child(state, "prefixgate.admission");
-                let permit = admit(state, &recorder, &replica, &who).await?;
+                let permit = Box::pin(admit(state, &recorder, &replica, &who)).await?;
                 // A wait for a slot is a wait the client had, like the hold's.
                 let waited = started.elapsed();
                 if waited >= Duration::from_millis(1) {
@@ -327,6 +327,22 @@ async fn forward_request(
             }
         }
     }
+}
+
+/// A header `priority::resolve` asks for. Its own names are made once:
+/// `get` with a string that is no standard header's name builds the name
+/// anew (an allocation each, three a request).
+fn priority_header<'r>(req: &'r HttpRequest, name: &str) -> Option<&'r str> {
+    use actix_web::http::header::HeaderName;
+    static NAMES: std::sync::LazyLock<[HeaderName; 4]> = std::sync::LazyLock::new(|| {
+        use crate::priority::{CLIENT_HEADER, PRIORITY_HEADER, SMG_HEADER};
+        [PRIORITY_HEADER, SMG_HEADER, CLIENT_HEADER, "x-api-key"].map(HeaderName::from_static)
+    });
+    let value = match NAMES.iter().find(|n| n.as_str() == name) {
+        Some(known) => req.headers().get(known),
+        None => req.headers().get(name),
+    };
+    value.and_then(|v| v.to_str().ok())
 }
 
 /// A new session's first target: held while no replica has room (`hold.rs`),

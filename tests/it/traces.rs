@@ -99,7 +99,7 @@ async fn a_request_is_a_server_span_under_the_clients_parent_with_an_attempt_the
     let r = post_with(
         &format!("{}/v1/chat/completions", gw.base),
         &chat_body(&[("user", "traced")], serde_json::json!({})),
-        &[("traceparent", &traceparent)],
+        &[("traceparent", &traceparent), ("x-smg-priority", "bulk"), ("authorization", "Bearer sk-trace")],
     )
     .await;
     assert_eq!(r.status, 200);
@@ -110,6 +110,10 @@ async fn a_request_is_a_server_span_under_the_clients_parent_with_an_attempt_the
     assert_eq!(text_attr(server, "prefixgate.route").as_deref(), Some("spread"));
     assert_eq!(text_attr(server, "prefixgate.replica").as_deref(), Some("a"));
     assert_eq!(text_attr(server, "prefixgate.dialect").as_deref(), Some("chat"));
+    // Its class (SGLang's bulk is background) and client: the key's hash, never the key.
+    assert_eq!(text_attr(server, "prefixgate.priority").as_deref(), Some("background"));
+    assert_eq!(text_attr(server, "prefixgate.client"), Some(prefixgate::priority::key_id("sk-trace")));
+    assert!(!format!("{server:?}").contains("sk-trace"), "the key never leaves");
     assert_eq!(text_attr(server, "gen_ai.request.model").as_deref(), Some("sim-model"));
     assert!(attr(server, "gen_ai.usage.input_tokens").is_some(), "{server:?}");
     let attempt = spans.iter().find(|s| s.kind == SpanKind::Client as i32).expect("an attempt span");
