@@ -64,6 +64,18 @@ impl HealthTracker {
         HealthTracker { rise, fall, events }
     }
 
+    /// The engine preempted requests (vLLM's own word) at `load` tokens of
+    /// resident sessions: the replica is over its wall in practice and takes
+    /// no new session above that load (`Residents::engine_preemptions`).
+    pub fn engine_over_wall(&self, r: &Replica, load: u64) {
+        let detail = format!(
+            "the engine preempted requests (vllm:num_preemptions_total rose) at ~{load} tokens resident: \
+             no new session above that load"
+        );
+        tracing::warn!(replica = %r.id, "{detail}");
+        self.events.record(EventKind::KvWallSeen, Some(&r.id), None, detail);
+    }
+
     /// Read before a probe starts; passed back with its result.
     pub fn epoch(&self, r: &Replica) -> u64 {
         r.probe.lock().expect("probe lock").epoch
@@ -200,11 +212,21 @@ pub async fn check(tracker: &HealthTracker, client: &awc::Client, r: Arc<Replica
             r.set_models(models);
         }
     }
+    // vLLM's metrics, busy or not: its preemptions happen while it is busy.
+    let metrics = match result {
+        ProbeResult::Ok => fetch_text(get("/metrics")).await,
+        _ => None,
+    };
+    if let Some(total) = metrics.as_deref().and_then(preemptions_from_vllm_metrics) {
+        if let Some(load) = r.residents.engine_preemptions(total) {
+            tracker.engine_over_wall(&r, load);
+        }
+    }
     if result == ProbeResult::Ok && !busy {
         // vLLM reports its KV capacity; other engines 404 here, which is fine.
         // An observation of the replica, as its models are: the capacity
         // verdict reads it from there.
-        let kv = fetch_text(get("/metrics")).await.and_then(|t| kv_tokens_from_vllm_metrics(&t));
+        let kv = metrics.as_deref().and_then(kv_tokens_from_vllm_metrics);
         // llama.cpp's server says its slots and their context instead.
         let slots = match kv {
             Some(_) => None,
@@ -251,6 +273,17 @@ pub fn slots_from_llama_props(text: &str) -> Option<(u64, u64)> {
     Some((slots, ctx))
 }
 
+/// vLLM's `vllm:num_preemptions_total` (summed over its label sets) from a
+/// metrics page; None when the engine reports none.
+pub fn preemptions_from_vllm_metrics(text: &str) -> Option<u64> {
+    let values: Vec<f64> = text
+        .lines()
+        .filter(|l| l.starts_with("vllm:num_preemptions_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
+        .collect();
+    (!values.is_empty()).then(|| values.iter().sum::<f64>() as u64)
+}
+
 /// Parses `vllm:cache_config_info{...num_gpu_blocks="N",block_size="B"...}` from a metrics page.
 pub fn kv_tokens_from_vllm_metrics(text: &str) -> Option<u64> {
     let line = text.lines().find(|l| l.starts_with("vllm:cache_config_info{"))?;
@@ -271,6 +304,15 @@ mod tests {
         assert_eq!(slots_from_llama_props(props), Some((1, 8_192)));
         assert_eq!(slots_from_llama_props(r#"{"total_slots":0}"#), None);
         assert_eq!(slots_from_llama_props("not json"), None);
+    }
+
+    #[test]
+    fn parses_vllm_preemptions() {
+        let page =
+            "# TYPE vllm:num_preemptions counter\nvllm:num_preemptions_total{engine=\"0\",model_name=\"m\"} 3.0\n\
+                    vllm:num_preemptions_total{engine=\"1\",model_name=\"m\"} 2.0\nvllm:num_requests_running 1\n";
+        assert_eq!(preemptions_from_vllm_metrics(page), Some(5));
+        assert_eq!(preemptions_from_vllm_metrics("vllm:num_requests_running 1\n"), None);
     }
 
     #[test]

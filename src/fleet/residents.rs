@@ -81,6 +81,8 @@ pub struct Residents {
     /// to lose a resident session's prefix: its wall in practice, whatever
     /// its capacity says (0: none seen). Receipts set and raise it.
     wall: AtomicU64,
+    /// The engine's preemption counter as last read, plus one (0: never read).
+    preemptions_seen: AtomicU64,
 }
 
 /// What a pinned turn's receipt says about its replica.
@@ -118,6 +120,28 @@ impl Residents {
         Some(self.wall.load(Ordering::Relaxed)).filter(|w| *w > 0)
     }
 
+    /// Reads the engine's preemption counter (`total`, as vLLM reports it).
+    /// Preemptions since the last read mean the engine ran out of KV with
+    /// the sessions resident now: the wall is lowered to their load, as a
+    /// lost receipt does. Returns that load when it was; the first read
+    /// only notes the counter, and a counter that went back (an engine
+    /// restarted) starts over.
+    pub fn engine_preemptions(&self, total: u64) -> Option<u64> {
+        let before = self.preemptions_seen.swap(total.saturating_add(1), Ordering::Relaxed);
+        if before == 0 || total < before {
+            return None;
+        }
+        let load: u64 = self.lock().values().map(|r| r.tokens).sum();
+        if load == 0 {
+            return None;
+        }
+        let _ = self.wall.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| match w {
+            0 => Some(load),
+            w => Some(w.min(load)),
+        });
+        Some(load)
+    }
+
     /// Reads a pinned turn's receipt: `predicted` cached tokens (the prefix
     /// it should have found on its home) against the `cached` tokens the
     /// engine reported. A lost prefix lowers the wall to the load it was
@@ -147,6 +171,23 @@ impl Residents {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn engine_preemptions_since_the_last_read_set_the_wall_at_the_load_now() {
+        let r = Residents::default();
+        r.lock().insert(1, Resident { tokens: 6_000, ..Default::default() });
+        assert_eq!(r.engine_preemptions(4), None, "the first read only notes the counter");
+        assert_eq!(r.engine_preemptions(4), None, "none since");
+        r.lock().insert(2, Resident { tokens: 5_000, ..Default::default() });
+        assert_eq!(r.engine_preemptions(6), Some(11_000));
+        assert_eq!(r.wall(), Some(11_000));
+        // An engine restarted: its counter starts over, and says nothing yet.
+        assert_eq!(r.engine_preemptions(0), None);
+        assert_eq!(r.engine_preemptions(0), None);
+        r.lock().remove(&2);
+        assert_eq!(r.engine_preemptions(1), Some(6_000));
+        assert_eq!(r.wall(), Some(6_000), "lower: the wall follows");
+    }
 
     #[test]
     fn a_lost_prefix_sets_the_wall_at_the_load_it_was_lost_at_and_a_kept_one_raises_it() {

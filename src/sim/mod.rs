@@ -74,6 +74,12 @@ pub struct SimState {
     prefill_lane: tokio::sync::Mutex<()>,
     running: AtomicU64,
     waiting: AtomicU64,
+    /// Sequences that found the pool full and waited: reported as
+    /// `vllm:num_preemptions_total`. The simulated engine has no decode-time
+    /// preemption (a sequence's blocks are taken when it starts); a sequence
+    /// that finds the pool full waits, which is what a preemption costs one
+    /// in vLLM (it waits, then recomputes), so that is what it counts.
+    kv_waits: AtomicU64,
     queries: AtomicU64,
     hits: AtomicU64,
     prompt_tokens: AtomicU64,
@@ -102,6 +108,7 @@ impl SimState {
             traceparents: Mutex::default(),
             running: AtomicU64::new(0),
             waiting: AtomicU64::new(0),
+            kv_waits: AtomicU64::new(0),
             queries: AtomicU64::new(0),
             hits: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
@@ -212,6 +219,7 @@ async fn metrics(s: web::Data<SimState>) -> HttpResponse {
          # TYPE vllm:prefix_cache_hits counter\nvllm:prefix_cache_hits_total{{model_name=\"{m}\"}} {}\n\
          # TYPE vllm:prompt_tokens counter\nvllm:prompt_tokens_total{{model_name=\"{m}\"}} {}\n\
          # TYPE vllm:generation_tokens counter\nvllm:generation_tokens_total{{model_name=\"{m}\"}} {}\n\
+         # TYPE vllm:num_preemptions counter\nvllm:num_preemptions_total{{model_name=\"{m}\"}} {}\n\
          # TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{block_size=\"{}\",num_gpu_blocks=\"{}\"}} 1\n",
         s.running.load(Ordering::Relaxed),
         s.waiting.load(Ordering::Relaxed),
@@ -219,6 +227,7 @@ async fn metrics(s: web::Data<SimState>) -> HttpResponse {
         s.hits.load(Ordering::Relaxed),
         s.prompt_tokens.load(Ordering::Relaxed),
         s.generated.load(Ordering::Relaxed),
+        s.kv_waits.load(Ordering::Relaxed),
         BLOCK_TOKENS,
         kv.capacity_blocks(),
         m = s.cfg.model,
@@ -352,12 +361,18 @@ pub(crate) async fn prefill(s: &Arc<SimState>, prompt: &[u8], max_tokens: u64) -
     let private = partial + max_tokens.div_ceil(BLOCK_TOKENS) as usize;
     s.waiting.fetch_add(1, Ordering::AcqRel);
     let lane = s.prefill_lane.lock().await;
+    let mut waited = false;
     let matched = loop {
         let freed = s.kv_freed.notified();
         let result = s.kv.lock().expect("kv lock").admit(&chain, private);
         match result {
             Ok(m) => break m,
-            Err(AdmitError::Full) => freed.await,
+            Err(AdmitError::Full) => {
+                if !std::mem::replace(&mut waited, true) {
+                    s.kv_waits.fetch_add(1, Ordering::Relaxed);
+                }
+                freed.await
+            }
             Err(AdmitError::TooLarge { needed, capacity }) => {
                 s.waiting.fetch_sub(1, Ordering::AcqRel);
                 return Err(bad_request(format!(

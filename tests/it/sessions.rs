@@ -508,3 +508,36 @@ async fn new_sessions_at_two_instances_spread_over_replicas_that_tie() {
 
 /// Two instance names whose spread counters start on the same replica.
 const TIED: (&str, &str) = ("gw-a", "gw-b");
+
+/// Issue 31: the engine's own word. A vLLM-like replica that ran out of
+/// KV with the sessions resident now says so in `vllm:num_preemptions_total`
+/// (the simulator counts a sequence that found its pool full); the prober
+/// reads it while the replica is busy, and the replica's wall is set at the
+/// load it happened at, with a `kv_wall_seen` event.
+#[actix_web::test]
+async fn engine_preemptions_set_the_wall_at_the_load_they_happened_at() {
+    let slow = prefixgate::sim::SimConfig { kv_tokens: 20_000, ..slow_decoder(20.0) };
+    let a = start_sim("a", slow).await;
+    let gw = start_gateway(test_config(&[&a])).await; // the hold off: both go at once
+    capacity_read(&gw).await;
+    let replica = gw.gw.fleet.get("a").unwrap();
+    // Two sessions of ~12,000 tokens on a 20,000-token pool: the second
+    // waits inside the engine for the first's blocks.
+    let url = format!("{}/v1/chat/completions", gw.base);
+    let body = |family: &str| {
+        let m = turn(family, 1);
+        let refs: Vec<(&str, &str)> = m.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
+        chat_body(&refs, json!({"max_tokens": 10}))
+    };
+    let (one, two) = (body("one"), body("two"));
+    let (u1, u2) = (url.clone(), url.clone());
+    let first = actix_web::rt::spawn(async move { post(&u1, &one).await });
+    let second = actix_web::rt::spawn(async move { post(&u2, &two).await });
+    wait_until("the wall seen", Duration::from_secs(10), || replica.residents.wall().is_some()).await;
+    let load: u64 = replica.residents.lock().values().map(|r| r.tokens).sum();
+    assert!(load >= 20_000, "both sessions resident: {load}");
+    assert_eq!(replica.residents.wall(), Some(load));
+    assert_eq!(events_of(&gw, prefixgate::events::EventKind::KvWallSeen), 1);
+    assert_eq!((first.await.unwrap().status, second.await.unwrap().status), (200, 200));
+    gw.stop().await;
+}
