@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# At the KV wall through one and three gateway instances sharing one Redis
+# (issue 31: "three instances release room later than one"). Two simulated
+# vLLM-like replicas of SIM_KV (12,000) KV tokens, FAMILIES (4) agent loops
+# of an 8,000-token context, 200 tokens a turn, 6 turns, no pause between
+# turns; sessions.idle_ms=1000, the hold on. With three instances the
+# client sends each turn to the next instance, so no two consecutive turns
+# of a family reach the same one. Each arm on fresh gateways and a fresh
+# Redis, ROUNDS (3) rounds interleaved; prints each arm's wall times and
+# the median ratio three/one (the issue's target: within 1.15x).
+# BIN=path/to/prefixgate runs that build instead of building this tree.
+# Never run in CI. Needs redis-server.
+# Usage: [ROUNDS=3 FAMILIES=4 SIM_KV=12000 TIME_SCALE=0.25] bench/wall-instances.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROUNDS=${ROUNDS:-3}; FAMILIES=${FAMILIES:-4}; SIM_KV=${SIM_KV:-12000}; TIME_SCALE=${TIME_SCALE:-0.25}
+if [ -z "${BIN:-}" ]; then cargo build --release -q; fi
+bin=${BIN:-$PWD/target/release/prefixgate}
+source bench/lib.sh
+bench_init
+tmp=$BENCH_TMP
+start_sim a --kv-tokens "$SIM_KV" --time-scale "$TIME_SCALE"
+start_sim b --kv-tokens "$SIM_KV" --time-scale "$TIME_SCALE"
+
+# arm N ROUND: N instances on a fresh Redis; prints the wall time in seconds.
+arm() {
+  local n=$1 round=$2 sock="$tmp/r$1-$2.sock" urls=() admins=() start
+  redis-server --port 0 --unixsocket "$sock" --save "" --appendonly no >/dev/null 2>&1 &
+  local redis=$!
+  until redis-cli -s "$sock" ping >/dev/null 2>&1; do sleep 0.1; done
+  for i in $(seq 1 "$n"); do
+    PREFIXGATE_STORE_INSTANCE="gw$i" start_gateway "r$round-n$n-gw$i" "$bin" --store "redis+unix://$sock" \
+      --replica "a=${SIM_URL[a]}" --replica "b=${SIM_URL[b]}" --set sessions.idle_ms=1000
+    urls+=("${GW_URL[r$round-n$n-gw$i]}"); admins+=("${GW_ADMIN[r$round-n$n-gw$i]}")
+  done
+  for admin in "${admins[@]}"; do
+    wait_replicas_up "$admin" 2
+    for _ in $(seq 50); do
+      curl -s "$admin/admin/v1/capacity" | grep -q '"kv_tokens":[0-9]' && break; sleep 0.2
+    done
+  done
+  start=$(date +%s.%N)
+  $bin bench agent-loop --base-url "$(IFS=,; echo "${urls[*]}")" --families "$FAMILIES" --turns 6 \
+    --system-tokens 500 --context-tokens 8000 --turn-tokens 200 --max-tokens 16 --json >"$tmp/r$round-n$n.json"
+  echo "$(date +%s.%N) - $start" | bc
+  python3 -c 'import json,sys; r=json.load(open(sys.argv[1]))["summary"]; print("  errors", r["errors"], file=sys.stderr)' "$tmp/r$round-n$n.json"
+  for i in $(seq 1 "$n"); do kill "${GW_PID[r$round-n$n-gw$i]}"; done
+  kill "$redis"
+}
+
+one=(); three=()
+for round in $(seq 1 "$ROUNDS"); do
+  one+=("$(arm 1 "$round")"); three+=("$(arm 3 "$round")")
+  echo "round $round: one instance ${one[-1]} s, three ${three[-1]} s"
+done
+python3 - "${one[*]}" "${three[*]}" <<'PY'
+import statistics, sys
+one, three = [list(map(float, a.split())) for a in sys.argv[1:3]]
+print(f"median wall: one {statistics.median(one):.2f} s, three {statistics.median(three):.2f} s: "
+      f"{statistics.median(three) / statistics.median(one):.2f}x")
+PY
