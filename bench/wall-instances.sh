@@ -2,18 +2,21 @@
 # At the KV wall through one and three gateway instances sharing one Redis
 # (issue 31: "three instances release room later than one"). Two simulated
 # vLLM-like replicas of SIM_KV (12,000) KV tokens, FAMILIES (4) agent loops
-# of an 8,000-token context, 200 tokens a turn, 6 turns, no pause between
-# turns; sessions.idle_ms=1000, the hold on. With three instances the
+# of a 500-token shared system prompt, a CONTEXT (8,000)-token context and
+# TURN (200) tokens a turn, 6 turns, no pause between turns;
+# sessions.idle_ms=1000 and sessions.hold_min_tokens=512, the hold on
+# (CONTEXT=1500 TURN=1500: bench/sim-wall.sh's growing families). With three instances the
 # client sends each turn to the next instance, so no two consecutive turns
 # of a family reach the same one. Each arm on fresh gateways and a fresh
 # Redis, ROUNDS (3) rounds interleaved; prints each arm's wall times and
 # the median ratio three/one (the issue's target: within 1.15x).
 # BIN=path/to/prefixgate runs that build instead of building this tree.
 # Never run in CI. Needs redis-server.
-# Usage: [ROUNDS=3 FAMILIES=4 SIM_KV=12000 TIME_SCALE=0.25] bench/wall-instances.sh
+# Usage: [ROUNDS=3 FAMILIES=4 SIM_KV=12000 TIME_SCALE=0.25 CONTEXT=8000 TURN=200] bench/wall-instances.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-3}; FAMILIES=${FAMILIES:-4}; SIM_KV=${SIM_KV:-12000}; TIME_SCALE=${TIME_SCALE:-0.25}
+CONTEXT=${CONTEXT:-8000}; TURN=${TURN:-200}
 if [ -z "${BIN:-}" ]; then cargo build --release -q; fi
 bin=${BIN:-$PWD/target/release/prefixgate}
 source bench/lib.sh
@@ -30,7 +33,7 @@ arm() {
   until redis-cli -s "$sock" ping >/dev/null 2>&1; do sleep 0.1; done
   for i in $(seq 1 "$n"); do
     PREFIXGATE_STORE_INSTANCE="gw$i" start_gateway "r$round-n$n-gw$i" "$bin" --store "redis+unix://$sock" \
-      --replica "a=${SIM_URL[a]}" --replica "b=${SIM_URL[b]}" --set sessions.idle_ms=1000
+      --replica "a=${SIM_URL[a]}" --replica "b=${SIM_URL[b]}" --set sessions.idle_ms=1000 --set sessions.hold_min_tokens=512
     urls+=("${GW_URL[r$round-n$n-gw$i]}"); admins+=("${GW_ADMIN[r$round-n$n-gw$i]}")
   done
   for admin in "${admins[@]}"; do
@@ -41,9 +44,15 @@ arm() {
   done
   start=$(date +%s.%N)
   $bin bench agent-loop --base-url "$(IFS=,; echo "${urls[*]}")" --families "$FAMILIES" --turns 6 \
-    --system-tokens 500 --context-tokens 8000 --turn-tokens 200 --max-tokens 16 --json >"$tmp/r$round-n$n.json"
+    --system-tokens 500 --context-tokens "$CONTEXT" --turn-tokens "$TURN" --max-tokens 16 --json >"$tmp/r$round-n$n.json"
   echo "$(date +%s.%N) - $start" | bc
   python3 -c 'import json,sys; r=json.load(open(sys.argv[1]))["summary"]; print("  errors", r["errors"], file=sys.stderr)' "$tmp/r$round-n$n.json"
+  local paused=0 held=0
+  for admin in "${admins[@]}"; do
+    paused=$((paused + $(curl -s "$admin/metrics" | awk '/^prefixgate_session_turns_paused_total/ {print int($2)}')))
+    held=$((held + $(curl -s "$admin/admin/v1/capacity" | python3 -c 'import json,sys; print(json.load(sys.stdin)["sessions"]["waited"])')))
+  done
+  echo "  $n instance(s): $held sessions held, $paused turns paused" >&2
   for i in $(seq 1 "$n"); do kill "${GW_PID[r$round-n$n-gw$i]}"; done
   kill "$redis"
 }

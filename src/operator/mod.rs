@@ -329,7 +329,8 @@ impl Operator {
             // or one named by a session key, lives where its pin says.
             if p.turns >= 2 || matches!(p.origin.source, PinSource::PromptCacheKey | PinSource::SessionHeader) {
                 // A session's id is its family (a session key's pin is its own family).
-                self.sessions.seen_elsewhere(&r, p.family, p.est_tokens, p.last_used_ms);
+                let arrived = self.pins.get(p.family).map_or(p.last_used_ms, |first| first.created_ms);
+                self.sessions.seen_elsewhere(&r, p.family, p.est_tokens, p.last_used_ms, arrived);
             }
         }
         self.pins.apply(changes);

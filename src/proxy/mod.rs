@@ -219,6 +219,13 @@ async fn forward_request(
         };
         let est_tokens = replica.calibration.estimate(shape.prompt_bytes);
         if std::mem::take(&mut first_attempt) {
+            // A session served elsewhere until now is resident here from
+            // its first turn on, as every instance counts it.
+            if let Some(s) = of_session.filter(|s| !s.new && !state.sessions.is_resident(s.id)) {
+                let now = crate::clock::now_ms();
+                let arrived = state.pins.get(s.id).map_or(now, |first| first.created_ms);
+                state.sessions.seen_elsewhere(&replica, s.id, est_tokens, now, arrived);
+            }
             // A resident session's turn pauses here, before it starts, while
             // its replica's sessions outgrew the KV and it is the youngest there.
             if let Some(s) = of_session.filter(|s| !s.new && state.sessions.must_pause(&replica, s.id, est_tokens)) {
@@ -252,10 +259,14 @@ async fn forward_request(
         let replica = &guard.replica;
         let family = pinned.as_ref().map(|(_, p)| p.family).or(shape.pin_at);
         let ticket = recorder.running(&replica.id, family, est_tokens);
-        // Resident from this turn on; idle only once it ended.
+        // Resident from this turn on; idle only once it ended. The pins
+        // announced below carry the same moment: the other instances take
+        // it as the session's arrival, so all agree which one is youngest
+        // (the one whose turns pause when the replica is crossed).
+        let now_ms = crate::clock::now_ms();
         let turn = of_session.map(|s| {
             let link = hold::first_link(&lookup);
-            state.sessions.begin_turn(replica, s.id, link, est_tokens, &who, crate::clock::now_ms())
+            state.sessions.begin_turn(replica, s.id, link, est_tokens, &who, now_ms)
         });
         drop(reservation.take());
         recorder.routed(&Routed {
@@ -265,6 +276,7 @@ async fn forward_request(
             session: *session,
             dialect: shape.dialect,
             est_tokens,
+            now_ms,
         });
         let mut request = upstream.request(&replica.spec(), req, !config.api_keys.is_empty());
         // The engine continues the trace under this attempt's span (the

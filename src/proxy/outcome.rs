@@ -66,6 +66,8 @@ pub struct Routed<'a> {
     pub session: Option<SessionKey>,
     pub dialect: Dialect,
     pub est_tokens: u64,
+    /// When the turn began (its session's arrival, on its first turn).
+    pub now_ms: u64,
 }
 
 fn result(r: &'static str) -> ResultLabels {
@@ -189,7 +191,7 @@ impl OutcomeRecorder {
         if !self.announcer.enabled() {
             return;
         }
-        let now = crate::clock::now_ms();
+        let now = r.now_ms;
         if let Some(s) = r.session {
             let source = match s.kind {
                 KeyKind::PromptCacheKey => PinSource::PromptCacheKey,

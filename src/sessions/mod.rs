@@ -397,15 +397,24 @@ impl Sessions {
     }
 
     /// Another instance's session, known from its pins: resident where they
-    /// say, as of `last_ms` (no turn of it runs here).
-    pub fn seen_elsewhere(&self, replica: &Arc<Replica>, session: PrefixKey, tokens: u64, last_ms: u64) {
+    /// say, as of `last_ms` (no turn of it runs here), since `arrived_ms`
+    /// (its first turn: its family's first pin's creation, the same moment
+    /// on every instance, so all agree which session is the youngest).
+    pub fn seen_elsewhere(
+        &self,
+        replica: &Arc<Replica>,
+        session: PrefixKey,
+        tokens: u64,
+        last_ms: u64,
+        arrived_ms: u64,
+    ) {
         let mut state = self.lock();
         if state.home.get(&session).is_some_and(|home| !std::ptr::eq(home.as_ptr(), Arc::as_ptr(replica))) {
             state.leave(session);
         }
         state.home.insert(session, Arc::downgrade(replica));
         let mut on = replica.residents.lock();
-        let r = on.entry(session).or_insert(Resident { tokens, last_ms, arrived_ms: last_ms, ..Default::default() });
+        let r = on.entry(session).or_insert(Resident { tokens, last_ms, arrived_ms, ..Default::default() });
         r.tokens = r.tokens.max(tokens);
         r.peak_tokens = r.peak_tokens.max(r.tokens);
         r.last_ms = r.last_ms.max(last_ms);
@@ -913,6 +922,27 @@ mod tests {
         assert_eq!((figures.fleet_tokens, figures.sessions_learned, figures.links), (Some(9_000), 1, 1));
     }
 
+    #[test]
+    fn instances_that_learned_of_two_sessions_in_another_order_agree_which_is_youngest() {
+        // Session 1 began at 100 (its first pin's creation), session 2 at 101.
+        // Instance x served 1's first turn and heard of 2 late; instance y
+        // the other way round: both take each session's first turn as its
+        // arrival, not the moment they heard of it.
+        let (x, y) = (Sessions::new(settings()), Sessions::new(settings()));
+        let (ax, ay) = (replica("a"), replica("a"));
+        for r in [&ax, &ay] {
+            r.set_observed_kv(Some(12_000));
+        }
+        drop(x.begin_turn(&ax, 1, None, 5_000, &Who::default(), 100));
+        x.seen_elsewhere(&ax, 2, 5_000, 5_000, 101);
+        y.seen_elsewhere(&ay, 1, 5_000, 4_000, 100);
+        y.seen_elsewhere(&ay, 2, 5_000, 200, 101);
+        for (s, a) in [(&x, &ax), (&y, &ay)] {
+            assert!(s.must_pause(a, 2, 8_000), "2 is the youngest everywhere");
+            assert!(!s.must_pause(a, 1, 8_000));
+        }
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_paused_turn_resumes_when_room_opens_or_at_max_wait_ms() {
         let s = Sessions::new(settings()); // max_wait_ms 10 s
@@ -951,7 +981,7 @@ mod tests {
         drop(s.begin_turn(&a, 1, None, 300, &Who::default(), 0));
         drop(s.begin_turn(&b, 1, None, 200, &Who::default(), 1));
         assert_eq!((Sessions::resident(&a).sessions, Sessions::resident(&b).tokens), (0, 300));
-        s.seen_elsewhere(&a, 2, 100, 5);
+        s.seen_elsewhere(&a, 2, 100, 5, 5);
         a.set_observed_kv(Some(1_000));
         assert_eq!(s.room_of(&a).left(), Some(900));
         a.set_slot_tokens(Some(250));
