@@ -53,6 +53,7 @@ arm() {
     held=$((held + $(curl -s "$admin/admin/v1/capacity" | python3 -c 'import json,sys; print(json.load(sys.stdin)["sessions"]["waited"])')))
   done
   echo "  $n instance(s): $held sessions held, $paused turns paused" >&2
+  cp "$tmp/r$round-n$n.json" "${KEEP:-/dev/null}" 2>/dev/null || true
   for i in $(seq 1 "$n"); do kill "${GW_PID[r$round-n$n-gw$i]}"; done
   kill "$redis"
 }

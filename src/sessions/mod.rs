@@ -92,6 +92,10 @@ impl Default for SessionConfig {
 /// (capacity read by the prober, a replica added, another instance's pins).
 pub const RECHECK: Duration = Duration::from_millis(200);
 
+/// A session another instance served last is forgotten here after this
+/// many times `idle_ms` without news, if that instance never released it.
+pub const ELSEWHERE_FACTOR: u64 = 6;
+
 /// A session's entry in a shared store outlives its idle time by this much:
 /// the flusher renews this instance's residents every flush interval.
 pub const STORE_SLACK_MS: u64 = 1_000;
@@ -415,6 +419,12 @@ impl Sessions {
         state.home.insert(session, Arc::downgrade(replica));
         let mut on = replica.residents.lock();
         let r = on.entry(session).or_insert(Resident { tokens, last_ms, arrived_ms, ..Default::default() });
+        if last_ms > r.last_ms && r.running == 0 {
+            // A later turn began elsewhere: that instance, the last to serve
+            // it, releases it once it idles out after that turn (it knows
+            // when the turn ends); this one stops keeping it.
+            r.ours = false;
+        }
         r.tokens = r.tokens.max(tokens);
         r.peak_tokens = r.peak_tokens.max(r.tokens);
         r.last_ms = r.last_ms.max(last_ms);
@@ -434,9 +444,16 @@ impl Sessions {
                 return false;
             };
             let mut on = replica.residents.lock();
-            let idle = on
-                .get(session)
-                .is_none_or(|r| r.running == 0 && now_ms.saturating_sub(r.last_ms) > r.idle_after_ms(idle_ms));
+            // A session another instance served last leaves when that one
+            // releases it (`released_elsewhere`): only it knows when its
+            // turn ended. Past `ELSEWHERE_FACTOR` x `idle_ms` without news
+            // (that instance gone), it leaves anyway.
+            let idle_after = |r: &Resident| match r.ours {
+                true => r.idle_after_ms(idle_ms),
+                false => idle_ms.saturating_mul(ELSEWHERE_FACTOR),
+            };
+            let idle =
+                on.get(session).is_none_or(|r| r.running == 0 && now_ms.saturating_sub(r.last_ms) > idle_after(r));
             if idle {
                 if let Some(r) = on.remove(session) {
                     if r.ours {
@@ -920,6 +937,25 @@ mod tests {
         assert_eq!(s.room_of(&a).left(), Some(2_000));
         let figures = s.projection_figures();
         assert_eq!((figures.fleet_tokens, figures.sessions_learned, figures.links), (Some(9_000), 1, 1));
+    }
+
+    #[test]
+    fn a_session_whose_next_turn_began_elsewhere_is_released_by_that_instance_not_here() {
+        let s = Sessions::new(settings()); // idle_ms 1 s
+        let a = replica("a");
+        drop(s.begin_turn(&a, 1, None, 5_000, &Who::default(), 1_000));
+        // Its next turn began on another instance at 2,000 and is still running
+        // there at 4,000, past this instance's idle-out of 1 s.
+        s.seen_elsewhere(&a, 1, 6_000, 2_000, 1_000);
+        let swept = s.sweep(4_000);
+        assert!(swept.released.is_empty() && s.is_resident(1), "kept, and not released by this instance");
+        // That instance releases it once it idles out after its turn.
+        s.released_elsewhere("a", 1);
+        assert!(!s.is_resident(1));
+        // Without news, it leaves after ELSEWHERE_FACTOR x idle_ms.
+        s.seen_elsewhere(&a, 2, 6_000, 10_000, 10_000);
+        assert!(!s.sweep(10_000 + 5_000).any);
+        assert!(s.sweep(10_000 + ELSEWHERE_FACTOR * 1_000 + 1).any);
     }
 
     #[test]
