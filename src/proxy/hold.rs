@@ -7,8 +7,10 @@
 //! batch members are not sessions: they keep the counter spread, unheld.
 //! Turns of a resident session (pinned, named by its key, or a stored
 //! response's chain) are never held in the queue of new sessions: they
-//! pause only when their replica is crossed and they are the youngest
-//! there (`pause_if_over`), so the older sessions stay warm.
+//! pause only when their replica is crossed and they are the first to give
+//! way there (`pause_if_over`: the lowest class, the client with the most
+//! sessions, the youngest), so the others stay warm; or when a waiting
+//! session of a higher class took their room between turns (`preempt_for`).
 
 use std::time::Duration;
 

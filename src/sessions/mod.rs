@@ -16,16 +16,21 @@
 //!   a floor and `idle_ms` (`Resident::idle_after_ms`). Every hand-off of
 //!   room waits that long, so it is learned per session.
 //! - A new session (conversation-shaped, nothing pinned yet) whose
-//!   footprint matters is held in a FIFO queue when no candidate has room
-//!   (`room.rs`); turns of resident sessions are never queued with them
-//!   (they pause, youngest first, only when their replica is crossed:
-//!   `pause_if_over`). The head of
-//!   the queue goes as soon as room opens (a session idles out, moves, its
-//!   replica leaves or capacity grows: re-checked on each change and every
-//!   `RECHECK`), to the replica with the most room. After `max_wait_ms` it
-//!   goes anyway, over capacity, and says so.
-//! - The queue is bounded (`max_held`): past it, a clear 503. A waiter whose
-//!   client went away leaves the queue at once (its ticket is dropped).
+//!   footprint matters is held when no candidate has room (`room.rs`), in a
+//!   queue ordered by priority class, then turns between clients
+//!   (`priority::FairQueue`); turns of resident sessions are never queued
+//!   with them (they pause only when their replica is crossed, the lowest
+//!   class, the client with most sessions and the youngest first:
+//!   `pause_if_over`). The head of the queue goes as soon as room opens (a
+//!   session idles out, moves, its replica leaves or capacity grows:
+//!   re-checked on each change and every `RECHECK`), to the replica with
+//!   the most room; a higher class may take a lower one's room between its
+//!   turns (`preempt_for`). Admitted, it reserves its room until its first
+//!   turn is resident (`Reservation`). After `max_wait_ms` it goes anyway,
+//!   over capacity, and says so.
+//! - The queue is bounded (`max_held`): past it, a clear 503, the lowest
+//!   class first. A waiter whose client went away leaves the queue at once
+//!   (its ticket is dropped).
 //!
 //! What is kept is bounded by the sessions alive: an idle session is
 //! forgotten by the sweep, a replica's with the replica.
