@@ -283,10 +283,12 @@ impl Operator {
         let fleet = self.fleet.snapshot_owned();
         if stored.is_empty() && !fleet.is_empty() {
             tracing::warn!("the shared store came back empty; restoring it from this instance's state");
-            for r in fleet.iter().filter(|r| !r.source.is_discovered()) {
-                let (spec, source) = ((**r.spec()).clone(), r.source.clone());
-                self.store.put_replica(&StoredReplica { spec, admin: r.admin(), source }).await?;
-            }
+            let all: Vec<StoredReplica> = fleet
+                .iter()
+                .filter(|r| !r.source.is_discovered())
+                .map(|r| StoredReplica { spec: (**r.spec()).clone(), admin: r.admin(), source: r.source.clone() })
+                .collect();
+            self.store.restore_replicas(&all).await?;
             return Ok(true);
         }
         let mut stored: std::collections::BTreeMap<String, StoredReplica> =

@@ -133,6 +133,15 @@ pub trait Store: Send + Sync {
     fn is_new(&self) -> bool;
     async fn replicas(&self) -> Result<Vec<StoredReplica>, StoreError>;
     async fn put_replica(&self, r: &StoredReplica) -> Result<(), StoreError>;
+    /// Writes the whole fleet back into a store that came back empty, in one
+    /// step where the store can (another instance re-reading meanwhile must
+    /// not see half of it and drop the other half).
+    async fn restore_replicas(&self, all: &[StoredReplica]) -> Result<(), StoreError> {
+        for r in all {
+            self.put_replica(r).await?;
+        }
+        Ok(())
+    }
     async fn delete_replica(&self, id: &str) -> Result<(), StoreError>;
     async fn pins(&self) -> Result<Vec<(PrefixKey, Pin)>, StoreError>;
     /// Applies a batch of pin changes atomically.

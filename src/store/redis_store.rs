@@ -320,6 +320,22 @@ impl Store for RedisStore {
         self.announce(Change::Replica { id: r.spec.id.clone() }).await
     }
 
+    async fn restore_replicas(&self, all: &[StoredReplica]) -> Result<(), StoreError> {
+        let fields = all
+            .iter()
+            .map(|r| Ok((r.spec.id.clone(), serde_json::to_string(r).map_err(|e| StoreError::Backend(e.to_string()))?)))
+            .collect::<Result<Vec<(String, String)>, StoreError>>()?;
+        if fields.is_empty() {
+            return Ok(());
+        }
+        // One HSET of every field: atomic, so a re-read sees all or none.
+        self.run(|mut c| async move { c.hset_multiple::<_, _, _, ()>(key("replicas"), &fields).await }).await?;
+        for r in all {
+            self.announce(Change::Replica { id: r.spec.id.clone() }).await?;
+        }
+        Ok(())
+    }
+
     async fn delete_replica(&self, id: &str) -> Result<(), StoreError> {
         let owned = id.to_string();
         self.run(|mut c| async move { c.hdel::<_, _, ()>(key("replicas"), owned).await }).await?;
