@@ -102,43 +102,9 @@ mod tests {
         gate: tokio::sync::Mutex<()>,
     }
 
-    #[async_trait::async_trait]
-    impl Store for Recording {
+    crate::store::store_over_inner!(Recording {
         fn is_new(&self) -> bool {
             self.inner.is_new()
-        }
-        async fn replicas(&self) -> Result<Vec<crate::store::StoredReplica>, StoreError> {
-            self.inner.replicas().await
-        }
-        async fn put_replica(&self, r: &crate::store::StoredReplica) -> Result<(), StoreError> {
-            self.inner.put_replica(r).await
-        }
-        async fn delete_replica(&self, id: &str) -> Result<(), StoreError> {
-            self.inner.delete_replica(id).await
-        }
-        async fn pins(&self) -> Result<Vec<(crate::policy::PrefixKey, crate::pins::Pin)>, StoreError> {
-            self.inner.pins().await
-        }
-        async fn write_pins(&self, changes: &[PinChange]) -> Result<(), StoreError> {
-            self.inner.write_pins(changes).await
-        }
-        async fn append_event(&self, e: &crate::events::Event, up_to: Option<u64>) -> Result<(), StoreError> {
-            self.inner.append_event(e, up_to).await
-        }
-        async fn events(&self) -> Result<Vec<crate::events::Event>, StoreError> {
-            self.inner.events().await
-        }
-        async fn setting(&self, key: &str) -> Result<Option<serde_json::Value>, StoreError> {
-            self.inner.setting(key).await
-        }
-        async fn put_setting(&self, key: &str, value: &serde_json::Value) -> Result<(), StoreError> {
-            self.inner.put_setting(key, value).await
-        }
-        async fn settings(&self, prefix: &str) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
-            self.inner.settings(prefix).await
-        }
-        async fn flush(&self) -> Result<(), StoreError> {
-            Ok(())
         }
         fn instance(&self) -> Option<&str> {
             Some("me")
@@ -156,7 +122,7 @@ mod tests {
             self.published.lock().unwrap().extend_from_slice(changes);
             Ok(())
         }
-    }
+    });
 
     fn counted(m: &Metrics, result: &'static str) -> u64 {
         m.announcements.get_or_create(&ResultLabels { result }).get()

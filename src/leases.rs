@@ -198,7 +198,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{MemoryStore, StoreError, StoredReplica};
+    use crate::store::{MemoryStore, StoreError};
     use std::sync::atomic::AtomicUsize;
 
     /// A shared store whose lease answers come after the budget.
@@ -208,43 +208,9 @@ mod tests {
         released: AtomicUsize,
     }
 
-    #[async_trait::async_trait]
-    impl Store for SlowLeases {
+    crate::store::store_over_inner!(SlowLeases {
         fn is_new(&self) -> bool {
             true
-        }
-        async fn replicas(&self) -> Result<Vec<StoredReplica>, StoreError> {
-            self.inner.replicas().await
-        }
-        async fn put_replica(&self, r: &StoredReplica) -> Result<(), StoreError> {
-            self.inner.put_replica(r).await
-        }
-        async fn delete_replica(&self, id: &str) -> Result<(), StoreError> {
-            self.inner.delete_replica(id).await
-        }
-        async fn pins(&self) -> Result<Vec<(u128, crate::pins::Pin)>, StoreError> {
-            self.inner.pins().await
-        }
-        async fn write_pins(&self, changes: &[crate::pins::PinChange]) -> Result<(), StoreError> {
-            self.inner.write_pins(changes).await
-        }
-        async fn append_event(&self, e: &crate::events::Event, up_to: Option<u64>) -> Result<(), StoreError> {
-            self.inner.append_event(e, up_to).await
-        }
-        async fn events(&self) -> Result<Vec<crate::events::Event>, StoreError> {
-            self.inner.events().await
-        }
-        async fn setting(&self, key: &str) -> Result<Option<serde_json::Value>, StoreError> {
-            self.inner.setting(key).await
-        }
-        async fn put_setting(&self, key: &str, value: &serde_json::Value) -> Result<(), StoreError> {
-            self.inner.put_setting(key, value).await
-        }
-        async fn settings(&self, prefix: &str) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
-            self.inner.settings(prefix).await
-        }
-        async fn flush(&self) -> Result<(), StoreError> {
-            Ok(())
         }
         fn instance(&self) -> Option<&str> {
             Some("gw-1")
@@ -257,7 +223,7 @@ mod tests {
             self.released.fetch_add(1, Ordering::SeqCst);
             Ok(())
         }
-    }
+    });
 
     #[tokio::test]
     async fn a_lease_granted_after_its_asker_gave_up_is_released_at_once() {

@@ -426,6 +426,58 @@ pub fn merge_page(current: &[u8], changes: &[&PinChange]) -> Result<Vec<u8>, Str
     Ok(out)
 }
 
+/// Test stores that wrap a `MemoryStore` in a field `inner` and change a
+/// few answers: `store_over_inner!(Type { the methods it answers itself })`
+/// implements `Store` with every storage method passed to `inner`.
+#[cfg(test)]
+macro_rules! store_over_inner {
+    ($ty:ty { $($own:tt)* }) => {
+        #[async_trait::async_trait]
+        impl $crate::store::Store for $ty {
+            async fn replicas(&self) -> Result<Vec<$crate::store::StoredReplica>, $crate::store::StoreError> {
+                self.inner.replicas().await
+            }
+            async fn put_replica(&self, r: &$crate::store::StoredReplica) -> Result<(), $crate::store::StoreError> {
+                self.inner.put_replica(r).await
+            }
+            async fn delete_replica(&self, id: &str) -> Result<(), $crate::store::StoreError> {
+                self.inner.delete_replica(id).await
+            }
+            async fn pins(&self) -> Result<Vec<($crate::policy::PrefixKey, $crate::pins::Pin)>, $crate::store::StoreError> {
+                self.inner.pins().await
+            }
+            async fn write_pins(&self, changes: &[$crate::pins::PinChange]) -> Result<(), $crate::store::StoreError> {
+                self.inner.write_pins(changes).await
+            }
+            async fn append_event(
+                &self,
+                e: &$crate::events::Event,
+                up_to: Option<u64>,
+            ) -> Result<(), $crate::store::StoreError> {
+                self.inner.append_event(e, up_to).await
+            }
+            async fn events(&self) -> Result<Vec<$crate::events::Event>, $crate::store::StoreError> {
+                self.inner.events().await
+            }
+            async fn setting(&self, key: &str) -> Result<Option<serde_json::Value>, $crate::store::StoreError> {
+                self.inner.setting(key).await
+            }
+            async fn put_setting(&self, key: &str, value: &serde_json::Value) -> Result<(), $crate::store::StoreError> {
+                self.inner.put_setting(key, value).await
+            }
+            async fn settings(&self, prefix: &str) -> Result<Vec<(String, serde_json::Value)>, $crate::store::StoreError> {
+                self.inner.settings(prefix).await
+            }
+            async fn flush(&self) -> Result<(), $crate::store::StoreError> {
+                Ok(())
+            }
+            $($own)*
+        }
+    };
+}
+#[cfg(test)]
+pub(crate) use store_over_inner;
+
 #[cfg(test)]
 mod tests {
     use super::*;
