@@ -52,8 +52,7 @@ PY
 }
 
 for n in $COUNTS; do
-  redis-server --port 0 --unixsocket "$tmp/r$n.sock" --save "" --appendonly no >/dev/null 2>&1 &
-  until redis-cli -s "$tmp/r$n.sock" ping >/dev/null 2>&1; do sleep 0.1; done
+  start_redis "$tmp/r$n.sock"
   urls=(); admins=()
   for i in $(seq 1 "$n"); do
     PREFIXGATE_STORE_INSTANCE="gw$i" PREFIXGATE_PINS_FLUSH_INTERVAL_MS=$FLUSH_MS \

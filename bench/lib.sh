@@ -6,6 +6,7 @@
 #   bench_init                      temp dir ($BENCH_TMP), everything started is stopped on exit
 #   start_sim NAME [sim args...]    a simulated replica (`$SIM_BIN`, else `$bin`); SIM_URL[NAME], SIM_PID[NAME]
 #   start_gateway NAME BIN [args]   `BIN serve` on free ports; GW_URL[NAME], GW_ADMIN[NAME], GW_PID[NAME]
+#   start_redis SOCK                a throwaway redis-server on unix socket SOCK, up; REDIS_PID
 #   wait_replicas_up ADMIN N        until N replicas report health "up" on that admin API
 #   wait_ok URL                     until a small chat completion through URL answers 200
 #   free_port                       a free loopback port, for programs that need one up front (nginx, peers)
@@ -55,6 +56,12 @@ start_gateway() {
   line=$(_listening_line "$BENCH_TMP/gw-$name.out" "prefixgate listening") || exit 1
   GW_URL[$name]=$(echo "$line" | sed -E 's/.*traffic=([^ ]+).*/\1/')
   GW_ADMIN[$name]=$(echo "$line" | sed -E 's/.*admin=([^ ]+).*/\1/')
+}
+
+start_redis() {
+  redis-server --port 0 --unixsocket "$1" --save "" --appendonly no >/dev/null 2>&1 &
+  REDIS_PID=$!
+  until redis-cli -s "$1" ping >/dev/null 2>&1; do sleep 0.1; done
 }
 
 wait_replicas_up() {

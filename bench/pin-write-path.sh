@@ -18,8 +18,7 @@ start_sim b --time-scale 0
 reps="--replica a=${SIM_URL[a]} --replica b=${SIM_URL[b]}"
 start_gateway sled "$bin" --data-dir "$tmp/db" $reps
 start_gateway memory "$bin" $reps
-redis-server --port 0 --unixsocket "$tmp/redis.sock" --save "" --appendonly no >/dev/null 2>&1 &
-until redis-cli -s "$tmp/redis.sock" ping >/dev/null 2>&1; do sleep 0.1; done
+start_redis "$tmp/redis.sock"
 start_gateway redis "$bin" --store "redis+unix://$tmp/redis.sock" $reps
 for gw in sled memory redis; do wait_replicas_up "${GW_ADMIN[$gw]}" 2; done
 cat > "$tmp/post.lua" <<'LUA'

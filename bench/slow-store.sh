@@ -25,8 +25,7 @@ tmp=$BENCH_TMP
 start_sim a --time-scale 0 --kv-tokens 10000000
 start_sim b --time-scale 0 --kv-tokens 10000000
 
-redis-server --port 0 --unixsocket "$tmp/redis.sock" --save "" --appendonly no >/dev/null 2>&1 &
-until redis-cli -s "$tmp/redis.sock" ping >/dev/null 2>&1; do sleep 0.1; done
+start_redis "$tmp/redis.sock"
 link_port=$(free_port)
 python3 - "$link_port" "$tmp/redis.sock" "$tmp/slow" "$DELAY_MS" <<'PY' &
 import asyncio, os, sys

@@ -28,9 +28,7 @@ start_sim b --kv-tokens "$SIM_KV" --time-scale "$TIME_SCALE"
 # arm N ROUND: N instances on a fresh Redis; prints the wall time in seconds.
 arm() {
   local n=$1 round=$2 sock="$tmp/r$1-$2.sock" urls=() admins=() start
-  redis-server --port 0 --unixsocket "$sock" --save "" --appendonly no >/dev/null 2>&1 &
-  local redis=$!
-  until redis-cli -s "$sock" ping >/dev/null 2>&1; do sleep 0.1; done
+  start_redis "$sock"
   for i in $(seq 1 "$n"); do
     PREFIXGATE_STORE_INSTANCE="gw$i" start_gateway "r$round-n$n-gw$i" "$bin" --store "redis+unix://$sock" \
       --replica "a=${SIM_URL[a]}" --replica "b=${SIM_URL[b]}" --set sessions.idle_ms=1000 --set sessions.hold_min_tokens=512
@@ -55,7 +53,7 @@ arm() {
   echo "  $n instance(s): $held sessions held, $paused turns paused" >&2
   cp "$tmp/r$round-n$n.json" "${KEEP:-/dev/null}" 2>/dev/null || true
   for i in $(seq 1 "$n"); do kill "${GW_PID[r$round-n$n-gw$i]}"; done
-  kill "$redis"
+  kill "$REDIS_PID"
 }
 
 one=(); three=()
