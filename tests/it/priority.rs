@@ -60,6 +60,16 @@ fn held_ms(r: &Reply) -> u64 {
 const BACKGROUND: &[(&str, &str)] = &[("x-prefixgate-priority", "background")];
 const INTERACTIVE: &[(&str, &str)] = &[("x-prefixgate-priority", "interactive")];
 
+/// One card behind a gateway (`config`'s settings), its capacity read, and
+/// one session resident on it: the next new session does not fit.
+async fn one_full_card(idle_ms: u64, max_held: usize, preempt: bool) -> (Sim, Gw) {
+    let a = start_sim("a", card()).await;
+    let gw = start_gateway(config(&[&a], idle_ms, max_held, preempt)).await;
+    capacity_read(&gw).await;
+    assert_eq!(spawn_turn(&gw, "resident", 1, &[]).await.unwrap().0.status, 200);
+    (a, gw)
+}
+
 /// Queues each (family, headers) in turn, waiting until it is held.
 async fn queue(
     gw: &Gw,
@@ -91,10 +101,7 @@ async fn scrape(gw: &Gw) -> String {
 
 #[actix_web::test]
 async fn an_unknown_class_is_a_400_naming_the_header_and_nothing_is_queued() {
-    let a = start_sim("a", card()).await;
-    let gw = start_gateway(config(&[&a], 300, 8, true)).await;
-    capacity_read(&gw).await;
-    assert_eq!(spawn_turn(&gw, "one", 1, &[]).await.unwrap().0.status, 200);
+    let (_a, gw) = one_full_card(300, 8, true).await;
     let url = format!("{}/v1/chat/completions", gw.base);
     for (header, value) in [("x-prefixgate-priority", "urgent"), ("X-SMG-Priority", "high")] {
         let r = post_with(&url, &turn("two", 1), &[(header, value)]).await;
@@ -112,10 +119,7 @@ async fn an_unknown_class_is_a_400_naming_the_header_and_nothing_is_queued() {
 
 #[actix_web::test]
 async fn an_interactive_session_goes_before_background_ones_that_queued_first() {
-    let a = start_sim("a", card()).await;
-    let gw = start_gateway(config(&[&a], 300, 8, false)).await;
-    capacity_read(&gw).await;
-    assert_eq!(spawn_turn(&gw, "resident", 1, &[]).await.unwrap().0.status, 200);
+    let (_a, gw) = one_full_card(300, 8, false).await;
     let waiting = queue(&gw, &[("bg1", BACKGROUND), ("bg2", BACKGROUND), ("int", INTERACTIVE)]).await;
     // The capacity view lists the queue in the order it goes, with classes.
     let (_, cap) = admin("GET", &format!("{}/admin/v1/capacity", gw.admin), None, None).await;
@@ -134,10 +138,7 @@ async fn an_interactive_session_goes_before_background_ones_that_queued_first() 
 
 #[actix_web::test]
 async fn within_a_class_clients_take_turns() {
-    let a = start_sim("a", card()).await;
-    let gw = start_gateway(config(&[&a], 200, 8, false)).await;
-    capacity_read(&gw).await;
-    assert_eq!(spawn_turn(&gw, "resident", 1, &[]).await.unwrap().0.status, 200);
+    let (_a, gw) = one_full_card(200, 8, false).await;
     const A: &[(&str, &str)] = &[("x-prefixgate-client", "team-a")];
     const B: &[(&str, &str)] = &[("x-prefixgate-client", "team-b")];
     // Client A opens three at once, then B one: B's goes second, not fourth.
@@ -158,10 +159,7 @@ async fn within_a_class_clients_take_turns() {
 
 #[actix_web::test]
 async fn a_full_queue_refuses_the_lowest_class_first() {
-    let a = start_sim("a", card()).await;
-    let gw = start_gateway(config(&[&a], 60_000, 2, false)).await;
-    capacity_read(&gw).await;
-    assert_eq!(spawn_turn(&gw, "resident", 1, &[]).await.unwrap().0.status, 200);
+    let (_a, gw) = one_full_card(60_000, 2, false).await;
     let mut waiting = queue(&gw, &[("bg1", BACKGROUND), ("bg2", BACKGROUND)]).await;
     // Full: an interactive session takes the place of the last background one.
     let int = spawn_turn(&gw, "int", 1, INTERACTIVE);

@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use crate::common::*;
+use crate::shared::on_redis;
 use prefixgate::config::{Config, SessionConfig};
 use serde_json::json;
 
@@ -175,10 +176,7 @@ async fn two_instances_share_the_room_and_never_admit_into_the_same_last_room() 
     let config = |name: &str| {
         let mut c = holding(&[&a, &b], 10_000, 8);
         c.sessions.idle_ms = 60_000; // nobody leaves during the test
-        c.store.url = Some(redis.url.clone());
-        c.store.instance = Some(name.to_string());
-        c.pins.flush_interval_ms = 50;
-        c
+        on_redis(c, &redis, name)
     };
     let (g1, g2) = (start_gateway(config("gw1")).await, start_gateway(config("gw2")).await);
     for g in [&g1, &g2] {
@@ -256,10 +254,7 @@ async fn three_instances_place_new_sessions_like_one() {
     for i in 0..3 {
         let mut c = holding(&[&a, &b], 10_000, 8);
         c.sessions.idle_ms = 60_000;
-        c.store.url = Some(redis.url.clone());
-        c.store.instance = Some(format!("gw{i}"));
-        c.pins.flush_interval_ms = 50;
-        gws.push(start_gateway(c).await);
+        gws.push(start_gateway(on_redis(c, &redis, &format!("gw{i}"))).await);
     }
     for g in &gws {
         wait_until("capacity read", Duration::from_secs(5), || {
@@ -442,13 +437,7 @@ fn spawn_turn_of(gw: &Gw, family: &str, tokens: usize) -> actix_web::rt::task::J
 async fn a_released_session_reaches_another_instance_in_milliseconds() {
     let Some(redis) = crate::shared::Redis::start() else { return };
     let a = start_sim("a", card()).await;
-    let config = |name: &str| {
-        let mut c = holding(&[&a], 10_000, 8);
-        c.store.url = Some(redis.url.clone());
-        c.store.instance = Some(name.to_string());
-        c.pins.flush_interval_ms = 50;
-        c
-    };
+    let config = |name: &str| on_redis(holding(&[&a], 10_000, 8), &redis, name);
     let (g1, g2) = (start_gateway(config("gw1")).await, start_gateway(config("gw2")).await);
     let store = prefixgate::store::open_url(&redis.url, "reader").await.unwrap();
     let load = || async { store.session_loads(&["a".to_string()]).await.unwrap()[0] };
@@ -479,19 +468,13 @@ async fn a_released_session_reaches_another_instance_in_milliseconds() {
 /// Issue 31: ties are broken fleet-wide. Two instances, each with its own
 /// spread counter, whose first picks are the same replica: the hold off, a
 /// new session through each still lands one on each replica, because the
-/// store places a new session among the replicas that tie where the fewest
-/// sessions are.
+/// store places a new session by its own count (the most room, then the
+/// fewest sessions), not by either instance's view.
 #[actix_web::test]
 async fn new_sessions_at_two_instances_spread_over_replicas_that_tie() {
     let Some(redis) = crate::shared::Redis::start() else { return };
     let (a, b) = (start_sim("a", card()).await, start_sim("b", card()).await);
-    let config = |name: &str| {
-        let mut c = test_config(&[&a, &b]); // the hold off
-        c.store.url = Some(redis.url.clone());
-        c.store.instance = Some(name.to_string());
-        c.pins.flush_interval_ms = 50;
-        c
-    };
+    let config = |name: &str| on_redis(test_config(&[&a, &b]), &redis, name); // the hold off
     let (g1, g2) = (start_gateway(config(TIED.0)).await, start_gateway(config(TIED.1)).await);
     for g in [&g1, &g2] {
         capacity_read(g).await;

@@ -91,7 +91,11 @@ impl Drop for Redis {
 }
 
 fn shared_config(sims: &[&Sim], redis: &Redis, name: &str) -> Config {
-    let mut c = test_config(sims);
+    on_redis(test_config(sims), redis, name)
+}
+
+/// `c` as instance `name` sharing `redis`, its flusher every 50 ms.
+pub fn on_redis(mut c: Config, redis: &Redis, name: &str) -> Config {
     c.store.url = Some(redis.url.clone());
     c.store.instance = Some(name.to_string());
     c.pins.flush_interval_ms = 50;
