@@ -258,7 +258,7 @@ async fn metrics(s: web::Data<AppState>) -> HttpResponse {
         .snapshot()
         .iter()
         // Counters a dashboard divides by: present from the start, at zero.
-        .inspect(|r| r.series.admission(&s.metrics, false, 0))
+        .inspect(|r| r.series.admission(&s.metrics, 0, 0))
         .map(|r| crate::metrics::ReplicaGauges {
             id: r.id.to_string(),
             inflight: r.inflight(),

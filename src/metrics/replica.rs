@@ -153,15 +153,15 @@ impl ReplicaSeries {
         .unwrap_or_default()
     }
 
-    /// Counts a large request that waited for (`rejected`: was refused) an
-    /// admission slot here; `by` 0 starts the counters at zero, so a rate
-    /// over a quiet replica is 0, not absent.
-    pub fn admission(&self, metrics: &Arc<Metrics>, rejected: bool, by: u64) {
+    /// Counts large requests that `waited` for an admission slot here and
+    /// that were `rejected`; zeros start both counters, so a rate over a
+    /// quiet replica is 0, not absent.
+    pub fn admission(&self, metrics: &Arc<Metrics>, waited: u64, rejected: u64) {
         self.create(metrics, |listed, m| {
             listed.admission = true;
             let l = replica_label(&self.name.0);
-            m.admission_waits.get_or_create(&l).inc_by(if rejected { 0 } else { by });
-            m.admission_rejections.get_or_create(&l).inc_by(if rejected { by } else { 0 });
+            m.admission_waits.get_or_create(&l).inc_by(waited);
+            m.admission_rejections.get_or_create(&l).inc_by(rejected);
         });
     }
 
@@ -247,7 +247,7 @@ mod tests {
         }
         a.failover(&metrics, Some(&b));
         b.failover(&metrics, None);
-        a.admission(&metrics, false, 1);
+        a.admission(&metrics, 1, 0);
         assert!(metrics.encode().contains(r#"prefixgate_failovers_total{from="gpu-a",to="gpu-b"} 1"#));
         a.remove();
         let text = metrics.encode();
@@ -257,7 +257,7 @@ mod tests {
         // A request still in flight on gpu-a ends after the removal, with a
         // route and a status not seen before: nothing enters a family.
         a.count_request(&metrics, RouteReason::Pinned, status_label(502));
-        a.admission(&metrics, true, 1);
+        a.admission(&metrics, 0, 1);
         b.failover(&metrics, Some(&a));
         assert!(!metrics.encode().contains("gpu-a"));
         // A replica added again under the name starts afresh.

@@ -107,11 +107,11 @@ impl OutcomeRecorder {
     }
 
     pub fn admission_waited(&self, replica: &Replica) {
-        replica.series.admission(self.metrics(), false, 1);
+        replica.series.admission(self.metrics(), 1, 0);
     }
 
     pub fn admission_rejected(&self, replica: &Replica) {
-        replica.series.admission(self.metrics(), true, 1);
+        replica.series.admission(self.metrics(), 0, 1);
     }
 
     /// Counts failovers from each of `tried` to `to` (None: nowhere left).
