@@ -219,9 +219,14 @@ async fn forward_request(
         };
         let est_tokens = replica.calibration.estimate(shape.prompt_bytes);
         if std::mem::take(&mut first_attempt) {
-            // A session served elsewhere until now is resident here from
-            // its first turn on, as every instance counts it.
-            if let Some(s) = of_session.filter(|s| !s.new && !state.sessions.is_resident(s.id)) {
+            // A session resident nowhere here (served by another instance
+            // until now) is resident from its first turn on, as every
+            // instance counts it. The replica's own record is asked first:
+            // the sessions' index is one lock for every request. (One
+            // resident on another replica moves at `begin_turn`, with all
+            // it learned.)
+            let here = |id| replica.residents.lock().contains_key(&id);
+            if let Some(s) = of_session.filter(|s| !s.new && !here(s.id) && !state.sessions.is_resident(s.id)) {
                 let now = crate::clock::now_ms();
                 let arrived = state.pins.get(s.id).map_or(now, |first| first.created_ms);
                 state.sessions.seen_elsewhere(&replica, s.id, est_tokens, now, arrived);
