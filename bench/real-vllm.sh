@@ -8,15 +8,17 @@
 # core each, float32, prefix caching) and runs bench/kv-wall.sh on them:
 # hold on, hold off and two families at a time by hand, on one and on three
 # gateway instances (one Redis), four families.
-#   KV_TOKENS (3,072): each replica's pool, in tokens (46,080 bytes a token
-#   in float32; 3,072 = 24 blocks of 128: the wall). KV_TOKENS=5760 is
-#   0.25 GiB, below the wall.
+#   KV_GIB (0.1373): each replica's pool, GiB (float32 SmolLM2 takes 46,080
+#   bytes a token, and vLLM keeps some back: 0.1373 GiB = 24 blocks of 128
+#   = 3,072 tokens, the wall). KV_GIB=0.25 is 45 blocks, 5,760 tokens:
+#   below the wall. The served context is 2,944 tokens either way (vLLM asks
+#   one block more than the longest request for it: 23 + 1 of 24).
 #   INSTANCES ("1 3"): the instance counts to run kv-wall.sh with.
 # Each replica takes ~3 minutes to start (torch.compile) and ~5 GB of RAM.
-# Usage: [KV_TOKENS=3072] [INSTANCES="1 3"] [IDLE_MS=1000] bench/real-vllm.sh
+# Usage: [KV_GIB=0.1373] [INSTANCES="1 3"] [IDLE_MS=1000] bench/real-vllm.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-KV_TOKENS=${KV_TOKENS:-3072}; INSTANCES=${INSTANCES:-1 3}
+KV_GIB=${KV_GIB:-0.1373}; INSTANCES=${INSTANCES:-1 3}
 dir=$PWD/target/vllm
 mkdir -p "$dir"
 py=$dir/venv/bin/python
@@ -65,8 +67,12 @@ z.extract(name, gguf_dir)
 folder, file = os.path.split(os.path.join(gguf_dir, name))
 # Loading a GGUF dequantizes it; a fresh model of the same config takes the
 # weights, so nothing of the GGUF loading path is saved with them.
-loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, torch_dtype=torch.float32)
-fresh = AutoModelForCausalLM.from_config(loaded.config, torch_dtype=torch.float32)
+loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+config = loaded.config
+# The GGUF's quantization note would send vLLM looking for a GGUF loader.
+if hasattr(config, "quantization_config"):
+    del config.quantization_config
+fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 fresh.load_state_dict(loaded.state_dict())
 fresh.save_pretrained(out)
 AutoTokenizer.from_pretrained(folder, gguf_file=file).save_pretrained(out)
@@ -79,19 +85,23 @@ convert_model
 
 source bench/lib.sh
 bench_init
-urls=()
+urls=(); pids=()
 for i in 0 1; do
   port=$(free_port)
   HF_HUB_OFFLINE=1 VLLM_CPU_OMP_THREADS_BIND="$i" taskset -c "$i" "$py" -m vllm.entrypoints.openai.api_server \
     --host 127.0.0.1 --port "$port" --model "$dir/smollm2" --served-model-name smollm2 --dtype float32 \
-    --max-model-len "$KV_TOKENS" --kv-cache-memory-bytes "$((KV_TOKENS * 46080))" \
+    --max-model-len 2944 --kv-cache-memory-bytes "$(python3 -c "print(round($KV_GIB * 2**30))")" \
     --enable-prefix-caching --enable-prompt-tokens-details >"$BENCH_TMP/vllm-$i.log" 2>&1 &
-  urls+=("http://127.0.0.1:$port")
+  urls+=("http://127.0.0.1:$port"); pids+=($!)
 done
-echo "--- starting two vLLM replicas of $KV_TOKENS KV tokens (~3 minutes)"
-for url in "${urls[@]}"; do
-  for _ in $(seq 1800); do curl -sf "$url/health" >/dev/null && break; sleep 0.5; done
-  curl -sf "$url/health" >/dev/null || { echo "vLLM at $url never came up" >&2; tail -30 "$BENCH_TMP"/vllm-*.log >&2; exit 1; }
+echo "--- starting two vLLM replicas of $KV_GIB GiB of KV (~3 minutes)"
+for i in 0 1; do
+  for _ in $(seq 1800); do
+    curl -sf "${urls[$i]}/health" >/dev/null && break
+    kill -0 "${pids[$i]}" 2>/dev/null || break
+    sleep 0.5
+  done
+  curl -sf "${urls[$i]}/health" >/dev/null || { echo "vLLM $i never came up" >&2; tail -30 "$BENCH_TMP/vllm-$i.log" >&2; exit 1; }
 done
 curl -s "${urls[0]}/metrics" | grep -E '^vllm:cache_config_info' | head -1
 for n in $INSTANCES; do

@@ -64,14 +64,12 @@ impl HealthTracker {
         HealthTracker { rise, fall, events }
     }
 
-    /// The engine preempted requests (vLLM's own word) at `load` tokens of
-    /// resident sessions: the replica is over its wall in practice and takes
-    /// no new session above that load (`Residents::engine_preemptions`).
-    pub fn engine_over_wall(&self, r: &Replica, load: u64) {
-        let detail = format!(
-            "the engine preempted requests (vllm:num_preemptions_total rose) at ~{load} tokens resident: \
-             no new session above that load"
-        );
+    /// The engine said it is over its pool (vLLM's own word: `why`) at
+    /// `load` tokens of resident sessions: the replica is over its wall in
+    /// practice and takes no new session above that load
+    /// (`Residents::engine_preemptions`, `Residents::engine_full`).
+    pub fn engine_over_wall(&self, r: &Replica, load: u64, why: &str) {
+        let detail = format!("{why} at ~{load} tokens resident: no new session above that load");
         tracing::warn!(replica = %r.id, "{detail}");
         self.events.record(EventKind::KvWallSeen, Some(&r.id), None, detail);
     }
@@ -219,7 +217,16 @@ pub async fn check(tracker: &HealthTracker, client: &awc::Client, r: Arc<Replica
     };
     if let Some(total) = metrics.as_deref().and_then(preemptions_from_vllm_metrics) {
         if let Some(load) = r.residents.engine_preemptions(total) {
-            tracker.engine_over_wall(&r, load);
+            tracker.engine_over_wall(&r, load, "the engine preempted requests (vllm:num_preemptions_total rose)");
+        }
+    }
+    if metrics.as_deref().is_some_and(pool_full_in_vllm_metrics) {
+        if let Some(load) = r.residents.engine_full() {
+            tracker.engine_over_wall(
+                &r,
+                load,
+                "the engine's pool is full with requests waiting (vllm:kv_cache_usage_perc)",
+            );
         }
     }
     if result == ProbeResult::Ok && !busy {
@@ -284,6 +291,27 @@ pub fn preemptions_from_vllm_metrics(text: &str) -> Option<u64> {
     (!values.is_empty()).then(|| values.iter().sum::<f64>() as u64)
 }
 
+/// `vllm:kv_cache_usage_perc` at or above this (a fraction: vLLM's gauge
+/// runs from 0 to 1) with requests waiting: the pool is full now.
+pub const POOL_FULL_USAGE: f64 = 0.95;
+
+/// Whether vLLM's pool is full now: the blocks of its running requests
+/// (`vllm:kv_cache_usage_perc`; cached prefixes not counted) fill at least
+/// `POOL_FULL_USAGE` of it while requests wait (`vllm:num_requests_waiting`).
+/// Either alone says little: an idle engine reads 0 however much it caches,
+/// and requests also wait for the engine's batch limits.
+pub fn pool_full_in_vllm_metrics(text: &str) -> bool {
+    let values = |name: &str| -> Vec<f64> {
+        text.lines()
+            .filter(|l| l.strip_prefix(name).is_some_and(|rest| rest.starts_with(['{', ' '])))
+            .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
+            .collect()
+    };
+    let usage = values("vllm:kv_cache_usage_perc").into_iter().fold(0.0, f64::max);
+    let waiting: f64 = values("vllm:num_requests_waiting").iter().sum();
+    usage >= POOL_FULL_USAGE && waiting > 0.0
+}
+
 /// Parses `vllm:cache_config_info{...num_gpu_blocks="N",block_size="B"...}` from a metrics page.
 pub fn kv_tokens_from_vllm_metrics(text: &str) -> Option<u64> {
     let line = text.lines().find(|l| l.starts_with("vllm:cache_config_info{"))?;
@@ -313,6 +341,21 @@ mod tests {
                     vllm:num_preemptions_total{engine=\"1\",model_name=\"m\"} 2.0\nvllm:num_requests_running 1\n";
         assert_eq!(preemptions_from_vllm_metrics(page), Some(5));
         assert_eq!(preemptions_from_vllm_metrics("vllm:num_requests_running 1\n"), None);
+    }
+
+    #[test]
+    fn a_vllm_pool_is_full_when_running_blocks_fill_it_and_requests_wait() {
+        let page = |usage: &str, waiting: &str| {
+            format!(
+                "# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"m\"}} {usage}\n\
+                 vllm:num_requests_waiting{{engine=\"0\",model_name=\"m\"}} {waiting}\n\
+                 vllm:num_requests_waiting_by_reason{{reason=\"capacity\"}} 9.0\n"
+            )
+        };
+        assert!(pool_full_in_vllm_metrics(&page("0.97", "2.0")));
+        assert!(!pool_full_in_vllm_metrics(&page("0.97", "0.0")), "full but nothing waits: not over");
+        assert!(!pool_full_in_vllm_metrics(&page("0.5", "3.0")), "waiting for batch limits, room left");
+        assert!(!pool_full_in_vllm_metrics("vllm:num_requests_running 1\n"), "not vLLM");
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! resident where and keeps the index from a session to its replica; this
 //! is only the replica's side of it.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use crate::policy::PrefixKey;
@@ -83,6 +83,9 @@ pub struct Residents {
     wall: AtomicU64,
     /// The engine's preemption counter as last read, plus one (0: never read).
     preemptions_seen: AtomicU64,
+    /// The wall was set or lowered since the projections last learned from
+    /// the sessions resident here (`take_wall_lesson`).
+    wall_lesson: AtomicBool,
 }
 
 /// What a pinned turn's receipt says about its replica.
@@ -131,15 +134,44 @@ impl Residents {
         if before == 0 || total < before {
             return None;
         }
-        let load: u64 = self.lock().values().map(|r| r.tokens).sum();
-        if load == 0 {
-            return None;
-        }
+        self.over_wall_now()
+    }
+
+    /// The engine says its pool is full now (`vllm:kv_cache_usage_perc`
+    /// near 1 with requests waiting): the wall is lowered to the load
+    /// resident now. Returns that load when the wall moved (a full pool
+    /// read again at the same load says nothing new).
+    pub fn engine_full(&self) -> Option<u64> {
+        let before = self.wall();
+        self.over_wall_now().filter(|load| before.is_none_or(|w| *load < w))
+    }
+
+    /// Lowers the wall to the load resident now; None when nothing is.
+    fn over_wall_now(&self) -> Option<u64> {
+        let load = self.load();
+        (load > 0).then(|| {
+            self.lower_wall(load);
+            load
+        })
+    }
+
+    fn load(&self) -> u64 {
+        self.lock().values().map(|r| r.tokens).sum()
+    }
+
+    fn lower_wall(&self, load: u64) {
         let _ = self.wall.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| match w {
             0 => Some(load),
             w => Some(w.min(load)),
         });
-        Some(load)
+        self.wall_lesson.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether a wall was seen here since the last call: the sessions
+    /// resident now are what crossed it, and the projections learn from
+    /// them before they end (`Sessions::sweep`).
+    pub fn take_wall_lesson(&self) -> bool {
+        self.wall_lesson.swap(false, Ordering::Relaxed)
     }
 
     /// Reads a pinned turn's receipt: `predicted` cached tokens (the prefix
@@ -151,12 +183,9 @@ impl Residents {
         if predicted < MIN_RECEIPT_TOKENS {
             return Receipt::Unclear;
         }
-        let load: u64 = self.lock().values().map(|r| r.tokens).sum();
+        let load = self.load();
         if cached.saturating_mul(2) < predicted {
-            let _ = self.wall.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| match w {
-                0 => Some(load),
-                w => Some(w.min(load)),
-            });
+            self.lower_wall(load);
             Receipt::Lost { load }
         } else if cached.saturating_mul(10) >= predicted.saturating_mul(9) {
             let _ =
@@ -187,6 +216,22 @@ mod tests {
         r.lock().remove(&2);
         assert_eq!(r.engine_preemptions(1), Some(6_000));
         assert_eq!(r.wall(), Some(6_000), "lower: the wall follows");
+    }
+
+    #[test]
+    fn a_full_pool_sets_the_wall_once_per_lowering_and_leaves_a_lesson() {
+        let r = Residents::default();
+        assert_eq!(r.engine_full(), None, "nothing resident: nothing to say");
+        assert!(!r.take_wall_lesson());
+        r.lock().insert(1, Resident { tokens: 6_000, ..Default::default() });
+        r.lock().insert(2, Resident { tokens: 5_000, ..Default::default() });
+        assert_eq!(r.engine_full(), Some(11_000));
+        assert_eq!(r.wall(), Some(11_000));
+        assert_eq!(r.engine_full(), None, "the same load again: nothing new");
+        assert!(r.take_wall_lesson(), "the projections learn from who crossed it");
+        assert!(!r.take_wall_lesson(), "once");
+        r.lock().remove(&1);
+        assert_eq!(r.engine_full(), Some(5_000));
     }
 
     #[test]

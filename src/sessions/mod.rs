@@ -443,12 +443,25 @@ impl Sessions {
         let idle_ms = self.settings.idle_ms;
         let mut gone = false;
         let (mut ended, mut released) = (Vec::new(), Vec::new());
+        // Replicas that saw their wall since the last sweep: the sessions
+        // resident there crossed it, and teach the projections what they
+        // hold now, before they end (a cold gateway learns at its first wall).
+        let mut walls: Vec<Arc<Replica>> = Vec::new();
+        let mut crossed = Vec::new();
         self.lock().home.retain(|session, home| {
             let Some(replica) = home.upgrade() else {
                 gone = true;
                 return false;
             };
+            let lesson = walls.iter().any(|w| Arc::ptr_eq(w, &replica))
+                || (replica.residents.take_wall_lesson() && {
+                    walls.push(replica.clone());
+                    true
+                });
             let mut on = replica.residents.lock();
+            if lesson {
+                crossed.extend(on.get(session).map(|r| (r.link, r.tokens)));
+            }
             // A session another instance served last leaves when that one
             // releases it (`released_elsewhere`): only it knows when its
             // turn ended. Past `ELSEWHERE_FACTOR` x `idle_ms` without news
@@ -470,10 +483,13 @@ impl Sessions {
             }
             !idle
         });
-        if !ended.is_empty() {
+        if !ended.is_empty() || !crossed.is_empty() {
             let mut projections = self.projections();
             for r in ended {
                 projections.learn(r.link, r.peak_tokens);
+            }
+            for (link, tokens) in crossed {
+                projections.learn(link, tokens);
             }
         }
         if gone {
@@ -942,6 +958,24 @@ mod tests {
         assert_eq!(s.room_of(&a).left(), Some(2_000));
         let figures = s.projection_figures();
         assert_eq!((figures.fleet_tokens, figures.sessions_learned, figures.links), (Some(9_000), 1, 1));
+    }
+
+    #[test]
+    fn a_wall_seen_teaches_the_projection_what_the_sessions_resident_there_hold_before_they_end() {
+        let s = Sessions::new(settings());
+        let (a, b) = (replica("a"), replica("b"));
+        let now = crate::clock::now_ms();
+        drop(s.begin_turn(&a, 1, Some(42), 6_500, &Who::default(), now));
+        drop(s.begin_turn(&a, 2, Some(42), 5_000, &Who::default(), now));
+        drop(s.begin_turn(&b, 3, Some(7), 9_000, &Who::default(), now));
+        assert!(!s.sweep(now).any);
+        assert_eq!(s.project(Some(42)), None, "no session ended, no wall seen: nothing learned");
+        // The engine on a says its pool is full (or preempted, or a receipt found a lost prefix).
+        assert_eq!(a.residents.engine_full(), Some(11_500));
+        assert!(!s.sweep(now).any, "nobody leaves for it");
+        assert_eq!(s.project(Some(42)), Some(6_500), "its link: the largest of the sessions that crossed it");
+        assert_eq!(s.project(Some(7)), Some(6_500), "b saw no wall: its session taught nothing");
+        assert!(s.is_resident(1) && s.is_resident(2) && s.is_resident(3));
     }
 
     #[test]

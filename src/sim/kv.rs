@@ -50,6 +50,13 @@ impl KvPool {
         self.cached.len() + self.private
     }
 
+    /// Blocks running sequences hold (shared prefixes once): what vLLM's
+    /// `kv_cache_usage_perc` counts. Cached prefixes nobody runs are free
+    /// to evict, so they do not count.
+    pub fn running_blocks(&self) -> usize {
+        self.cached.values().filter(|b| b.refs > 0).count() + self.private
+    }
+
     /// Leading blocks of `chain` already cached.
     pub fn matched(&self, chain: &[u128]) -> usize {
         chain.iter().take_while(|k| self.cached.contains_key(k)).count()

@@ -210,7 +210,7 @@ async fn models(s: web::Data<SimState>) -> HttpResponse {
 
 async fn metrics(s: web::Data<SimState>) -> HttpResponse {
     let kv = s.kv.lock().expect("kv lock");
-    let usage = kv.used_blocks() as f64 / kv.capacity_blocks().max(1) as f64;
+    let usage = kv.running_blocks() as f64 / kv.capacity_blocks().max(1) as f64;
     let body = format!(
         "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name=\"{m}\"}} {}\n\
          # TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{model_name=\"{m}\"}} {}\n\
