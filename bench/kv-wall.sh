@@ -23,6 +23,10 @@
 # INSTANCES=N (1): each arm through N gateway instances on one fresh Redis,
 # each turn of a family to the next instance (needs redis-server).
 # HOLD_MIN_TOKENS=N: sets sessions.hold_min_tokens.
+# SYSTEM_TOKENS (740), CONTEXT_TOKENS (450), TURN_TOKENS (240): the
+# families' sizes, in the bench's estimated tokens (SmolLM2's tokenizer
+# reads these as ~1,340 growing to ~2,990; real-vllm.sh passes 640/415/175:
+# ~1,190 growing to ~2,410, which fits its 2,944-token context).
 # BIN=path/to/prefixgate runs that build instead of building this tree.
 # Usage: [LLAMA_SERVER=... MODEL=...] [SIM=1] [IDLE_MS=5000] [INSTANCES=1] bench/kv-wall.sh
 set -euo pipefail
@@ -30,6 +34,7 @@ cd "$(dirname "$0")/.."
 LLAMA_SERVER=${LLAMA_SERVER:-}; MODEL=${MODEL:-}; SIM=${SIM:-}
 FAMILIES=${FAMILIES:-4}; TURNS=${TURNS:-6}; IDLE_MS=${IDLE_MS:-5000}
 REPLICA_URLS=${REPLICA_URLS:-}; INSTANCES=${INSTANCES:-1}
+SYSTEM_TOKENS=${SYSTEM_TOKENS:-740}; CONTEXT_TOKENS=${CONTEXT_TOKENS:-450}; TURN_TOKENS=${TURN_TOKENS:-240}
 if [ -z "${BIN:-}" ]; then cargo build --release -q; fi
 bin=${BIN:-$PWD/target/release/prefixgate}
 source bench/lib.sh
@@ -96,7 +101,8 @@ arm() {
   echo "=== $name ($families families)"
   start=$(date +%s.%N)
   $bin bench agent-loop --base-url "${GATEWAY_URLS[$gw]}" --model "$model" --label "$name" --families "$families" \
-    --turns "$TURNS" --system-tokens 740 --context-tokens 450 --turn-tokens 240 --max-tokens 16
+    --turns "$TURNS" \
+    --system-tokens "$SYSTEM_TOKENS" --context-tokens "$CONTEXT_TOKENS" --turn-tokens "$TURN_TOKENS" --max-tokens 16
   WALL[$name]=$(echo "$(date +%s.%N) - $start" | bc)
   echo "wall $name: ${WALL[$name]} s"
 }

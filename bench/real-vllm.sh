@@ -7,7 +7,8 @@
 # Hugging Face folder (once, target/vllm/smollm2), starts two replicas (one
 # core each, float32, prefix caching) and runs bench/kv-wall.sh on them:
 # hold on, hold off and two families at a time by hand, on one and on three
-# gateway instances (one Redis), four families.
+# gateway instances (one Redis), four families of ~1,190 tokens growing
+# ~245 a turn to ~2,410 (SmolLM2's tokenizer), as issue 31 measured.
 #   KV_GIB (0.1373): each replica's pool, GiB (float32 SmolLM2 takes 46,080
 #   bytes a token, and vLLM keeps some back: 0.1373 GiB = 24 blocks of 128
 #   = 3,072 tokens, the wall). KV_GIB=0.25 is 45 blocks, 5,760 tokens:
@@ -107,5 +108,5 @@ curl -s "${urls[0]}/metrics" | grep -E '^vllm:cache_config_info' | head -1
 for n in $INSTANCES; do
   echo "=== $n instance(s)"
   REPLICA_URLS="${urls[*]}" MODEL_NAME=smollm2 INSTANCES="$n" IDLE_MS="${IDLE_MS:-1000}" \
-    HOLD_MIN_TOKENS=512 bench/kv-wall.sh
+    HOLD_MIN_TOKENS=512 SYSTEM_TOKENS=640 CONTEXT_TOKENS=415 TURN_TOKENS=175 bench/kv-wall.sh
 done

@@ -198,7 +198,7 @@ pub async fn place_in_store(
 
 /// What a new session's admission gives the request: how long it waited
 /// (if it did), and its reservation of room until its first turn is
-/// resident (None: the hold is off).
+/// resident.
 pub type Admission = (Option<Duration>, Option<Reservation>);
 
 /// Holds a new session of about `tokens` while no candidate has room for
@@ -207,7 +207,8 @@ pub type Admission = (Option<Duration>, Option<Reservation>);
 pub async fn hold_if_full(state: &AppState, lookup: &Lookup, tokens: u64, who: &Who) -> Result<Admission, ApiError> {
     let hold = state.sessions.settings();
     if hold.max_wait_ms == 0 {
-        return Ok((None, None));
+        // Nothing waits, but placement by room counts it until it is resident.
+        return Ok((None, Some(state.sessions.reserve_unheld(tokens))));
     }
     read_fleet_loads(state).await;
     let model = lookup.shape.model.as_deref();

@@ -386,6 +386,15 @@ async fn place_new_session(
         if let Some(w) = w {
             waited = Some(waited.unwrap_or_default() + w);
         }
+        if !state.shared_store_answers() {
+            // This instance's view decides: chosen and placed in one step.
+            let _placing = state.sessions.placing();
+            let (target, reason) = next_target(state, settings, lookup, retries, recorder, true)?;
+            if let Some(r) = &reservation {
+                r.place(&target.id);
+            }
+            return Ok((Some((target, reason)), (waited, reservation)));
+        }
         let (target, reason) = next_target(state, settings, lookup, retries, recorder, true)?;
         // Past the wait (or with the hold off), placed without a capacity check.
         let enforce = !max_wait.is_zero() && started.elapsed() < max_wait;

@@ -194,6 +194,9 @@ pub struct Sessions {
     /// lock, never held with another: the room reads it.
     reservations: Mutex<Vec<Reserved>>,
     next_reservation: std::sync::atomic::AtomicU64,
+    /// Held while a new session's replica is chosen and its reservation
+    /// placed there (`placing`): taken before any other lock here.
+    placing: Mutex<()>,
 }
 
 /// What a sweep did.
@@ -310,6 +313,7 @@ impl Sessions {
             waits: Mutex::default(),
             reservations: Mutex::default(),
             next_reservation: Default::default(),
+            placing: Mutex::default(),
         })
     }
 
@@ -527,13 +531,15 @@ impl Sessions {
             .filter(|s| s.on.as_ref() == Some(&r.id))
             .map(|s| shape.footprint(s.tokens))
             .sum();
-        let here = resident + placed;
-        // A wall its receipts found is its capacity in practice, if lower.
+        let taken = (resident + placed).max(r.residents.fleet_load());
+        // A wall its receipts found is its capacity in practice, if lower;
+        // but an empty replica loses no session's prefix to another's, so
+        // the first to come is never kept from it by a wall.
         let capacity = match (r.kv_capacity(), r.residents.wall()) {
-            (Some(c), Some(w)) => Some(c.min(w)),
+            (Some(c), Some(w)) if taken > 0 => Some(c.min(w)),
             (c, _) => c,
         };
-        Room { capacity, taken: here.max(r.residents.fleet_load()), slot_tokens }
+        Room { capacity, taken, slot_tokens }
     }
 
     /// Reads every instance's session loads on `replicas` from a shared
@@ -854,6 +860,24 @@ impl Sessions {
         Some(self.reserve(&state, tokens))
     }
 
+    /// One new session at a time chooses its replica and places its
+    /// reservation there, holding this: two arriving together on two
+    /// workers would otherwise both read the rooms before either was
+    /// placed, and both go where the most room was. Never held across an
+    /// await (a shared store's placement ranks in its own script instead).
+    pub fn placing(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.placing.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Reserves room for a new session placed without the hold (it is
+    /// off): nothing waits, but the next new session's placement counts
+    /// this one where it goes until its first turn is resident, so two
+    /// arriving together do not both go to the replica that had the most room.
+    pub fn reserve_unheld(self: &Arc<Self>, tokens: u64) -> Reservation {
+        let state = self.lock();
+        self.reserve(&state, tokens)
+    }
+
     /// Sessions waiting now, by class (`Class::ALL` order).
     pub fn held_by_class(&self) -> [usize; 3] {
         self.lock().held.by_class()
@@ -976,6 +1000,19 @@ mod tests {
         assert_eq!(s.project(Some(42)), Some(6_500), "its link: the largest of the sessions that crossed it");
         assert_eq!(s.project(Some(7)), Some(6_500), "b saw no wall: its session taught nothing");
         assert!(s.is_resident(1) && s.is_resident(2) && s.is_resident(3));
+    }
+
+    #[test]
+    fn a_wall_narrows_a_replica_only_while_something_is_resident_there() {
+        let s = Sessions::new(settings());
+        let a = replica("a");
+        a.set_observed_kv(Some(3_000));
+        let now = crate::clock::now_ms();
+        drop(s.begin_turn(&a, 1, None, 800, &Who::default(), now));
+        assert_eq!(a.residents.receipt(1_000, 0), crate::fleet::residents::Receipt::Lost { load: 800 });
+        assert_eq!(s.room_of(&a).left(), Some(0), "lost a prefix at 800: no room above it");
+        assert!(s.sweep(now + 60_000).any);
+        assert_eq!(s.room_of(&a).left(), Some(3_000), "empty: no session loses its prefix to another's");
     }
 
     #[test]

@@ -489,6 +489,28 @@ async fn new_sessions_at_two_instances_spread_over_replicas_that_tie() {
     g2.stop().await;
 }
 
+/// Issue 31: with the hold off, placement by room still counts a new
+/// session from its admission. Two arriving together at one instance, on
+/// replicas of unequal room (20,000 and 16,000 tokens), do not both go
+/// where the most room was: the second sees the first's reservation there.
+#[actix_web::test]
+async fn with_the_hold_off_two_new_sessions_arriving_together_take_one_replica_each() {
+    let a = start_sim("a", card()).await;
+    let b = start_sim("b", prefixgate::sim::SimConfig { kv_tokens: 16_000, ..fast_sim() }).await;
+    let gw = start_gateway(test_config(&[&a, &b])).await; // the hold off
+    wait_until("capacity read", Duration::from_secs(5), || {
+        gw.gw.fleet.snapshot().iter().all(|r| r.kv_capacity().is_some())
+    })
+    .await;
+    let (one, two) = (spawn_turn(&gw, "one"), spawn_turn(&gw, "two"));
+    let (one, two) = (one.await.unwrap(), two.await.unwrap());
+    assert_eq!((one.status, two.status), (200, 200));
+    let mut went = [one.replica, two.replica];
+    went.sort();
+    assert_eq!(went, ["a".to_string(), "b".to_string()], "one new session on each replica");
+    gw.stop().await;
+}
+
 /// Two instance names whose spread counters start on the same replica.
 const TIED: (&str, &str) = ("gw-a", "gw-b");
 
