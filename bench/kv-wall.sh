@@ -3,7 +3,9 @@
 # `llama-server` replicas that each keep one conversation's prefix
 # (`-np 1 --cache-ram 0`, one core each), four agent families at once (a
 # shared system prompt, each its own task, TURNS turns growing ~240 tokens a
-# turn), through the gateway with the hold on (default settings) and off
+# turn), through the gateway with the hold on (default settings; then a
+# second set of families through the same gateway, which has learned what
+# the first grew to) and off
 # (`sessions.max_wait_ms=0`), and two families at a time by hand (two, then
 # the other two, through the hold-off gateway), one after the other in one
 # run. Salted runs: no run reads another's cache. Prints the bench reports,
@@ -136,9 +138,27 @@ for gw in hold off; do
   wait_ms=120000; [ "$gw" = off ] && wait_ms=0
   gateways "$gw" --set "sessions.max_wait_ms=$wait_ms" --set "sessions.idle_ms=$IDLE_MS" "${extra[@]}"
 done
+# OFF_FIRST=1 runs the off arm before the hold arm (does the order matter?).
+[ -n "${OFF_FIRST:-}" ] && { arm off off "$FAMILIES"; sleep "$(echo "$IDLE_MS / 1000 + 1" | bc -l)"; }
+# said NAME: what the hold gateway did so far (every instance's own count).
+said() {
+  local held=0 paused=0 i admin
+  for i in $(seq 1 "$INSTANCES"); do
+    admin=${GW_ADMIN[hold$i]}
+    held=$((held + $(curl -s "$admin/admin/v1/capacity" | python3 -c 'import json,sys; print(json.load(sys.stdin)["sessions"]["waited"])')))
+    paused=$((paused + $(curl -s "$admin/metrics" | awk '/^prefixgate_session_turns_paused_total/ {print int($2)}')))
+  done
+  curl -s "${GATEWAY_ADMIN[hold]}/admin/v1/capacity" | python3 -c 'import json,sys; print("projection", json.load(sys.stdin)["sessions"].get("projected_tokens"), end="; ")'
+  echo "$1: so far $held sessions held, $paused turns paused"
+}
 arm hold hold "$FAMILIES"
-curl -s "${GATEWAY_ADMIN[hold]}/admin/v1/capacity" | python3 -c 'import json,sys; print("queue:", json.load(sys.stdin)["sessions"])'
-arm off off "$FAMILIES"
+said hold
+# The same gateway again, a new set of families once the first idled out:
+# it has learned what they grow to (the projection), a cold one has not.
+sleep "$(echo "$IDLE_MS / 1000 + 1" | bc -l)"
+arm hold-again hold "$FAMILIES"
+said hold-again
+[ -z "${OFF_FIRST:-}" ] && arm off off "$FAMILIES"
 # By hand: half the families, then the other half, through the hold-off
 # gateway, once the off arm's sessions idled out (a replica still counting
 # them has less room, and two new sessions placed at the same moment would
@@ -151,5 +171,5 @@ sleep "$(echo "$IDLE_MS / 1000" | bc -l)"
 arm by-hand-2 off "$((FAMILIES - half))"
 WALL[by-hand]=$(echo "$(date +%s.%N) - $start" | bc)
 echo "wall by-hand: ${WALL[by-hand]} s"
-python3 -c "import sys; h, b, o = map(float, sys.argv[1:]); print(f'hold / by hand: {h / b:.2f}x; off / by hand: {o / b:.2f}x')" \
-  "${WALL[hold]}" "${WALL[by-hand]}" "${WALL[off]}"
+python3 -c "import sys; h, a, b, o = map(float, sys.argv[1:]); print(f'hold / by hand: {h / b:.2f}x; hold-again / by hand: {a / b:.2f}x; off / by hand: {o / b:.2f}x')" \
+  "${WALL[hold]}" "${WALL[hold-again]}" "${WALL[by-hand]}" "${WALL[off]}"

@@ -504,16 +504,20 @@ impl Sessions {
 
     /// Another instance released `session` on `replica` (it idled out
     /// there, the last to serve it): it leaves here too unless a turn of it
-    /// runs here now, and the held look at the room again.
+    /// runs here now (what it grew to, as seen here, teaches the
+    /// projections), and the held look at the room again.
     pub fn released_elsewhere(&self, replica: &str, session: PrefixKey) {
         let mut state = self.lock();
         let Some(home) = state.home_of(session).filter(|r| &*r.id == replica) else { return };
         let mut on = home.residents.lock();
-        if on.get(&session).is_some_and(|r| r.running == 0) {
+        if let Some(ended) = on.get(&session).filter(|r| r.running == 0).copied() {
             on.remove(&session);
             drop(on);
             state.home.remove(&session);
             drop(state);
+            // It ended: every instance learns what it grew to, not only
+            // the one that served its last turn.
+            self.projections().learn(ended.link, ended.peak_tokens);
             self.changed.notify_waiters();
         }
     }
@@ -1028,6 +1032,7 @@ mod tests {
         // That instance releases it once it idles out after its turn.
         s.released_elsewhere("a", 1);
         assert!(!s.is_resident(1));
+        assert_eq!(s.project(None), Some(6_000), "what it grew to, seen here, is learned here too");
         // Without news, it leaves after ELSEWHERE_FACTOR x idle_ms.
         s.seen_elsewhere(&a, 2, 6_000, 10_000, 10_000);
         assert!(!s.sweep(10_000 + 5_000).any);
