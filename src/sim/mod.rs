@@ -51,6 +51,10 @@ pub struct SimConfig {
     /// `Authorization: Bearer KEY`, as a keyed engine does.
     #[arg(long)]
     pub api_key: Option<String>,
+    /// Report no `vllm:num_preemptions_total`: an engine whose full pool
+    /// shows only in `vllm:kv_cache_usage_perc` and its waiting requests.
+    #[arg(long)]
+    pub no_preemption_counter: bool,
 }
 
 impl Default for SimConfig {
@@ -62,6 +66,7 @@ impl Default for SimConfig {
             time_scale: 1.0,
             model: "sim-model".into(),
             api_key: None,
+            no_preemption_counter: false,
         }
     }
 }
@@ -219,7 +224,7 @@ async fn metrics(s: web::Data<SimState>) -> HttpResponse {
          # TYPE vllm:prefix_cache_hits counter\nvllm:prefix_cache_hits_total{{model_name=\"{m}\"}} {}\n\
          # TYPE vllm:prompt_tokens counter\nvllm:prompt_tokens_total{{model_name=\"{m}\"}} {}\n\
          # TYPE vllm:generation_tokens counter\nvllm:generation_tokens_total{{model_name=\"{m}\"}} {}\n\
-         # TYPE vllm:num_preemptions counter\nvllm:num_preemptions_total{{model_name=\"{m}\"}} {}\n\
+         {preemptions}\
          # TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{block_size=\"{}\",num_gpu_blocks=\"{}\"}} 1\n",
         s.running.load(Ordering::Relaxed),
         s.waiting.load(Ordering::Relaxed),
@@ -227,10 +232,17 @@ async fn metrics(s: web::Data<SimState>) -> HttpResponse {
         s.hits.load(Ordering::Relaxed),
         s.prompt_tokens.load(Ordering::Relaxed),
         s.generated.load(Ordering::Relaxed),
-        s.kv_waits.load(Ordering::Relaxed),
         BLOCK_TOKENS,
         kv.capacity_blocks(),
         m = s.cfg.model,
+        preemptions = match s.cfg.no_preemption_counter {
+            true => String::new(),
+            false => format!(
+                "# TYPE vllm:num_preemptions counter\nvllm:num_preemptions_total{{model_name=\"{}\"}} {}\n",
+                s.cfg.model,
+                s.kv_waits.load(Ordering::Relaxed)
+            ),
+        },
     );
     HttpResponse::Ok().content_type("text/plain; version=0.0.4").body(body)
 }

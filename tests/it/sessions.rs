@@ -511,6 +511,44 @@ async fn with_the_hold_off_two_new_sessions_arriving_together_take_one_replica_e
     gw.stop().await;
 }
 
+/// Issue 31: the engine's own word, when all it says is a full pool. A
+/// vLLM-like replica that reports no preemption counter: one session of
+/// ~19,500 tokens decoding on a 20,000-token pool, and another request
+/// waiting for room in the engine. The prober reads
+/// `vllm:kv_cache_usage_perc` (the running request's blocks) at 0.95 or
+/// more with a request waiting, and the wall is set at the load resident
+/// then, with a `kv_wall_seen` event that names the gauge.
+#[actix_web::test]
+async fn a_full_pool_with_requests_waiting_sets_the_wall() {
+    let quiet = prefixgate::sim::SimConfig { kv_tokens: 20_000, no_preemption_counter: true, ..slow_decoder(20.0) };
+    let a = start_sim("a", quiet).await;
+    let gw = start_gateway(test_config(&[&a])).await; // the hold off: both go at once
+    capacity_read(&gw).await;
+    let replica = gw.gw.fleet.get("a").unwrap();
+    let url = format!("{}/v1/chat/completions", gw.base);
+    let body = |family: &str, tokens: usize| {
+        let m = [("system", text(family, tokens)), ("user", format!("{family} task"))];
+        let refs: Vec<(&str, &str)> = m.iter().map(|(r, c)| (*r, c.as_str())).collect();
+        chat_body(&refs, json!({"max_tokens": 20}))
+    };
+    let (big, small) = (body("big", 19_500), body("small", 2_000));
+    let (u1, u2) = (url.clone(), url.clone());
+    let first = actix_web::rt::spawn(async move { post(&u1, &big).await });
+    wait_until("the big one runs", Duration::from_secs(5), || !replica.residents.lock().is_empty()).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let second = actix_web::rt::spawn(async move { post(&u2, &small).await });
+    wait_until("the wall seen", Duration::from_secs(10), || replica.residents.wall().is_some()).await;
+    let load: u64 = replica.residents.lock().values().map(|r| r.tokens).sum();
+    assert!(load >= 21_000, "both resident when it was read: {load}");
+    assert_eq!(replica.residents.wall(), Some(load));
+    let kind = Some(prefixgate::events::EventKind::KvWallSeen);
+    let said = gw.gw.events.query(&prefixgate::events::EventFilter { kind, limit: 100, ..Default::default() });
+    assert_eq!(said.len(), 1, "once: the same full pool read again says nothing new");
+    assert!(said[0].detail.contains("vllm:kv_cache_usage_perc"), "{}", said[0].detail);
+    assert_eq!((first.await.unwrap().status, second.await.unwrap().status), (200, 200));
+    gw.stop().await;
+}
+
 /// Two instance names whose spread counters start on the same replica.
 const TIED: (&str, &str) = ("gw-a", "gw-b");
 
