@@ -159,12 +159,16 @@ impl Residents {
         self.lock().values().map(|r| r.tokens).sum()
     }
 
+    /// Sets the wall at `load` when none was seen or it is lower; a wall
+    /// that moved leaves a lesson (the same wall seen again teaches nothing).
     fn lower_wall(&self, load: u64) {
-        let _ = self.wall.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| match w {
+        let before = self.wall.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| match w {
             0 => Some(load),
-            w => Some(w.min(load)),
+            w => (load < w).then_some(load),
         });
-        self.wall_lesson.store(true, Ordering::Relaxed);
+        if before.is_ok() {
+            self.wall_lesson.store(true, Ordering::Relaxed);
+        }
     }
 
     /// Whether a wall was seen here since the last call: the sessions
