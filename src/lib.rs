@@ -160,7 +160,7 @@ fn spawn_background(state: &Arc<AppState>, admin_addr: SocketAddr) -> Background
             loop {
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 tick += 1;
-                capacity.evaluate(&fleet.capacity_inputs(), &events, clock::now_ms());
+                capacity.evaluate(&fleet.capacity_inputs(capacity.since_ms(clock::now_ms())), &events);
                 if tick.is_multiple_of(10) {
                     let pruned = pins.prune(clock::now_ms(), ttl_ms, max_pins);
                     let names: std::collections::HashSet<Arc<str>> =

@@ -209,8 +209,8 @@ mod tests {
             op.fleet.add(Replica::new(ReplicaSpec::new("a", "http://127.0.0.1:1"), AdminState::Active));
             op.pins.record(9, &Arc::from("a"), None, 10, 1, Default::default());
             let r = op.fleet.get("a").unwrap();
-            op.capacity.touch_family(&r.capacity, 9, 10_000, crate::clock::now_ms());
-            assert_eq!(r.capacity.working_set.len(), 1);
+            r.residents.remember(9, 10_000, crate::clock::now_ms());
+            assert_eq!(r.residents.working_set(0).len(), 1);
             records.push(Arc::downgrade(&r));
         }
         store

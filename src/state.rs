@@ -107,7 +107,7 @@ impl AppState {
         // The working set as the restored pins left it.
         for p in pins.conversations_active_since(since) {
             if let Some(r) = fleet.get(&p.replica) {
-                capacity.touch_family(&r.capacity, p.family, p.est_tokens, p.last_used_ms);
+                r.residents.remember(p.family, p.est_tokens, p.last_used_ms);
             }
         }
         let (events, recorded) = EventLog::new(
@@ -127,7 +127,6 @@ impl AppState {
             events: events.clone(),
             store: store.clone(),
             policy: policy.clone(),
-            capacity: capacity.clone(),
             sessions: sessions.clone(),
             discovered_admin: std::sync::Mutex::new(crate::operator::read_discovered_admin(store.as_ref()).await?),
             serial: Default::default(),

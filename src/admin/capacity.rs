@@ -16,7 +16,7 @@ pub fn routes(cfg: &mut ServiceConfig) {
 #[utoipa::path(tag = "capacity", responses((status = 200, body = CapacityReport)))]
 #[get("/capacity")]
 async fn get_capacity(s: web::Data<AppState>) -> web::Json<CapacityReport> {
-    let mut report = s.capacity.report(&s.fleet.capacity_inputs(), crate::clock::now_ms());
+    let mut report = s.capacity.report(&s.fleet.capacity_inputs(s.capacity.since_ms(crate::clock::now_ms())));
     // The sessions' side: who is resident where, the room left, the queue.
     for r in &mut report.replicas {
         if let Some(replica) = s.fleet.get(&r.replica) {

@@ -251,7 +251,7 @@ fn path_config() -> web::PathConfig {
 }
 
 async fn metrics(s: web::Data<AppState>) -> HttpResponse {
-    let report = s.capacity.report(&s.fleet.capacity_inputs(), crate::clock::now_ms());
+    let report = s.capacity.report(&s.fleet.capacity_inputs(s.capacity.since_ms(crate::clock::now_ms())));
     let pins = s.pins.count_by_replica();
     let replicas: Vec<crate::metrics::ReplicaGauges> = s
         .fleet

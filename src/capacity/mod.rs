@@ -11,23 +11,24 @@
 //! metrics (`vllm:cache_config_info`: num_gpu_blocks x block_size) when it
 //! exposes them, else from the declared `kv_tokens`; the source is reported.
 //!
-//! Three parts, one file each: the running requests (`running.rs`, a shard
-//! per worker), the working set of returning conversations
-//! (`working_set.rs`, sharded by family), and the verdict (`verdict.rs`,
-//! pure). This file ties them together and records transitions. What is
-//! kept per replica (its working set, last figures, warning, what other
-//! instances run there) is a `CapacityRecord` on the replica's own record
-//! (`fleet::Replica::capacity`), so it leaves with the replica. Nothing here
-//! takes a lock both workers share on every request.
+//! Two parts, one file each: the running requests (`running.rs`, a shard
+//! per worker) and the verdict (`verdict.rs`, pure). This file ties them
+//! together and records transitions. The working set is not kept here: it
+//! is read from the one record of where conversations live, each
+//! replica's `fleet::residents::Residents` (the sessions the hold counts,
+//! and those that came back and idled out within the window), gathered by
+//! `Fleet::capacity_inputs`. What is kept per replica here (last figures,
+//! warning, what other instances run there) is a `CapacityRecord` on the
+//! replica's own record (`fleet::Replica::capacity`), so it leaves with the
+//! replica. Nothing here takes a lock both workers share on every request.
 //!
-//! Why incremental: the pin table holds up to millions of one-shot pins, and
-//! scanning it every second under its locks stalled the request path. The
-//! families that matter are told to us as they are served (`touch_family`),
-//! so a report costs O(active families), not O(pins).
+//! Why not scan the pins: the pin table holds up to millions of one-shot
+//! pins, and scanning it every second under its locks stalled the request
+//! path. The conversations that matter are told to the residents as they
+//! are served, so a report costs O(active conversations), not O(pins).
 
 mod running;
 mod verdict;
-mod working_set;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -39,7 +40,6 @@ pub use verdict::{
     AggregateCapacity, CapacityReport, HeldByClass, KvSource, QueuedSession, ReplicaCapacity, ReplicaInput,
     SessionQueue, Verdict,
 };
-pub use working_set::WorkingSet;
 
 use crate::events::{EventKind, EventLog};
 use crate::policy::PrefixKey;
@@ -47,8 +47,6 @@ use crate::policy::PrefixKey;
 /// What the capacity module keeps about one replica, on the replica's record.
 #[derive(Debug, Default)]
 pub struct CapacityRecord {
-    /// Returning conversations served here within the window.
-    pub working_set: WorkingSet,
     /// (working set tokens, KV capacity tokens) from the last evaluation.
     last: Mutex<Option<(u64, Option<u64>)>>,
     /// Whether its capacity warning is raised (an event per transition).
@@ -72,10 +70,9 @@ impl CapacityRecord {
         self.elsewhere_tokens.store(tokens, Ordering::Relaxed);
     }
 
-    /// Forgets the working set, the last figures and the warning (the
-    /// replica's pins were deleted: the next evaluation starts it afresh).
+    /// Forgets the last figures and the warning (the replica's pins were
+    /// deleted: the next evaluation starts it afresh).
     pub fn forget(&self) {
-        self.working_set.clear();
         *self.last.lock().unwrap_or_else(|e| e.into_inner()) = None;
         self.warned.store(false, Ordering::Relaxed);
     }
@@ -87,6 +84,9 @@ impl CapacityRecord {
 pub struct Tracked {
     pub input: ReplicaInput,
     pub record: Arc<CapacityRecord>,
+    /// Its working set: (conversation, largest context) of each that came
+    /// back there, resident now or ended within the window.
+    pub working_set: Vec<(PrefixKey, u64)>,
 }
 
 pub struct Capacity {
@@ -115,19 +115,18 @@ impl Capacity {
         self.window_ms / 1000
     }
 
-    /// A returning conversation (second turn or later) was served on the
-    /// replica whose record is `on`.
-    pub fn touch_family(&self, on: &CapacityRecord, family: PrefixKey, tokens: u64, now_ms: u64) {
-        on.working_set.touch(family, tokens, now_ms, self.window_ms);
+    /// Where the working set's window starts at `now_ms`: what
+    /// `Fleet::capacity_inputs` is asked for.
+    pub fn since_ms(&self, now_ms: u64) -> u64 {
+        now_ms.saturating_sub(self.window_ms)
     }
 
     /// The current report. Reads only: a GET may call it.
-    pub fn report(&self, replicas: &[Tracked], now_ms: u64) -> CapacityReport {
-        let since = now_ms.saturating_sub(self.window_ms);
+    pub fn report(&self, replicas: &[Tracked]) -> CapacityReport {
         let mut families = Vec::new();
         let mut running = self.running.snapshot();
-        for Tracked { input, record } in replicas {
-            families.extend(record.working_set.active(since).into_iter().map(|(f, t)| (input.id.clone(), f, t)));
+        for Tracked { input, record, working_set } in replicas {
+            families.extend(working_set.iter().map(|(f, t)| (input.id.clone(), *f, *t)));
             // Another instance's requests: counted, their tokens spread evenly (no families known).
             let count = record.elsewhere_count.load(Ordering::Relaxed);
             let each = record.elsewhere_tokens.load(Ordering::Relaxed) / count.max(1);
@@ -138,15 +137,11 @@ impl Capacity {
     }
 
     /// Re-evaluates the verdict (the background task, once a second): keeps
-    /// the figures replica views show, forgets expired families, and records
+    /// the figures replica views show, and records
     /// an event and a log line once per transition (per replica, and for the
     /// fleet as a whole).
-    pub fn evaluate(&self, replicas: &[Tracked], events: &EventLog, now_ms: u64) -> CapacityReport {
-        let since = now_ms.saturating_sub(self.window_ms);
-        for t in replicas {
-            t.record.working_set.forget_before(since);
-        }
-        let report = self.report(replicas, now_ms);
+    pub fn evaluate(&self, replicas: &[Tracked], events: &EventLog) -> CapacityReport {
+        let report = self.report(replicas);
         let records: HashMap<&str, &CapacityRecord> =
             replicas.iter().map(|t| (&*t.input.id, t.record.as_ref())).collect();
         for r in &report.replicas {

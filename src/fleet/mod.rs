@@ -598,8 +598,10 @@ impl Fleet {
     }
 
     /// What the capacity verdict needs of each replica: its declared and
-    /// observed KV capacity and its calibrated bytes per token.
-    pub fn capacity_inputs(&self) -> Vec<crate::capacity::Tracked> {
+    /// observed KV capacity, its calibrated bytes per token, and its working
+    /// set (the conversations that came back there, resident or ended since
+    /// `since_ms`: `Residents::working_set`).
+    pub fn capacity_inputs(&self, since_ms: u64) -> Vec<crate::capacity::Tracked> {
         self.snapshot()
             .iter()
             .map(|r| crate::capacity::Tracked {
@@ -610,6 +612,7 @@ impl Fleet {
                     bytes_per_token: r.calibration.bytes_per_token(),
                 },
                 record: r.capacity.clone(),
+                working_set: r.residents.working_set(since_ms),
             })
             .collect()
     }

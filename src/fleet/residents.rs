@@ -1,5 +1,9 @@
-//! The sessions resident on one replica (the KV wall, `sessions/`): kept on
-//! the replica's record, so they leave with it. `Sessions` decides who is
+//! The conversations one replica holds: the one record of where a
+//! conversation lives, read by the hold and placement (`sessions/`: who is
+//! resident, their footprints, projections, gaps, the wall receipts found)
+//! and by the capacity verdict (the working set: conversations that came
+//! back, resident now or ended within the verdict's window). Kept on the
+//! replica's record, so it leaves with it. `Sessions` decides who is
 //! resident where and keeps the index from a session to its replica; this
 //! is only the replica's side of it.
 
@@ -40,6 +44,17 @@ pub struct Resident {
     /// (`priority.preempt`): it counts for nothing until its next turn,
     /// which waits for room again.
     pub preempted: bool,
+    /// Its turns here (2 or more: it came back, and the working set counts it).
+    pub turns: u32,
+}
+
+/// A conversation that came back here (two turns or more) and has since
+/// idled out: the capacity verdict counts it through its window, since the
+/// replica should still keep it warm.
+#[derive(Debug, Clone, Copy)]
+struct Ended {
+    tokens: u64,
+    last_ms: u64,
 }
 
 /// A session idles out after this many times its longest gap between turns.
@@ -74,6 +89,9 @@ impl Resident {
 #[derive(Debug, Default)]
 pub struct Residents {
     sessions: Mutex<foldhash::HashMap<PrefixKey, Resident>>,
+    /// Conversations that came back here and idled out, by id: the working
+    /// set's memory (`working_set`). Locked after `sessions`, never before.
+    ended: Mutex<foldhash::HashMap<PrefixKey, Ended>>,
     /// With a shared store: the footprints of every instance's live
     /// sessions here, as last read (`store.session_loads`).
     fleet_load: AtomicU64,
@@ -116,6 +134,60 @@ impl Residents {
 
     pub fn set_fleet_load(&self, tokens: u64) {
         self.fleet_load.store(tokens, Ordering::Relaxed);
+    }
+
+    fn ended(&self) -> MutexGuard<'_, foldhash::HashMap<PrefixKey, Ended>> {
+        self.ended.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Resident `session` left (`r` as it was): one that came back is
+    /// remembered for the working set, at the largest context it held.
+    pub fn remember_ended(&self, session: PrefixKey, r: &Resident) {
+        if r.turns >= 2 {
+            self.ended().insert(session, Ended { tokens: r.peak_tokens.max(r.tokens), last_ms: r.last_ms });
+        }
+    }
+
+    /// A conversation that came back here, as the pins restored at start
+    /// say (`tokens`, last used at `last_ms`): in the working set until its
+    /// window passes or it is resident again.
+    pub fn remember(&self, conversation: PrefixKey, tokens: u64, last_ms: u64) {
+        let mut ended = self.ended();
+        let e = ended.entry(conversation).or_insert(Ended { tokens, last_ms });
+        e.tokens = e.tokens.max(tokens);
+        e.last_ms = e.last_ms.max(last_ms);
+    }
+
+    /// Resident `session` is back: it counts as resident, not as ended.
+    /// True when it had ended here (it came back).
+    pub fn back(&self, session: PrefixKey) -> bool {
+        self.ended().remove(&session).is_some()
+    }
+
+    /// The conversation lives elsewhere now (its pin moved): not here.
+    pub fn forget(&self, conversation: PrefixKey) {
+        self.ended().remove(&conversation);
+    }
+
+    /// Forgets every ended conversation (the replica's pins were deleted).
+    pub fn forget_ended(&self) {
+        self.ended().clear();
+    }
+
+    /// The working set: every conversation that came back here, resident
+    /// now or ended since `since_ms` (older ones are dropped), with the
+    /// largest context each held.
+    pub fn working_set(&self, since_ms: u64) -> Vec<(PrefixKey, u64)> {
+        let mut out: Vec<(PrefixKey, u64)> = self
+            .lock()
+            .iter()
+            .filter(|(_, r)| r.turns >= 2)
+            .map(|(id, r)| (*id, r.peak_tokens.max(r.tokens)))
+            .collect();
+        let mut ended = self.ended();
+        ended.retain(|_, e| e.last_ms >= since_ms);
+        out.extend(ended.iter().map(|(id, e)| (*id, e.tokens)));
+        out
     }
 
     /// The wall receipts found (None: none seen).
@@ -220,6 +292,40 @@ mod tests {
         r.lock().remove(&2);
         assert_eq!(r.engine_preemptions(1), Some(6_000));
         assert_eq!(r.wall(), Some(6_000), "lower: the wall follows");
+    }
+
+    #[test]
+    fn the_working_set_is_every_conversation_that_came_back_resident_or_ended_within_the_window() {
+        let r = Residents::default();
+        let sorted = |mut v: Vec<(PrefixKey, u64)>| {
+            v.sort();
+            v
+        };
+        let once = Resident { tokens: 3_000, peak_tokens: 3_000, turns: 1, last_ms: 1_000, ..Default::default() };
+        let back = Resident { tokens: 6_000, peak_tokens: 7_000, turns: 3, last_ms: 2_000, ..Default::default() };
+        r.lock().insert(1, once);
+        r.lock().insert(2, back);
+        assert_eq!(r.working_set(0), vec![(2, 7_000)], "a one-turn conversation is not part of it");
+        // Both idle out: the one that came back is remembered through the window.
+        r.lock().clear();
+        r.remember_ended(1, &once);
+        r.remember_ended(2, &back);
+        assert_eq!(r.working_set(1_500), vec![(2, 7_000)]);
+        assert!(r.working_set(2_001).is_empty(), "past its window");
+        assert!(r.working_set(0).is_empty(), "and dropped then");
+        // Restored from the pins at start; back as a resident, it counts once.
+        r.remember(3, 4_000, 5_000);
+        r.remember(4, 2_000, 5_000);
+        assert_eq!(sorted(r.working_set(0)), vec![(3, 4_000), (4, 2_000)]);
+        assert!(r.back(3) && !r.back(3));
+        r.lock().insert(3, Resident { tokens: 4_500, peak_tokens: 4_500, turns: 2, ..Default::default() });
+        assert_eq!(sorted(r.working_set(0)), vec![(3, 4_500), (4, 2_000)]);
+        // Moved elsewhere, or the replica's pins deleted: gone from here.
+        r.forget(4);
+        assert_eq!(r.working_set(0), vec![(3, 4_500)]);
+        r.remember(5, 1_000, 5_000);
+        r.forget_ended();
+        assert_eq!(r.working_set(0), vec![(3, 4_500)], "the resident stays");
     }
 
     #[test]

@@ -22,7 +22,6 @@ use std::time::Duration;
 use serde::Deserialize;
 use utoipa::ToSchema;
 
-use crate::capacity::Capacity;
 use crate::domain_error::DomainError;
 use crate::events::{EventKind, EventLog};
 use crate::fleet::{normalize_url, validate_url, AdminState, Fleet, Replica, ReplicaSource, ReplicaSpec, ReplicaUrl};
@@ -91,7 +90,6 @@ pub struct Operator {
     pub(crate) events: Arc<EventLog>,
     pub(crate) store: Arc<dyn Store>,
     pub(crate) policy: Arc<CurrentPolicy>,
-    pub(crate) capacity: Arc<Capacity>,
     /// Sessions resident on each replica: they leave with it.
     pub(crate) sessions: Arc<crate::sessions::Sessions>,
     /// The operator's state of discovered replicas, by name (`discovered.rs`).
@@ -130,7 +128,6 @@ impl Operator {
             events: Arc::new(events),
             store,
             policy: Arc::new(CurrentPolicy::new(policy)),
-            capacity: Arc::new(Capacity::new(300)),
             sessions: crate::sessions::Sessions::new(Default::default()),
             discovered_admin: Default::default(),
             serial: Default::default(),
@@ -319,16 +316,12 @@ impl Operator {
     /// another instance's, or an operator's deletion once persisted.
     pub(crate) fn apply_pins(&self, changes: impl IntoIterator<Item = PinChange>) {
         let changes: Vec<PinChange> = changes.into_iter().collect();
-        // Conversations that came back on another instance are part of the
-        // fleet's working set here too.
-        // A pin to a replica this instance does not have changes neither.
+        // A pin to a replica this instance does not have changes nothing.
         for p in changes.iter().filter_map(|(_, p)| p.as_ref()) {
             let Some(r) = self.fleet.get(&p.replica) else { continue };
-            if p.turns >= 2 && p.origin.source == PinSource::Prefix {
-                self.capacity.touch_family(&r.capacity, p.family, p.est_tokens, p.last_used_ms);
-            }
             // Residency is the fleet's view: a conversation that came back,
-            // or one named by a session key, lives where its pin says.
+            // or one named by a session key, lives where its pin says (and
+            // is part of the fleet's working set here too).
             if p.turns >= 2 || matches!(p.origin.source, PinSource::PromptCacheKey | PinSource::SessionHeader) {
                 // A session's id is its family (a session key's pin is its own family).
                 let arrived = self.pins.get(p.family).map_or(p.last_used_ms, |first| first.created_ms);
@@ -453,6 +446,7 @@ impl Operator {
         self.apply_pins(deleted.iter().cloned());
         if let Some(r) = self.fleet.get(id) {
             r.capacity.forget();
+            r.residents.forget_ended();
         }
         let n = deleted.len();
         self.events.record(EventKind::PinsDeleted, Some(id), None, format!("{n} pin(s) deleted"));

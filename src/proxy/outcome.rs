@@ -13,7 +13,7 @@ use super::plan::PlanError;
 use super::usage::UsageTap;
 use crate::admission::Permit;
 use crate::announce::Announcer;
-use crate::capacity::{Capacity, RunningTicket, RunningWorker};
+use crate::capacity::{RunningTicket, RunningWorker};
 use crate::error::ApiError;
 use crate::events::{EventKind, EventLog};
 use crate::fleet::health::{HealthTracker, Observation};
@@ -29,7 +29,6 @@ pub struct OutcomeRecorder {
     events: Arc<EventLog>,
     /// This worker's metric handles (the recorder is built per worker).
     metrics: WorkerMetrics,
-    capacity: Arc<Capacity>,
     /// Where a moved conversation's old replica is found.
     fleet: Arc<crate::fleet::Fleet>,
     /// This worker's shard of the running requests.
@@ -80,7 +79,6 @@ impl OutcomeRecorder {
             pins: s.pins.clone(),
             events: s.events.clone(),
             metrics: WorkerMetrics::new(s.metrics.clone()),
-            capacity: s.capacity.clone(),
             fleet: s.fleet.clone(),
             running: s.capacity.running.worker(),
             health: s.health.clone(),
@@ -256,11 +254,9 @@ impl OutcomeRecorder {
         let recorded = self.pins.record(pin_at, &r.replica.id, parent, r.est_tokens, now, origin);
         if let Some(from) = &recorded.moved_from {
             if let Some(old) = self.fleet.get(from) {
-                old.capacity.working_set.moved(recorded.family);
+                // It lives here now (`Sessions::begin_turn` moved it if it was resident there).
+                old.residents.forget(recorded.family);
             }
-        }
-        if recorded.turns >= 2 {
-            self.capacity.touch_family(&r.replica.capacity, recorded.family, r.est_tokens, now);
         }
         predicted
     }

@@ -363,6 +363,8 @@ impl Sessions {
             let moved = if here { None } else { state.leave(session) };
             state.home.insert(session, Arc::downgrade(replica));
             let mut on = replica.residents.lock();
+            // One that ended here and came back has had a turn here already.
+            let returned = u32::from(replica.residents.back(session));
             let r = on.entry(session).or_insert(match moved {
                 // A move keeps what the session was: its gaps, peak and projection.
                 Some(m) => Resident { last_ms: now_ms, arrived_ms: now_ms, running: 0, ours: true, ..m },
@@ -375,6 +377,7 @@ impl Sessions {
                     link,
                     class: who.class,
                     client: client_hash(&who.client),
+                    turns: returned,
                     ..Default::default()
                 },
             });
@@ -390,6 +393,7 @@ impl Sessions {
             r.peak_tokens = r.peak_tokens.max(r.tokens);
             r.last_ms = now_ms;
             r.running += 1;
+            r.turns = r.turns.saturating_add(1);
             r.ours = true;
             moved.is_some()
         };
@@ -427,7 +431,9 @@ impl Sessions {
         }
         state.home.insert(session, Arc::downgrade(replica));
         let mut on = replica.residents.lock();
-        let r = on.entry(session).or_insert(Resident { tokens, last_ms, arrived_ms, ..Default::default() });
+        replica.residents.back(session);
+        // Known from its pins: it came back (or has a name), as the working set counts.
+        let r = on.entry(session).or_insert(Resident { tokens, last_ms, arrived_ms, turns: 2, ..Default::default() });
         if last_ms > r.last_ms && r.running == 0 {
             // A later turn began elsewhere: that instance, the last to serve
             // it, releases it once it idles out after that turn (it knows
@@ -478,6 +484,7 @@ impl Sessions {
                 on.get(session).is_none_or(|r| r.running == 0 && now_ms.saturating_sub(r.last_ms) > idle_after(r));
             if idle {
                 if let Some(r) = on.remove(session) {
+                    replica.residents.remember_ended(*session, &r);
                     if r.ours {
                         released.push((replica.id.clone(), *session));
                     }
@@ -512,6 +519,7 @@ impl Sessions {
         let mut on = home.residents.lock();
         if let Some(ended) = on.get(&session).filter(|r| r.running == 0).copied() {
             on.remove(&session);
+            home.residents.remember_ended(session, &ended);
             drop(on);
             state.home.remove(&session);
             drop(state);

@@ -158,7 +158,8 @@ async fn get_capacity_reports_without_recording_anything() {
     assert_eq!(state.events.count(EventKind::CapacityWarning), 0, "a GET must not change state");
     // The background evaluation is what records the transition, once.
     for _ in 0..2 {
-        state.capacity.evaluate(&state.fleet.capacity_inputs(), &state.events, prefixgate::clock::now_ms());
+        let since = state.capacity.since_ms(prefixgate::clock::now_ms());
+        state.capacity.evaluate(&state.fleet.capacity_inputs(since), &state.events);
     }
     assert_eq!(state.events.count(EventKind::CapacityWarning), 2, "one for the replica, one for the fleet");
 }
