@@ -11,6 +11,7 @@
 #                first idled out (it has learned what they grow to)
 #   off          the hold off (sessions.max_wait_ms=0)
 #   two-hold / two-off   two families, below the wall
+#   by-hand      two families at a time by hand, through the off gateway
 # Settings: sessions.idle_ms=1000, sessions.hold_min_tokens=512.
 # Prints each arm's wall time and the bench report (warm p50/p90, cached).
 # BIN=path/to/prefixgate runs that build instead of building this tree.
@@ -66,3 +67,12 @@ gateway two-hold
 run two-hold two-hold 2
 gateway two-off --set sessions.max_wait_ms=0
 run two-off two-off 2
+# Two at a time by hand (the whole-session schedule the hold's projection
+# aims at): half the families, then the other half once they idled out,
+# through the off gateway.
+sleep 2
+start=$(date +%s.%N)
+run by-hand-1 off "$((FAMILIES / 2))"
+sleep 1
+run by-hand-2 off "$((FAMILIES - FAMILIES / 2))"
+echo "wall by-hand (both halves, 1 s apart): $(echo "$(date +%s.%N) - $start" | bc) s"
