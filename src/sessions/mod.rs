@@ -463,11 +463,14 @@ impl Sessions {
                 gone = true;
                 return false;
             };
-            let lesson = walls.iter().any(|w| Arc::ptr_eq(w, &replica))
-                || (replica.residents.take_wall_lesson() && {
+            let lesson = match walls.iter().any(|w| Arc::ptr_eq(w, &replica)) {
+                true => true,
+                false if replica.residents.take_wall_lesson() => {
                     walls.push(replica.clone());
                     true
-                });
+                }
+                false => false,
+            };
             let mut on = replica.residents.lock();
             if lesson {
                 crossed.extend(on.get(session).map(|r| (r.link, r.tokens)));
