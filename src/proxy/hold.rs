@@ -205,12 +205,13 @@ pub type Admission = (Option<Duration>, Option<Reservation>);
 /// it (off with `sessions.max_wait_ms = 0`). Returns how long it waited,
 /// when it did (history and metrics record it), and its reservation.
 pub async fn hold_if_full(state: &AppState, lookup: &Lookup, tokens: u64, who: &Who) -> Result<Admission, ApiError> {
+    // Placement by room reads every instance's sessions, the hold on or off.
+    read_fleet_loads(state).await;
     let hold = state.sessions.settings();
     if hold.max_wait_ms == 0 {
         // Nothing waits, but placement by room counts it until it is resident.
         return Ok((None, Some(state.sessions.reserve_unheld(tokens))));
     }
-    read_fleet_loads(state).await;
     let model = lookup.shape.model.as_deref();
     let min_tokens =
         |rooms: &[Room]| hold.hold_min_tokens.unwrap_or_else(|| crate::sessions::room::default_min_tokens(rooms));
