@@ -385,8 +385,11 @@ impl Sessions {
                 r.class = who.class;
             }
             r.preempted = false;
-            if r.running == 0 {
-                // The silence since its last turn ended: how long its agent was away.
+            if r.running == 0 && r.ours {
+                // The silence since its last turn ended: how long its agent
+                // was away. Only when that turn ran here: a turn another
+                // instance served is known by when it began, not when it
+                // ended (that instance learns the gap, in `seen_elsewhere`).
                 r.longest_gap_ms = r.longest_gap_ms.max(now_ms.saturating_sub(r.last_ms));
             }
             r.tokens = tokens.max(moved.map_or(0, |m| m.tokens));
@@ -437,7 +440,13 @@ impl Sessions {
         if last_ms > r.last_ms && r.running == 0 {
             // A later turn began elsewhere: that instance, the last to serve
             // it, releases it once it idles out after that turn (it knows
-            // when the turn ends); this one stops keeping it.
+            // when the turn ends); this one stops keeping it. When the turn
+            // before ran here, the silence between its end and this start
+            // is the agent's gap: every instance learns it from the turns it
+            // hands on, so the one serving the last turn releases it soon.
+            if r.ours {
+                r.longest_gap_ms = r.longest_gap_ms.max(last_ms - r.last_ms);
+            }
             r.ours = false;
         }
         r.tokens = r.tokens.max(tokens);
@@ -1048,6 +1057,30 @@ mod tests {
         s.seen_elsewhere(&a, 2, 6_000, 10_000, 10_000);
         assert!(!s.sweep(10_000 + 5_000).any);
         assert!(s.sweep(10_000 + ELSEWHERE_FACTOR * 1_000 + 1).any);
+    }
+
+    #[test]
+    fn with_turns_spread_over_instances_each_learns_the_agents_gap_from_the_turns_it_hands_on() {
+        // Turns 1, 3, 5 here, 2 and 4 on other instances; each turn takes
+        // 1 s and the agent returns 50 ms after each.
+        let s = Sessions::new(SessionConfig { idle_ms: 5_000, ..settings() });
+        let a = replica("a");
+        // Ahead of the clock: a turn's guard, dropped now, ends it no later than asked.
+        let mut at = crate::clock::now_ms() + 100_000;
+        for turn in 1..=5u64 {
+            match turn % 2 {
+                1 => {
+                    let t = s.begin_turn(&a, 1, None, 1_000 * turn, &Who::default(), at);
+                    drop(t);
+                    s.end_turn(1, at + 1_000);
+                }
+                _ => s.seen_elsewhere(&a, 1, 1_000 * turn, at, 0),
+            }
+            at += 1_050;
+        }
+        let r = *a.residents.lock().get(&1).unwrap();
+        assert_eq!(r.longest_gap_ms, 50, "the agent's silence, not a turn elsewhere and its silence");
+        assert_eq!(r.idle_after_ms(5_000), crate::fleet::residents::MIN_IDLE_MS, "it leaves soon after its last turn");
     }
 
     #[test]
