@@ -262,8 +262,9 @@ async fn forward_request(
         // The guard holds the replica from here on (one reference, not two).
         let guard = replica.begin(*large);
         let replica = &guard.replica;
-        // The conversation it belongs to, as the working set knows it (its session's id).
-        let family = of_session.map(|s| s.id).or(pinned.as_ref().map(|(_, p)| p.family)).or(shape.pin_at);
+        // The conversation it belongs to, as the working set knows it: its
+        // session's id (a pinned turn's is its pin's family), else where it would pin.
+        let family = of_session.map(|s| s.id).or(shape.pin_at);
         let ticket = recorder.running(&replica.id, family, est_tokens);
         // Resident from this turn on; idle only once it ended. The pins
         // announced below carry the same moment: the other instances take
