@@ -182,9 +182,17 @@ fn spawn_background(state: &Arc<AppState>, admin_addr: SocketAddr) -> Background
     let sessions = actix_web::rt::spawn({
         let (sessions, store) = (state.sessions.clone(), state.store.clone());
         async move {
+            let mut next_sweep = sessions::RECHECK;
             loop {
-                tokio::time::sleep(sessions::RECHECK).await;
-                let swept = sessions.sweep(clock::now_ms());
+                tokio::time::sleep(next_sweep).await;
+                let now_ms = clock::now_ms();
+                let swept = sessions.sweep(now_ms);
+                // At the next idle-out if sooner: a paused turn or a held
+                // session gets the room the moment it opens.
+                next_sweep = swept
+                    .next_idle_out_ms
+                    .map(|at| Duration::from_millis(at.saturating_sub(now_ms)))
+                    .map_or(sessions::RECHECK, |due| due.clamp(sessions::MIN_SWEEP_SPACING, sessions::RECHECK));
                 if !swept.any && sessions.held() > 0 {
                     sessions.recheck();
                 }

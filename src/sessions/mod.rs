@@ -97,6 +97,12 @@ impl Default for SessionConfig {
 /// (capacity read by the prober, a replica added, another instance's pins).
 pub const RECHECK: Duration = Duration::from_millis(200);
 
+/// The sweep runs at the next idle-out (`Swept::next_idle_out_ms`), but no
+/// closer to the last sweep than this: with many sessions ending in turn, a
+/// sweep (a pass over every session) every few ms would cost more than the
+/// room it opens sooner.
+pub const MIN_SWEEP_SPACING: Duration = Duration::from_millis(20);
+
 /// A session another instance served last is forgotten here after this
 /// many times `idle_ms` without news, if that instance never released it.
 pub const ELSEWHERE_FACTOR: u64 = 6;
@@ -206,6 +212,10 @@ pub struct Swept {
     pub any: bool,
     /// This instance's own sessions that idled out, by replica.
     pub released: Vec<(Arc<str>, PrefixKey)>,
+    /// When the next resident session between turns idles out, ms (None:
+    /// none is): the next sweep is due then, not a whole `RECHECK` later,
+    /// since a paused turn or a held session waits for that moment.
+    pub next_idle_out_ms: Option<u64>,
 }
 
 /// Waits of held sessions, since start.
@@ -467,6 +477,7 @@ impl Sessions {
         // hold now, before they end (a cold gateway learns at its first wall).
         let mut walls: Vec<Arc<Replica>> = Vec::new();
         let mut crossed = Vec::new();
+        let mut next_idle_out_ms: Option<u64> = None;
         self.lock().home.retain(|session, home| {
             let Some(replica) = home.upgrade() else {
                 gone = true;
@@ -492,8 +503,11 @@ impl Sessions {
                 true => r.idle_after_ms(idle_ms),
                 false => idle_ms.saturating_mul(ELSEWHERE_FACTOR),
             };
-            let idle =
-                on.get(session).is_none_or(|r| r.running == 0 && now_ms.saturating_sub(r.last_ms) > idle_after(r));
+            let idle_out_ms = on
+                .get(session)
+                .filter(|r| r.running == 0)
+                .map(|r| r.last_ms.saturating_add(idle_after(r)).saturating_add(1));
+            let idle = on.get(session).is_none() || idle_out_ms.is_some_and(|at| now_ms >= at);
             if idle {
                 if let Some(r) = on.remove(session) {
                     replica.residents.remember_ended(*session, &r);
@@ -503,6 +517,8 @@ impl Sessions {
                     ended.push(r);
                 }
                 gone = true;
+            } else if let Some(at) = idle_out_ms {
+                next_idle_out_ms = Some(next_idle_out_ms.map_or(at, |n| n.min(at)));
             }
             !idle
         });
@@ -518,7 +534,7 @@ impl Sessions {
         if gone {
             self.changed.notify_waiters();
         }
-        Swept { any: gone, released }
+        Swept { any: gone, released, next_idle_out_ms }
     }
 
     /// Another instance released `session` on `replica` (it idled out
@@ -971,8 +987,13 @@ mod tests {
         drop(s.begin_turn(&a, 2, None, 500, &Who::default(), crate::clock::now_ms()));
         let last = crate::clock::now_ms() + 10;
         drop(s.begin_turn(&a, 2, None, 600, &Who::default(), last));
-        assert!(!s.sweep(last + crate::fleet::residents::MIN_IDLE_MS - 50).any);
-        assert!(s.sweep(last + crate::fleet::residents::MIN_IDLE_MS + 50).any);
+        let swept = s.sweep(last + crate::fleet::residents::MIN_IDLE_MS - 50);
+        assert!(!swept.any);
+        let due = last + crate::fleet::residents::MIN_IDLE_MS + 1;
+        assert_eq!(swept.next_idle_out_ms, Some(due), "the next sweep is due the moment it idles out");
+        assert!(!s.sweep(due - 1).any);
+        assert!(s.sweep(due).any);
+        assert_eq!(s.sweep(due).next_idle_out_ms, None, "nobody left to idle out");
         // Its entry in a shared store lives exactly that long, plus the flusher's slack.
         drop(s.begin_turn(&a, 3, None, 500, &Who::default(), crate::clock::now_ms()));
         let last = crate::clock::now_ms() + 1_000;
