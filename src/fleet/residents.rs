@@ -17,6 +17,9 @@ use crate::policy::PrefixKey;
 pub struct Resident {
     /// Its context now, tokens (its latest turn's).
     pub tokens: u64,
+    /// What its latest turn added to its context, tokens (0: one turn so
+    /// far): what its next turn will likely add (agents' contexts grow).
+    pub growth: u64,
     /// The largest context it reached: what it teaches the projections when it ends.
     pub peak_tokens: u64,
     /// What it was projected to reach when it arrived (0: nothing learned):
@@ -65,6 +68,13 @@ pub const GAP_FACTOR: u64 = 3;
 pub const MIN_IDLE_MS: u64 = 500;
 
 impl Resident {
+    /// Its context at its next turn, tokens, as far as anyone can tell: its
+    /// latest turn's plus what that turn added (whether the latest runs now
+    /// or ended: an agent's next turn comes within moments either way).
+    pub fn next_turn_tokens(&self) -> u64 {
+        self.tokens.saturating_add(self.growth)
+    }
+
     /// What it counts for against its replica's room, tokens.
     pub fn counted_tokens(&self) -> u64 {
         match self.preempted {

@@ -402,7 +402,9 @@ impl Sessions {
                 // ended (that instance learns the gap, in `seen_elsewhere`).
                 r.longest_gap_ms = r.longest_gap_ms.max(now_ms.saturating_sub(r.last_ms));
             }
-            r.tokens = tokens.max(moved.map_or(0, |m| m.tokens));
+            let tokens = tokens.max(moved.map_or(0, |m| m.tokens));
+            r.growth = tokens.saturating_sub(r.tokens);
+            r.tokens = tokens;
             r.peak_tokens = r.peak_tokens.max(r.tokens);
             r.last_ms = now_ms;
             r.running += 1;
@@ -459,7 +461,10 @@ impl Sessions {
             }
             r.ours = false;
         }
-        r.tokens = r.tokens.max(tokens);
+        if tokens > r.tokens {
+            r.growth = tokens - r.tokens;
+            r.tokens = tokens;
+        }
         r.peak_tokens = r.peak_tokens.max(r.tokens);
         r.last_ms = r.last_ms.max(last_ms);
     }
@@ -655,7 +660,8 @@ impl Sessions {
     }
 
     /// True when the next turn of resident `session` on `replica`, at
-    /// `tokens` of context, must pause (`room::must_pause`), or waits for
+    /// `tokens` of context, must pause (`room::must_pause`, the others at
+    /// their next turns' contexts: `Resident::next_turn_tokens`), or waits for
     /// room again after a higher class took its room (`preempt_for`).
     /// (Off with `sessions.pause = false`, or with the hold off.)
     pub fn must_pause(&self, replica: &Replica, session: PrefixKey, tokens: u64) -> bool {
@@ -688,7 +694,11 @@ impl Sessions {
             class: r.class,
             client_sessions: client_sessions(r.class, r.client),
         };
-        let others = on.iter().filter(|(s, _)| **s != session).map(|(s, r)| occupant(*s, r, r.tokens));
+        // The others at their next turn: an older one's next turn goes
+        // whatever comes, so a younger one that arrives first in a round
+        // must not take the room that turn will need (both would run over
+        // the pool, and the engine would thrash them both).
+        let others = on.iter().filter(|(s, _)| **s != session).map(|(s, r)| occupant(*s, r, r.next_turn_tokens()));
         room::must_pause(&shape, occupant(session, &me, tokens.max(me.tokens)), others)
     }
 
@@ -1123,6 +1133,29 @@ mod tests {
             assert!(s.must_pause(a, 2, 8_000), "2 is the youngest everywhere");
             assert!(!s.must_pause(a, 1, 8_000));
         }
+    }
+
+    #[test]
+    fn the_youngest_pauses_in_the_round_that_crosses_the_pool_whichever_turn_comes_first() {
+        let s = Sessions::new(settings());
+        let a = replica("a");
+        a.set_observed_kv(Some(12_000));
+        let now = crate::clock::now_ms();
+        // Two agents at 3,500 tokens, then 5,000: their next turns (6,500
+        // each) cross 12,000 together. The older's second turn runs now.
+        drop(s.begin_turn(&a, 1, None, 3_500, &Who::default(), now));
+        drop(s.begin_turn(&a, 2, None, 3_500, &Who::default(), now + 1));
+        let older = s.begin_turn(&a, 1, None, 5_000, &Who::default(), now + 10);
+        drop(s.begin_turn(&a, 2, None, 5_000, &Who::default(), now + 11));
+        // The younger's next turn comes first: it pauses now, not a round
+        // late (6,500 + 5,000 fit, but the older's next turn goes whatever
+        // comes, and both would then run over the pool and thrash).
+        assert!(s.must_pause(&a, 2, 6_500));
+        // The same with the older's turn ended, its next still to come.
+        drop(older);
+        assert!(s.must_pause(&a, 2, 6_500));
+        assert!(!s.must_pause(&a, 1, 6_500), "the older one never pauses");
+        assert!(!s.must_pause(&a, 2, 5_400), "a turn that fits beside the older's next goes");
     }
 
     #[tokio::test(start_paused = true)]
