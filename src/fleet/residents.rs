@@ -30,6 +30,12 @@ pub struct Resident {
     /// When it arrived on this replica (its first turn here), ms: the
     /// youngest is the one whose turns pause when the pool is crossed.
     pub arrived_ms: u64,
+    /// When its latest turn began, here or (as its pins say) elsewhere, ms:
+    /// a turn heard of from another instance is a later one only if it
+    /// began after this.
+    pub began_ms: u64,
+    /// When it was last active here: its latest turn's end, or its start
+    /// while it runs.
     pub last_ms: u64,
     /// Turns running now: a session mid-turn is never idle.
     pub running: u32,

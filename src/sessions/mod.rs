@@ -407,6 +407,7 @@ impl Sessions {
             r.tokens = tokens;
             r.peak_tokens = r.peak_tokens.max(r.tokens);
             r.last_ms = now_ms;
+            r.began_ms = now_ms;
             r.running += 1;
             r.turns = r.turns.saturating_add(1);
             r.ours = true;
@@ -448,18 +449,29 @@ impl Sessions {
         let mut on = replica.residents.lock();
         replica.residents.back(session);
         // Known from its pins: it came back (or has a name), as the working set counts.
-        let r = on.entry(session).or_insert(Resident { tokens, last_ms, arrived_ms, turns: 2, ..Default::default() });
-        if last_ms > r.last_ms && r.running == 0 {
+        let r = on.entry(session).or_insert(Resident {
+            tokens,
+            last_ms,
+            began_ms: last_ms,
+            arrived_ms,
+            turns: 2,
+            ..Default::default()
+        });
+        // Compared with when the latest turn known here began, not with when
+        // it ended: the client may send the next turn elsewhere before this
+        // instance sees its own turn's stream end.
+        if last_ms > r.began_ms {
             // A later turn began elsewhere: that instance, the last to serve
             // it, releases it once it idles out after that turn (it knows
             // when the turn ends); this one stops keeping it. When the turn
             // before ran here, the silence between its end and this start
             // is the agent's gap: every instance learns it from the turns it
             // hands on, so the one serving the last turn releases it soon.
-            if r.ours {
-                r.longest_gap_ms = r.longest_gap_ms.max(last_ms - r.last_ms);
+            if r.ours && r.running == 0 {
+                r.longest_gap_ms = r.longest_gap_ms.max(last_ms.saturating_sub(r.last_ms));
             }
             r.ours = false;
+            r.began_ms = last_ms;
         }
         if tokens > r.tokens {
             r.growth = tokens - r.tokens;
@@ -1088,6 +1100,24 @@ mod tests {
         s.seen_elsewhere(&a, 2, 6_000, 10_000, 10_000);
         assert!(!s.sweep(10_000 + 5_000).any);
         assert!(s.sweep(10_000 + ELSEWHERE_FACTOR * 1_000 + 1).any);
+    }
+
+    #[test]
+    fn a_next_turn_elsewhere_heard_before_this_instance_saw_its_own_turn_end_is_still_the_later_one() {
+        let s = Sessions::new(settings()); // idle_ms 1 s
+        let a = replica("a");
+        let t0 = crate::clock::now_ms();
+        let turn = s.begin_turn(&a, 1, None, 2_000, &Who::default(), t0);
+        // The client had its answer and sent the next turn to another
+        // instance before this one saw its own stream end.
+        s.seen_elsewhere(&a, 1, 2_500, t0 + 100, t0);
+        drop(turn);
+        // That instance serves the latest turn and releases it: not this one.
+        let swept = s.sweep(t0 + 100 + 1_001);
+        assert!(swept.released.is_empty() && s.is_resident(1), "released while its latest turn ran elsewhere");
+        // An older notice (its own turn's, announced again) changes nothing.
+        s.seen_elsewhere(&a, 1, 2_500, t0 + 50, t0);
+        assert!(s.sweep(t0 + 100 + 1_001).released.is_empty());
     }
 
     #[test]
