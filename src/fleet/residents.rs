@@ -34,8 +34,9 @@ pub struct Resident {
     /// a turn heard of from another instance is a later one only if it
     /// began after this.
     pub began_ms: u64,
-    /// When it was last active here: its latest turn's end, or its start
-    /// while it runs.
+    /// When it was last active: its latest turn's start while it runs, its
+    /// end once it ended here, or the start of a later one elsewhere (as
+    /// its pins say). Its idle-out counts from this.
     pub last_ms: u64,
     /// Turns running now: a session mid-turn is never idle.
     pub running: u32,
