@@ -324,8 +324,13 @@ impl Operator {
             // is part of the fleet's working set here too).
             if p.turns >= 2 || matches!(p.origin.source, PinSource::PromptCacheKey | PinSource::SessionHeader) {
                 // A session's id is its family (a session key's pin is its own family).
-                let arrived = self.pins.get(p.family).map_or(p.last_used_ms, |first| first.created_ms);
-                self.sessions.seen_elsewhere(&r, p.family, p.est_tokens, p.last_used_ms, arrived);
+                let first = self.pins.get(p.family);
+                let arrived = first.as_ref().map_or(p.last_used_ms, |first| first.created_ms);
+                // Its first turn's size is its family's first pin's: what each turn added since.
+                let growth = first
+                    .filter(|_| p.turns >= 2)
+                    .map_or(0, |first| p.est_tokens.saturating_sub(first.est_tokens) / u64::from(p.turns - 1));
+                self.sessions.seen_elsewhere(&r, p.family, p.est_tokens, p.last_used_ms, arrived, growth);
             }
         }
         self.pins.apply(changes);

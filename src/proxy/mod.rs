@@ -229,7 +229,10 @@ async fn forward_request(
             if let Some(s) = of_session.filter(|s| !s.new && !here(s.id) && !state.sessions.is_resident(s.id)) {
                 let now = crate::clock::now_ms();
                 let arrived = state.pins.get(s.id).map_or(now, |first| first.created_ms);
-                state.sessions.seen_elsewhere(&replica, s.id, est_tokens, now, arrived);
+                // Resident at its previous turn's context (its pin's): this
+                // turn, beginning, says what it added.
+                let previous = pinned.as_ref().map_or(est_tokens, |(_, p)| p.est_tokens.min(est_tokens));
+                state.sessions.seen_elsewhere(&replica, s.id, previous, now, arrived, 0);
             }
             // A resident session's turn pauses here, before it starts, while
             // its replica's sessions outgrew the KV and it is the youngest there.

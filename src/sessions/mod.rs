@@ -433,6 +433,8 @@ impl Sessions {
     /// say, as of `last_ms` (no turn of it runs here), since `arrived_ms`
     /// (its first turn: its family's first pin's creation, the same moment
     /// on every instance, so all agree which session is the youngest).
+    /// `growth_hint`: what its turns added on average, as its pins say (0:
+    /// unknown), until a turn seen here says.
     pub fn seen_elsewhere(
         &self,
         replica: &Arc<Replica>,
@@ -440,6 +442,7 @@ impl Sessions {
         tokens: u64,
         last_ms: u64,
         arrived_ms: u64,
+        growth_hint: u64,
     ) {
         let mut state = self.lock();
         if state.home.get(&session).is_some_and(|home| !std::ptr::eq(home.as_ptr(), Arc::as_ptr(replica))) {
@@ -476,6 +479,11 @@ impl Sessions {
         if tokens > r.tokens {
             r.growth = tokens - r.tokens;
             r.tokens = tokens;
+        } else if r.growth == 0 {
+            // First heard of here, after turns elsewhere: its pins say what
+            // they added, or the youngest would reckon with it at its size
+            // now and go into a round that crosses the pool.
+            r.growth = growth_hint;
         }
         r.peak_tokens = r.peak_tokens.max(r.tokens);
         r.last_ms = r.last_ms.max(last_ms);
@@ -1089,7 +1097,7 @@ mod tests {
         drop(s.begin_turn(&a, 1, None, 5_000, &Who::default(), 1_000));
         // Its next turn began on another instance at 2,000 and is still running
         // there at 4,000, past this instance's idle-out of 1 s.
-        s.seen_elsewhere(&a, 1, 6_000, 2_000, 1_000);
+        s.seen_elsewhere(&a, 1, 6_000, 2_000, 1_000, 0);
         let swept = s.sweep(4_000);
         assert!(swept.released.is_empty() && s.is_resident(1), "kept, and not released by this instance");
         // That instance releases it once it idles out after its turn.
@@ -1097,7 +1105,7 @@ mod tests {
         assert!(!s.is_resident(1));
         assert_eq!(s.project(None), Some(6_000), "what it grew to, seen here, is learned here too");
         // Without news, it leaves after ELSEWHERE_FACTOR x idle_ms.
-        s.seen_elsewhere(&a, 2, 6_000, 10_000, 10_000);
+        s.seen_elsewhere(&a, 2, 6_000, 10_000, 10_000, 0);
         assert!(!s.sweep(10_000 + 5_000).any);
         assert!(s.sweep(10_000 + ELSEWHERE_FACTOR * 1_000 + 1).any);
     }
@@ -1110,13 +1118,13 @@ mod tests {
         let turn = s.begin_turn(&a, 1, None, 2_000, &Who::default(), t0);
         // The client had its answer and sent the next turn to another
         // instance before this one saw its own stream end.
-        s.seen_elsewhere(&a, 1, 2_500, t0 + 100, t0);
+        s.seen_elsewhere(&a, 1, 2_500, t0 + 100, t0, 0);
         drop(turn);
         // That instance serves the latest turn and releases it: not this one.
         let swept = s.sweep(t0 + 100 + 1_001);
         assert!(swept.released.is_empty() && s.is_resident(1), "released while its latest turn ran elsewhere");
         // An older notice (its own turn's, announced again) changes nothing.
-        s.seen_elsewhere(&a, 1, 2_500, t0 + 50, t0);
+        s.seen_elsewhere(&a, 1, 2_500, t0 + 50, t0, 0);
         assert!(s.sweep(t0 + 100 + 1_001).released.is_empty());
     }
 
@@ -1135,7 +1143,7 @@ mod tests {
                     drop(t);
                     s.end_turn(1, at + 1_000);
                 }
-                _ => s.seen_elsewhere(&a, 1, 1_000 * turn, at, 0),
+                _ => s.seen_elsewhere(&a, 1, 1_000 * turn, at, 0, 0),
             }
             at += 1_050;
         }
@@ -1156,13 +1164,30 @@ mod tests {
             r.set_observed_kv(Some(12_000));
         }
         drop(x.begin_turn(&ax, 1, None, 5_000, &Who::default(), 100));
-        x.seen_elsewhere(&ax, 2, 5_000, 5_000, 101);
-        y.seen_elsewhere(&ay, 1, 5_000, 4_000, 100);
-        y.seen_elsewhere(&ay, 2, 5_000, 200, 101);
+        x.seen_elsewhere(&ax, 2, 5_000, 5_000, 101, 0);
+        y.seen_elsewhere(&ay, 1, 5_000, 4_000, 100, 0);
+        y.seen_elsewhere(&ay, 2, 5_000, 200, 101, 0);
         for (s, a) in [(&x, &ax), (&y, &ay)] {
             assert!(s.must_pause(a, 2, 8_000), "2 is the youngest everywhere");
             assert!(!s.must_pause(a, 1, 8_000));
         }
+    }
+
+    #[test]
+    fn a_session_first_heard_of_from_its_pins_counts_at_what_its_turns_added() {
+        let s = Sessions::new(settings());
+        let a = replica("a");
+        a.set_observed_kv(Some(3_072));
+        let now = crate::clock::now_ms();
+        // The older: three turns elsewhere, 1,072 tokens growing ~200 a turn.
+        s.seen_elsewhere(&a, 1, 1_469, now, now - 2_000, 198);
+        drop(s.begin_turn(&a, 2, None, 1_300, &Who::default(), now - 1_000));
+        // The younger's 1,450 beside the older's next (~1,667) crosses 3,072.
+        assert!(s.must_pause(&a, 2, 1_450));
+        // A turn seen here says what it added, and replaces the hint.
+        s.seen_elsewhere(&a, 1, 1_500, now + 10, now - 2_000, 198);
+        assert_eq!(a.residents.lock()[&1].growth, 31);
+        assert!(!s.must_pause(&a, 2, 1_450));
     }
 
     #[test]
@@ -1226,7 +1251,7 @@ mod tests {
         drop(s.begin_turn(&a, 1, None, 300, &Who::default(), 0));
         drop(s.begin_turn(&b, 1, None, 200, &Who::default(), 1));
         assert_eq!((Sessions::resident(&a).sessions, Sessions::resident(&b).tokens), (0, 300));
-        s.seen_elsewhere(&a, 2, 100, 5, 5);
+        s.seen_elsewhere(&a, 2, 100, 5, 5, 0);
         a.set_observed_kv(Some(1_000));
         assert_eq!(s.room_of(&a).left(), Some(900));
         a.set_slot_tokens(Some(250));
