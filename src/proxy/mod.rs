@@ -310,7 +310,6 @@ async fn forward_request(
                     session: *session,
                     dialect: shape.dialect,
                     est_tokens,
-                    now_ms,
                 });
                 trace.set(|| {
                     let predicted =
