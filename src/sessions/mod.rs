@@ -508,14 +508,11 @@ impl Sessions {
                 gone = true;
                 return false;
             };
-            let lesson = match walls.iter().any(|w| Arc::ptr_eq(w, &replica)) {
-                true => true,
-                false if replica.residents.take_wall_lesson() => {
-                    walls.push(replica.clone());
-                    true
-                }
-                false => false,
-            };
+            let seen = |walls: &[Arc<Replica>]| walls.iter().any(|w| Arc::ptr_eq(w, &replica));
+            if !seen(&walls) && replica.residents.take_wall_lesson() {
+                walls.push(replica.clone());
+            }
+            let lesson = seen(&walls);
             let mut on = replica.residents.lock();
             if lesson {
                 crossed.extend(on.get(session).map(|r| (r.link, r.tokens)));
