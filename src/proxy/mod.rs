@@ -310,6 +310,7 @@ async fn forward_request(
                     session: *session,
                     dialect: shape.dialect,
                     est_tokens,
+                    now_ms,
                 });
                 trace.set(|| {
                     let predicted =

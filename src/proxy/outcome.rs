@@ -55,6 +55,10 @@ pub struct Responded<'a> {
     pub session: Option<SessionKey>,
     pub dialect: Dialect,
     pub est_tokens: u64,
+    /// When the turn began here (`Routed::now_ms`): its pins are recorded
+    /// at that moment, the one they were announced with, so every instance
+    /// dates the conversation alike (which session is the youngest).
+    pub now_ms: u64,
 }
 
 /// A routing decision, before the request is sent.
@@ -227,7 +231,7 @@ impl OutcomeRecorder {
         if !r.success {
             return None;
         }
-        let now = crate::clock::now_ms();
+        let now = r.now_ms;
         if let Some(s) = r.session {
             // The session lives where its latest turn went.
             let source = match s.kind {

@@ -237,6 +237,29 @@ async fn pins_events_and_policy_through_the_api() {
 }
 
 #[actix_web::test]
+async fn a_pin_is_dated_when_its_turn_began_not_when_the_engine_answered() {
+    // 20 tokens at 40 a second, not streamed: the answer comes ~0.5 s after
+    // the turn began. Every instance dates a conversation by its pins, and
+    // the others hear them when the turn begins: the one serving it must
+    // record the same moment, or they disagree on which session is youngest.
+    let slow = start_sim("a", slow_decoder(40.0)).await;
+    let gw = start_gateway(test_config(&[&slow])).await;
+    let began = std::time::SystemTime::now();
+    let r =
+        post(&format!("{}/v1/chat/completions", gw.base), &chat_body(&[("user", "dated")], json!({"max_tokens": 20})))
+            .await;
+    let answered = std::time::SystemTime::now();
+    assert_eq!(r.status, 200);
+    let (_, page) = admin("GET", &format!("{}/admin/v1/pins", gw.admin), None, None).await;
+    let pin = &page["items"][0];
+    let at = |field: &str| humantime::parse_rfc3339(pin[field].as_str().unwrap()).unwrap();
+    assert_eq!(at("created"), at("last_used"));
+    assert!(at("created") <= began + Duration::from_millis(200), "dated at the turn's start");
+    assert!(answered.duration_since(at("created")).unwrap() >= Duration::from_millis(400), "not at its answer");
+    gw.stop().await;
+}
+
+#[actix_web::test]
 async fn the_live_spec_matches_the_committed_one_and_swagger_ui_is_served() {
     let a = start_sim("a", fast_sim()).await;
     let gw = start_gateway(test_config(&[&a])).await;
