@@ -86,8 +86,10 @@ pub struct StoreConfig {
     pub url: Option<String>,
     /// This instance's name in the shared store (default: hostname and process id).
     pub instance: Option<String>,
-    /// A stored response id this instance does not know is looked up in the
-    /// shared store for at most this long before the replicas are asked.
+    /// A stored response id, a continuation's prefixes or a session key this
+    /// instance does not know are looked up in the shared store for at most
+    /// this long (a stored response's replicas are asked next; a request
+    /// nobody pinned is spread).
     pub read_through_ms: u64,
 }
 

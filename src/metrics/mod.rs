@@ -185,6 +185,9 @@ pub struct Metrics {
     /// Stored response ids this instance did not know, by where they were
     /// found (result=store|replica|unknown).
     pub stored_response_lookups: Family<ResultLabels, Counter>,
+    /// Continuations and named sessions with no pin here, read from the
+    /// shared store (result=found|missed).
+    pub pin_read_through: Family<ResultLabels, Counter>,
     /// Pin changes the flusher wrote to the store.
     pub pins_persisted: Counter,
     /// New sessions' waits for room at the KV wall, placed or not.
@@ -245,6 +248,7 @@ impl Metrics {
             // 50 µs .. ~1.6 s: a pub/sub hop on loopback is well under a millisecond.
             propagation: Histogram::new(exponential_buckets(0.000_05, 2.0, 16)),
             stored_response_lookups: Family::default(),
+            pin_read_through: Family::default(),
             pins_persisted: Counter::default(),
             // 10 ms .. ~164 s: a session waits for another to finish.
             session_hold: Family::new_with_constructor(hold_histogram as fn() -> Histogram),
@@ -373,6 +377,11 @@ impl Metrics {
             m.stored_response_lookups.clone(),
         );
         registry.register(
+            "prefixgate_pin_read_through",
+            "Continuations and named sessions with no pin here, read from the shared store (result=found|missed)",
+            m.pin_read_through.clone(),
+        );
+        registry.register(
             "prefixgate_pins_persisted",
             "Pin changes written to the store by the flusher (batched behind the requests)",
             m.pins_persisted.clone(),
@@ -453,6 +462,9 @@ impl Metrics {
         }
         for result in ["store", "replica", "unknown"] {
             m.stored_response_lookups.get_or_create(&ResultLabels { result }).inc_by(0);
+        }
+        for result in ["found", "missed"] {
+            m.pin_read_through.get_or_create(&ResultLabels { result }).inc_by(0);
         }
         // Every class starts at zero, so a rate over a quiet class is 0, not absent.
         for class in crate::priority::Class::ALL {

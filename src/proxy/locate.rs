@@ -40,6 +40,7 @@ use super::outcome::OutcomeRecorder;
 use super::upstream::Upstream;
 use crate::metrics::ResultLabels;
 use crate::policy::sessions::response_key;
+use crate::policy::PrefixKey;
 use crate::state::AppState;
 
 /// The replica holding the stored response `id`, if anyone does.
@@ -69,6 +70,28 @@ pub async fn stored_response(
     Some(home)
 }
 
+/// A turn that outran the announcement of the pins it continues (another
+/// instance answered its previous turn a moment ago, and this one has not
+/// applied the message yet): the shared store, written before the message
+/// went out (`Store::publish_pins`), is read for `keys` within
+/// `store.read_through_ms`, and what it holds is applied here as if heard.
+/// Returns whether anything was found.
+pub async fn pins_in_shared_store(state: &AppState, keys: Vec<PrefixKey>) -> bool {
+    if keys.is_empty() || !state.shared_store_answers() {
+        return false;
+    }
+    let budget = Duration::from_millis(state.config.store.read_through_ms);
+    let found: Vec<_> = match tokio::time::timeout(budget, state.store.pins_at(&keys)).await {
+        Ok(Ok(pins)) => keys.into_iter().zip(pins).filter(|(_, pin)| pin.is_some()).collect(),
+        _ => Vec::new(),
+    };
+    let result = if found.is_empty() { "missed" } else { "found" };
+    state.metrics.pin_read_through.get_or_create(&ResultLabels { result }).inc();
+    let any = !found.is_empty();
+    state.operator.apply_pins(found);
+    any
+}
+
 /// Step 1: the shared store's copy, within the read-through budget.
 async fn in_shared_store(state: &AppState, id: &str) -> Option<Arc<str>> {
     if !state.shared_store_answers() {
@@ -76,8 +99,8 @@ async fn in_shared_store(state: &AppState, id: &str) -> Option<Arc<str>> {
     }
     let budget = Duration::from_millis(state.config.store.read_through_ms);
     // Not waited for beyond the budget (a slow store costs this request nothing more).
-    match tokio::time::timeout(budget, state.store.pin(response_key(id))).await {
-        Ok(Ok(Some(pin))) => Some(pin.replica),
+    match tokio::time::timeout(budget, state.store.pins_at(&[response_key(id)])).await {
+        Ok(Ok(mut pins)) => pins.pop().flatten().map(|pin| pin.replica),
         _ => None,
     }
 }

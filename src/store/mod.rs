@@ -228,15 +228,17 @@ pub trait Store: Send + Sync {
     async fn release_sessions(&self, _sessions: &[(String, String)]) -> Result<(), StoreError> {
         Ok(())
     }
-    /// Tells the other instances about pin changes at once, without
-    /// persisting them (shared stores only; the flusher persists later).
+    /// Tells the other instances about pin changes at once, and writes
+    /// them where a turn that outran the message can read them (`pins_at`).
+    /// Shared stores only; the flusher writes them again with the rest.
     async fn publish_pins(&self, _changes: &[PinChange]) -> Result<(), StoreError> {
         Ok(())
     }
-    /// Reads one pin from the shared store (shared stores only: an embedded
-    /// store's pins are all in memory already).
-    async fn pin(&self, _key: PrefixKey) -> Result<Option<Pin>, StoreError> {
-        Ok(None)
+    /// Reads pins from the shared store, one answer per key in order
+    /// (shared stores only: an embedded store's pins are all in memory
+    /// already).
+    async fn pins_at(&self, keys: &[PrefixKey]) -> Result<Vec<Option<Pin>>, StoreError> {
+        Ok(vec![None; keys.len()])
     }
     /// The changes other instances make, as they come (shared stores only:
     /// others return `None`). A task of the store's own listens, and ends

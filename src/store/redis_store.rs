@@ -206,12 +206,22 @@ impl RedisStore {
     }
 
     async fn announce(&self, change: Change) -> Result<(), StoreError> {
-        self.announce_on(&self.conn, change).await
+        let msg = self.envelope(change);
+        self.run(|mut c| async move { c.publish::<_, _, ()>(key("changes"), msg).await }).await
     }
 
-    async fn announce_on(&self, slot: &Slot, change: Change) -> Result<(), StoreError> {
-        let msg = serde_json::to_string(&Envelope { from: self.instance.clone(), change }).expect("serializable");
-        self.run_on(slot, |mut c| async move { c.publish::<_, _, ()>(key("changes"), msg).await }).await
+    fn envelope(&self, change: Change) -> String {
+        serde_json::to_string(&Envelope { from: self.instance.clone(), change }).expect("serializable")
+    }
+}
+
+/// Adds the writes of `changes` to the pins hash to `pipe`.
+fn write_pins_in(pipe: &mut redis::Pipeline, changes: &[PinChange]) {
+    for (k, pin) in changes {
+        match pin {
+            Some(p) => pipe.hset(key("pins"), k.to_be_bytes().to_vec(), encode_pin(p)).ignore(),
+            None => pipe.hdel(key("pins"), k.to_be_bytes().to_vec()).ignore(),
+        };
     }
 }
 
@@ -359,27 +369,37 @@ impl Store for RedisStore {
         }
         let mut pipe = redis::pipe();
         pipe.atomic();
-        for (k, pin) in changes {
-            match pin {
-                Some(p) => pipe.hset(key("pins"), k.to_be_bytes().to_vec(), encode_pin(p)).ignore(),
-                None => pipe.hdel(key("pins"), k.to_be_bytes().to_vec()).ignore(),
-            };
-        }
+        write_pins_in(&mut pipe, changes);
         self.run(|mut c| async move { pipe.query_async::<()>(&mut c).await }).await?;
         // Announced again after persisting: an instance that missed the
         // first announcement (a full queue, a reconnect) catches up here.
         self.announce(pins_change(changes)).await
     }
 
+    /// One pipeline, written before it is announced: a turn that reaches
+    /// another instance before the message does finds the pin by reading
+    /// (`pins_at`). Why both: the next turn of an agent can come within a
+    /// millisecond of the answer, faster than a loaded instance applies
+    /// what it hears.
     async fn publish_pins(&self, changes: &[PinChange]) -> Result<(), StoreError> {
-        self.announce_on(&self.publisher, pins_change(changes)).await
+        let mut pipe = redis::pipe();
+        write_pins_in(&mut pipe, changes);
+        pipe.publish(key("changes"), self.envelope(pins_change(changes))).ignore();
+        self.run_on(&self.publisher, |mut c| async move { pipe.query_async::<()>(&mut c).await }).await
     }
 
-    async fn pin(&self, k: PrefixKey) -> Result<Option<Pin>, StoreError> {
-        let v: Option<Vec<u8>> = self
-            .run_on(&self.reader, |mut c| async move { c.hget(key("pins"), k.to_be_bytes().to_vec()).await })
+    async fn pins_at(&self, keys: &[PrefixKey]) -> Result<Vec<Option<Pin>>, StoreError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let fields: Vec<Vec<u8>> = keys.iter().map(|k| k.to_be_bytes().to_vec()).collect();
+        // HMGET, even for one key: always an array back.
+        let values: Vec<Option<Vec<u8>>> = self
+            .run_on(&self.reader, |mut c| async move {
+                redis::cmd("HMGET").arg(key("pins")).arg(fields).query_async(&mut c).await
+            })
             .await?;
-        v.map(|v| decode_pin(&v).map_err(corrupt("pins"))).transpose()
+        values.into_iter().map(|v| v.map(|v| decode_pin(&v).map_err(corrupt("pins"))).transpose()).collect()
     }
 
     async fn append_event(&self, e: &Event, dropped_up_to: Option<u64>) -> Result<(), StoreError> {
@@ -405,12 +425,7 @@ impl Store for RedisStore {
             pipe.zrembyscore(key("events"), "-inf", upto).ignore();
         }
         for (e, _) in batch {
-            let msg = serde_json::to_string(&Envelope {
-                from: self.instance.clone(),
-                change: Change::Event { event: e.clone() },
-            })
-            .expect("serializable");
-            pipe.publish(key("changes"), msg).ignore();
+            pipe.publish(key("changes"), self.envelope(Change::Event { event: e.clone() })).ignore();
         }
         self.run(|mut c| async move { pipe.query_async::<()>(&mut c).await }).await
     }
@@ -550,8 +565,7 @@ impl Store for RedisStore {
             pipe.hdel(key(&format!("session_tokens:{replica}")), session).ignore();
         }
         let change = Change::SessionsReleased { sessions: sessions.to_vec(), sent_us: super::now_us() };
-        let msg = serde_json::to_string(&Envelope { from: self.instance.clone(), change }).expect("serializable");
-        pipe.publish(key("changes"), msg).ignore();
+        pipe.publish(key("changes"), self.envelope(change)).ignore();
         self.run_on(&self.publisher, |mut c| async move { pipe.query_async::<()>(&mut c).await }).await
     }
 

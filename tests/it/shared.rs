@@ -590,6 +590,51 @@ async fn with_no_pause_between_turns_every_instance_knows_the_last_turns_pin() {
     }
 }
 
+/// A turn that outruns its previous turn's announcement (a loaded instance
+/// had not applied the message yet) finds the pin in the shared store:
+/// announcing writes it there first. Simulated by forgetting, on the second
+/// instance only, what it heard; the flusher is slowed to 10 s, so only the
+/// announcement can have written it.
+#[actix_web::test]
+async fn a_turn_that_outruns_the_announcement_reads_its_pin_from_the_store() {
+    let Some(redis) = Redis::start() else { return };
+    let (a, b) = (start_sim("a", fast_sim()).await, start_sim("b", fast_sim()).await);
+    let mut gws = Vec::new();
+    for i in 0..2 {
+        let mut c = shared_config(&[&a, &b], &redis, &format!("gw{i}"));
+        c.pins.flush_interval_ms = 10_000;
+        gws.push(start_gateway(c).await);
+    }
+    let mut msgs = vec![
+        json!({"role": "system", "content": "You are an agent."}),
+        json!({"role": "user", "content": text("outrun", 2_000)}),
+    ];
+    let turn = |base: &str, msgs: &Vec<serde_json::Value>| {
+        let url = format!("{base}/v1/chat/completions");
+        let body = json!({"model": "sim-model", "messages": msgs, "max_tokens": 4});
+        async move { post_with(&url, &body, &[]).await }
+    };
+    let first = turn(&gws[0].base, &msgs).await;
+    assert_eq!(first.status, 200);
+    let keys = gws[0].gw.pins.keys_of(&first.replica);
+    assert!(!keys.is_empty());
+    wait_until("the announcement heard", PROPAGATION, || keys.iter().all(|k| gws[1].gw.pins.get(*k).is_some())).await;
+    gws[1].gw.pins.apply(keys.iter().map(|k| (*k, None)));
+    msgs.push(first.body["choices"][0]["message"].clone());
+    msgs.push(json!({"role": "user", "content": "tool result"}));
+    let second = turn(&gws[1].base, &msgs).await;
+    assert_eq!((second.replica.as_str(), second.route.as_str()), (first.replica.as_str(), "pinned"));
+    let read = |result: &str| {
+        let text = gws[1].gw.metrics.encode();
+        let line = format!("prefixgate_pin_read_through_total{{result=\"{result}\"}} ");
+        text.lines().find_map(|l| l.strip_prefix(line.as_str())).map(|v| v.parse::<f64>().unwrap()).unwrap()
+    };
+    assert_eq!(read("found"), 1.0);
+    for gw in gws {
+        gw.stop().await;
+    }
+}
+
 /// Issue 19: with Redis down, nothing is announced; a follow-up that names a
 /// response this instance never heard of still reaches the replica holding
 /// it (found by asking the replicas), and the answer is recorded.
