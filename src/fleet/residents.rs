@@ -17,9 +17,11 @@ use crate::policy::PrefixKey;
 pub struct Resident {
     /// Its context now, tokens (its latest turn's).
     pub tokens: u64,
-    /// What its latest turn added to its context, tokens (0: one turn so
-    /// far): what its next turn will likely add (agents' contexts grow).
-    pub growth: u64,
+    /// What its latest turns added to its context, tokens, newest first
+    /// (0: not known yet): its next turn likely adds as much as the most of
+    /// these (agents' contexts grow, by as much as their answers and tool
+    /// results, which vary). Read through `growth`, written by `grew`.
+    pub recent_growth: [u64; GROWTH_MEMORY],
     /// The largest context it reached: what it teaches the projections when it ends.
     pub peak_tokens: u64,
     /// What it was projected to reach when it arrived (0: nothing learned):
@@ -74,12 +76,33 @@ pub const GAP_FACTOR: u64 = 3;
 /// a moment (the client's own work, a pub/sub hop to another instance).
 pub const MIN_IDLE_MS: u64 = 500;
 
+/// How many of a session's latest turns its next turn's growth is guessed
+/// from. Why not only the latest: on real vLLM, one agent's turns added
+/// 195-380 tokens (its answers' lengths vary), and reckoning with the
+/// latest let an older session's turn cross a 3,072-token pool by 16
+/// tokens (docs/benchmarks.md, three instances). Why not every turn: a
+/// one-off large tool result would count against the room for the rest of
+/// the session.
+pub const GROWTH_MEMORY: usize = 3;
+
 impl Resident {
     /// Its context at its next turn, tokens, as far as anyone can tell: its
-    /// latest turn's plus what that turn added (whether the latest runs now
-    /// or ended: an agent's next turn comes within moments either way).
+    /// latest turn's plus the most its recent turns added (whether the
+    /// latest runs now or ended: an agent's next turn comes within moments
+    /// either way).
     pub fn next_turn_tokens(&self) -> u64 {
-        self.tokens.saturating_add(self.growth)
+        self.tokens.saturating_add(self.growth())
+    }
+
+    /// The most its recent turns added, tokens (0: not known yet).
+    pub fn growth(&self) -> u64 {
+        self.recent_growth.iter().copied().max().unwrap_or(0)
+    }
+
+    /// Its latest turn added `tokens`.
+    pub fn grew(&mut self, tokens: u64) {
+        self.recent_growth.rotate_right(1);
+        self.recent_growth[0] = tokens;
     }
 
     /// What it counts for against its replica's room, tokens.

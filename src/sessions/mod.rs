@@ -403,7 +403,7 @@ impl Sessions {
                 r.longest_gap_ms = r.longest_gap_ms.max(now_ms.saturating_sub(r.last_ms));
             }
             let tokens = tokens.max(moved.map_or(0, |m| m.tokens));
-            r.growth = tokens.saturating_sub(r.tokens);
+            r.grew(tokens.saturating_sub(r.tokens));
             r.tokens = tokens;
             r.peak_tokens = r.peak_tokens.max(r.tokens);
             r.last_ms = now_ms;
@@ -477,13 +477,13 @@ impl Sessions {
             r.began_ms = last_ms;
         }
         if tokens > r.tokens {
-            r.growth = tokens - r.tokens;
+            r.grew(tokens - r.tokens);
             r.tokens = tokens;
-        } else if r.growth == 0 {
+        } else if r.growth() == 0 {
             // First heard of here, after turns elsewhere: its pins say what
             // they added, or the youngest would reckon with it at its size
             // now and go into a round that crosses the pool.
-            r.growth = growth_hint;
+            r.grew(growth_hint);
         }
         r.peak_tokens = r.peak_tokens.max(r.tokens);
         r.last_ms = r.last_ms.max(last_ms);
@@ -1181,9 +1181,13 @@ mod tests {
         drop(s.begin_turn(&a, 2, None, 1_300, &Who::default(), now - 1_000));
         // The younger's 1,450 beside the older's next (~1,667) crosses 3,072.
         assert!(s.must_pause(&a, 2, 1_450));
-        // A turn seen here says what it added, and replaces the hint.
+        // Turns seen here say what they added; the hint counts as one of
+        // its recent turns until they push it out.
         s.seen_elsewhere(&a, 1, 1_500, now + 10, now - 2_000, 198);
-        assert_eq!(a.residents.lock()[&1].growth, 31);
+        assert_eq!(a.residents.lock()[&1].growth(), 198);
+        s.seen_elsewhere(&a, 1, 1_531, now + 20, now - 2_000, 198);
+        s.seen_elsewhere(&a, 1, 1_562, now + 30, now - 2_000, 198);
+        assert_eq!(a.residents.lock()[&1].growth(), 31);
         assert!(!s.must_pause(&a, 2, 1_450));
     }
 
@@ -1208,6 +1212,28 @@ mod tests {
         assert!(s.must_pause(&a, 2, 6_500));
         assert!(!s.must_pause(&a, 1, 6_500), "the older one never pauses");
         assert!(!s.must_pause(&a, 2, 5_400), "a turn that fits beside the older's next goes");
+    }
+
+    #[test]
+    fn an_older_session_whose_turns_add_unevenly_counts_at_the_most_its_recent_turns_added() {
+        let s = Sessions::new(settings());
+        let a = replica("a");
+        a.set_observed_kv(Some(3_072));
+        let now = crate::clock::now_ms();
+        // Real vLLM's shape: turns adding 380, then 195 tokens (answers vary).
+        for (t, tokens) in [1_200, 1_580, 1_775].into_iter().enumerate() {
+            drop(s.begin_turn(&a, 1, None, tokens, &Who::default(), now + t as u64 * 10));
+        }
+        drop(s.begin_turn(&a, 2, None, 900, &Who::default(), now + 5));
+        // The older's next turn may add 380 again (2,155): 900 + 100 beside
+        // it crosses 3,072; with only its latest growth (1,970) it would fit.
+        assert!(s.must_pause(&a, 2, 1_000));
+        assert!(!s.must_pause(&a, 2, 900), "what fits beside the older's largest recent turn goes");
+        // Three turns later a one-off large turn is forgotten.
+        for (t, tokens) in [1_800, 1_820, 1_840].into_iter().enumerate() {
+            drop(s.begin_turn(&a, 1, None, tokens, &Who::default(), now + 100 + t as u64 * 10));
+        }
+        assert_eq!(a.residents.lock()[&1].growth(), 25);
     }
 
     #[tokio::test(start_paused = true)]
