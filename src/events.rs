@@ -74,6 +74,9 @@ pub enum EventKind {
     /// A pinned turn's receipt showed its replica lost the session's prefix:
     /// the replica takes no new session above the load it was lost at.
     KvWallSeen,
+    /// No lost prefix confirmed a replica's wall for ten minutes: it was
+    /// forgotten, and new sessions are admitted up to its capacity again.
+    KvWallForgotten,
 }
 
 impl std::str::FromStr for EventKind {

@@ -213,7 +213,7 @@ async function loadPins() {
 const KINDS = ["failover", "replica_down", "replica_up", "pin_moved", "drain_started", "drain_completed", "resumed", "disabled",
   "enabled", "replica_added", "replica_removed", "replica_updated", "policy_changed", "pins_deleted", "capacity_warning",
   "capacity_cleared", "store_unreachable", "store_reachable", "replica_discovered", "replica_left_source", "replica_returned",
-  "discovery_failed", "discovery_recovered", "discovery_held", "session_held", "session_over_capacity", "session_paused", "session_preempted", "kv_wall_seen"];
+  "discovery_failed", "discovery_recovered", "discovery_held", "session_held", "session_over_capacity", "session_paused", "session_preempted", "kv_wall_seen", "kv_wall_forgotten"];
 
 // An event caused by a traced request or action: its trace, linked when
 // tracing.trace_url says where traces are shown.

@@ -74,6 +74,17 @@ impl HealthTracker {
         self.events.record(EventKind::KvWallSeen, Some(&r.id), None, detail);
     }
 
+    /// A wall no loss confirmed for `residents::WALL_MEMORY_MS` was forgotten.
+    pub fn wall_forgotten(&self, r: &Replica, wall: u64) {
+        let minutes = crate::fleet::residents::WALL_MEMORY_MS / 60_000;
+        let detail = format!(
+            "no lost prefix confirmed the wall at ~{wall} tokens for {minutes} minutes: forgotten, new sessions \
+             are admitted up to the replica's capacity again"
+        );
+        tracing::info!(replica = %r.id, "{detail}");
+        self.events.record(EventKind::KvWallForgotten, Some(&r.id), None, detail);
+    }
+
     /// Read before a probe starts; passed back with its result.
     pub fn epoch(&self, r: &Replica) -> u64 {
         r.probe.lock().expect("probe lock").epoch
@@ -215,19 +226,23 @@ pub async fn check(tracker: &HealthTracker, client: &awc::Client, r: Arc<Replica
         ProbeResult::Ok => fetch_text(get("/metrics")).await,
         _ => None,
     };
+    let now = crate::clock::now_ms();
     if let Some(total) = metrics.as_deref().and_then(preemptions_from_vllm_metrics) {
-        if let Some(load) = r.residents.engine_preemptions(total) {
+        if let Some(load) = r.residents.engine_preemptions(total, now) {
             tracker.engine_over_wall(&r, load, "the engine preempted requests (vllm:num_preemptions_total rose)");
         }
     }
     if metrics.as_deref().is_some_and(pool_full_in_vllm_metrics) {
-        if let Some(load) = r.residents.engine_full() {
+        if let Some(load) = r.residents.engine_full(now) {
             tracker.engine_over_wall(
                 &r,
                 load,
                 "the engine's pool is full with requests waiting (vllm:kv_cache_usage_perc)",
             );
         }
+    }
+    if let Some(wall) = r.residents.forget_stale_wall(now) {
+        tracker.wall_forgotten(&r, wall);
     }
     if result == ProbeResult::Ok && !busy {
         // vLLM reports its KV capacity; other engines 404 here, which is fine.

@@ -141,6 +141,10 @@ pub struct Residents {
     wall: AtomicU64,
     /// The engine's preemption counter as last read, plus one (0: never read).
     preemptions_seen: AtomicU64,
+    /// When a loss last said the wall is there (lowered it, or found it at
+    /// or above it), ms: a wall not confirmed for `WALL_MEMORY_MS` is
+    /// forgotten (`forget_stale_wall`).
+    wall_confirmed_ms: AtomicU64,
     /// The wall was set or lowered since the projections last learned from
     /// the sessions resident here (`take_wall_lesson`).
     wall_lesson: AtomicBool,
@@ -157,6 +161,15 @@ pub enum Receipt {
     /// Too small to say, or in between.
     Unclear,
 }
+
+/// A wall no loss confirmed for this long is forgotten. Why: with a wall,
+/// the replica takes no new session above it, so no receipt ever comes from
+/// above it to raise it; a wall lowered by a passing cause (a thrash the
+/// hold since ended, an engine that restarted and lost every prefix at a
+/// small load) would cap the replica for the life of the process. A wall
+/// that is real is found again by the next loss: one turn's prefill every
+/// ten minutes at most.
+pub const WALL_MEMORY_MS: u64 = 10 * 60_000;
 
 /// A receipt below this many predicted cached tokens says nothing.
 pub const MIN_RECEIPT_TOKENS: u64 = 256;
@@ -241,28 +254,28 @@ impl Residents {
     /// lost receipt does. Returns that load when it was; the first read
     /// only notes the counter, and a counter that went back (an engine
     /// restarted) starts over.
-    pub fn engine_preemptions(&self, total: u64) -> Option<u64> {
+    pub fn engine_preemptions(&self, total: u64, now_ms: u64) -> Option<u64> {
         let before = self.preemptions_seen.swap(total.saturating_add(1), Ordering::Relaxed);
         if before == 0 || total < before {
             return None;
         }
-        self.over_wall_now()
+        self.over_wall_now(now_ms)
     }
 
     /// The engine says its pool is full now (`vllm:kv_cache_usage_perc`
     /// near 1 with requests waiting): the wall is lowered to the load
     /// resident now. Returns that load when the wall moved (a full pool
     /// read again at the same load says nothing new).
-    pub fn engine_full(&self) -> Option<u64> {
+    pub fn engine_full(&self, now_ms: u64) -> Option<u64> {
         let before = self.wall();
-        self.over_wall_now().filter(|load| before.is_none_or(|w| *load < w))
+        self.over_wall_now(now_ms).filter(|load| before.is_none_or(|w| *load < w))
     }
 
     /// Lowers the wall to the load resident now; None when nothing is.
-    fn over_wall_now(&self) -> Option<u64> {
+    fn over_wall_now(&self, now_ms: u64) -> Option<u64> {
         let load = self.load();
         (load > 0).then(|| {
-            self.lower_wall(load);
+            self.lower_wall(load, now_ms);
             load
         })
     }
@@ -273,7 +286,8 @@ impl Residents {
 
     /// Sets the wall at `load` when none was seen or it is lower; a wall
     /// that moved leaves a lesson (the same wall seen again teaches nothing).
-    fn lower_wall(&self, load: u64) {
+    /// Either way the wall is confirmed now.
+    fn lower_wall(&self, load: u64, now_ms: u64) {
         let before = self.wall.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| match w {
             0 => Some(load),
             w => (load < w).then_some(load),
@@ -281,6 +295,17 @@ impl Residents {
         if before.is_ok() {
             self.wall_lesson.store(true, Ordering::Relaxed);
         }
+        self.wall_confirmed_ms.fetch_max(now_ms, Ordering::Relaxed);
+    }
+
+    /// Forgets a wall no loss confirmed for `WALL_MEMORY_MS`; returns it
+    /// when it was forgotten.
+    pub fn forget_stale_wall(&self, now_ms: u64) -> Option<u64> {
+        let confirmed = self.wall_confirmed_ms.load(Ordering::Relaxed);
+        if now_ms.saturating_sub(confirmed) < WALL_MEMORY_MS {
+            return None;
+        }
+        Some(self.wall.swap(0, Ordering::Relaxed)).filter(|w| *w > 0)
     }
 
     /// Whether a wall was seen here since the last call: the sessions
@@ -295,13 +320,13 @@ impl Residents {
     /// engine reported. A lost prefix lowers the wall to the load it was
     /// lost at (the replica takes no new session above it); a kept one at
     /// a higher load raises it. Returns what it read.
-    pub fn receipt(&self, predicted: u64, cached: u64) -> Receipt {
+    pub fn receipt(&self, predicted: u64, cached: u64, now_ms: u64) -> Receipt {
         if predicted < MIN_RECEIPT_TOKENS {
             return Receipt::Unclear;
         }
         let load = self.load();
         if cached.saturating_mul(2) < predicted {
-            self.lower_wall(load);
+            self.lower_wall(load, now_ms);
             Receipt::Lost { load }
         } else if cached.saturating_mul(10) >= predicted.saturating_mul(9) {
             let _ =
@@ -321,16 +346,16 @@ mod tests {
     fn engine_preemptions_since_the_last_read_set_the_wall_at_the_load_now() {
         let r = Residents::default();
         r.lock().insert(1, Resident { tokens: 6_000, ..Default::default() });
-        assert_eq!(r.engine_preemptions(4), None, "the first read only notes the counter");
-        assert_eq!(r.engine_preemptions(4), None, "none since");
+        assert_eq!(r.engine_preemptions(4, 0), None, "the first read only notes the counter");
+        assert_eq!(r.engine_preemptions(4, 0), None, "none since");
         r.lock().insert(2, Resident { tokens: 5_000, ..Default::default() });
-        assert_eq!(r.engine_preemptions(6), Some(11_000));
+        assert_eq!(r.engine_preemptions(6, 0), Some(11_000));
         assert_eq!(r.wall(), Some(11_000));
         // An engine restarted: its counter starts over, and says nothing yet.
-        assert_eq!(r.engine_preemptions(0), None);
-        assert_eq!(r.engine_preemptions(0), None);
+        assert_eq!(r.engine_preemptions(0, 0), None);
+        assert_eq!(r.engine_preemptions(0, 0), None);
         r.lock().remove(&2);
-        assert_eq!(r.engine_preemptions(1), Some(6_000));
+        assert_eq!(r.engine_preemptions(1, 0), Some(6_000));
         assert_eq!(r.wall(), Some(6_000), "lower: the wall follows");
     }
 
@@ -371,17 +396,37 @@ mod tests {
     #[test]
     fn a_full_pool_sets_the_wall_once_per_lowering_and_leaves_a_lesson() {
         let r = Residents::default();
-        assert_eq!(r.engine_full(), None, "nothing resident: nothing to say");
+        assert_eq!(r.engine_full(0), None, "nothing resident: nothing to say");
         assert!(!r.take_wall_lesson());
         r.lock().insert(1, Resident { tokens: 6_000, ..Default::default() });
         r.lock().insert(2, Resident { tokens: 5_000, ..Default::default() });
-        assert_eq!(r.engine_full(), Some(11_000));
+        assert_eq!(r.engine_full(0), Some(11_000));
         assert_eq!(r.wall(), Some(11_000));
-        assert_eq!(r.engine_full(), None, "the same load again: nothing new");
+        assert_eq!(r.engine_full(0), None, "the same load again: nothing new");
         assert!(r.take_wall_lesson(), "the projections learn from who crossed it");
         assert!(!r.take_wall_lesson(), "once");
         r.lock().remove(&1);
-        assert_eq!(r.engine_full(), Some(5_000));
+        assert_eq!(r.engine_full(0), Some(5_000));
+    }
+
+    #[test]
+    fn a_wall_no_loss_confirmed_for_ten_minutes_is_forgotten() {
+        let r = Residents::default();
+        r.lock().insert(1, Resident { tokens: 4_000, ..Default::default() });
+        let t0 = 1_000_000;
+        assert_eq!(r.receipt(3_000, 0, t0), Receipt::Lost { load: 4_000 });
+        assert_eq!(r.forget_stale_wall(t0 + WALL_MEMORY_MS - 1), None, "still fresh");
+        // A loss at the wall again confirms it, though it does not move it.
+        r.lock().insert(2, Resident { tokens: 1_000, ..Default::default() });
+        assert_eq!(r.engine_full(t0 + 60_000), None, "not lower: nothing new to say");
+        assert_eq!(r.forget_stale_wall(t0 + WALL_MEMORY_MS), None, "confirmed a minute later");
+        assert_eq!(r.wall(), Some(4_000));
+        assert_eq!(r.forget_stale_wall(t0 + 60_000 + WALL_MEMORY_MS), Some(4_000));
+        assert_eq!(r.wall(), None, "new sessions go up to the capacity again");
+        assert_eq!(r.forget_stale_wall(t0 + 60_000 + 2 * WALL_MEMORY_MS), None, "forgotten once");
+        // The next loss finds it again.
+        assert_eq!(r.receipt(3_000, 0, t0 + 3 * WALL_MEMORY_MS), Receipt::Lost { load: 5_000 });
+        assert_eq!(r.wall(), Some(5_000));
     }
 
     #[test]
@@ -389,16 +434,16 @@ mod tests {
         let r = Residents::default();
         r.lock().insert(1, Resident { tokens: 6_000, ..Default::default() });
         r.lock().insert(2, Resident { tokens: 5_000, ..Default::default() });
-        assert_eq!(r.receipt(100, 0), Receipt::Unclear, "too small to say");
-        assert_eq!(r.receipt(5_000, 4_900), Receipt::Kept { load: 11_000 });
+        assert_eq!(r.receipt(100, 0, 0), Receipt::Unclear, "too small to say");
+        assert_eq!(r.receipt(5_000, 4_900, 0), Receipt::Kept { load: 11_000 });
         assert_eq!(r.wall(), None, "no loss seen: no wall");
-        assert_eq!(r.receipt(5_000, 1_000), Receipt::Lost { load: 11_000 });
+        assert_eq!(r.receipt(5_000, 1_000, 0), Receipt::Lost { load: 11_000 });
         assert_eq!(r.wall(), Some(11_000));
         r.lock().insert(3, Resident { tokens: 2_000, ..Default::default() });
-        assert_eq!(r.receipt(5_000, 5_000), Receipt::Kept { load: 13_000 });
+        assert_eq!(r.receipt(5_000, 5_000, 0), Receipt::Kept { load: 13_000 });
         assert_eq!(r.wall(), Some(13_000), "kept at a higher load: the wall is higher");
         r.lock().remove(&3);
-        assert_eq!(r.receipt(5_000, 0), Receipt::Lost { load: 11_000 });
+        assert_eq!(r.receipt(5_000, 0, 0), Receipt::Lost { load: 11_000 });
         assert_eq!(r.wall(), Some(11_000));
     }
 

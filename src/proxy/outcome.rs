@@ -273,7 +273,9 @@ impl OutcomeRecorder {
     /// lowering, in history and the log.
     fn receipt(&self, replica: &Replica, predicted: u64, cached: u64) {
         let before = replica.residents.wall();
-        if let crate::fleet::residents::Receipt::Lost { load } = replica.residents.receipt(predicted, cached) {
+        if let crate::fleet::residents::Receipt::Lost { load } =
+            replica.residents.receipt(predicted, cached, crate::clock::now_ms())
+        {
             if before.is_none_or(|w| load < w) {
                 let detail = format!(
                     "a pinned turn found {cached} of ~{predicted} cached tokens at ~{load} tokens resident: \

@@ -1067,7 +1067,7 @@ mod tests {
         assert!(!s.sweep(now).any);
         assert_eq!(s.project(Some(42)), None, "no session ended, no wall seen: nothing learned");
         // The engine on a says its pool is full (or preempted, or a receipt found a lost prefix).
-        assert_eq!(a.residents.engine_full(), Some(11_500));
+        assert_eq!(a.residents.engine_full(0), Some(11_500));
         assert!(!s.sweep(now).any, "nobody leaves for it");
         assert_eq!(s.project(Some(42)), Some(6_500), "its link: the largest of the sessions that crossed it");
         assert_eq!(s.project(Some(7)), Some(6_500), "b saw no wall: its session taught nothing");
@@ -1081,7 +1081,7 @@ mod tests {
         a.set_observed_kv(Some(3_000));
         let now = crate::clock::now_ms();
         drop(s.begin_turn(&a, 1, None, 800, &Who::default(), now));
-        assert_eq!(a.residents.receipt(1_000, 0), crate::fleet::residents::Receipt::Lost { load: 800 });
+        assert_eq!(a.residents.receipt(1_000, 0, 0), crate::fleet::residents::Receipt::Lost { load: 800 });
         assert_eq!(s.room_of(&a).left(), Some(0), "lost a prefix at 800: no room above it");
         assert!(s.sweep(now + 60_000).any);
         assert_eq!(s.room_of(&a).left(), Some(3_000), "empty: no session loses its prefix to another's");
