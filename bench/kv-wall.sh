@@ -30,6 +30,9 @@
 # reads these as ~1,340 growing to ~2,990; real-vllm.sh passes 640/415/175:
 # ~1,190 growing to ~2,410, which fits its 2,944-token context).
 # BIN=path/to/prefixgate runs that build instead of building this tree.
+# REPORTS=DIR: each arm's report, every request's sample in it, to
+# DIR/ARM.json, and the hold gateway's history (every instance's events,
+# pauses and holds among them) to DIR/ARM-events-N.json after its arms.
 # Usage: [LLAMA_SERVER=... MODEL=...] [SIM=1] [IDLE_MS=5000] [INSTANCES=1] bench/kv-wall.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -102,8 +105,10 @@ arm() {
   local name=$1 gw=$2 families=$3 start
   echo "=== $name ($families families)"
   start=$(date +%s.%N)
+  local report=()
+  [ -n "${REPORTS:-}" ] && mkdir -p "$REPORTS" && report=(--report "$REPORTS/$name.json")
   $bin bench agent-loop --base-url "${GATEWAY_URLS[$gw]}" --model "$model" --label "$name" --families "$families" \
-    --turns "$TURNS" \
+    --turns "$TURNS" "${report[@]}" \
     --system-tokens "$SYSTEM_TOKENS" --context-tokens "$CONTEXT_TOKENS" --turn-tokens "$TURN_TOKENS" --max-tokens 16
   WALL[$name]=$(echo "$(date +%s.%N) - $start" | bc)
   echo "wall $name: ${WALL[$name]} s"
@@ -150,6 +155,11 @@ said() {
   done
   curl -s "${GATEWAY_ADMIN[hold]}/admin/v1/capacity" | python3 -c 'import json,sys; print("projection", json.load(sys.stdin)["sessions"].get("projected_tokens"), end="; ")'
   echo "$1: so far $held sessions held, $paused turns paused"
+  if [ -n "${REPORTS:-}" ]; then
+    for i in $(seq 1 "$INSTANCES"); do
+      curl -s "${GW_ADMIN[hold$i]}/admin/v1/events?limit=500" >"$REPORTS/$1-events-$i.json"
+    done
+  fi
 }
 arm hold hold "$FAMILIES"
 said hold

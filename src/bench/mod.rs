@@ -52,6 +52,9 @@ pub struct Common {
     /// Also write an SVG chart (TTFT by turn) to this file.
     #[arg(long)]
     pub svg: Option<PathBuf>,
+    /// Also write the report, every request's sample with it, as JSON to this file.
+    #[arg(long)]
+    pub report: Option<PathBuf>,
     /// Per-request timeout in seconds.
     #[arg(long, default_value_t = 600)]
     pub timeout: u64,
@@ -171,8 +174,12 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
     if let Some(path) = &common.svg {
         std::fs::write(path, report::svg(std::slice::from_ref(&report))).map_err(|e| e.to_string())?;
     }
+    let json = || serde_json::to_string_pretty(&report).expect("serializable");
+    if let Some(path) = &common.report {
+        std::fs::write(path, json()).map_err(|e| format!("{}: {e}", path.display()))?;
+    }
     if common.json {
-        println!("{}", serde_json::to_string_pretty(&report).expect("serializable"));
+        println!("{}", json());
     } else {
         print!("{}", report.table());
     }
