@@ -32,6 +32,10 @@ pub struct Resident {
     /// When it arrived on this replica (its first turn here), ms: the
     /// youngest is the one whose turns pause when the pool is crossed.
     pub arrived_ms: u64,
+    /// When its second turn began, here or (as its pins say) elsewhere, ms
+    /// (0: not yet, or not known): of sessions that arrived together, the
+    /// later to continue is the younger (`room::Occupant::continued_ms`).
+    pub continued_ms: u64,
     /// When its latest turn began, here or (as its pins say) elsewhere, ms:
     /// a turn heard of from another instance is a later one only if it
     /// began after this.

@@ -27,6 +27,7 @@ use crate::events::{EventKind, EventLog};
 use crate::fleet::{normalize_url, validate_url, AdminState, Fleet, Replica, ReplicaSource, ReplicaSpec, ReplicaUrl};
 use crate::pins::{PinChange, PinSource, PinTable};
 use crate::policy::{CurrentPolicy, PolicySettings, PrefixKey};
+use crate::sessions::Heard;
 use crate::store::{Store, StoreError, StoredReplica};
 
 /// A heartbeat older than this is a dead instance (beats come every flush interval).
@@ -330,7 +331,18 @@ impl Operator {
                 let growth = first
                     .filter(|_| p.turns >= 2)
                     .map_or(0, |first| p.est_tokens.saturating_sub(first.est_tokens) / u64::from(p.turns - 1));
-                self.sessions.seen_elsewhere(&r, p.family, p.est_tokens, p.last_used_ms, arrived, growth);
+                // Its second turn's pin began it; after that, not known
+                // here: as early as can be (it continued before any turn
+                // this instance hears of).
+                let continued = if p.turns == 2 { p.last_used_ms } else { arrived };
+                let heard = Heard {
+                    tokens: p.est_tokens,
+                    last_ms: p.last_used_ms,
+                    arrived_ms: arrived,
+                    continued_ms: continued,
+                    growth_hint: growth,
+                };
+                self.sessions.seen_elsewhere(&r, p.family, heard);
             }
         }
         self.pins.apply(changes);

@@ -38,6 +38,7 @@ use crate::admission::{Admitted, Permit};
 use crate::error::ApiError;
 use crate::fleet::Replica;
 use crate::policy::{Dialect, Endpoint, PolicySettings, RouteReason};
+use crate::sessions::Heard;
 use crate::state::AppState;
 use body::GuardedBody;
 use lookup::{look_up, Hop, Lookup};
@@ -226,17 +227,31 @@ async fn forward_request(
             // resident on another replica moves at `begin_turn`, with all
             // it learned.)
             let here = |id| replica.residents.lock().contains_key(&id);
+            let now = crate::clock::now_ms();
             if let Some(s) = of_session.filter(|s| !s.new && !here(s.id) && !state.sessions.is_resident(s.id)) {
-                let now = crate::clock::now_ms();
                 let arrived = state.pins.get(s.id).map_or(now, |first| first.created_ms);
                 // Resident at its previous turn's context (its pin's): this
                 // turn, beginning, says what it added.
                 let previous = pinned.as_ref().map_or(est_tokens, |(_, p)| p.est_tokens.min(est_tokens));
-                state.sessions.seen_elsewhere(&replica, s.id, previous, now, arrived, 0);
+                // This turn is its second (its previous pin is its first),
+                // or it continued before any turn this instance heard of.
+                let continued = match pinned.as_ref().map(|(_, p)| p.turns) {
+                    Some(1) => now,
+                    _ => arrived,
+                };
+                let heard = Heard {
+                    tokens: previous,
+                    last_ms: now,
+                    arrived_ms: arrived,
+                    continued_ms: continued,
+                    growth_hint: 0,
+                };
+                state.sessions.seen_elsewhere(&replica, s.id, heard);
             }
             // A resident session's turn pauses here, before it starts, while
             // its replica's sessions outgrew the KV and it is the youngest there.
-            if let Some(s) = of_session.filter(|s| !s.new && state.sessions.must_pause(&replica, s.id, est_tokens)) {
+            if let Some(s) = of_session.filter(|s| !s.new && state.sessions.must_pause(&replica, s.id, est_tokens, now))
+            {
                 let _waiting = trace.child(state, "prefixgate.pause");
                 if let Some(paused) = Box::pin(hold::pause_if_over(state, &replica, s.id, est_tokens, &who)).await {
                     held_for = Some(held_for.unwrap_or_default() + paused);

@@ -218,6 +218,24 @@ pub struct Swept {
     pub next_idle_out_ms: Option<u64>,
 }
 
+/// What another instance's pins say of a session (`Sessions::seen_elsewhere`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Heard {
+    /// Its context at its latest turn, tokens.
+    pub tokens: u64,
+    /// When its latest turn began, ms.
+    pub last_ms: u64,
+    /// Its first turn's start: its family's first pin's creation, the same
+    /// moment on every instance, so all agree which session is the youngest.
+    pub arrived_ms: u64,
+    /// When its second turn began, ms (0: not known): of sessions that
+    /// arrived together, the later to continue is the younger.
+    pub continued_ms: u64,
+    /// What its turns added on average, as its pins say (0: unknown),
+    /// until a turn seen here says.
+    pub growth_hint: u64,
+}
+
 /// Waits of held sessions, since start.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct WaitStats {
@@ -410,6 +428,9 @@ impl Sessions {
             r.began_ms = now_ms;
             r.running += 1;
             r.turns = r.turns.saturating_add(1);
+            if r.turns >= 2 && r.continued_ms == 0 {
+                r.continued_ms = now_ms;
+            }
             r.ours = true;
             moved.is_some()
         };
@@ -429,21 +450,10 @@ impl Sessions {
         }
     }
 
-    /// Another instance's session, known from its pins: resident where they
-    /// say, as of `last_ms` (no turn of it runs here), since `arrived_ms`
-    /// (its first turn: its family's first pin's creation, the same moment
-    /// on every instance, so all agree which session is the youngest).
-    /// `growth_hint`: what its turns added on average, as its pins say (0:
-    /// unknown), until a turn seen here says.
-    pub fn seen_elsewhere(
-        &self,
-        replica: &Arc<Replica>,
-        session: PrefixKey,
-        tokens: u64,
-        last_ms: u64,
-        arrived_ms: u64,
-        growth_hint: u64,
-    ) {
+    /// Another instance's session, known from its pins (`heard`): resident
+    /// where they say, as of `heard.last_ms` (no turn of it runs here).
+    pub fn seen_elsewhere(&self, replica: &Arc<Replica>, session: PrefixKey, heard: Heard) {
+        let Heard { tokens, last_ms, arrived_ms, continued_ms, growth_hint } = heard;
         let mut state = self.lock();
         if state.home.get(&session).is_some_and(|home| !std::ptr::eq(home.as_ptr(), Arc::as_ptr(replica))) {
             state.leave(session);
@@ -460,6 +470,9 @@ impl Sessions {
             turns: 2,
             ..Default::default()
         });
+        if r.continued_ms == 0 {
+            r.continued_ms = continued_ms;
+        }
         // Compared with when the latest turn known here began, not with when
         // it ended: the client may send the next turn elsewhere before this
         // instance sees its own turn's stream end.
@@ -681,7 +694,9 @@ impl Sessions {
     /// their next turns' contexts: `Resident::next_turn_tokens`), or waits for
     /// room again after a higher class took its room (`preempt_for`).
     /// (Off with `sessions.pause = false`, or with the hold off.)
-    pub fn must_pause(&self, replica: &Replica, session: PrefixKey, tokens: u64) -> bool {
+    /// `now_ms`: when this turn came (its session's second turn, if it has
+    /// not continued yet, began then).
+    pub fn must_pause(&self, replica: &Replica, session: PrefixKey, tokens: u64, now_ms: u64) -> bool {
         if self.settings.max_wait_ms == 0 {
             return false;
         }
@@ -704,8 +719,9 @@ impl Sessions {
         }
         let client_sessions =
             |class: Class, client: u64| on.values().filter(|r| r.class == class && r.client == client).count();
-        let occupant = |id: PrefixKey, r: &Resident, tokens: u64| room::Occupant {
+        let occupant = |id: PrefixKey, r: &Resident, tokens: u64, continued_ms: u64| room::Occupant {
             arrived_ms: r.arrived_ms,
+            continued_ms,
             id,
             tokens,
             class: r.class,
@@ -715,8 +731,12 @@ impl Sessions {
         // whatever comes, so a younger one that arrives first in a round
         // must not take the room that turn will need (both would run over
         // the pool, and the engine would thrash them both).
-        let others = on.iter().filter(|(s, _)| **s != session).map(|(s, r)| occupant(*s, r, r.next_turn_tokens()));
-        room::must_pause(&shape, occupant(session, &me, tokens.max(me.tokens)), others)
+        let continued = |r: &Resident, or: u64| if r.continued_ms == 0 { or } else { r.continued_ms };
+        let others = on
+            .iter()
+            .filter(|(s, _)| **s != session)
+            .map(|(s, r)| occupant(*s, r, r.next_turn_tokens(), continued(r, u64::MAX)));
+        room::must_pause(&shape, occupant(session, &me, tokens.max(me.tokens), continued(&me, now_ms)), others)
     }
 
     /// A waiting session of `class` and `tokens` at the head of the hold
@@ -738,6 +758,7 @@ impl Sessions {
                     .map(|(id, s)| {
                         let o = room::Occupant {
                             arrived_ms: s.arrived_ms,
+                            continued_ms: s.continued_ms,
                             id: *id,
                             tokens: s.counted_tokens(),
                             class: s.class,
@@ -772,13 +793,15 @@ impl Sessions {
     /// turn that started is never cut. While paused the session counts as
     /// busy (it cannot idle out: the room that opens is for it).
     pub async fn pause_if_over(&self, replica: &Replica, session: PrefixKey, tokens: u64) -> Option<Duration> {
-        if !self.must_pause(replica, session, tokens) {
+        // The turn came now, however long it waits: its place in the order is fixed.
+        let came = crate::clock::now_ms();
+        if !self.must_pause(replica, session, tokens, came) {
             return None;
         }
         let _busy = PausedTurn::start(self, replica, session);
         let started = tokio::time::Instant::now();
         let deadline = started + Duration::from_millis(self.settings.max_wait_ms);
-        self.wait_for(deadline, || !self.must_pause(replica, session, tokens)).await;
+        self.wait_for(deadline, || !self.must_pause(replica, session, tokens, came)).await;
         Some(started.elapsed())
     }
 
@@ -971,6 +994,12 @@ impl Sessions {
 mod tests {
     use super::*;
 
+    /// What another instance's pins say: its context, latest turn's start,
+    /// arrival and growth; it continued when it arrived (tests order by arrival).
+    fn heard(tokens: u64, last_ms: u64, arrived_ms: u64, growth_hint: u64) -> Heard {
+        Heard { tokens, last_ms, arrived_ms, continued_ms: arrived_ms, growth_hint }
+    }
+
     fn settings() -> SessionConfig {
         SessionConfig {
             idle_ms: 1_000,
@@ -1094,7 +1123,7 @@ mod tests {
         drop(s.begin_turn(&a, 1, None, 5_000, &Who::default(), 1_000));
         // Its next turn began on another instance at 2,000 and is still running
         // there at 4,000, past this instance's idle-out of 1 s.
-        s.seen_elsewhere(&a, 1, 6_000, 2_000, 1_000, 0);
+        s.seen_elsewhere(&a, 1, heard(6_000, 2_000, 1_000, 0));
         let swept = s.sweep(4_000);
         assert!(swept.released.is_empty() && s.is_resident(1), "kept, and not released by this instance");
         // That instance releases it once it idles out after its turn.
@@ -1102,7 +1131,7 @@ mod tests {
         assert!(!s.is_resident(1));
         assert_eq!(s.project(None), Some(6_000), "what it grew to, seen here, is learned here too");
         // Without news, it leaves after ELSEWHERE_FACTOR x idle_ms.
-        s.seen_elsewhere(&a, 2, 6_000, 10_000, 10_000, 0);
+        s.seen_elsewhere(&a, 2, heard(6_000, 10_000, 10_000, 0));
         assert!(!s.sweep(10_000 + 5_000).any);
         assert!(s.sweep(10_000 + ELSEWHERE_FACTOR * 1_000 + 1).any);
     }
@@ -1115,13 +1144,13 @@ mod tests {
         let turn = s.begin_turn(&a, 1, None, 2_000, &Who::default(), t0);
         // The client had its answer and sent the next turn to another
         // instance before this one saw its own stream end.
-        s.seen_elsewhere(&a, 1, 2_500, t0 + 100, t0, 0);
+        s.seen_elsewhere(&a, 1, heard(2_500, t0 + 100, t0, 0));
         drop(turn);
         // That instance serves the latest turn and releases it: not this one.
         let swept = s.sweep(t0 + 100 + 1_001);
         assert!(swept.released.is_empty() && s.is_resident(1), "released while its latest turn ran elsewhere");
         // An older notice (its own turn's, announced again) changes nothing.
-        s.seen_elsewhere(&a, 1, 2_500, t0 + 50, t0, 0);
+        s.seen_elsewhere(&a, 1, heard(2_500, t0 + 50, t0, 0));
         assert!(s.sweep(t0 + 100 + 1_001).released.is_empty());
     }
 
@@ -1140,7 +1169,7 @@ mod tests {
                     drop(t);
                     s.end_turn(1, at + 1_000);
                 }
-                _ => s.seen_elsewhere(&a, 1, 1_000 * turn, at, 0, 0),
+                _ => s.seen_elsewhere(&a, 1, heard(1_000 * turn, at, 0, 0)),
             }
             at += 1_050;
         }
@@ -1151,22 +1180,49 @@ mod tests {
 
     #[test]
     fn instances_that_learned_of_two_sessions_in_another_order_agree_which_is_youngest() {
-        // Session 1 began at 100 (its first pin's creation), session 2 at 101.
-        // Instance x served 1's first turn and heard of 2 late; instance y
-        // the other way round: both take each session's first turn as its
-        // arrival, not the moment they heard of it.
+        // Session 1 began at 100 (its first pin's creation), session 2 at
+        // 1,101 (another second: arrival decides). Instance x served 1's
+        // first turn and heard of 2 late; instance y the other way round:
+        // both take each session's first turn as its arrival, not the
+        // moment they heard of it.
         let (x, y) = (Sessions::new(settings()), Sessions::new(settings()));
         let (ax, ay) = (replica("a"), replica("a"));
         for r in [&ax, &ay] {
             r.set_observed_kv(Some(12_000));
         }
         drop(x.begin_turn(&ax, 1, None, 5_000, &Who::default(), 100));
-        x.seen_elsewhere(&ax, 2, 5_000, 5_000, 101, 0);
-        y.seen_elsewhere(&ay, 1, 5_000, 4_000, 100, 0);
-        y.seen_elsewhere(&ay, 2, 5_000, 200, 101, 0);
+        x.seen_elsewhere(&ax, 2, heard(5_000, 5_000, 1_101, 0));
+        y.seen_elsewhere(&ay, 1, heard(5_000, 4_000, 100, 0));
+        y.seen_elsewhere(&ay, 2, heard(5_000, 1_200, 1_101, 0));
         for (s, a) in [(&x, &ax), (&y, &ay)] {
-            assert!(s.must_pause(a, 2, 8_000), "2 is the youngest everywhere");
-            assert!(!s.must_pause(a, 1, 8_000));
+            assert!(s.must_pause(a, 2, 8_000, u64::MAX), "2 is the youngest everywhere");
+            assert!(!s.must_pause(a, 1, 8_000, u64::MAX));
+        }
+    }
+
+    #[test]
+    fn of_two_sessions_that_arrived_together_the_later_to_continue_yields_on_every_instance() {
+        // Both began at 10,000 (a batch), 2 with the smaller id; the engine
+        // served 2 first, so 2 continued at 10,400 and 1 at 10,800.
+        // Instance x served their turns; y heard of them from their pins.
+        let (x, y) = (Sessions::new(settings()), Sessions::new(settings()));
+        let (ax, ay) = (replica("a"), replica("a"));
+        for r in [&ax, &ay] {
+            r.set_observed_kv(Some(12_000));
+        }
+        drop(x.begin_turn(&ax, 1, None, 4_000, &Who::default(), 10_000));
+        drop(x.begin_turn(&ax, 2, None, 4_000, &Who::default(), 10_000));
+        drop(x.begin_turn(&ax, 2, None, 5_000, &Who::default(), 10_400));
+        let seen =
+            |tokens, last_ms, continued_ms| Heard { tokens, last_ms, arrived_ms: 10_000, continued_ms, growth_hint: 0 };
+        y.seen_elsewhere(&ay, 2, seen(5_000, 10_400, 10_400));
+        // 1's second turn comes now: x decides with it, y has it from its pin.
+        assert!(x.must_pause(&ax, 1, 7_500, 10_800), "1 continued later: it yields");
+        drop(x.begin_turn(&ax, 1, None, 5_000, &Who::default(), 10_800));
+        y.seen_elsewhere(&ay, 1, seen(5_000, 10_800, 10_800));
+        for (s, a) in [(&x, &ax), (&y, &ay)] {
+            assert!(s.must_pause(a, 1, 7_500, 20_000), "1 is the youngest everywhere");
+            assert!(!s.must_pause(a, 2, 7_500, 20_000));
         }
     }
 
@@ -1177,18 +1233,18 @@ mod tests {
         a.set_observed_kv(Some(3_072));
         let now = crate::clock::now_ms();
         // The older: three turns elsewhere, 1,072 tokens growing ~200 a turn.
-        s.seen_elsewhere(&a, 1, 1_469, now, now - 2_000, 198);
+        s.seen_elsewhere(&a, 1, heard(1_469, now, now - 2_000, 198));
         drop(s.begin_turn(&a, 2, None, 1_300, &Who::default(), now - 1_000));
         // The younger's 1,450 beside the older's next (~1,667) crosses 3,072.
-        assert!(s.must_pause(&a, 2, 1_450));
+        assert!(s.must_pause(&a, 2, 1_450, u64::MAX));
         // Turns seen here say what they added; the hint counts as one of
         // its recent turns until they push it out.
-        s.seen_elsewhere(&a, 1, 1_500, now + 10, now - 2_000, 198);
+        s.seen_elsewhere(&a, 1, heard(1_500, now + 10, now - 2_000, 198));
         assert_eq!(a.residents.lock()[&1].growth(), 198);
-        s.seen_elsewhere(&a, 1, 1_531, now + 20, now - 2_000, 198);
-        s.seen_elsewhere(&a, 1, 1_562, now + 30, now - 2_000, 198);
+        s.seen_elsewhere(&a, 1, heard(1_531, now + 20, now - 2_000, 198));
+        s.seen_elsewhere(&a, 1, heard(1_562, now + 30, now - 2_000, 198));
         assert_eq!(a.residents.lock()[&1].growth(), 31);
-        assert!(!s.must_pause(&a, 2, 1_450));
+        assert!(!s.must_pause(&a, 2, 1_450, u64::MAX));
     }
 
     #[test]
@@ -1206,12 +1262,12 @@ mod tests {
         // The younger's next turn comes first: it pauses now, not a round
         // late (6,500 + 5,000 fit, but the older's next turn goes whatever
         // comes, and both would then run over the pool and thrash).
-        assert!(s.must_pause(&a, 2, 6_500));
+        assert!(s.must_pause(&a, 2, 6_500, u64::MAX));
         // The same with the older's turn ended, its next still to come.
         drop(older);
-        assert!(s.must_pause(&a, 2, 6_500));
-        assert!(!s.must_pause(&a, 1, 6_500), "the older one never pauses");
-        assert!(!s.must_pause(&a, 2, 5_400), "a turn that fits beside the older's next goes");
+        assert!(s.must_pause(&a, 2, 6_500, u64::MAX));
+        assert!(!s.must_pause(&a, 1, 6_500, u64::MAX), "the older one never pauses");
+        assert!(!s.must_pause(&a, 2, 5_400, u64::MAX), "a turn that fits beside the older's next goes");
     }
 
     #[test]
@@ -1227,8 +1283,8 @@ mod tests {
         drop(s.begin_turn(&a, 2, None, 900, &Who::default(), now + 5));
         // The older's next turn may add 380 again (2,155): 900 + 100 beside
         // it crosses 3,072; with only its latest growth (1,970) it would fit.
-        assert!(s.must_pause(&a, 2, 1_000));
-        assert!(!s.must_pause(&a, 2, 900), "what fits beside the older's largest recent turn goes");
+        assert!(s.must_pause(&a, 2, 1_000, u64::MAX));
+        assert!(!s.must_pause(&a, 2, 900, u64::MAX), "what fits beside the older's largest recent turn goes");
         // Three turns later a one-off large turn is forgotten.
         for (t, tokens) in [1_800, 1_820, 1_840].into_iter().enumerate() {
             drop(s.begin_turn(&a, 1, None, tokens, &Who::default(), now + 100 + t as u64 * 10));
@@ -1241,12 +1297,14 @@ mod tests {
         let s = Sessions::new(settings()); // max_wait_ms 10 s
         let a = replica("a");
         a.set_observed_kv(Some(12_000));
-        let now = crate::clock::now_ms();
+        // In the past: 2's turn comes after 1 continued.
+        let now = crate::clock::now_ms() - 100;
         drop(s.begin_turn(&a, 1, None, 5_000, &Who::default(), now));
         drop(s.begin_turn(&a, 2, None, 5_000, &Who::default(), now + 1));
-        assert!(!s.must_pause(&a, 1, 7_000), "the older one never pauses");
-        assert!(!s.must_pause(&a, 2, 7_000), "within the pool");
-        assert!(s.must_pause(&a, 2, 8_000), "the youngest, over the pool");
+        drop(s.begin_turn(&a, 1, None, 5_000, &Who::default(), now + 2)); // 1 continued first
+        assert!(!s.must_pause(&a, 1, 7_000, u64::MAX), "the older one never pauses");
+        assert!(!s.must_pause(&a, 2, 7_000, u64::MAX), "within the pool");
+        assert!(s.must_pause(&a, 2, 8_000, u64::MAX), "the youngest, over the pool");
         // Room opens when the older one idles out: the pause ends then.
         let paused = tokio::spawn({
             let (s, a) = (s.clone(), a.clone());
@@ -1259,9 +1317,14 @@ mod tests {
         assert_eq!(paused.await.unwrap(), Some(Duration::from_millis(1_500)));
         assert_eq!(s.paused(), 0);
         // No room ever: it goes after max_wait_ms.
-        drop(s.begin_turn(&a, 3, None, 5_000, &Who::default(), crate::clock::now_ms()));
-        drop(s.begin_turn(&a, 4, None, 5_000, &Who::default(), crate::clock::now_ms() + 10));
-        assert!(s.must_pause(&a, 4, 8_000));
+        let now = crate::clock::now_ms() - 100;
+        drop(s.begin_turn(&a, 3, None, 5_000, &Who::default(), now));
+        drop(s.begin_turn(&a, 4, None, 5_000, &Who::default(), now + 10));
+        for older in [2, 3] {
+            drop(s.begin_turn(&a, older, None, 5_000, &Who::default(), now + 20));
+            // continued before 4
+        }
+        assert!(s.must_pause(&a, 4, 8_000, u64::MAX));
         let started = tokio::time::Instant::now();
         assert_eq!(s.pause_if_over(&a, 4, 8_000).await, Some(Duration::from_millis(10_000)));
         assert_eq!(started.elapsed(), Duration::from_millis(10_000));
@@ -1274,7 +1337,7 @@ mod tests {
         drop(s.begin_turn(&a, 1, None, 300, &Who::default(), 0));
         drop(s.begin_turn(&b, 1, None, 200, &Who::default(), 1));
         assert_eq!((Sessions::resident(&a).sessions, Sessions::resident(&b).tokens), (0, 300));
-        s.seen_elsewhere(&a, 2, 100, 5, 5, 0);
+        s.seen_elsewhere(&a, 2, heard(100, 5, 5, 0));
         a.set_observed_kv(Some(1_000));
         assert_eq!(s.room_of(&a).left(), Some(900));
         a.set_slot_tokens(Some(250));

@@ -110,11 +110,28 @@ pub fn verdict(rooms: &[Room], tokens: u64, min_tokens: u64) -> Verdict {
     }
 }
 
+/// Sessions whose first turns began within the same span of this many
+/// milliseconds (counted from the epoch) arrived together: they are told
+/// apart by when their second turn began, not by their arrival.
+pub const ARRIVAL_GRAIN_MS: u64 = 1_000;
+
+/// How young a resident is, larger is younger: its arrival's second, when
+/// it continued, its arrival, its id (exactly one is the youngest).
+type Age = (u64, u64, u64, u128);
+
 /// One resident session as the pause sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Occupant {
     /// When it arrived here (its first turn), ms.
     pub arrived_ms: u64,
+    /// When its second turn began, ms (`u64::MAX`: not yet). Why: agents
+    /// launched together (a fan-out of subagents, a batch) arrive in the
+    /// same millisecond, and the engine serves one first; the one behind
+    /// should give way, or the one ahead waits for it to catch up and
+    /// finish (on the simulated wall, a 3.2-3.7 s pause instead of 2.4 s).
+    /// Fixed once set, and every instance hears it (the second turn's pin):
+    /// a turn let through because another yields finds it still yielding.
+    pub continued_ms: u64,
     /// Its id: sessions that arrived in the same millisecond are ordered by
     /// it, so exactly one of them is the youngest (two "youngest" sessions
     /// would pause each other until `max_wait_ms`).
@@ -131,9 +148,11 @@ pub struct Occupant {
 impl Occupant {
     /// The order in which residents give way when their replica is crossed:
     /// the lowest class first; within it, the client with the most sessions
-    /// here (fair turns between clients); then the youngest.
-    fn yield_order(&self) -> (Class, std::cmp::Reverse<usize>, std::cmp::Reverse<(u64, u128)>) {
-        (self.class, std::cmp::Reverse(self.client_sessions), std::cmp::Reverse((self.arrived_ms, self.id)))
+    /// here (fair turns between clients); then the youngest: the latest to
+    /// arrive, and of those that arrived together, the latest to continue.
+    fn yield_order(&self) -> (Class, std::cmp::Reverse<usize>, std::cmp::Reverse<Age>) {
+        let age = (self.arrived_ms / ARRIVAL_GRAIN_MS, self.continued_ms, self.arrived_ms, self.id);
+        (self.class, std::cmp::Reverse(self.client_sessions), std::cmp::Reverse(age))
     }
 }
 
@@ -245,6 +264,7 @@ mod tests {
         let pool = room(12_000, 0);
         let at = |arrived_ms, tokens| Occupant {
             arrived_ms,
+            continued_ms: arrived_ms,
             id: u128::from(arrived_ms),
             tokens,
             class: Class::Default,
@@ -270,10 +290,34 @@ mod tests {
     }
 
     #[test]
+    fn of_sessions_that_arrived_together_the_one_behind_gives_way() {
+        let pool = room(12_000, 0);
+        let o = |id, arrived_ms, continued_ms| Occupant {
+            arrived_ms,
+            continued_ms,
+            id,
+            tokens: 7_000,
+            class: Class::Default,
+            client_sessions: 1,
+        };
+        // The same millisecond, the engine served `ahead` first: it
+        // continued first, so `behind` (the smaller id, even) yields.
+        let (ahead, behind) = (o(2, 10_000, 10_400), o(1, 10_000, 10_800));
+        assert!(must_pause(&pool, behind, [ahead]) && !must_pause(&pool, ahead, [behind]));
+        // Not continued yet: younger than any that has.
+        let (ahead, behind) = (o(1, 10_000, 10_400), o(2, 10_000, u64::MAX));
+        assert!(must_pause(&pool, behind, [ahead]) && !must_pause(&pool, ahead, [behind]));
+        // Another second: arrival decides, however late the older continued.
+        let (older, younger) = (o(1, 10_000, 19_000), o(2, 11_000, 11_400));
+        assert!(must_pause(&pool, younger, [older]) && !must_pause(&pool, older, [younger]));
+    }
+
+    #[test]
     fn the_lowest_class_gives_way_first_then_the_client_with_most_sessions() {
         let pool = room(12_000, 0);
         let o = |arrived_ms, class, client_sessions| Occupant {
             arrived_ms,
+            continued_ms: arrived_ms,
             id: u128::from(arrived_ms),
             tokens: 7_000,
             class,
@@ -295,7 +339,7 @@ mod tests {
         // interactive session of 7,000 waits.
         let full = room(12_000, 10_000);
         let o = |id: u128, class, arrived_ms, running| {
-            (Occupant { arrived_ms, id, tokens: 5_000, class, client_sessions: 1 }, running)
+            (Occupant { arrived_ms, continued_ms: arrived_ms, id, tokens: 5_000, class, client_sessions: 1 }, running)
         };
         let a = vec![o(1, bg, 10, false), o(2, bg, 20, false)];
         let b = vec![o(3, bg, 10, true), o(4, def, 20, false)];
