@@ -393,6 +393,7 @@ impl Sessions {
             let mut on = replica.residents.lock();
             // One that ended here and came back has had a turn here already.
             let returned = u32::from(replica.residents.back(session));
+            let fresh = !on.contains_key(&session);
             let r = on.entry(session).or_insert(match moved {
                 // A move keeps what the session was: its gaps, peak and projection.
                 Some(m) => Resident { last_ms: now_ms, arrived_ms: now_ms, running: 0, ours: true, ..m },
@@ -413,12 +414,12 @@ impl Sessions {
                 r.class = who.class;
             }
             r.preempted = false;
-            if r.running == 0 && r.ours {
+            if !fresh && r.ours {
                 // The silence since its last turn ended: how long its agent
                 // was away. Only when that turn ran here: a turn another
                 // instance served is known by when it began, not when it
                 // ended (that instance learns the gap, in `seen_elsewhere`).
-                r.longest_gap_ms = r.longest_gap_ms.max(now_ms.saturating_sub(r.last_ms));
+                r.came_back((r.running == 0).then(|| now_ms.saturating_sub(r.last_ms)));
             }
             let tokens = tokens.max(moved.map_or(0, |m| m.tokens));
             r.grew(tokens.saturating_sub(r.tokens));
@@ -483,8 +484,8 @@ impl Sessions {
             // before ran here, the silence between its end and this start
             // is the agent's gap: every instance learns it from the turns it
             // hands on, so the one serving the last turn releases it soon.
-            if r.ours && r.running == 0 {
-                r.longest_gap_ms = r.longest_gap_ms.max(last_ms.saturating_sub(r.last_ms));
+            if r.ours {
+                r.came_back((r.running == 0).then(|| last_ms.saturating_sub(r.last_ms)));
             }
             r.ours = false;
             r.began_ms = last_ms;
@@ -1026,6 +1027,25 @@ mod tests {
         assert!(!s.sweep(ended + 500).any);
         assert!(s.sweep(ended + 1_001).any);
         assert_eq!((Sessions::resident(&a).sessions, s.len()), (0, 0));
+    }
+
+    #[test]
+    fn an_agent_whose_turns_begin_before_their_previous_end_is_seen_idles_out_at_the_floor() {
+        let s = Sessions::new(SessionConfig { idle_ms: 10_000, ..settings() });
+        let a = replica("a");
+        let t0 = crate::clock::now_ms();
+        // Each next turn begins before this instance saw the last one end
+        // (the client had its answer before the gateway saw the stream end).
+        let mut turn = s.begin_turn(&a, 1, None, 500, &Who::default(), t0);
+        for i in 1..4 {
+            let next = s.begin_turn(&a, 1, None, 500 + i * 100, &Who::default(), t0 + i * 400);
+            drop(turn);
+            turn = next;
+        }
+        drop(turn);
+        let last = t0 + 3 * 400;
+        assert!(s.sweep(last + crate::fleet::residents::MIN_IDLE_MS + 1).any, "it returned at once: the floor");
+        assert!(!s.is_resident(1));
     }
 
     #[test]
