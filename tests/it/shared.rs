@@ -110,6 +110,18 @@ async fn instances(sims: &[&Sim], redis: &Redis, n: usize) -> Vec<Gw> {
     out
 }
 
+/// `n` instances on `redis` whose flusher waits 10 s: only announcements
+/// (and what they write) carry a pin to another instance in time.
+async fn announcing_only(sims: &[&Sim], redis: &Redis, n: usize) -> Vec<Gw> {
+    let mut out = Vec::new();
+    for i in 0..n {
+        let mut c = shared_config(sims, redis, &format!("gw{i}"));
+        c.pins.flush_interval_ms = 10_000;
+        out.push(start_gateway(c).await);
+    }
+    out
+}
+
 /// A generous bound for what takes one pub/sub hop (a pin is announced at
 /// once, an operator action once persisted): a loaded CI machine is slow.
 const PROPAGATION: Duration = Duration::from_millis(1_000);
@@ -549,12 +561,7 @@ async fn responses_chain(gws: &[String], first: usize, tag: String, turns: usize
 async fn with_no_pause_between_turns_every_instance_knows_the_last_turns_pin() {
     let Some(redis) = Redis::start() else { return };
     let (a, b) = (start_sim("a", fast_sim()).await, start_sim("b", fast_sim()).await);
-    let mut gws = Vec::new();
-    for i in 0..3 {
-        let mut c = shared_config(&[&a, &b], &redis, &format!("gw{i}"));
-        c.pins.flush_interval_ms = 10_000;
-        gws.push(start_gateway(c).await);
-    }
+    let gws = announcing_only(&[&a, &b], &redis, 3).await;
     let bases: Vec<String> = gws.iter().map(|g| g.base.clone()).collect();
     let bases = &bases;
     let chats = futures_util::future::join_all((0..4).map(|f| chat_loop(bases, f, format!("chat {f}"), 6)));
@@ -599,12 +606,7 @@ async fn with_no_pause_between_turns_every_instance_knows_the_last_turns_pin() {
 async fn a_turn_that_outruns_the_announcement_reads_its_pin_from_the_store() {
     let Some(redis) = Redis::start() else { return };
     let (a, b) = (start_sim("a", fast_sim()).await, start_sim("b", fast_sim()).await);
-    let mut gws = Vec::new();
-    for i in 0..2 {
-        let mut c = shared_config(&[&a, &b], &redis, &format!("gw{i}"));
-        c.pins.flush_interval_ms = 10_000;
-        gws.push(start_gateway(c).await);
-    }
+    let gws = announcing_only(&[&a, &b], &redis, 2).await;
     let mut msgs = vec![
         json!({"role": "system", "content": "You are an agent."}),
         json!({"role": "user", "content": text("outrun", 2_000)}),
