@@ -1011,6 +1011,14 @@ mod tests {
         }
     }
 
+    /// One gateway instance's sessions and its view of replica "a" (a
+    /// 12,000-token pool): tests of several instances take one each.
+    fn instance() -> (Arc<Sessions>, Arc<Replica>) {
+        let a = replica("a");
+        a.set_observed_kv(Some(12_000));
+        (Sessions::new(settings()), a)
+    }
+
     fn replica(id: &str) -> Arc<Replica> {
         Arc::new(Replica::new(crate::fleet::ReplicaSpec::new(id, "http://x"), crate::fleet::AdminState::Active))
     }
@@ -1081,9 +1089,7 @@ mod tests {
 
     #[test]
     fn the_projection_learns_what_ended_sessions_grew_to_and_new_ones_count_at_it() {
-        let s = Sessions::new(settings());
-        let a = replica("a");
-        a.set_observed_kv(Some(12_000));
+        let (s, a) = instance();
         let link = Some(42);
         assert_eq!(s.project(link), None, "a cold gateway projects nothing");
         // An agent of that link grows from 2,000 to 9,000 tokens, then idles out.
@@ -1205,11 +1211,7 @@ mod tests {
         // first turn and heard of 2 late; instance y the other way round:
         // both take each session's first turn as its arrival, not the
         // moment they heard of it.
-        let (x, y) = (Sessions::new(settings()), Sessions::new(settings()));
-        let (ax, ay) = (replica("a"), replica("a"));
-        for r in [&ax, &ay] {
-            r.set_observed_kv(Some(12_000));
-        }
+        let ((x, ax), (y, ay)) = (instance(), instance());
         drop(x.begin_turn(&ax, 1, None, 5_000, &Who::default(), 100));
         x.seen_elsewhere(&ax, 2, heard(5_000, 5_000, 1_101, 0));
         y.seen_elsewhere(&ay, 1, heard(5_000, 4_000, 100, 0));
@@ -1225,11 +1227,7 @@ mod tests {
         // Both began at 10,000 (a batch), 2 with the smaller id; the engine
         // served 2 first, so 2 continued at 10,400 and 1 at 10,800.
         // Instance x served their turns; y heard of them from their pins.
-        let (x, y) = (Sessions::new(settings()), Sessions::new(settings()));
-        let (ax, ay) = (replica("a"), replica("a"));
-        for r in [&ax, &ay] {
-            r.set_observed_kv(Some(12_000));
-        }
+        let ((x, ax), (y, ay)) = (instance(), instance());
         drop(x.begin_turn(&ax, 1, None, 4_000, &Who::default(), 10_000));
         drop(x.begin_turn(&ax, 2, None, 4_000, &Who::default(), 10_000));
         drop(x.begin_turn(&ax, 2, None, 5_000, &Who::default(), 10_400));
@@ -1269,9 +1267,7 @@ mod tests {
 
     #[test]
     fn the_youngest_pauses_in_the_round_that_crosses_the_pool_whichever_turn_comes_first() {
-        let s = Sessions::new(settings());
-        let a = replica("a");
-        a.set_observed_kv(Some(12_000));
+        let (s, a) = instance();
         let now = crate::clock::now_ms();
         // Two agents at 3,500 tokens, then 5,000: their next turns (6,500
         // each) cross 12,000 together. The older's second turn runs now.
