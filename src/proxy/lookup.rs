@@ -73,25 +73,30 @@ pub(super) async fn look_up(
     // The large/small decision uses the documented default ratio: it is
     // made before a replica (and its calibrated ratio) is chosen.
     let large = crate::tokens::estimate_tokens(shape.prompt_bytes) >= config.admission.large_context_tokens;
+    // A single unit (one message, one prompt) continues nothing.
     let longest_pinned = || {
+        if !shape.multi_unit {
+            return None;
+        }
         let (i, pin) = state.pins.lookup_longest(&shape.boundaries)?;
         Some((PrefixMatch { key: shape.boundaries[i].key, bytes: shape.boundaries[i].bytes }, pin))
     };
     let named_home = || session.and_then(|s| state.pins.replica_of(s.key));
-    let mut pinned = if shape.multi_unit { longest_pinned() } else { None };
-    let mut named = named_home();
+    let (mut pinned, mut named) = (longest_pinned(), named_home());
     // Unknown here is not unknown to the fleet: with instances behind a load
-    // balancer, a turn can outrun its previous turn's announcement.
-    let mut unknown: Vec<_> = Vec::new();
-    if shape.multi_unit && pinned.is_none() {
-        unknown.extend(shape.boundaries.iter().map(|b| b.key));
-    }
-    if let Some(s) = session.filter(|_| named.is_none()) {
-        unknown.push(s.key);
-    }
-    if locate::pins_in_shared_store(state, unknown).await {
-        pinned = if shape.multi_unit { longest_pinned() } else { None };
-        named = named_home();
+    // balancer, a turn can outrun its previous turn's announcement. (Only
+    // asked while a shared store answers: one instance has nothing to read.)
+    if state.shared_store_answers() {
+        let mut unknown = Vec::new();
+        if shape.multi_unit && pinned.is_none() {
+            unknown.extend(shape.boundaries.iter().map(|b| b.key));
+        }
+        if let Some(s) = session.filter(|_| named.is_none()) {
+            unknown.push(s.key);
+        }
+        if locate::pins_in_shared_store(state, unknown).await {
+            (pinned, named) = (longest_pinned(), named_home());
+        }
     }
     if settings.mode == Mode::Shape && shape.multi_unit {
         recorder.pin_lookup(pinned.is_some());
