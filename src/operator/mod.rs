@@ -325,23 +325,7 @@ impl Operator {
             // is part of the fleet's working set here too).
             if p.turns >= 2 || matches!(p.origin.source, PinSource::PromptCacheKey | PinSource::SessionHeader) {
                 // A session's id is its family (a session key's pin is its own family).
-                let first = self.pins.get(p.family);
-                let arrived = first.as_ref().map_or(p.last_used_ms, |first| first.created_ms);
-                // Its first turn's size is its family's first pin's: what each turn added since.
-                let growth = first
-                    .filter(|_| p.turns >= 2)
-                    .map_or(0, |first| p.est_tokens.saturating_sub(first.est_tokens) / u64::from(p.turns - 1));
-                // Its second turn's pin began it; after that, not known
-                // here: as early as can be (it continued before any turn
-                // this instance hears of).
-                let continued = if p.turns == 2 { p.last_used_ms } else { arrived };
-                let heard = Heard {
-                    tokens: p.est_tokens,
-                    last_ms: p.last_used_ms,
-                    arrived_ms: arrived,
-                    continued_ms: continued,
-                    growth_hint: growth,
-                };
+                let heard = Heard::from_pins(p, self.pins.get(p.family).as_ref());
                 self.sessions.seen_elsewhere(&r, p.family, heard);
             }
         }

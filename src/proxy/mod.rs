@@ -229,23 +229,16 @@ async fn forward_request(
             let here = |id| replica.residents.lock().contains_key(&id);
             let now = crate::clock::now_ms();
             if let Some(s) = of_session.filter(|s| !s.new && !here(s.id) && !state.sessions.is_resident(s.id)) {
-                let arrived = state.pins.get(s.id).map_or(now, |first| first.created_ms);
-                // Resident at its previous turn's context (its pin's): this
-                // turn, beginning, says what it added.
-                let previous = pinned.as_ref().map_or(est_tokens, |(_, p)| p.est_tokens.min(est_tokens));
-                // This turn is its second (its previous pin is its first),
-                // or it continued before any turn this instance heard of.
-                let continued = match pinned.as_ref().map(|(_, p)| p.turns) {
-                    Some(1) => now,
-                    _ => arrived,
+                // As its pins say: its previous turn's, else its session key's.
+                let first = state.pins.get(s.id);
+                let heard = match pinned.as_ref().map(|(_, p)| p).or(first.as_ref()) {
+                    Some(latest) => Heard::from_pins(latest, first.as_ref()),
+                    None => Heard { tokens: est_tokens, arrived_ms: now, ..Heard::default() },
                 };
-                let heard = Heard {
-                    tokens: previous,
-                    last_ms: now,
-                    arrived_ms: arrived,
-                    continued_ms: continued,
-                    growth_hint: 0,
-                };
+                // Resident at its previous turn's context as of now: this
+                // turn, beginning, says what it added (and, its second,
+                // that it continued).
+                let heard = Heard { tokens: heard.tokens.min(est_tokens), last_ms: now, ..heard };
                 state.sessions.seen_elsewhere(&replica, s.id, heard);
             }
             // A resident session's turn pauses here, before it starts, while

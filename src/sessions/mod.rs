@@ -236,6 +236,27 @@ pub struct Heard {
     pub growth_hint: u64,
 }
 
+impl Heard {
+    /// What a session's pins say: `latest`, its latest turn's, and
+    /// `first`, its family's first (a session key's pin is both). The one
+    /// reading of pins every instance makes, so all reckon alike.
+    pub fn from_pins(latest: &crate::pins::Pin, first: Option<&crate::pins::Pin>) -> Heard {
+        let arrived_ms = first.map_or(latest.last_used_ms, |first| first.created_ms);
+        // Its first turn's size is its family's first pin's: what each turn added since.
+        let growth_hint = first
+            .filter(|_| latest.turns >= 2)
+            .map_or(0, |first| latest.est_tokens.saturating_sub(first.est_tokens) / u64::from(latest.turns - 1));
+        // Its second turn's pin says when it continued; a later one does
+        // not: as early as can be (it continued before any turn heard of).
+        let continued_ms = match latest.turns {
+            0 | 1 => 0,
+            2 => latest.last_used_ms,
+            _ => arrived_ms,
+        };
+        Heard { tokens: latest.est_tokens, last_ms: latest.last_used_ms, arrived_ms, continued_ms, growth_hint }
+    }
+}
+
 /// Waits of held sessions, since start.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct WaitStats {
@@ -1242,6 +1263,28 @@ mod tests {
             assert!(s.must_pause(a, 1, 7_500, 20_000), "1 is the youngest everywhere");
             assert!(!s.must_pause(a, 2, 7_500, 20_000));
         }
+    }
+
+    #[test]
+    fn a_sessions_pins_say_when_it_arrived_continued_and_what_its_turns_added() {
+        let pin = |turns, created_ms, last_used_ms, est_tokens| crate::pins::Pin {
+            replica: Arc::from("a"),
+            created_ms,
+            last_used_ms,
+            turns,
+            est_tokens,
+            family: 7,
+            origin: Default::default(),
+        };
+        let first = pin(1, 1_000, 1_000, 1_000);
+        let one = Heard::from_pins(&first, Some(&first));
+        assert_eq!((one.arrived_ms, one.continued_ms, one.growth_hint), (1_000, 0, 0), "not continued yet");
+        let second = Heard::from_pins(&pin(2, 1_400, 1_400, 1_300), Some(&first));
+        assert_eq!((second.arrived_ms, second.continued_ms, second.growth_hint), (1_000, 1_400, 300));
+        let fourth = Heard::from_pins(&pin(4, 2_200, 2_200, 1_900), Some(&first));
+        assert_eq!((fourth.continued_ms, fourth.growth_hint, fourth.tokens), (1_000, 300, 1_900), "as early as can be");
+        let unknown_family = Heard::from_pins(&pin(3, 2_000, 2_000, 1_600), None);
+        assert_eq!((unknown_family.arrived_ms, unknown_family.growth_hint), (2_000, 0));
     }
 
     #[test]
