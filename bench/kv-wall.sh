@@ -32,7 +32,8 @@
 # BIN=path/to/prefixgate runs that build instead of building this tree.
 # REPORTS=DIR: each arm's report, every request's sample in it, to
 # DIR/ARM.json, and the hold gateway's history (every instance's events,
-# pauses and holds among them) to DIR/ARM-events-N.json after its arms.
+# pauses and holds among them) to DIR/ARM-events-N.json and its replicas'
+# view (calibration among it) to DIR/ARM-replicas-N.json after its arms.
 # Usage: [LLAMA_SERVER=... MODEL=...] [SIM=1] [IDLE_MS=5000] [INSTANCES=1] bench/kv-wall.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -158,6 +159,7 @@ said() {
   if [ -n "${REPORTS:-}" ]; then
     for i in $(seq 1 "$INSTANCES"); do
       curl -s "${GW_ADMIN[hold$i]}/admin/v1/events?limit=500" >"$REPORTS/$1-events-$i.json"
+      curl -s "${GW_ADMIN[hold$i]}/admin/v1/replicas" >"$REPORTS/$1-replicas-$i.json"
     done
   fi
 }

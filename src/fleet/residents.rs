@@ -81,10 +81,13 @@ pub const GAP_FACTOR: u64 = 3;
 pub const MIN_IDLE_MS: u64 = 500;
 
 /// How many of a session's latest turns its next turn's growth is guessed
-/// from. Why not only the latest: on real vLLM, one agent's turns added
-/// 195-380 tokens (its answers' lengths vary), and reckoning with the
-/// latest let an older session's turn cross a 3,072-token pool by 16
-/// tokens (docs/benchmarks.md, three instances). Why not every turn: a
+/// from. Why not only the latest: what a turn added is known as estimates
+/// (and answers and tool results vary). On real vLLM, one agent's turns
+/// each added 247 tokens by the engine's count, but 195-380 by the
+/// gateway's estimates, made as the replica's calibration moved between
+/// turns; reckoning with the latest let an older session's turn cross a
+/// 3,072-token pool by 16 tokens (docs/benchmarks.md, three instances).
+/// Why not every turn: a
 /// one-off large tool result would count against the room for the rest of
 /// the session.
 pub const GROWTH_MEMORY: usize = 3;

@@ -1335,7 +1335,7 @@ mod tests {
         let a = replica("a");
         a.set_observed_kv(Some(3_072));
         let now = crate::clock::now_ms();
-        // Real vLLM's shape: turns adding 380, then 195 tokens (answers vary).
+        // Real vLLM's shape: turns estimated to add 380, then 195 tokens.
         for (t, tokens) in [1_200, 1_580, 1_775].into_iter().enumerate() {
             drop(s.begin_turn(&a, 1, None, tokens, &Who::default(), now + t as u64 * 10));
         }
