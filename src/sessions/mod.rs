@@ -35,18 +35,19 @@
 //! What is kept is bounded by the sessions alive: an idle session is
 //! forgotten by the sweep, a replica's with the replica.
 
+mod hold;
+mod pause;
 pub mod projection;
 pub mod room;
 
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use crate::capacity::QueuedSession;
-use crate::domain_error::DomainError;
 use crate::fleet::residents::Resident;
 use crate::fleet::Replica;
 use crate::policy::PrefixKey;
-use crate::priority::{Class, FairQueue, Who};
+use crate::priority::{FairQueue, Who};
+pub use hold::{Held, Ticket};
 pub use room::{Room, Verdict};
 use serde::{Deserialize, Serialize};
 
@@ -276,69 +277,6 @@ pub struct SessionTurn {
 impl Drop for SessionTurn {
     fn drop(&mut self) {
         self.sessions.end_turn(self.session, crate::clock::now_ms());
-    }
-}
-
-/// A paused turn: its session counts as busy until the pause ends, however
-/// it ends (room opened, the wait ran out, or the client went away and the
-/// request's future was dropped).
-struct PausedTurn<'a> {
-    sessions: &'a Sessions,
-    replica: &'a Replica,
-    session: PrefixKey,
-}
-
-impl<'a> PausedTurn<'a> {
-    fn start(sessions: &'a Sessions, replica: &'a Replica, session: PrefixKey) -> PausedTurn<'a> {
-        if let Some(r) = replica.residents.lock().get_mut(&session) {
-            r.running += 1;
-        }
-        sessions.paused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        PausedTurn { sessions, replica, session }
-    }
-}
-
-impl Drop for PausedTurn<'_> {
-    fn drop(&mut self) {
-        if let Some(r) = self.replica.residents.lock().get_mut(&self.session) {
-            r.running = r.running.saturating_sub(1);
-        }
-        self.sessions.paused.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-    }
-}
-
-/// A place in the held queue; leaving it (admitted, timed out, or the
-/// client gone) is dropping it.
-pub struct Ticket {
-    sessions: Arc<Sessions>,
-    id: u64,
-}
-
-impl Drop for Ticket {
-    fn drop(&mut self) {
-        let mut state = self.sessions.lock();
-        state.held.remove(self.id);
-        state.evicted.retain(|t| *t != self.id);
-        drop(state);
-        // The next in line may go now.
-        self.sessions.changed.notify_waiters();
-    }
-}
-
-/// How a held session's wait ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Held {
-    /// Room opened after this long.
-    Placed(Duration),
-    /// `max_wait_ms` passed without room: admitted over capacity.
-    OverCapacity(Duration),
-}
-
-impl Held {
-    pub fn waited(self) -> Duration {
-        match self {
-            Held::Placed(d) | Held::OverCapacity(d) => d,
-        }
     }
 }
 
@@ -711,122 +649,6 @@ impl Sessions {
         self.lock().home_of(session).is_some()
     }
 
-    /// True when the next turn of resident `session` on `replica`, at
-    /// `tokens` of context, must pause (`room::must_pause`, the others at
-    /// their next turns' contexts: `Resident::next_turn_tokens`), or waits for
-    /// room again after a higher class took its room (`preempt_for`).
-    /// (Off with `sessions.pause = false`, or with the hold off.)
-    /// `now_ms`: when this turn came (its session's second turn, if it has
-    /// not continued yet, began then).
-    pub fn must_pause(&self, replica: &Replica, session: PrefixKey, tokens: u64, now_ms: u64) -> bool {
-        if self.settings.max_wait_ms == 0 {
-            return false;
-        }
-        let Some(capacity) = replica.kv_capacity() else { return false };
-        let shape = Room { capacity: Some(capacity), taken: 0, slot_tokens: replica.slot_tokens() };
-        let on = replica.residents.lock();
-        let Some(me) = on.get(&session).copied() else { return false };
-        if me.preempted {
-            // Alone, it goes: no room would open for it by waiting.
-            let alone = on.len() == 1;
-            drop(on);
-            // The session that took its room may be admitted but not placed
-            // yet: counted here until it is, or this turn would slip in first.
-            let mut room = self.room_of(replica);
-            room.taken += self.unplaced_tokens().iter().map(|t| room.footprint(*t)).sum::<u64>();
-            return !alone && !room.fits(tokens);
-        }
-        if !self.settings.pause {
-            return false;
-        }
-        let client_sessions =
-            |class: Class, client: u64| on.values().filter(|r| r.class == class && r.client == client).count();
-        let occupant = |id: PrefixKey, r: &Resident, tokens: u64, continued_ms: u64| room::Occupant {
-            arrived_ms: r.arrived_ms,
-            continued_ms,
-            id,
-            tokens,
-            class: r.class,
-            client_sessions: client_sessions(r.class, r.client),
-        };
-        // The others at their next turn: an older one's next turn goes
-        // whatever comes, so a younger one that arrives first in a round
-        // must not take the room that turn will need (both would run over
-        // the pool, and the engine would thrash them both).
-        let continued = |r: &Resident, or: u64| if r.continued_ms == 0 { or } else { r.continued_ms };
-        let others = on
-            .iter()
-            .filter(|(s, _)| **s != session)
-            .map(|(s, r)| occupant(*s, r, r.next_turn_tokens(), continued(r, u64::MAX)));
-        room::must_pause(&shape, occupant(session, &me, tokens.max(me.tokens), continued(&me, now_ms)), others)
-    }
-
-    /// A waiting session of `class` and `tokens` at the head of the hold
-    /// gives it room (`priority.preempt`): on the candidate where the fewest
-    /// of this instance's lower-class residents between turns free enough
-    /// (`room::preemptible`), those are preempted: they count for nothing
-    /// from now, and their next turns wait for room again. Returns the
-    /// replica and the classes of the sessions preempted (empty: none).
-    pub fn preempt_for(&self, candidates: &[Arc<Replica>], class: Class, tokens: u64) -> Vec<(Arc<str>, Class)> {
-        let rooms: Vec<(Room, Vec<(room::Occupant, bool)>)> = candidates
-            .iter()
-            .map(|r| {
-                let room = self.room_of(r);
-                let residents = r
-                    .residents
-                    .lock()
-                    .iter()
-                    .filter(|(_, s)| s.ours && !s.preempted)
-                    .map(|(id, s)| {
-                        let o = room::Occupant {
-                            arrived_ms: s.arrived_ms,
-                            continued_ms: s.continued_ms,
-                            id: *id,
-                            tokens: s.counted_tokens(),
-                            class: s.class,
-                            client_sessions: 1,
-                        };
-                        (o, s.running > 0)
-                    })
-                    .collect();
-                (room, residents)
-            })
-            .collect();
-        let footprint = |room: &Room| room.footprint(tokens);
-        let Some(need) = rooms.first().map(|(room, _)| footprint(room)) else { return Vec::new() };
-        let Some((i, victims)) = room::preemptible(&rooms, class, need) else { return Vec::new() };
-        let replica = &candidates[i];
-        let mut on = replica.residents.lock();
-        let mut out = Vec::new();
-        for id in victims {
-            // Still between turns (a turn may have begun since): else left alone.
-            if let Some(r) = on.get_mut(&id).filter(|r| r.running == 0 && r.class < class) {
-                r.preempted = true;
-                out.push((replica.id.clone(), r.class));
-            }
-        }
-        out
-    }
-
-    /// Pauses the next turn of resident `session` on `replica` (`tokens` of
-    /// context with this turn) while the residents there are over its pool
-    /// and it is the youngest (`room::must_pause`), at most `max_wait_ms`;
-    /// returns how long it paused, if it did. The turn has not started: a
-    /// turn that started is never cut. While paused the session counts as
-    /// busy (it cannot idle out: the room that opens is for it).
-    pub async fn pause_if_over(&self, replica: &Replica, session: PrefixKey, tokens: u64) -> Option<Duration> {
-        // The turn came now, however long it waits: its place in the order is fixed.
-        let came = crate::clock::now_ms();
-        if !self.must_pause(replica, session, tokens, came) {
-            return None;
-        }
-        let _busy = PausedTurn::start(self, replica, session);
-        let started = tokio::time::Instant::now();
-        let deadline = started + Duration::from_millis(self.settings.max_wait_ms);
-        self.wait_for(deadline, || !self.must_pause(replica, session, tokens, came)).await;
-        Some(started.elapsed())
-    }
-
     /// Waits until `ready` says yes (true) or `deadline` passed (false),
     /// looking again at every change (`changed`) and every `RECHECK`.
     async fn wait_for(&self, deadline: tokio::time::Instant, ready: impl Fn() -> bool) -> bool {
@@ -849,30 +671,6 @@ impl Sessions {
         }
     }
 
-    /// Counts one finished wait.
-    pub fn record_wait(&self, held: Held) {
-        let mut w = self.waits.lock().unwrap_or_else(|e| e.into_inner());
-        let ms = held.waited().as_millis() as u64;
-        w.waited += 1;
-        w.over_capacity += u64::from(matches!(held, Held::OverCapacity(_)));
-        w.total_ms += ms;
-        w.max_ms = w.max_ms.max(ms);
-    }
-
-    pub fn wait_stats(&self) -> WaitStats {
-        *self.waits.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Turns of resident sessions paused now.
-    pub fn paused(&self) -> usize {
-        self.paused.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// Sessions waiting now.
-    pub fn held(&self) -> usize {
-        self.lock().held.len()
-    }
-
     /// Sessions known (for the churn and bound tests).
     pub fn len(&self) -> usize {
         self.lock().home.len()
@@ -886,130 +684,6 @@ impl Sessions {
     pub fn recheck(&self) {
         self.changed.notify_waiters();
     }
-
-    /// Waits until `admit` (the room now, judged by the caller) says yes
-    /// while this session is first in line, or `max_wait_ms` passed. The
-    /// line is ordered by class, then turns between clients (`priority.rs`):
-    /// a later session passes only by a higher class or a client's turn.
-    /// Past `max_held` waiting, the lowest class is refused first: the
-    /// newcomer, unless the last in line is of a lower class (that one is
-    /// refused instead). Dropping the future leaves the queue (a client
-    /// that went away).
-    pub async fn hold(
-        self: &Arc<Self>,
-        who: &Who,
-        tokens: u64,
-        admit: impl Fn(&[u64]) -> bool,
-    ) -> Result<(Held, Reservation), DomainError> {
-        let full = |waiting: usize| DomainError::Overloaded {
-            message: format!("the replicas' KV is full and {waiting} new sessions already wait for room; retry later"),
-            retry_after: Duration::from_millis(self.settings.max_wait_ms / 2).max(Duration::from_secs(1)),
-        };
-        let ticket = {
-            let mut state = self.lock();
-            if state.held.len() >= self.settings.max_held {
-                match state.held.last().filter(|last| last.class < who.class).map(|last| last.id) {
-                    Some(lower) => {
-                        state.held.remove(lower);
-                        state.evicted.push(lower);
-                    }
-                    None => return Err(full(state.held.len())),
-                }
-            }
-            let waiter = HeldWaiter { tokens, since_ms: crate::clock::now_ms() };
-            let id = state.held.push(who.class, who.client.clone(), waiter);
-            Ticket { sessions: self.clone(), id }
-        };
-        let started = tokio::time::Instant::now();
-        let deadline = started + Duration::from_millis(self.settings.max_wait_ms);
-        // Judged and reserved under the lock: the next in line sees this
-        // one's room taken, whichever worker it runs on.
-        let reserved = Mutex::new(None);
-        let first_with_room = || {
-            let state = self.lock();
-            if !state.held.contains(ticket.id) {
-                return true; // turned away
-            }
-            let first = state.held.head().is_some_and(|h| h.id == ticket.id);
-            if first && admit(&self.unplaced_tokens()) {
-                *reserved.lock().unwrap_or_else(|e| e.into_inner()) = Some(self.reserve(&state, tokens));
-                return true;
-            }
-            false
-        };
-        let placed = self.wait_for(deadline, first_with_room).await;
-        if self.lock().evicted.contains(&ticket.id) {
-            return Err(full(self.settings.max_held));
-        }
-        let held = match placed {
-            true => Held::Placed(started.elapsed()),
-            false => Held::OverCapacity(started.elapsed()),
-        };
-        let reservation = reserved
-            .into_inner()
-            .unwrap_or_else(|e| e.into_inner())
-            .unwrap_or_else(|| self.reserve(&self.lock(), tokens));
-        Ok((held, reservation))
-    }
-
-    /// Admits a new session at once when `admit` (given the tokens of the
-    /// sessions admitted but not resident yet) says there is room; judged
-    /// and reserved under one lock, so two arriving together do not both
-    /// take the last room. None: it must wait (`hold`).
-    /// The client's turn counts: its next waiter queues behind clients that
-    /// had none (`FairQueue::served_at_once`).
-    pub fn admit_at_once(
-        self: &Arc<Self>,
-        who: &Who,
-        tokens: u64,
-        admit: impl Fn(&[u64]) -> bool,
-    ) -> Option<Reservation> {
-        let mut state = self.lock();
-        if !admit(&self.unplaced_tokens()) {
-            return None;
-        }
-        state.held.served_at_once(who.class, &who.client);
-        Some(self.reserve(&state, tokens))
-    }
-
-    /// One new session at a time chooses its replica and places its
-    /// reservation there, holding this: two arriving together on two
-    /// workers would otherwise both read the rooms before either was
-    /// placed, and both go where the most room was. Never held across an
-    /// await (a shared store's placement ranks in its own script instead).
-    pub fn placing(&self) -> std::sync::MutexGuard<'_, ()> {
-        self.placing.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Reserves room for a new session placed without the hold (it is
-    /// off): nothing waits, but the next new session's placement counts
-    /// this one where it goes until its first turn is resident, so two
-    /// arriving together do not both go to the replica that had the most room.
-    pub fn reserve_unheld(self: &Arc<Self>, tokens: u64) -> Reservation {
-        let state = self.lock();
-        self.reserve(&state, tokens)
-    }
-
-    /// Sessions waiting now, by class (`Class::ALL` order).
-    pub fn held_by_class(&self) -> [usize; 3] {
-        self.lock().held.by_class()
-    }
-
-    /// The held sessions in the order they go.
-    pub fn queue(&self, now_ms: u64) -> Vec<QueuedSession> {
-        let state = self.lock();
-        state
-            .held
-            .in_order()
-            .into_iter()
-            .map(|w| QueuedSession {
-                class: w.class,
-                client: w.client.to_string(),
-                tokens: w.value.tokens,
-                waited_ms: now_ms.saturating_sub(w.value.since_ms),
-            })
-            .collect()
-    }
 }
 
 #[cfg(test)]
@@ -1018,11 +692,11 @@ mod tests {
 
     /// What another instance's pins say: its context, latest turn's start,
     /// arrival and growth; it continued when it arrived (tests order by arrival).
-    fn heard(tokens: u64, last_ms: u64, arrived_ms: u64, growth_hint: u64) -> Heard {
+    pub(super) fn heard(tokens: u64, last_ms: u64, arrived_ms: u64, growth_hint: u64) -> Heard {
         Heard { tokens, last_ms, arrived_ms, continued_ms: arrived_ms, growth_hint }
     }
 
-    fn settings() -> SessionConfig {
+    pub(super) fn settings() -> SessionConfig {
         SessionConfig {
             idle_ms: 1_000,
             max_wait_ms: 10_000,
@@ -1034,13 +708,13 @@ mod tests {
 
     /// One gateway instance's sessions and its view of replica "a" (a
     /// 12,000-token pool): tests of several instances take one each.
-    fn instance() -> (Arc<Sessions>, Arc<Replica>) {
+    pub(super) fn instance() -> (Arc<Sessions>, Arc<Replica>) {
         let a = replica("a");
         a.set_observed_kv(Some(12_000));
         (Sessions::new(settings()), a)
     }
 
-    fn replica(id: &str) -> Arc<Replica> {
+    pub(super) fn replica(id: &str) -> Arc<Replica> {
         Arc::new(Replica::new(crate::fleet::ReplicaSpec::new(id, "http://x"), crate::fleet::AdminState::Active))
     }
 
@@ -1226,46 +900,6 @@ mod tests {
     }
 
     #[test]
-    fn instances_that_learned_of_two_sessions_in_another_order_agree_which_is_youngest() {
-        // Session 1 began at 100 (its first pin's creation), session 2 at
-        // 1,101 (another second: arrival decides). Instance x served 1's
-        // first turn and heard of 2 late; instance y the other way round:
-        // both take each session's first turn as its arrival, not the
-        // moment they heard of it.
-        let ((x, ax), (y, ay)) = (instance(), instance());
-        drop(x.begin_turn(&ax, 1, None, 5_000, &Who::default(), 100));
-        x.seen_elsewhere(&ax, 2, heard(5_000, 5_000, 1_101, 0));
-        y.seen_elsewhere(&ay, 1, heard(5_000, 4_000, 100, 0));
-        y.seen_elsewhere(&ay, 2, heard(5_000, 1_200, 1_101, 0));
-        for (s, a) in [(&x, &ax), (&y, &ay)] {
-            assert!(s.must_pause(a, 2, 8_000, u64::MAX), "2 is the youngest everywhere");
-            assert!(!s.must_pause(a, 1, 8_000, u64::MAX));
-        }
-    }
-
-    #[test]
-    fn of_two_sessions_that_arrived_together_the_later_to_continue_yields_on_every_instance() {
-        // Both began at 10,000 (a batch), 2 with the smaller id; the engine
-        // served 2 first, so 2 continued at 10,400 and 1 at 10,800.
-        // Instance x served their turns; y heard of them from their pins.
-        let ((x, ax), (y, ay)) = (instance(), instance());
-        drop(x.begin_turn(&ax, 1, None, 4_000, &Who::default(), 10_000));
-        drop(x.begin_turn(&ax, 2, None, 4_000, &Who::default(), 10_000));
-        drop(x.begin_turn(&ax, 2, None, 5_000, &Who::default(), 10_400));
-        let seen =
-            |tokens, last_ms, continued_ms| Heard { tokens, last_ms, arrived_ms: 10_000, continued_ms, growth_hint: 0 };
-        y.seen_elsewhere(&ay, 2, seen(5_000, 10_400, 10_400));
-        // 1's second turn comes now: x decides with it, y has it from its pin.
-        assert!(x.must_pause(&ax, 1, 7_500, 10_800), "1 continued later: it yields");
-        drop(x.begin_turn(&ax, 1, None, 5_000, &Who::default(), 10_800));
-        y.seen_elsewhere(&ay, 1, seen(5_000, 10_800, 10_800));
-        for (s, a) in [(&x, &ax), (&y, &ay)] {
-            assert!(s.must_pause(a, 1, 7_500, 20_000), "1 is the youngest everywhere");
-            assert!(!s.must_pause(a, 2, 7_500, 20_000));
-        }
-    }
-
-    #[test]
     fn a_sessions_pins_say_when_it_arrived_continued_and_what_its_turns_added() {
         let pin = |turns, created_ms, last_used_ms, est_tokens| crate::pins::Pin {
             replica: Arc::from("a"),
@@ -1288,108 +922,6 @@ mod tests {
     }
 
     #[test]
-    fn a_session_first_heard_of_from_its_pins_counts_at_what_its_turns_added() {
-        let s = Sessions::new(settings());
-        let a = replica("a");
-        a.set_observed_kv(Some(3_072));
-        let now = crate::clock::now_ms();
-        // The older: three turns elsewhere, 1,072 tokens growing ~200 a turn.
-        s.seen_elsewhere(&a, 1, heard(1_469, now, now - 2_000, 198));
-        drop(s.begin_turn(&a, 2, None, 1_300, &Who::default(), now - 1_000));
-        // The younger's 1,450 beside the older's next (~1,667) crosses 3,072.
-        assert!(s.must_pause(&a, 2, 1_450, u64::MAX));
-        // Turns seen here say what they added; the hint counts as one of
-        // its recent turns until they push it out.
-        s.seen_elsewhere(&a, 1, heard(1_500, now + 10, now - 2_000, 198));
-        assert_eq!(a.residents.lock()[&1].growth(), 198);
-        s.seen_elsewhere(&a, 1, heard(1_531, now + 20, now - 2_000, 198));
-        s.seen_elsewhere(&a, 1, heard(1_562, now + 30, now - 2_000, 198));
-        assert_eq!(a.residents.lock()[&1].growth(), 31);
-        assert!(!s.must_pause(&a, 2, 1_450, u64::MAX));
-    }
-
-    #[test]
-    fn the_youngest_pauses_in_the_round_that_crosses_the_pool_whichever_turn_comes_first() {
-        let (s, a) = instance();
-        let now = crate::clock::now_ms();
-        // Two agents at 3,500 tokens, then 5,000: their next turns (6,500
-        // each) cross 12,000 together. The older's second turn runs now.
-        drop(s.begin_turn(&a, 1, None, 3_500, &Who::default(), now));
-        drop(s.begin_turn(&a, 2, None, 3_500, &Who::default(), now + 1));
-        let older = s.begin_turn(&a, 1, None, 5_000, &Who::default(), now + 10);
-        drop(s.begin_turn(&a, 2, None, 5_000, &Who::default(), now + 11));
-        // The younger's next turn comes first: it pauses now, not a round
-        // late (6,500 + 5,000 fit, but the older's next turn goes whatever
-        // comes, and both would then run over the pool and thrash).
-        assert!(s.must_pause(&a, 2, 6_500, u64::MAX));
-        // The same with the older's turn ended, its next still to come.
-        drop(older);
-        assert!(s.must_pause(&a, 2, 6_500, u64::MAX));
-        assert!(!s.must_pause(&a, 1, 6_500, u64::MAX), "the older one never pauses");
-        assert!(!s.must_pause(&a, 2, 5_400, u64::MAX), "a turn that fits beside the older's next goes");
-    }
-
-    #[test]
-    fn an_older_session_whose_turns_add_unevenly_counts_at_the_most_its_recent_turns_added() {
-        let s = Sessions::new(settings());
-        let a = replica("a");
-        a.set_observed_kv(Some(3_072));
-        let now = crate::clock::now_ms();
-        // Real vLLM's shape: turns estimated to add 380, then 195 tokens.
-        for (t, tokens) in [1_200, 1_580, 1_775].into_iter().enumerate() {
-            drop(s.begin_turn(&a, 1, None, tokens, &Who::default(), now + t as u64 * 10));
-        }
-        drop(s.begin_turn(&a, 2, None, 900, &Who::default(), now + 5));
-        // The older's next turn may add 380 again (2,155): 900 + 100 beside
-        // it crosses 3,072; with only its latest growth (1,970) it would fit.
-        assert!(s.must_pause(&a, 2, 1_000, u64::MAX));
-        assert!(!s.must_pause(&a, 2, 900, u64::MAX), "what fits beside the older's largest recent turn goes");
-        // Three turns later a one-off large turn is forgotten.
-        for (t, tokens) in [1_800, 1_820, 1_840].into_iter().enumerate() {
-            drop(s.begin_turn(&a, 1, None, tokens, &Who::default(), now + 100 + t as u64 * 10));
-        }
-        assert_eq!(a.residents.lock()[&1].growth(), 25);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_paused_turn_resumes_when_room_opens_or_at_max_wait_ms() {
-        let s = Sessions::new(settings()); // max_wait_ms 10 s
-        let a = replica("a");
-        a.set_observed_kv(Some(12_000));
-        // In the past: 2's turn comes after 1 continued.
-        let now = crate::clock::now_ms() - 100;
-        drop(s.begin_turn(&a, 1, None, 5_000, &Who::default(), now));
-        drop(s.begin_turn(&a, 2, None, 5_000, &Who::default(), now + 1));
-        drop(s.begin_turn(&a, 1, None, 5_000, &Who::default(), now + 2)); // 1 continued first
-        assert!(!s.must_pause(&a, 1, 7_000, u64::MAX), "the older one never pauses");
-        assert!(!s.must_pause(&a, 2, 7_000, u64::MAX), "within the pool");
-        assert!(s.must_pause(&a, 2, 8_000, u64::MAX), "the youngest, over the pool");
-        // Room opens when the older one idles out: the pause ends then.
-        let paused = tokio::spawn({
-            let (s, a) = (s.clone(), a.clone());
-            async move { s.pause_if_over(&a, 2, 8_000).await }
-        });
-        tokio::time::sleep(Duration::from_millis(1_500)).await;
-        assert_eq!(s.paused(), 1);
-        assert!(s.sweep(crate::clock::now_ms() + 60_000).any);
-        assert!(s.is_resident(2) && !s.is_resident(1), "the older idled out; the paused one, busy, did not");
-        assert_eq!(paused.await.unwrap(), Some(Duration::from_millis(1_500)));
-        assert_eq!(s.paused(), 0);
-        // No room ever: it goes after max_wait_ms.
-        let now = crate::clock::now_ms() - 100;
-        drop(s.begin_turn(&a, 3, None, 5_000, &Who::default(), now));
-        drop(s.begin_turn(&a, 4, None, 5_000, &Who::default(), now + 10));
-        for older in [2, 3] {
-            drop(s.begin_turn(&a, older, None, 5_000, &Who::default(), now + 20));
-            // continued before 4
-        }
-        assert!(s.must_pause(&a, 4, 8_000, u64::MAX));
-        let started = tokio::time::Instant::now();
-        assert_eq!(s.pause_if_over(&a, 4, 8_000).await, Some(Duration::from_millis(10_000)));
-        assert_eq!(started.elapsed(), Duration::from_millis(10_000));
-    }
-
-    #[test]
     fn a_moved_session_lives_where_it_went_and_a_removed_replica_takes_its_sessions() {
         let s = Sessions::new(settings());
         let (a, b) = (replica("a"), replica("b"));
@@ -1408,46 +940,5 @@ mod tests {
         assert_eq!((s.is_resident(2), s.is_resident(1)), (false, true));
         assert!(s.sweep(crate::clock::now_ms()).any, "the sweep drops the sessions whose replica left");
         assert_eq!(s.len(), 1);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn the_held_wait_in_order_until_room_opens_or_the_wait_ends() {
-        let s = Sessions::new(settings());
-        let room = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let has_room = {
-            let room = room.clone();
-            move |_: &[u64]| room.load(std::sync::atomic::Ordering::SeqCst)
-        };
-        let first = tokio::spawn({
-            let (s, has_room) = (s.clone(), has_room.clone());
-            async move { s.hold(&Who::default(), 1, has_room).await }
-        });
-        tokio::task::yield_now().await;
-        let second = tokio::spawn({
-            let s = s.clone();
-            async move { s.hold(&Who::default(), 1, |_: &[u64]| true).await }
-        });
-        tokio::task::yield_now().await;
-        assert_eq!(s.held(), 2, "the second waits behind the first, though it would fit");
-        assert!(
-            matches!(s.hold(&Who::default(), 1, |_: &[u64]| true).await, Err(DomainError::Overloaded { .. })),
-            "the queue is full"
-        );
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        room.store(true, std::sync::atomic::Ordering::SeqCst);
-        s.recheck();
-        assert!(matches!(first.await.unwrap().unwrap().0, Held::Placed(_)));
-        assert!(matches!(second.await.unwrap().unwrap().0, Held::Placed(_)));
-        assert_eq!(s.held(), 0);
-        // No room ever: over capacity at max_wait_ms.
-        let (over, _) = s.hold(&Who::default(), 1, |_: &[u64]| false).await.unwrap();
-        assert_eq!(over, Held::OverCapacity(Duration::from_millis(10_000)));
-        // A waiter dropped mid-wait leaves the queue.
-        let who = Who::default();
-        let mut gone = Box::pin(s.hold(&who, 1, |_: &[u64]| false));
-        assert!(futures_util::poll!(gone.as_mut()).is_pending());
-        assert_eq!(s.held(), 1);
-        drop(gone);
-        assert_eq!(s.held(), 0);
     }
 }

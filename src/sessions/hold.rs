@@ -1,0 +1,289 @@
+//! The hold: whole new sessions wait for room in a queue ordered by
+//! priority class, then turns between clients; the head goes as soon as
+//! room opens, reserving it until its first turn is resident. A higher
+//! class may take a lower one's room between its turns (`preempt_for`).
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::room::{self, Room};
+use super::{HeldWaiter, Reservation, Sessions, WaitStats};
+use crate::capacity::QueuedSession;
+use crate::domain_error::DomainError;
+use crate::fleet::Replica;
+use crate::priority::{Class, Who};
+
+/// A place in the held queue; leaving it (admitted, timed out, or the
+/// client gone) is dropping it.
+pub struct Ticket {
+    sessions: Arc<Sessions>,
+    id: u64,
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        let mut state = self.sessions.lock();
+        state.held.remove(self.id);
+        state.evicted.retain(|t| *t != self.id);
+        drop(state);
+        // The next in line may go now.
+        self.sessions.changed.notify_waiters();
+    }
+}
+
+/// How a held session's wait ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Held {
+    /// Room opened after this long.
+    Placed(Duration),
+    /// `max_wait_ms` passed without room: admitted over capacity.
+    OverCapacity(Duration),
+}
+
+impl Held {
+    pub fn waited(self) -> Duration {
+        match self {
+            Held::Placed(d) | Held::OverCapacity(d) => d,
+        }
+    }
+}
+
+impl Sessions {
+    /// A waiting session of `class` and `tokens` at the head of the hold
+    /// gives it room (`priority.preempt`): on the candidate where the fewest
+    /// of this instance's lower-class residents between turns free enough
+    /// (`room::preemptible`), those are preempted: they count for nothing
+    /// from now, and their next turns wait for room again. Returns the
+    /// replica and the classes of the sessions preempted (empty: none).
+    pub fn preempt_for(&self, candidates: &[Arc<Replica>], class: Class, tokens: u64) -> Vec<(Arc<str>, Class)> {
+        let rooms: Vec<(Room, Vec<(room::Occupant, bool)>)> = candidates
+            .iter()
+            .map(|r| {
+                let room = self.room_of(r);
+                let residents = r
+                    .residents
+                    .lock()
+                    .iter()
+                    .filter(|(_, s)| s.ours && !s.preempted)
+                    .map(|(id, s)| {
+                        let o = room::Occupant {
+                            arrived_ms: s.arrived_ms,
+                            continued_ms: s.continued_ms,
+                            id: *id,
+                            tokens: s.counted_tokens(),
+                            class: s.class,
+                            client_sessions: 1,
+                        };
+                        (o, s.running > 0)
+                    })
+                    .collect();
+                (room, residents)
+            })
+            .collect();
+        let footprint = |room: &Room| room.footprint(tokens);
+        let Some(need) = rooms.first().map(|(room, _)| footprint(room)) else { return Vec::new() };
+        let Some((i, victims)) = room::preemptible(&rooms, class, need) else { return Vec::new() };
+        let replica = &candidates[i];
+        let mut on = replica.residents.lock();
+        let mut out = Vec::new();
+        for id in victims {
+            // Still between turns (a turn may have begun since): else left alone.
+            if let Some(r) = on.get_mut(&id).filter(|r| r.running == 0 && r.class < class) {
+                r.preempted = true;
+                out.push((replica.id.clone(), r.class));
+            }
+        }
+        out
+    }
+
+    /// Counts one finished wait.
+    pub fn record_wait(&self, held: Held) {
+        let mut w = self.waits.lock().unwrap_or_else(|e| e.into_inner());
+        let ms = held.waited().as_millis() as u64;
+        w.waited += 1;
+        w.over_capacity += u64::from(matches!(held, Held::OverCapacity(_)));
+        w.total_ms += ms;
+        w.max_ms = w.max_ms.max(ms);
+    }
+
+    pub fn wait_stats(&self) -> WaitStats {
+        *self.waits.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Sessions waiting now.
+    pub fn held(&self) -> usize {
+        self.lock().held.len()
+    }
+
+    /// Waits until `admit` (the room now, judged by the caller) says yes
+    /// while this session is first in line, or `max_wait_ms` passed. The
+    /// line is ordered by class, then turns between clients (`priority.rs`):
+    /// a later session passes only by a higher class or a client's turn.
+    /// Past `max_held` waiting, the lowest class is refused first: the
+    /// newcomer, unless the last in line is of a lower class (that one is
+    /// refused instead). Dropping the future leaves the queue (a client
+    /// that went away).
+    pub async fn hold(
+        self: &Arc<Self>,
+        who: &Who,
+        tokens: u64,
+        admit: impl Fn(&[u64]) -> bool,
+    ) -> Result<(Held, Reservation), DomainError> {
+        let full = |waiting: usize| DomainError::Overloaded {
+            message: format!("the replicas' KV is full and {waiting} new sessions already wait for room; retry later"),
+            retry_after: Duration::from_millis(self.settings.max_wait_ms / 2).max(Duration::from_secs(1)),
+        };
+        let ticket = {
+            let mut state = self.lock();
+            if state.held.len() >= self.settings.max_held {
+                match state.held.last().filter(|last| last.class < who.class).map(|last| last.id) {
+                    Some(lower) => {
+                        state.held.remove(lower);
+                        state.evicted.push(lower);
+                    }
+                    None => return Err(full(state.held.len())),
+                }
+            }
+            let waiter = HeldWaiter { tokens, since_ms: crate::clock::now_ms() };
+            let id = state.held.push(who.class, who.client.clone(), waiter);
+            Ticket { sessions: self.clone(), id }
+        };
+        let started = tokio::time::Instant::now();
+        let deadline = started + Duration::from_millis(self.settings.max_wait_ms);
+        // Judged and reserved under the lock: the next in line sees this
+        // one's room taken, whichever worker it runs on.
+        let reserved = Mutex::new(None);
+        let first_with_room = || {
+            let state = self.lock();
+            if !state.held.contains(ticket.id) {
+                return true; // turned away
+            }
+            let first = state.held.head().is_some_and(|h| h.id == ticket.id);
+            if first && admit(&self.unplaced_tokens()) {
+                *reserved.lock().unwrap_or_else(|e| e.into_inner()) = Some(self.reserve(&state, tokens));
+                return true;
+            }
+            false
+        };
+        let placed = self.wait_for(deadline, first_with_room).await;
+        if self.lock().evicted.contains(&ticket.id) {
+            return Err(full(self.settings.max_held));
+        }
+        let held = match placed {
+            true => Held::Placed(started.elapsed()),
+            false => Held::OverCapacity(started.elapsed()),
+        };
+        let reservation = reserved
+            .into_inner()
+            .unwrap_or_else(|e| e.into_inner())
+            .unwrap_or_else(|| self.reserve(&self.lock(), tokens));
+        Ok((held, reservation))
+    }
+
+    /// Admits a new session at once when `admit` (given the tokens of the
+    /// sessions admitted but not resident yet) says there is room; judged
+    /// and reserved under one lock, so two arriving together do not both
+    /// take the last room. None: it must wait (`hold`).
+    /// The client's turn counts: its next waiter queues behind clients that
+    /// had none (`FairQueue::served_at_once`).
+    pub fn admit_at_once(
+        self: &Arc<Self>,
+        who: &Who,
+        tokens: u64,
+        admit: impl Fn(&[u64]) -> bool,
+    ) -> Option<Reservation> {
+        let mut state = self.lock();
+        if !admit(&self.unplaced_tokens()) {
+            return None;
+        }
+        state.held.served_at_once(who.class, &who.client);
+        Some(self.reserve(&state, tokens))
+    }
+
+    /// One new session at a time chooses its replica and places its
+    /// reservation there, holding this: two arriving together on two
+    /// workers would otherwise both read the rooms before either was
+    /// placed, and both go where the most room was. Never held across an
+    /// await (a shared store's placement ranks in its own script instead).
+    pub fn placing(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.placing.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Reserves room for a new session placed without the hold (it is
+    /// off): nothing waits, but the next new session's placement counts
+    /// this one where it goes until its first turn is resident, so two
+    /// arriving together do not both go to the replica that had the most room.
+    pub fn reserve_unheld(self: &Arc<Self>, tokens: u64) -> Reservation {
+        let state = self.lock();
+        self.reserve(&state, tokens)
+    }
+
+    /// Sessions waiting now, by class (`Class::ALL` order).
+    pub fn held_by_class(&self) -> [usize; 3] {
+        self.lock().held.by_class()
+    }
+
+    /// The held sessions in the order they go.
+    pub fn queue(&self, now_ms: u64) -> Vec<QueuedSession> {
+        let state = self.lock();
+        state
+            .held
+            .in_order()
+            .into_iter()
+            .map(|w| QueuedSession {
+                class: w.class,
+                client: w.client.to_string(),
+                tokens: w.value.tokens,
+                waited_ms: now_ms.saturating_sub(w.value.since_ms),
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::settings;
+    use super::super::*;
+    use crate::domain_error::DomainError;
+
+    #[tokio::test(start_paused = true)]
+    async fn the_held_wait_in_order_until_room_opens_or_the_wait_ends() {
+        let s = Sessions::new(settings());
+        let room = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let has_room = {
+            let room = room.clone();
+            move |_: &[u64]| room.load(std::sync::atomic::Ordering::SeqCst)
+        };
+        let first = tokio::spawn({
+            let (s, has_room) = (s.clone(), has_room.clone());
+            async move { s.hold(&Who::default(), 1, has_room).await }
+        });
+        tokio::task::yield_now().await;
+        let second = tokio::spawn({
+            let s = s.clone();
+            async move { s.hold(&Who::default(), 1, |_: &[u64]| true).await }
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(s.held(), 2, "the second waits behind the first, though it would fit");
+        assert!(
+            matches!(s.hold(&Who::default(), 1, |_: &[u64]| true).await, Err(DomainError::Overloaded { .. })),
+            "the queue is full"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        room.store(true, std::sync::atomic::Ordering::SeqCst);
+        s.recheck();
+        assert!(matches!(first.await.unwrap().unwrap().0, Held::Placed(_)));
+        assert!(matches!(second.await.unwrap().unwrap().0, Held::Placed(_)));
+        assert_eq!(s.held(), 0);
+        // No room ever: over capacity at max_wait_ms.
+        let (over, _) = s.hold(&Who::default(), 1, |_: &[u64]| false).await.unwrap();
+        assert_eq!(over, Held::OverCapacity(Duration::from_millis(10_000)));
+        // A waiter dropped mid-wait leaves the queue.
+        let who = Who::default();
+        let mut gone = Box::pin(s.hold(&who, 1, |_: &[u64]| false));
+        assert!(futures_util::poll!(gone.as_mut()).is_pending());
+        assert_eq!(s.held(), 1);
+        drop(gone);
+        assert_eq!(s.held(), 0);
+    }
+}

@@ -1,0 +1,266 @@
+//! Pauses at the KV wall: the next turn of a resident session waits, at a
+//! turn boundary, while the sessions on its replica are over its pool and
+//! it is the one to give way (`room::must_pause`: the lowest class, the
+//! client with most sessions, the youngest). A turn that started is never
+//! cut; a pause is bounded by `max_wait_ms`.
+
+use std::time::Duration;
+
+use super::room::{self, Room};
+use super::Sessions;
+use crate::fleet::residents::Resident;
+use crate::fleet::Replica;
+use crate::policy::PrefixKey;
+use crate::priority::Class;
+
+/// A paused turn: its session counts as busy until the pause ends, however
+/// it ends (room opened, the wait ran out, or the client went away and the
+/// request's future was dropped).
+struct PausedTurn<'a> {
+    sessions: &'a Sessions,
+    replica: &'a Replica,
+    session: PrefixKey,
+}
+
+impl<'a> PausedTurn<'a> {
+    fn start(sessions: &'a Sessions, replica: &'a Replica, session: PrefixKey) -> PausedTurn<'a> {
+        if let Some(r) = replica.residents.lock().get_mut(&session) {
+            r.running += 1;
+        }
+        sessions.paused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        PausedTurn { sessions, replica, session }
+    }
+}
+
+impl Drop for PausedTurn<'_> {
+    fn drop(&mut self) {
+        if let Some(r) = self.replica.residents.lock().get_mut(&self.session) {
+            r.running = r.running.saturating_sub(1);
+        }
+        self.sessions.paused.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl Sessions {
+    /// True when the next turn of resident `session` on `replica`, at
+    /// `tokens` of context, must pause (`room::must_pause`, the others at
+    /// their next turns' contexts: `Resident::next_turn_tokens`), or waits for
+    /// room again after a higher class took its room (`preempt_for`).
+    /// (Off with `sessions.pause = false`, or with the hold off.)
+    /// `now_ms`: when this turn came (its session's second turn, if it has
+    /// not continued yet, began then).
+    pub fn must_pause(&self, replica: &Replica, session: PrefixKey, tokens: u64, now_ms: u64) -> bool {
+        if self.settings.max_wait_ms == 0 {
+            return false;
+        }
+        let Some(capacity) = replica.kv_capacity() else { return false };
+        let shape = Room { capacity: Some(capacity), taken: 0, slot_tokens: replica.slot_tokens() };
+        let on = replica.residents.lock();
+        let Some(me) = on.get(&session).copied() else { return false };
+        if me.preempted {
+            // Alone, it goes: no room would open for it by waiting.
+            let alone = on.len() == 1;
+            drop(on);
+            // The session that took its room may be admitted but not placed
+            // yet: counted here until it is, or this turn would slip in first.
+            let mut room = self.room_of(replica);
+            room.taken += self.unplaced_tokens().iter().map(|t| room.footprint(*t)).sum::<u64>();
+            return !alone && !room.fits(tokens);
+        }
+        if !self.settings.pause {
+            return false;
+        }
+        let client_sessions =
+            |class: Class, client: u64| on.values().filter(|r| r.class == class && r.client == client).count();
+        let occupant = |id: PrefixKey, r: &Resident, tokens: u64, continued_ms: u64| room::Occupant {
+            arrived_ms: r.arrived_ms,
+            continued_ms,
+            id,
+            tokens,
+            class: r.class,
+            client_sessions: client_sessions(r.class, r.client),
+        };
+        // The others at their next turn: an older one's next turn goes
+        // whatever comes, so a younger one that arrives first in a round
+        // must not take the room that turn will need (both would run over
+        // the pool, and the engine would thrash them both).
+        let continued = |r: &Resident, or: u64| if r.continued_ms == 0 { or } else { r.continued_ms };
+        let others = on
+            .iter()
+            .filter(|(s, _)| **s != session)
+            .map(|(s, r)| occupant(*s, r, r.next_turn_tokens(), continued(r, u64::MAX)));
+        room::must_pause(&shape, occupant(session, &me, tokens.max(me.tokens), continued(&me, now_ms)), others)
+    }
+
+    /// Pauses the next turn of resident `session` on `replica` (`tokens` of
+    /// context with this turn) while the residents there are over its pool
+    /// and it is the youngest (`room::must_pause`), at most `max_wait_ms`;
+    /// returns how long it paused, if it did. The turn has not started: a
+    /// turn that started is never cut. While paused the session counts as
+    /// busy (it cannot idle out: the room that opens is for it).
+    pub async fn pause_if_over(&self, replica: &Replica, session: PrefixKey, tokens: u64) -> Option<Duration> {
+        // The turn came now, however long it waits: its place in the order is fixed.
+        let came = crate::clock::now_ms();
+        if !self.must_pause(replica, session, tokens, came) {
+            return None;
+        }
+        let _busy = PausedTurn::start(self, replica, session);
+        let started = tokio::time::Instant::now();
+        let deadline = started + Duration::from_millis(self.settings.max_wait_ms);
+        self.wait_for(deadline, || !self.must_pause(replica, session, tokens, came)).await;
+        Some(started.elapsed())
+    }
+
+    /// Turns of resident sessions paused now.
+    pub fn paused(&self) -> usize {
+        self.paused.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{heard, instance, replica, settings};
+    use super::super::*;
+
+    #[test]
+    fn the_youngest_pauses_in_the_round_that_crosses_the_pool_whichever_turn_comes_first() {
+        let (s, a) = instance();
+        let now = crate::clock::now_ms();
+        // Two agents at 3,500 tokens, then 5,000: their next turns (6,500
+        // each) cross 12,000 together. The older's second turn runs now.
+        drop(s.begin_turn(&a, 1, None, 3_500, &Who::default(), now));
+        drop(s.begin_turn(&a, 2, None, 3_500, &Who::default(), now + 1));
+        let older = s.begin_turn(&a, 1, None, 5_000, &Who::default(), now + 10);
+        drop(s.begin_turn(&a, 2, None, 5_000, &Who::default(), now + 11));
+        // The younger's next turn comes first: it pauses now, not a round
+        // late (6,500 + 5,000 fit, but the older's next turn goes whatever
+        // comes, and both would then run over the pool and thrash).
+        assert!(s.must_pause(&a, 2, 6_500, u64::MAX));
+        // The same with the older's turn ended, its next still to come.
+        drop(older);
+        assert!(s.must_pause(&a, 2, 6_500, u64::MAX));
+        assert!(!s.must_pause(&a, 1, 6_500, u64::MAX), "the older one never pauses");
+        assert!(!s.must_pause(&a, 2, 5_400, u64::MAX), "a turn that fits beside the older's next goes");
+    }
+
+    #[test]
+    fn an_older_session_whose_turns_add_unevenly_counts_at_the_most_its_recent_turns_added() {
+        let s = Sessions::new(settings());
+        let a = replica("a");
+        a.set_observed_kv(Some(3_072));
+        let now = crate::clock::now_ms();
+        // Real vLLM's shape: turns estimated to add 380, then 195 tokens.
+        for (t, tokens) in [1_200, 1_580, 1_775].into_iter().enumerate() {
+            drop(s.begin_turn(&a, 1, None, tokens, &Who::default(), now + t as u64 * 10));
+        }
+        drop(s.begin_turn(&a, 2, None, 900, &Who::default(), now + 5));
+        // The older's next turn may add 380 again (2,155): 900 + 100 beside
+        // it crosses 3,072; with only its latest growth (1,970) it would fit.
+        assert!(s.must_pause(&a, 2, 1_000, u64::MAX));
+        assert!(!s.must_pause(&a, 2, 900, u64::MAX), "what fits beside the older's largest recent turn goes");
+        // Three turns later a one-off large turn is forgotten.
+        for (t, tokens) in [1_800, 1_820, 1_840].into_iter().enumerate() {
+            drop(s.begin_turn(&a, 1, None, tokens, &Who::default(), now + 100 + t as u64 * 10));
+        }
+        assert_eq!(a.residents.lock()[&1].growth(), 25);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_paused_turn_resumes_when_room_opens_or_at_max_wait_ms() {
+        let s = Sessions::new(settings()); // max_wait_ms 10 s
+        let a = replica("a");
+        a.set_observed_kv(Some(12_000));
+        // In the past: 2's turn comes after 1 continued.
+        let now = crate::clock::now_ms() - 100;
+        drop(s.begin_turn(&a, 1, None, 5_000, &Who::default(), now));
+        drop(s.begin_turn(&a, 2, None, 5_000, &Who::default(), now + 1));
+        drop(s.begin_turn(&a, 1, None, 5_000, &Who::default(), now + 2)); // 1 continued first
+        assert!(!s.must_pause(&a, 1, 7_000, u64::MAX), "the older one never pauses");
+        assert!(!s.must_pause(&a, 2, 7_000, u64::MAX), "within the pool");
+        assert!(s.must_pause(&a, 2, 8_000, u64::MAX), "the youngest, over the pool");
+        // Room opens when the older one idles out: the pause ends then.
+        let paused = tokio::spawn({
+            let (s, a) = (s.clone(), a.clone());
+            async move { s.pause_if_over(&a, 2, 8_000).await }
+        });
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        assert_eq!(s.paused(), 1);
+        assert!(s.sweep(crate::clock::now_ms() + 60_000).any);
+        assert!(s.is_resident(2) && !s.is_resident(1), "the older idled out; the paused one, busy, did not");
+        assert_eq!(paused.await.unwrap(), Some(Duration::from_millis(1_500)));
+        assert_eq!(s.paused(), 0);
+        // No room ever: it goes after max_wait_ms.
+        let now = crate::clock::now_ms() - 100;
+        drop(s.begin_turn(&a, 3, None, 5_000, &Who::default(), now));
+        drop(s.begin_turn(&a, 4, None, 5_000, &Who::default(), now + 10));
+        for older in [2, 3] {
+            drop(s.begin_turn(&a, older, None, 5_000, &Who::default(), now + 20));
+            // continued before 4
+        }
+        assert!(s.must_pause(&a, 4, 8_000, u64::MAX));
+        let started = tokio::time::Instant::now();
+        assert_eq!(s.pause_if_over(&a, 4, 8_000).await, Some(Duration::from_millis(10_000)));
+        assert_eq!(started.elapsed(), Duration::from_millis(10_000));
+    }
+
+    #[test]
+    fn instances_that_learned_of_two_sessions_in_another_order_agree_which_is_youngest() {
+        // Session 1 began at 100 (its first pin's creation), session 2 at
+        // 1,101 (another second: arrival decides). Instance x served 1's
+        // first turn and heard of 2 late; instance y the other way round:
+        // both take each session's first turn as its arrival, not the
+        // moment they heard of it.
+        let ((x, ax), (y, ay)) = (instance(), instance());
+        drop(x.begin_turn(&ax, 1, None, 5_000, &Who::default(), 100));
+        x.seen_elsewhere(&ax, 2, heard(5_000, 5_000, 1_101, 0));
+        y.seen_elsewhere(&ay, 1, heard(5_000, 4_000, 100, 0));
+        y.seen_elsewhere(&ay, 2, heard(5_000, 1_200, 1_101, 0));
+        for (s, a) in [(&x, &ax), (&y, &ay)] {
+            assert!(s.must_pause(a, 2, 8_000, u64::MAX), "2 is the youngest everywhere");
+            assert!(!s.must_pause(a, 1, 8_000, u64::MAX));
+        }
+    }
+
+    #[test]
+    fn of_two_sessions_that_arrived_together_the_later_to_continue_yields_on_every_instance() {
+        // Both began at 10,000 (a batch), 2 with the smaller id; the engine
+        // served 2 first, so 2 continued at 10,400 and 1 at 10,800.
+        // Instance x served their turns; y heard of them from their pins.
+        let ((x, ax), (y, ay)) = (instance(), instance());
+        drop(x.begin_turn(&ax, 1, None, 4_000, &Who::default(), 10_000));
+        drop(x.begin_turn(&ax, 2, None, 4_000, &Who::default(), 10_000));
+        drop(x.begin_turn(&ax, 2, None, 5_000, &Who::default(), 10_400));
+        let seen =
+            |tokens, last_ms, continued_ms| Heard { tokens, last_ms, arrived_ms: 10_000, continued_ms, growth_hint: 0 };
+        y.seen_elsewhere(&ay, 2, seen(5_000, 10_400, 10_400));
+        // 1's second turn comes now: x decides with it, y has it from its pin.
+        assert!(x.must_pause(&ax, 1, 7_500, 10_800), "1 continued later: it yields");
+        drop(x.begin_turn(&ax, 1, None, 5_000, &Who::default(), 10_800));
+        y.seen_elsewhere(&ay, 1, seen(5_000, 10_800, 10_800));
+        for (s, a) in [(&x, &ax), (&y, &ay)] {
+            assert!(s.must_pause(a, 1, 7_500, 20_000), "1 is the youngest everywhere");
+            assert!(!s.must_pause(a, 2, 7_500, 20_000));
+        }
+    }
+
+    #[test]
+    fn a_session_first_heard_of_from_its_pins_counts_at_what_its_turns_added() {
+        let s = Sessions::new(settings());
+        let a = replica("a");
+        a.set_observed_kv(Some(3_072));
+        let now = crate::clock::now_ms();
+        // The older: three turns elsewhere, 1,072 tokens growing ~200 a turn.
+        s.seen_elsewhere(&a, 1, heard(1_469, now, now - 2_000, 198));
+        drop(s.begin_turn(&a, 2, None, 1_300, &Who::default(), now - 1_000));
+        // The younger's 1,450 beside the older's next (~1,667) crosses 3,072.
+        assert!(s.must_pause(&a, 2, 1_450, u64::MAX));
+        // Turns seen here say what they added; the hint counts as one of
+        // its recent turns until they push it out.
+        s.seen_elsewhere(&a, 1, heard(1_500, now + 10, now - 2_000, 198));
+        assert_eq!(a.residents.lock()[&1].growth(), 198);
+        s.seen_elsewhere(&a, 1, heard(1_531, now + 20, now - 2_000, 198));
+        s.seen_elsewhere(&a, 1, heard(1_562, now + 30, now - 2_000, 198));
+        assert_eq!(a.residents.lock()[&1].growth(), 31);
+        assert!(!s.must_pause(&a, 2, 1_450, u64::MAX));
+    }
+}
