@@ -709,8 +709,13 @@ mod tests {
     /// One gateway instance's sessions and its view of replica "a" (a
     /// 12,000-token pool): tests of several instances take one each.
     pub(super) fn instance() -> (Arc<Sessions>, Arc<Replica>) {
+        pool_of(12_000)
+    }
+
+    /// One instance's sessions and replica "a" with a pool of `tokens`.
+    pub(super) fn pool_of(tokens: u64) -> (Arc<Sessions>, Arc<Replica>) {
         let a = replica("a");
-        a.set_observed_kv(Some(12_000));
+        a.set_observed_kv(Some(tokens));
         (Sessions::new(settings()), a)
     }
 
@@ -826,9 +831,7 @@ mod tests {
 
     #[test]
     fn a_wall_narrows_a_replica_only_while_something_is_resident_there() {
-        let s = Sessions::new(settings());
-        let a = replica("a");
-        a.set_observed_kv(Some(3_000));
+        let (s, a) = pool_of(3_000);
         let now = crate::clock::now_ms();
         drop(s.begin_turn(&a, 1, None, 800, &Who::default(), now));
         assert_eq!(a.residents.receipt(1_000, 0, 0), crate::fleet::residents::Receipt::Lost { load: 800 });

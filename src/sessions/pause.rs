@@ -119,7 +119,7 @@ impl Sessions {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{heard, instance, replica, settings};
+    use super::super::tests::{heard, instance, pool_of, replica, settings};
     use super::super::*;
 
     #[test]
@@ -145,9 +145,7 @@ mod tests {
 
     #[test]
     fn an_older_session_whose_turns_add_unevenly_counts_at_the_most_its_recent_turns_added() {
-        let s = Sessions::new(settings());
-        let a = replica("a");
-        a.set_observed_kv(Some(3_072));
+        let (s, a) = pool_of(3_072);
         let now = crate::clock::now_ms();
         // Real vLLM's shape: turns estimated to add 380, then 195 tokens.
         for (t, tokens) in [1_200, 1_580, 1_775].into_iter().enumerate() {
@@ -245,9 +243,7 @@ mod tests {
 
     #[test]
     fn a_session_first_heard_of_from_its_pins_counts_at_what_its_turns_added() {
-        let s = Sessions::new(settings());
-        let a = replica("a");
-        a.set_observed_kv(Some(3_072));
+        let (s, a) = pool_of(3_072);
         let now = crate::clock::now_ms();
         // The older: three turns elsewhere, 1,072 tokens growing ~200 a turn.
         s.seen_elsewhere(&a, 1, heard(1_469, now, now - 2_000, 198));
