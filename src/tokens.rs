@@ -24,12 +24,16 @@ pub fn estimate_tokens(bytes: usize) -> u64 {
 /// never 0). Kept on the replica's record (`fleet::Replica`): it leaves
 /// with the replica.
 #[derive(Debug, Default)]
-pub struct Calibration(AtomicU64);
+pub struct Calibration {
+    ratio: AtomicU64,
+    /// The engine refused to count a prompt (`proxy::count`): not asked again.
+    no_counts: std::sync::atomic::AtomicBool,
+}
 
 impl Calibration {
     /// The replica's bytes per token (the default until it reported usage).
     pub fn bytes_per_token(&self) -> f64 {
-        match self.0.load(Ordering::Relaxed) {
+        match self.ratio.load(Ordering::Relaxed) {
             0 => BYTES_PER_TOKEN as f64,
             bits => f64::from_bits(bits),
         }
@@ -42,7 +46,18 @@ impl Calibration {
 
     /// True once the replica reported usage.
     pub fn is_calibrated(&self) -> bool {
-        self.0.load(Ordering::Relaxed) != 0
+        self.ratio.load(Ordering::Relaxed) != 0
+    }
+
+    /// True until the engine refused to count a prompt (`engine_refused`).
+    pub fn engine_counts(&self) -> bool {
+        !self.no_counts.load(Ordering::Relaxed)
+    }
+
+    /// The engine has no way to count a prompt: estimates only, from now
+    /// (until the replica is registered again).
+    pub fn engine_refused(&self) {
+        self.no_counts.store(true, Ordering::Relaxed);
     }
 
     /// Feeds one measured (bytes, prompt_tokens) pair into the ratio.
@@ -51,7 +66,7 @@ impl Calibration {
             return;
         }
         let sample = (prompt_bytes as f64 / prompt_tokens as f64).clamp(0.5, 16.0);
-        let _ = self.0.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+        let _ = self.ratio.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
             let next = match bits {
                 0 => sample,
                 _ => f64::from_bits(bits) * (1.0 - CALIBRATION_WEIGHT) + sample * CALIBRATION_WEIGHT,

@@ -127,6 +127,26 @@ pub fn upstream_request(
     up
 }
 
+/// A `POST` of the gateway's own to `uri` on the replica `spec`,
+/// authorized as `upstream_request` authorizes `req`'s.
+pub fn tokenize_request(
+    client: &awc::Client,
+    (uri, host): (Uri, Option<HeaderValue>),
+    req: &HttpRequest,
+    spec: &ReplicaSpec,
+    gateway_keys: bool,
+) -> awc::ClientRequest {
+    let mut up = client.post(uri).no_decompress();
+    if let Some(host) = host {
+        up = up.insert_header((header::HOST, host));
+    }
+    match (&spec.api_key, req.headers().get(header::AUTHORIZATION)) {
+        (Some(key), _) => up.insert_header((header::AUTHORIZATION, format!("Bearer {key}"))),
+        (None, Some(theirs)) if !gateway_keys => up.insert_header((header::AUTHORIZATION, theirs.clone())),
+        _ => up,
+    }
+}
+
 pub fn copy_response_headers(from: &HeaderMap, to: &mut HttpResponseBuilder) {
     for (name, value) in from {
         if !hop_by_hop(name) {

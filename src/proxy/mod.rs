@@ -16,6 +16,7 @@
 
 mod attempt;
 mod body;
+mod count;
 mod headers;
 mod hold;
 mod locate;
@@ -218,7 +219,18 @@ async fn forward_request(
             Some(target) => target,
             None => next_target(state, &settings, &lookup, &mut retries, &recorder, new_session)?,
         };
-        let est_tokens = replica.calibration.estimate(shape.prompt_bytes);
+        let mut est_tokens = replica.calibration.estimate(shape.prompt_bytes);
+        let sessions = state.sessions.settings();
+        let ask = sessions.count_tokens && sessions.max_wait_ms > 0 && count::worth_asking(&replica);
+        if first_attempt && of_session.is_some() && ask {
+            // The engine's own count of this turn, before it runs (`count.rs`).
+            let _counting = trace.child(state, "prefixgate.count");
+            let keys = !config.api_keys.is_empty();
+            let counted = count::engine_count(&upstream, &replica, req, keys, shape.dialect, &body, shape.prompt_bytes);
+            if let Some(count) = Box::pin(counted).await {
+                est_tokens = count;
+            }
+        }
         if std::mem::take(&mut first_attempt) {
             // A session resident nowhere here (served by another instance
             // until now) is resident from its first turn on, as every

@@ -34,6 +34,19 @@ impl Upstream {
         Upstream { client, replicas: headers::PerReplica::default() }
     }
 
+    /// A `POST /tokenize` to the replica `spec` (`count.rs`), authorized
+    /// as `req` would be there: the replica's own key, else the client's
+    /// where the gateway keeps no keys of its own.
+    pub(super) fn tokenize_request(
+        &self,
+        spec: &Arc<ReplicaSpec>,
+        req: &HttpRequest,
+        gateway_keys: bool,
+    ) -> awc::ClientRequest {
+        let target = self.replicas.target(spec, &actix_web::http::Uri::from_static("/tokenize"));
+        headers::tokenize_request(&self.client, target, req, spec, gateway_keys)
+    }
+
     /// The upstream request for `req` on the replica `spec`.
     pub(super) fn request(&self, spec: &Arc<ReplicaSpec>, req: &HttpRequest, gateway_keys: bool) -> awc::ClientRequest {
         headers::upstream_request(&self.client, self.replicas.target(spec, req.uri()), req, spec, gateway_keys)

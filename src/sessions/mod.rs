@@ -79,6 +79,13 @@ pub struct SessionConfig {
     /// evicting each other. A paused agent waits for others' work: turn it
     /// off where one agent's latency matters more than the fleet's.
     pub pause: bool,
+    /// A session turn bound for a replica whose KV is a pool of tokens is
+    /// counted by the engine before it runs (`POST /tokenize`, as vLLM
+    /// serves it: one round trip of a few milliseconds), so the hold and
+    /// the pauses reckon with the engine's own figures, not estimates from
+    /// bytes. An engine without the endpoint is not asked again. Off: every
+    /// figure is an estimate.
+    pub count_tokens: bool,
 }
 
 impl Default for SessionConfig {
@@ -90,6 +97,7 @@ impl Default for SessionConfig {
             max_held: 256,
             hold_min_tokens: None,
             pause: true,
+            count_tokens: true,
         }
     }
 }

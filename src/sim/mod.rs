@@ -55,6 +55,10 @@ pub struct SimConfig {
     /// shows only in `vllm:kv_cache_usage_perc` and its waiting requests.
     #[arg(long)]
     pub no_preemption_counter: bool,
+    /// Serve no `POST /tokenize` (404): an engine that cannot count a
+    /// prompt for the gateway (vLLM serves one).
+    #[arg(long)]
+    pub no_tokenize: bool,
 }
 
 impl Default for SimConfig {
@@ -67,6 +71,7 @@ impl Default for SimConfig {
             model: "sim-model".into(),
             api_key: None,
             no_preemption_counter: false,
+            no_tokenize: false,
         }
     }
 }
@@ -93,6 +98,8 @@ pub struct SimState {
     pub cancelled: AtomicU64,
     /// Generation requests received (valid or not).
     pub received: AtomicU64,
+    /// `POST /tokenize` requests received (served or not).
+    pub tokenize_requests: AtomicU64,
     /// The last 1,000 requests' method and path with query, as received
     /// (tests check what reached the engine).
     pub seen: Mutex<std::collections::VecDeque<String>>,
@@ -120,6 +127,7 @@ impl SimState {
             generated: AtomicU64::new(0),
             cancelled: AtomicU64::new(0),
             received: AtomicU64::new(0),
+            tokenize_requests: AtomicU64::new(0),
             responses: Mutex::default(),
         })
     }
@@ -198,6 +206,7 @@ pub fn serve(listener: std::net::TcpListener, state: Arc<SimState>) -> std::io::
             .route("/v1/models", web::get().to(models))
             .route("/v1/chat/completions", web::post().to(chat))
             .route("/v1/completions", web::post().to(completions))
+            .route("/tokenize", web::post().to(tokenize))
             .configure(agents::routes)
     })
     .workers(1)
@@ -328,6 +337,34 @@ async fn completions(s: web::Data<SimState>, body: web::Bytes) -> HttpResponse {
     }
 }
 
+/// vLLM's `POST /tokenize`: a chat request's messages (rendered as `chat`
+/// renders them) or a completion's prompt, counted as the prefill counts
+/// them, before anything runs. Only the fields vLLM's tokenize request
+/// takes are read.
+async fn tokenize(s: web::Data<SimState>, body: web::Bytes) -> HttpResponse {
+    s.tokenize_requests.fetch_add(1, Ordering::Relaxed);
+    if s.cfg.no_tokenize {
+        return HttpResponse::NotFound().json(json!({"detail": "Not Found"}));
+    }
+    let prompt = match serde_json::from_slice::<ChatPrompt>(&body) {
+        Ok(c) if !c.messages.is_empty() => Some(render_chat(&c.messages)),
+        _ => serde_json::from_slice::<CompletionPrompt>(&body).ok().and_then(|c| render_completion(&c.prompt)),
+    };
+    match prompt {
+        Some(prompt) => {
+            let count = prompt_tokens(&prompt);
+            HttpResponse::Ok().json(json!({"count": count, "max_model_len": s.cfg.kv_tokens, "tokens": []}))
+        }
+        None => bad_request("expected 'messages' or a string 'prompt'"),
+    }
+}
+
+/// The tokens a rendered prompt counts for (the bytes-per-token rule the
+/// gateway's estimate starts from).
+fn prompt_tokens(prompt: &[u8]) -> u64 {
+    crate::tokens::estimate_tokens(prompt.len()).max(1)
+}
+
 /// One running sequence: its KV reservation is released when it drops,
 /// including when the client disconnects mid-stream.
 pub(crate) struct Sequence {
@@ -367,7 +404,7 @@ fn block_chain(prompt: &[u8]) -> Vec<u128> {
 
 /// Waits for KV and the prefill lane, then "prefills" the uncached tokens.
 pub(crate) async fn prefill(s: &Arc<SimState>, prompt: &[u8], max_tokens: u64) -> Result<Prefilled, HttpResponse> {
-    let prompt_tokens = crate::tokens::estimate_tokens(prompt.len()).max(1);
+    let prompt_tokens = prompt_tokens(prompt);
     let chain = block_chain(prompt);
     let partial = usize::from(!prompt.len().is_multiple_of(BYTES_PER_BLOCK));
     let private = partial + max_tokens.div_ceil(BLOCK_TOKENS) as usize;

@@ -394,6 +394,51 @@ async fn the_youngest_sessions_turn_pauses_when_its_replica_is_over_its_pool_and
     gw.stop().await;
 }
 
+/// Issue 31: the engine's own word, before the turn runs. A session's turn
+/// bound for a pool of tokens is counted by the engine (`POST /tokenize`):
+/// the gateway's figure for it is the engine's count (what its usage then
+/// reports), not an estimate from bytes, which here falls short (the
+/// engine's template adds a line break a message that the bytes do not).
+#[actix_web::test]
+async fn a_session_turn_bound_for_a_pool_is_counted_by_the_engine_before_it_runs() {
+    let a = start_sim("a", card()).await;
+    let gw = start_gateway(holding(&[&a], 10_000, 8)).await;
+    capacity_read(&gw).await;
+    let mut messages = vec![("system".to_string(), text("counted", 6_000))];
+    for i in 0..40 {
+        messages.push(("user".into(), format!("question {i}")));
+        messages.push(("assistant".into(), format!("answer {i}")));
+    }
+    messages.push(("user".into(), "go".into()));
+    let bytes: usize = messages.iter().map(|(role, content)| role.len() + content.len()).sum();
+    let r = spawn_chat(&gw, messages).await.unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(a.state.tokenize_requests.load(std::sync::atomic::Ordering::Relaxed), 1);
+    let engine = r.body["usage"]["prompt_tokens"].as_u64().unwrap();
+    let replica = gw.gw.fleet.get("a").unwrap();
+    let resident = replica.residents.lock().values().map(|s| s.tokens).collect::<Vec<_>>();
+    assert_eq!(resident, vec![engine], "the session counts at the engine's figure");
+    // An estimate at the default ratio falls short by a token in four messages.
+    assert!(engine >= prefixgate::tokens::estimate_tokens(bytes) + 15, "{engine} tokens");
+    gw.stop().await;
+}
+
+/// An engine without `POST /tokenize` is asked once: its turns go on with
+/// estimates, and it is not asked again.
+#[actix_web::test]
+async fn an_engine_that_counts_no_prompts_is_asked_once() {
+    let a = start_sim("a", prefixgate::sim::SimConfig { no_tokenize: true, ..card() }).await;
+    let gw = start_gateway(holding(&[&a], 10_000, 8)).await;
+    capacity_read(&gw).await;
+    for n in 1..=3 {
+        let r = send(&gw, "uncounted", n).await;
+        assert_eq!(r.status, 200);
+    }
+    assert_eq!(a.state.tokenize_requests.load(std::sync::atomic::Ordering::Relaxed), 1);
+    assert!(!gw.gw.fleet.get("a").unwrap().calibration.engine_counts());
+    gw.stop().await;
+}
+
 /// Issue 31: the engine's own word. A pinned turn that finds almost none of
 /// the prefix it should have (a one-shot evicted it) shows the replica did
 /// not keep the session: it takes no new session above that load, though
