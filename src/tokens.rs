@@ -28,6 +28,8 @@ pub struct Calibration {
     ratio: AtomicU64,
     /// The engine refused to count a prompt (`proxy::count`): not asked again.
     no_counts: std::sync::atomic::AtomicBool,
+    /// A count failed or took too long: not asked before this moment, ms.
+    counts_resume_ms: AtomicU64,
 }
 
 impl Calibration {
@@ -49,9 +51,18 @@ impl Calibration {
         self.ratio.load(Ordering::Relaxed) != 0
     }
 
-    /// True until the engine refused to count a prompt (`engine_refused`).
-    pub fn engine_counts(&self) -> bool {
-        !self.no_counts.load(Ordering::Relaxed)
+    /// True while the engine may be asked to count a prompt: it never
+    /// refused (`engine_refused`), and no count failed in the last while
+    /// (`engine_failed`).
+    pub fn engine_counts(&self, now_ms: u64) -> bool {
+        !self.no_counts.load(Ordering::Relaxed) && now_ms >= self.counts_resume_ms.load(Ordering::Relaxed)
+    }
+
+    /// A count failed or timed out (an engine too busy, or a prompt too
+    /// large to count in time): not asked again until `resume_ms`, so a
+    /// slow tokenizer costs a turn its wait at most once in that while.
+    pub fn engine_failed(&self, resume_ms: u64) {
+        self.counts_resume_ms.fetch_max(resume_ms, Ordering::Relaxed);
     }
 
     /// The engine has no way to count a prompt: estimates only, from now
@@ -90,5 +101,18 @@ mod tests {
         t.calibrate(5_000, 1_000);
         assert!((t.bytes_per_token() - 3.4).abs() < 1e-9);
         assert_eq!(t.estimate(340), 100);
+    }
+
+    #[test]
+    fn an_engine_is_asked_for_counts_until_it_refuses_and_not_for_a_while_after_one_failed() {
+        let t = Calibration::default();
+        assert!(t.engine_counts(0));
+        t.engine_failed(10_000);
+        assert!(!t.engine_counts(9_999), "a count that failed: not asked for a while");
+        t.engine_failed(5_000);
+        assert!(!t.engine_counts(9_999), "an earlier resumption does not shorten the wait");
+        assert!(t.engine_counts(10_000));
+        t.engine_refused();
+        assert!(!t.engine_counts(u64::MAX), "no such endpoint: never again");
     }
 }

@@ -14,8 +14,10 @@
 //! Asked only where it matters: a turn of a session, the hold on, bound for
 //! a replica whose KV is a pool of tokens (slots are counted whole). An
 //! engine that answers 4xx or what is not a count (no such endpoint) is not
-//! asked again; a timeout or 5xx leaves it to the next turn. Either way the
-//! turn goes on with the estimate.
+//! asked again; one that fails otherwise or takes longer than
+//! `COUNT_TIMEOUT` is not asked for `COUNT_BACKOFF` (a busy API server, or a
+//! prompt too large to count in time, costs a turn at most once in that
+//! while). Either way the turn goes on with its estimate.
 
 use std::time::Duration;
 
@@ -30,6 +32,9 @@ use crate::policy::Dialect;
 
 /// How long a count may take before the turn goes on with its estimate.
 pub const COUNT_TIMEOUT: Duration = Duration::from_millis(250);
+
+/// How long a replica is not asked after a count failed or timed out.
+pub const COUNT_BACKOFF: Duration = Duration::from_secs(10);
 
 /// What of a chat request decides its rendered prompt: the fields vLLM's
 /// tokenize request reads (the rest, such as `stream` or `max_tokens`,
@@ -76,7 +81,8 @@ struct Counted {
 /// True where a turn's count is worth asking for: the replica's KV is a
 /// pool of tokens and its engine has not refused.
 pub fn worth_asking(replica: &Replica) -> bool {
-    replica.kv_capacity().is_some() && replica.slot_tokens().is_none() && replica.calibration.engine_counts()
+    let now_ms = crate::clock::now_ms();
+    replica.kv_capacity().is_some() && replica.slot_tokens().is_none() && replica.calibration.engine_counts(now_ms)
 }
 
 /// Asks `replica`'s engine to count the prompt of `body`; None: it did not
@@ -97,10 +103,22 @@ pub async fn engine_count(
         .tokenize_request(&spec, req, gateway_keys)
         .insert_header((header::CONTENT_TYPE, "application/json"))
         .timeout(COUNT_TIMEOUT);
-    let mut resp = request.send_body(tokenize).await.ok()?;
+    let failed = || {
+        let resume = crate::clock::now_ms() + COUNT_BACKOFF.as_millis() as u64;
+        replica.calibration.engine_failed(resume);
+        None
+    };
+    let Ok(mut resp) = request.send_body(tokenize).await else { return failed() };
     let status = resp.status();
+    if status.is_server_error() {
+        return failed();
+    }
+    // The body (its token ids) within the same bound as the head.
     let counted = match status.is_success() {
-        true => resp.json::<Counted>().limit(64 << 20).await.ok(),
+        true => match tokio::time::timeout(COUNT_TIMEOUT, resp.json::<Counted>().limit(64 << 20)).await {
+            Ok(parsed) => parsed.ok(),
+            Err(_) => return failed(),
+        },
         false => None,
     };
     match counted {
@@ -109,10 +127,8 @@ pub async fn engine_count(
             Some(count)
         }
         _ => {
-            if status.is_client_error() || status.is_success() {
-                tracing::info!(replica = %replica.id, %status, "the engine counts no prompts (POST /tokenize): estimates only");
-                replica.calibration.engine_refused();
-            }
+            tracing::info!(replica = %replica.id, %status, "the engine counts no prompts (POST /tokenize): estimates only");
+            replica.calibration.engine_refused();
             None
         }
     }
