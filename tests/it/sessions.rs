@@ -402,7 +402,9 @@ async fn the_youngest_sessions_turn_pauses_when_its_replica_is_over_its_pool_and
 #[actix_web::test]
 async fn a_session_turn_bound_for_a_pool_is_counted_by_the_engine_before_it_runs() {
     let a = start_sim("a", card()).await;
-    let gw = start_gateway(holding(&[&a], 10_000, 8)).await;
+    let mut config = holding(&[&a], 10_000, 8);
+    config.sessions.idle_ms = 60_000; // resident still when it is looked at, however loaded the machine
+    let gw = start_gateway(config).await;
     capacity_read(&gw).await;
     let mut messages = vec![("system".to_string(), text("counted", 6_000))];
     for i in 0..40 {
