@@ -1,10 +1,14 @@
-//! Token estimates without a tokenizer, and their per-replica calibration.
+//! Token estimates without a tokenizer, their per-replica calibration, and
+//! whether a replica's engine counts prompts itself (`proxy::count`: a
+//! session turn bound for a pool of tokens is counted by the engine where
+//! it can be; everything else is estimated).
 //!
 //! The documented starting point is 4 bytes of prompt text per token (close
 //! for English BPE vocabularies; code and CJK text run denser). The
 //! simulated replica uses the same rule, so its `usage` agrees with it.
 //! Each replica's ratio then moves toward what its own `usage.prompt_tokens`
-//! says (an exponential average), because tokenizers differ per model.
+//! (and its engine's counts) say (an exponential average), because
+//! tokenizers differ per model.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

@@ -62,6 +62,9 @@ pub struct ReplicaView {
     pub models: Vec<String>,
     /// Calibrated prompt bytes per token for this replica.
     pub bytes_per_token: f64,
+    /// Its engine counts session turns' prompts before they run (`POST
+    /// /tokenize`): false once it refused, or for a while after a count failed.
+    pub engine_counts: bool,
     /// Estimated tokens of active families plus running requests.
     pub working_set_tokens: u64,
     /// Large requests waiting for an admission slot.
@@ -99,6 +102,7 @@ fn view_with_pins(r: &Replica, pin_counts: &std::collections::HashMap<std::sync:
         last_error: probe.last_error,
         models: r.models().as_ref().clone(),
         bytes_per_token: r.calibration.bytes_per_token(),
+        engine_counts: r.calibration.engine_counts(crate::clock::now_ms()),
         working_set_tokens: cap.working_set_tokens,
         admission_queue: r.large_slots.queued(),
     }

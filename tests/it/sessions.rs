@@ -420,6 +420,8 @@ async fn a_session_turn_bound_for_a_pool_is_counted_by_the_engine_before_it_runs
     let replica = gw.gw.fleet.get("a").unwrap();
     let resident = replica.residents.lock().values().map(|s| s.tokens).collect::<Vec<_>>();
     assert_eq!(resident, vec![engine], "the session counts at the engine's figure");
+    let (_, replicas) = admin("GET", &format!("{}/admin/v1/replicas", gw.admin), None, None).await;
+    assert_eq!(replicas[0]["engine_counts"], json!(true));
     // An estimate at the default ratio falls short by a token in four messages.
     assert!(engine >= prefixgate::tokens::estimate_tokens(bytes) + 15, "{engine} tokens");
     gw.stop().await;
@@ -438,6 +440,8 @@ async fn an_engine_that_counts_no_prompts_is_asked_once() {
     }
     assert_eq!(a.state.tokenize_requests.load(std::sync::atomic::Ordering::Relaxed), 1);
     assert!(!gw.gw.fleet.get("a").unwrap().calibration.engine_counts(u64::MAX));
+    let (status, replicas) = admin("GET", &format!("{}/admin/v1/replicas", gw.admin), None, None).await;
+    assert_eq!((status, &replicas[0]["engine_counts"]), (200, &json!(false)), "the operator sees estimates only");
     gw.stop().await;
 }
 
