@@ -102,7 +102,7 @@ impl PerReplica {
 
 /// The upstream request: same method, path, query and headers; the replica's
 /// own API key replaces the client's credentials when it has one, and the
-/// client's key for the gateway itself is never passed on.
+/// client's key for the gateway itself is never passed on (`credentials`).
 pub fn upstream_request(
     client: &awc::Client,
     (uri, host): (Uri, Option<HeaderValue>),
@@ -116,19 +116,18 @@ pub fn upstream_request(
         headers.insert(header::HOST, host);
     }
     for (name, value) in req.headers() {
-        if hop_by_hop(name) || (name == header::AUTHORIZATION && (gateway_keys || spec.api_key.is_some())) {
-            continue;
+        if !hop_by_hop(name) && name != header::AUTHORIZATION {
+            headers.append(name.clone(), value.clone());
         }
-        headers.append(name.clone(), value.clone());
     }
-    if let Some(key) = &spec.api_key {
-        up = up.insert_header((header::AUTHORIZATION, format!("Bearer {key}")));
+    if let Some(credentials) = credentials(req, spec, gateway_keys) {
+        headers.insert(header::AUTHORIZATION, credentials);
     }
     up
 }
 
-/// A `POST` of the gateway's own to `uri` on the replica `spec`,
-/// authorized as `upstream_request` authorizes `req`'s.
+/// A `POST` of the gateway's own to `uri` on the replica `spec` (the
+/// engine's count of a prompt), with the credentials `req` would carry there.
 pub fn tokenize_request(
     client: &awc::Client,
     (uri, host): (Uri, Option<HeaderValue>),
@@ -140,10 +139,20 @@ pub fn tokenize_request(
     if let Some(host) = host {
         up = up.insert_header((header::HOST, host));
     }
-    match (&spec.api_key, req.headers().get(header::AUTHORIZATION)) {
-        (Some(key), _) => up.insert_header((header::AUTHORIZATION, format!("Bearer {key}"))),
-        (None, Some(theirs)) if !gateway_keys => up.insert_header((header::AUTHORIZATION, theirs.clone())),
-        _ => up,
+    match credentials(req, spec, gateway_keys) {
+        Some(credentials) => up.insert_header((header::AUTHORIZATION, credentials)),
+        None => up,
+    }
+}
+
+/// The credentials a request to the replica `spec` carries: its own API key
+/// when it has one; else the client's, unless the client's key is for the
+/// gateway itself (`gateway_keys`).
+fn credentials(req: &HttpRequest, spec: &ReplicaSpec, gateway_keys: bool) -> Option<HeaderValue> {
+    match &spec.api_key {
+        Some(key) => HeaderValue::from_str(&format!("Bearer {key}")).ok(),
+        None if gateway_keys => None,
+        None => req.headers().get(header::AUTHORIZATION).cloned(),
     }
 }
 
