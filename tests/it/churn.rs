@@ -93,6 +93,7 @@ async fn a_keyed_replica_is_probed_with_its_key() {
     assert_eq!(unkeyed, 401, "the engine refuses unkeyed calls");
     let mut config = test_config(&[&sim]);
     config.replicas[0].api_key = Some("sk-engine".into());
+    config.sessions.max_wait_ms = 10_000; // the hold on: sessions' turns are counted
     let gw = start_gateway(config).await;
     let r = gw.gw.fleet.get("keyed").unwrap();
     assert_eq!(r.health(), prefixgate::fleet::Health::Up);
@@ -102,5 +103,12 @@ async fn a_keyed_replica_is_probed_with_its_key() {
     let body = json!({"model": "keyed-model", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]});
     let reply = post(&format!("{}/v1/chat/completions", gw.base), &body).await;
     assert_eq!(reply.status, 200, "{}", reply.body);
+    // A session's turn is counted by the engine with the same key.
+    let messages = json!([{"role": "system", "content": "you are terse"}, {"role": "user", "content": "hi"}]);
+    let body = json!({"model": "keyed-model", "max_tokens": 4, "messages": messages});
+    let reply = post(&format!("{}/v1/chat/completions", gw.base), &body).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(sim.state.tokenize_requests.load(std::sync::atomic::Ordering::Relaxed), 1);
+    assert!(r.calibration.engine_counts(u64::MAX), "the count was answered, not refused");
     gw.stop().await;
 }
