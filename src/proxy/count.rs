@@ -13,15 +13,15 @@
 //!
 //! Asked only where it matters: a turn of a session, the hold on, bound for
 //! a replica whose KV is a pool of tokens (slots are counted whole). An
-//! engine that answers 4xx or what is not a count (no such endpoint) is not
-//! asked again; one that fails otherwise or takes longer than
+//! engine without the endpoint (404, 405, 501, or an answer that is not a
+//! count) is not asked again; one that fails otherwise or takes longer than
 //! `COUNT_TIMEOUT` is not asked for `COUNT_BACKOFF` (a busy API server, or a
 //! prompt too large to count in time, costs a turn at most once in that
 //! while). Either way the turn goes on with its estimate.
 
 use std::time::Duration;
 
-use actix_web::http::header;
+use actix_web::http::{header, StatusCode};
 use actix_web::HttpRequest;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
@@ -79,15 +79,25 @@ struct Counted {
 }
 
 /// True where a turn's count is worth asking for: the replica's KV is a
-/// pool of tokens and its engine has not refused.
+/// pool of tokens, and its engine neither refused nor failed lately.
 pub fn worth_asking(replica: &Replica) -> bool {
     let now_ms = crate::clock::now_ms();
     replica.kv_capacity().is_some() && replica.slot_tokens().is_none() && replica.calibration.engine_counts(now_ms)
 }
 
-/// Asks `replica`'s engine to count the prompt of `body`; None: it did not
-/// (the turn goes on with its estimate). A count also calibrates the
-/// replica's estimates at once (`prompt_bytes` of prompt text).
+/// How an engine answered a count.
+enum Answer {
+    Count(u64),
+    /// No such endpoint (404, 405, 501), or a success that is not a count.
+    Refused,
+    /// Anything else: an error, a timeout, a request it would not count.
+    Failed,
+}
+
+/// Asks `replica`'s engine to count the prompt of `body`, within
+/// `COUNT_TIMEOUT` all told; None: it did not (the turn goes on with its
+/// estimate). A count also calibrates the replica's estimates at once
+/// (`prompt_bytes` of prompt text).
 pub async fn engine_count(
     upstream: &Upstream,
     replica: &Replica,
@@ -98,40 +108,36 @@ pub async fn engine_count(
     prompt_bytes: usize,
 ) -> Option<u64> {
     let tokenize = tokenize_body(dialect, body)?;
-    let spec = replica.spec();
     let request = upstream
-        .tokenize_request(&spec, req, gateway_keys)
-        .insert_header((header::CONTENT_TYPE, "application/json"))
-        .timeout(COUNT_TIMEOUT);
-    let failed = || {
-        let resume = crate::clock::now_ms() + COUNT_BACKOFF.as_millis() as u64;
-        replica.calibration.engine_failed(resume);
-        None
+        .tokenize_request(&replica.spec(), req, gateway_keys)
+        .insert_header((header::CONTENT_TYPE, "application/json"));
+    let ask = async {
+        let Ok(mut resp) = request.send_body(tokenize).await else { return Answer::Failed };
+        let status = resp.status();
+        let no_endpoint = [StatusCode::NOT_FOUND, StatusCode::METHOD_NOT_ALLOWED, StatusCode::NOT_IMPLEMENTED];
+        match status {
+            s if no_endpoint.contains(&s) => Answer::Refused,
+            s if !s.is_success() => Answer::Failed,
+            // The body carries every token id: read whole, within the bound.
+            _ => match resp.json::<Counted>().limit(64 << 20).await {
+                Ok(Counted { count }) if count > 0 => Answer::Count(count),
+                _ => Answer::Refused,
+            },
+        }
     };
-    let Ok(mut resp) = request.send_body(tokenize).await else { return failed() };
-    let status = resp.status();
-    if status.is_server_error() {
-        return failed();
-    }
-    // The body (its token ids) within the same bound as the head.
-    let counted = match status.is_success() {
-        true => match tokio::time::timeout(COUNT_TIMEOUT, resp.json::<Counted>().limit(64 << 20)).await {
-            Ok(parsed) => parsed.ok(),
-            Err(_) => return failed(),
-        },
-        false => None,
-    };
-    match counted {
-        Some(Counted { count }) if count > 0 => {
+    let answer = tokio::time::timeout(COUNT_TIMEOUT, ask).await.unwrap_or(Answer::Failed);
+    match answer {
+        Answer::Count(count) => {
             replica.calibration.calibrate(prompt_bytes, count);
-            Some(count)
+            return Some(count);
         }
-        _ => {
-            tracing::info!(replica = %replica.id, %status, "the engine counts no prompts (POST /tokenize): estimates only");
+        Answer::Refused => {
+            tracing::info!(replica = %replica.id, "the engine counts no prompts (POST /tokenize): estimates only");
             replica.calibration.engine_refused();
-            None
         }
+        Answer::Failed => replica.calibration.engine_failed(crate::clock::now_ms() + COUNT_BACKOFF.as_millis() as u64),
     }
+    None
 }
 
 #[cfg(test)]
