@@ -30,11 +30,14 @@ pub fn estimate_tokens(bytes: usize) -> u64 {
 #[derive(Debug, Default)]
 pub struct Calibration {
     ratio: AtomicU64,
-    /// The engine refused to count a prompt (`proxy::count`): not asked again.
-    no_counts: std::sync::atomic::AtomicBool,
-    /// A count failed or took too long: not asked before this moment, ms.
+    /// The engine is not asked to count a prompt (`proxy::count`) before
+    /// this moment, ms: a count failed or took too long (`engine_failed`),
+    /// or never again (`NEVER`: it has no way to count, `engine_refused`).
     counts_resume_ms: AtomicU64,
 }
+
+/// `counts_resume_ms` of an engine that refused to count.
+const NEVER: u64 = u64::MAX;
 
 impl Calibration {
     /// The replica's bytes per token (the default until it reported usage).
@@ -59,20 +62,21 @@ impl Calibration {
     /// refused (`engine_refused`), and no count failed in the last while
     /// (`engine_failed`).
     pub fn engine_counts(&self, now_ms: u64) -> bool {
-        !self.no_counts.load(Ordering::Relaxed) && now_ms >= self.counts_resume_ms.load(Ordering::Relaxed)
+        let resume = self.counts_resume_ms.load(Ordering::Relaxed);
+        resume != NEVER && now_ms >= resume
     }
 
     /// A count failed or timed out (an engine too busy, or a prompt too
     /// large to count in time): not asked again until `resume_ms`, so a
     /// slow tokenizer costs a turn its wait at most once in that while.
     pub fn engine_failed(&self, resume_ms: u64) {
-        self.counts_resume_ms.fetch_max(resume_ms, Ordering::Relaxed);
+        self.counts_resume_ms.fetch_max(resume_ms.min(NEVER - 1), Ordering::Relaxed);
     }
 
     /// The engine has no way to count a prompt: estimates only, from now
     /// (until the replica is registered again).
     pub fn engine_refused(&self) {
-        self.no_counts.store(true, Ordering::Relaxed);
+        self.counts_resume_ms.store(NEVER, Ordering::Relaxed);
     }
 
     /// Feeds one measured (bytes, prompt_tokens) pair into the ratio.
