@@ -87,9 +87,8 @@ pub const MIN_IDLE_MS: u64 = 500;
 /// gateway's estimates, made as the replica's calibration moved between
 /// turns; reckoning with the latest let an older session's turn cross a
 /// 3,072-token pool by 16 tokens (docs/benchmarks.md, three instances).
-/// Why not every turn: a
-/// one-off large tool result would count against the room for the rest of
-/// the session.
+/// Why not every turn: a one-off large tool result would count against the
+/// room for the rest of the session.
 pub const GROWTH_MEMORY: usize = 3;
 
 impl Resident {

@@ -29,6 +29,7 @@ use serde_json::value::RawValue;
 use super::upstream::Upstream;
 use crate::fleet::Replica;
 use crate::policy::Dialect;
+use crate::sessions::SessionConfig;
 
 /// How long a count may take before the turn goes on with its estimate.
 pub const COUNT_TIMEOUT: Duration = Duration::from_millis(250);
@@ -78,11 +79,15 @@ struct Counted {
     count: u64,
 }
 
-/// True where a turn's count is worth asking for: the replica's KV is a
-/// pool of tokens, and its engine neither refused nor failed lately.
-pub fn worth_asking(replica: &Replica) -> bool {
-    let now_ms = crate::clock::now_ms();
-    replica.kv_capacity().is_some() && replica.slot_tokens().is_none() && replica.calibration.engine_counts(now_ms)
+/// True where a session turn's count is worth asking for: counting is on
+/// (`sessions.count_tokens`) with the hold on, the replica's KV is a pool
+/// of tokens, and its engine neither refused nor failed lately.
+pub fn worth_asking(sessions: &SessionConfig, replica: &Replica) -> bool {
+    sessions.count_tokens
+        && sessions.max_wait_ms > 0
+        && replica.slot_tokens().is_none()
+        && replica.kv_capacity().is_some()
+        && replica.calibration.engine_counts(crate::clock::now_ms())
 }
 
 /// How an engine answered a count.
@@ -125,19 +130,21 @@ pub async fn engine_count(
             },
         }
     };
-    let answer = tokio::time::timeout(COUNT_TIMEOUT, ask).await.unwrap_or(Answer::Failed);
-    match answer {
+    match tokio::time::timeout(COUNT_TIMEOUT, ask).await.unwrap_or(Answer::Failed) {
         Answer::Count(count) => {
             replica.calibration.calibrate(prompt_bytes, count);
-            return Some(count);
+            Some(count)
         }
         Answer::Refused => {
             tracing::info!(replica = %replica.id, "the engine counts no prompts (POST /tokenize): estimates only");
             replica.calibration.engine_refused();
+            None
         }
-        Answer::Failed => replica.calibration.engine_failed(crate::clock::now_ms() + COUNT_BACKOFF.as_millis() as u64),
+        Answer::Failed => {
+            replica.calibration.engine_failed(crate::clock::now_ms() + COUNT_BACKOFF.as_millis() as u64);
+            None
+        }
     }
-    None
 }
 
 #[cfg(test)]

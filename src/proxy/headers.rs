@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use actix_web::http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use actix_web::http::uri::{Authority, PathAndQuery, Scheme, Uri};
+use actix_web::http::Method;
 use actix_web::{HttpRequest, HttpResponseBuilder};
 
 use crate::by_arc::ByArc;
@@ -105,44 +106,42 @@ impl PerReplica {
 /// client's key for the gateway itself is never passed on (`credentials`).
 pub fn upstream_request(
     client: &awc::Client,
-    (uri, host): (Uri, Option<HeaderValue>),
+    target: (Uri, Option<HeaderValue>),
     req: &HttpRequest,
     spec: &ReplicaSpec,
     gateway_keys: bool,
 ) -> awc::ClientRequest {
-    let mut up = client.request(req.method().clone(), uri).no_decompress();
+    let mut up = replica_request(client, req.method().clone(), target, req, spec, gateway_keys);
     let headers = up.headers_mut();
-    if let Some(host) = host {
-        headers.insert(header::HOST, host);
-    }
     for (name, value) in req.headers() {
         if !hop_by_hop(name) && name != header::AUTHORIZATION {
             headers.append(name.clone(), value.clone());
         }
     }
-    if let Some(credentials) = credentials(req, spec, gateway_keys) {
-        headers.insert(header::AUTHORIZATION, credentials);
-    }
     up
 }
 
-/// A `POST` of the gateway's own to `uri` on the replica `spec` (the
-/// engine's count of a prompt), with the credentials `req` would carry there.
-pub fn tokenize_request(
+/// A `method` request to the replica `spec` at `uri`, with its host and
+/// the credentials `req` carries there (`credentials`), and nothing else of
+/// `req`: the base of the proxied request, and the whole of the gateway's
+/// own (the engine's count of a prompt, `count.rs`).
+pub fn replica_request(
     client: &awc::Client,
+    method: Method,
     (uri, host): (Uri, Option<HeaderValue>),
     req: &HttpRequest,
     spec: &ReplicaSpec,
     gateway_keys: bool,
 ) -> awc::ClientRequest {
-    let mut up = client.post(uri).no_decompress();
+    let mut up = client.request(method, uri).no_decompress();
+    let headers = up.headers_mut();
     if let Some(host) = host {
-        up = up.insert_header((header::HOST, host));
+        headers.insert(header::HOST, host);
     }
-    match credentials(req, spec, gateway_keys) {
-        Some(credentials) => up.insert_header((header::AUTHORIZATION, credentials)),
-        None => up,
+    if let Some(credentials) = credentials(req, spec, gateway_keys) {
+        headers.insert(header::AUTHORIZATION, credentials);
     }
+    up
 }
 
 /// The credentials a request to the replica `spec` carries: its own API key

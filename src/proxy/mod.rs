@@ -220,9 +220,7 @@ async fn forward_request(
             None => next_target(state, &settings, &lookup, &mut retries, &recorder, new_session)?,
         };
         let mut est_tokens = replica.calibration.estimate(shape.prompt_bytes);
-        let sessions = state.sessions.settings();
-        let ask = sessions.count_tokens && sessions.max_wait_ms > 0 && count::worth_asking(&replica);
-        if first_attempt && of_session.is_some() && ask {
+        if first_attempt && of_session.is_some() && count::worth_asking(state.sessions.settings(), &replica) {
             // The engine's own count of this turn, before it runs (`count.rs`).
             let _counting = trace.child(state, "prefixgate.count");
             let keys = !config.api_keys.is_empty();

@@ -34,9 +34,8 @@ impl Upstream {
         Upstream { client, replicas: headers::PerReplica::default() }
     }
 
-    /// A `POST /tokenize` to the replica `spec` (`count.rs`), authorized
-    /// as `req` would be there: the replica's own key, else the client's
-    /// where the gateway keeps no keys of its own.
+    /// A `POST /tokenize` to the replica `spec` (`count.rs`), with the
+    /// credentials `req` carries there (`headers::replica_request`).
     pub(super) fn tokenize_request(
         &self,
         spec: &Arc<ReplicaSpec>,
@@ -44,7 +43,7 @@ impl Upstream {
         gateway_keys: bool,
     ) -> awc::ClientRequest {
         let target = self.replicas.target(spec, &actix_web::http::Uri::from_static("/tokenize"));
-        headers::tokenize_request(&self.client, target, req, spec, gateway_keys)
+        headers::replica_request(&self.client, actix_web::http::Method::POST, target, req, spec, gateway_keys)
     }
 
     /// The upstream request for `req` on the replica `spec`.
