@@ -19,6 +19,7 @@ pub use crate::fleet::health::HealthConfig;
 
 pub use crate::discovery::SourceConfig;
 use crate::fleet::ReplicaSpec;
+use crate::policy::tenancy::{CacheSalt, IdentityScope};
 use crate::policy::{IdentityBlocks, Mode};
 pub use crate::priority::PriorityConfig;
 pub use crate::sessions::SessionConfig;
@@ -44,7 +45,7 @@ pub struct Config {
     /// Client API keys accepted on `/v1` (empty: no key required).
     pub api_keys: Vec<String>,
     #[schema(inline)]
-    pub identity: IdentityBlocks,
+    pub identity: IdentityConfig,
     #[schema(inline)]
     pub timeouts: Timeouts,
     #[schema(inline)]
@@ -75,6 +76,49 @@ pub struct Config {
     /// Where to find more replicas: `dns://NAME:PORT`, `dns+srv://_SERVICE._PROTO.NAME`
     /// (optional `?resolver=IP:PORT`) or `file://PATH` (repeatable; `[[discovery]]` tables in the file).
     pub discovery: Vec<SourceConfig>,
+}
+
+/// How conversations are told apart: the identity blocks of a string or
+/// token prompt (their runtime values: `PUT /admin/v1/policy`), and whether
+/// tenants share pins (`policy::tenancy`; README "Tenants").
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct IdentityConfig {
+    /// Bytes per identity block of a `/v1/completions` string prompt.
+    #[serde(deserialize_with = "crate::json_int::usize")]
+    pub block_bytes: usize,
+    /// Token ids per identity block of a `/v1/completions` token-array prompt.
+    #[serde(deserialize_with = "crate::json_int::usize")]
+    pub block_tokens: usize,
+    /// Whose conversations share pins: `shared` (everyone's: a common system
+    /// prompt is worth sharing) or `client` (the client, an API key's hash,
+    /// is part of every key: tenants never share a pin or a stored-response pin).
+    #[schema(inline)]
+    pub scope: IdentityScope,
+    /// `client`: set vLLM's `cache_salt` on bodies that carry none, derived
+    /// from the client, so the engine keeps tenants' prefix caches apart
+    /// (the one edit the gateway makes to a body). `none`: bodies as sent.
+    #[schema(inline)]
+    pub cache_salt: CacheSalt,
+}
+
+impl Default for IdentityConfig {
+    fn default() -> Self {
+        let blocks = IdentityBlocks::default();
+        IdentityConfig {
+            block_bytes: blocks.block_bytes,
+            block_tokens: blocks.block_tokens,
+            scope: IdentityScope::Shared,
+            cache_salt: CacheSalt::None,
+        }
+    }
+}
+
+impl IdentityConfig {
+    /// The block sizes the policy starts with.
+    pub fn blocks(&self) -> IdentityBlocks {
+        IdentityBlocks { block_bytes: self.block_bytes, block_tokens: self.block_tokens }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
@@ -196,7 +240,7 @@ impl Default for Config {
             policy: Mode::Shape,
             admin_token: None,
             api_keys: Vec::new(),
-            identity: IdentityBlocks::default(),
+            identity: IdentityConfig::default(),
             timeouts: Timeouts::default(),
             health: HealthConfig::default(),
             limits: Limits::default(),

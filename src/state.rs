@@ -98,7 +98,7 @@ impl AppState {
         let policy = match store.setting("policy").await? {
             Some(v) => serde_json::from_value(v)
                 .map_err(|e| StoreError::Corrupt { tree: "settings", detail: e.to_string() })?,
-            None => PolicySettings { mode: config.policy, identity: config.identity },
+            None => PolicySettings { mode: config.policy, identity: config.identity.blocks() },
         };
         let pins = Arc::new(PinTable::default());
         pins.restore(store.pins().await?);

@@ -46,5 +46,7 @@ async fn get_capacity(s: web::Data<AppState>) -> web::Json<CapacityReport> {
         paused_turns: s.sessions.paused(),
         queue: s.sessions.queue(crate::clock::now_ms()),
     };
+    let identity = &s.config.identity;
+    report.tenancy = crate::policy::tenancy::Tenancy { scope: identity.scope, cache_salt: identity.cache_salt };
     web::Json(report)
 }

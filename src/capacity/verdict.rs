@@ -75,6 +75,10 @@ pub struct CapacityReport {
     /// New sessions held at the KV wall (filled by the admin API).
     #[serde(default)]
     pub sessions: SessionQueue,
+    /// Whether tenants share pins and prefix caches (`identity.scope`,
+    /// `identity.cache_salt`; filled by the admin API).
+    #[serde(default)]
+    pub tenancy: crate::policy::tenancy::Tenancy,
 }
 
 /// The queue of new sessions waiting for room, and how their waits went.
@@ -230,7 +234,15 @@ pub(super) fn compute(
             if aggregate.over_capacity { " (the sum over all cards is over too)" } else { "" }
         )
     });
-    CapacityReport { window_secs, replicas: out, aggregate, verdict, warning, sessions: SessionQueue::default() }
+    CapacityReport {
+        window_secs,
+        replicas: out,
+        aggregate,
+        verdict,
+        warning,
+        sessions: SessionQueue::default(),
+        tenancy: Default::default(),
+    }
 }
 
 #[cfg(test)]

@@ -16,6 +16,7 @@ mod json;
 mod messages;
 mod responses;
 pub mod sessions;
+pub mod tenancy;
 
 use arc_swap::ArcSwap;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -42,7 +42,7 @@ pub fn session_of(lookup: &Lookup, settings: &PolicySettings, state: &AppState) 
         return Some(SessionTurn { id: pin.family, new: false });
     }
     if let Some((id, _)) = &lookup.stored {
-        return Some(SessionTurn { id: crate::policy::sessions::response_key(id), new: false });
+        return Some(SessionTurn { id: lookup.scope.key(crate::policy::sessions::response_key(id)), new: false });
     }
     if let Some(s) = lookup.session {
         let new = lookup.named.is_none() && !state.sessions.is_resident(s.key);

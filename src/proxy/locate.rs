@@ -36,7 +36,7 @@ use actix_web::http::Uri;
 use actix_web::HttpRequest;
 use futures_util::future::{select_ok, FutureExt};
 
-use super::outcome::OutcomeRecorder;
+use super::lookup::Hop;
 use super::upstream::Upstream;
 use crate::metrics::ResultLabels;
 use crate::policy::sessions::response_key;
@@ -44,15 +44,12 @@ use crate::policy::PrefixKey;
 use crate::state::AppState;
 
 /// The replica holding the stored response `id`, if anyone does.
-pub async fn stored_response(
-    state: &AppState,
-    upstream: &Upstream,
-    recorder: &OutcomeRecorder,
-    req: &HttpRequest,
-    id: &str,
-    model: Option<&str>,
-) -> Option<Arc<str>> {
-    let found = match in_shared_store(state, id).await {
+/// Its pin is the request's tenant's (`hop.scope`): a client scoped apart
+/// never finds another's in the store.
+pub async fn stored_response(hop: Hop<'_>, req: &HttpRequest, id: &str, model: Option<&str>) -> Option<Arc<str>> {
+    let Hop { state, upstream, recorder, scope, .. } = hop;
+    let key = scope.key(response_key(id));
+    let found = match in_shared_store(state, key).await {
         Some(home) => Some(("store", home)),
         None if state.unknown_responses.claim(id, crate::clock::now_ms()) => {
             ask_replicas(state, upstream, req, id, model).await.map(|home| ("replica", home))
@@ -66,7 +63,7 @@ pub async fn stored_response(
     state.metrics.stored_response_lookups.get_or_create(&ResultLabels { result }).inc();
     let (how, home) = found?;
     tracing::debug!(replica = %home, "located a stored response unknown here (found in the {how})");
-    recorder.stored_response(id, &home);
+    recorder.stored_response(key, &home);
     Some(home)
 }
 
@@ -93,13 +90,13 @@ pub async fn pins_in_shared_store(state: &AppState, keys: Vec<PrefixKey>) -> boo
 }
 
 /// Step 1: the shared store's copy, within the read-through budget.
-async fn in_shared_store(state: &AppState, id: &str) -> Option<Arc<str>> {
+async fn in_shared_store(state: &AppState, key: PrefixKey) -> Option<Arc<str>> {
     if !state.shared_store_answers() {
         return None;
     }
     let budget = Duration::from_millis(state.config.store.read_through_ms);
     // Not waited for beyond the budget (a slow store costs this request nothing more).
-    match tokio::time::timeout(budget, state.store.pins_at(&[response_key(id)])).await {
+    match tokio::time::timeout(budget, state.store.pins_at(&[key])).await {
         Ok(Ok(mut pins)) => pins.pop().flatten().map(|pin| pin.replica),
         _ => None,
     }

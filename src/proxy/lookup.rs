@@ -7,6 +7,7 @@ use actix_web::HttpRequest;
 
 use crate::error::ApiError;
 use crate::pins::Pin;
+use crate::policy::tenancy::Scope;
 use crate::policy::{self, sessions, Dialect, Endpoint, Mode, PolicySettings, PrefixMatch};
 use crate::state::AppState;
 
@@ -33,15 +34,19 @@ pub(super) struct Lookup {
     pub(super) named: Option<Arc<str>>,
     /// A stored response the request names, and the replica holding it.
     pub(super) stored: Option<(String, Arc<str>)>,
+    /// The tenant its keys belong to (`identity.scope`).
+    pub(super) scope: Scope,
 }
 
 /// What the lookup reaches: the gateway, this worker's upstream client and
-/// recorder, and the request's trace.
+/// recorder, the request's trace, and the tenant its keys belong to.
+#[derive(Clone, Copy)]
 pub(super) struct Hop<'a> {
     pub(super) state: &'a AppState,
     pub(super) upstream: &'a Upstream,
     pub(super) recorder: &'a OutcomeRecorder,
     pub(super) trace: &'a trace::RequestTrace,
+    pub(super) scope: Scope,
 }
 
 pub(super) async fn look_up(
@@ -51,13 +56,14 @@ pub(super) async fn look_up(
     hop: Hop<'_>,
     settings: &PolicySettings,
 ) -> Result<Lookup, ApiError> {
-    let Hop { state, upstream, recorder, trace } = hop;
+    let Hop { state, recorder, trace, scope, .. } = hop;
     let config = &state.config;
     let bad_request = |e: policy::ShapeError| {
         recorder.rejected("bad_request");
         ApiError::BadRequest(e.0)
     };
     let mut shape = policy::identity::extract(endpoint, body, settings.identity).map_err(bad_request)?;
+    scope.shape(&mut shape);
     let stored_in_path = stored_response_in_path(req.path());
     // Responses from other paths (GET /v1/responses/{id}, ...) still speak their API.
     if stored_in_path.is_some() {
@@ -69,6 +75,7 @@ pub(super) async fn look_up(
         let header = |name: &str| headers.get(name);
         sessions::session_key(shape.model.as_deref(), shape.cache_key.as_deref(), header, &config.sessions.headers)
             .map_err(bad_request)?
+            .map(|s| sessions::SessionKey { key: scope.key(s.key), ..s })
     };
     // The large/small decision uses the documented default ratio: it is
     // made before a replica (and its calibrated ratio) is chosen.
@@ -112,16 +119,14 @@ pub(super) async fn look_up(
     }
     let stored_id = shape.previous_response.as_deref().or(stored_in_path);
     let stored = match stored_id {
-        Some(id) => match state.pins.replica_of(sessions::response_key(id)) {
+        Some(id) => match state.pins.replica_of(scope.key(sessions::response_key(id))) {
             Some(home) => Some((id.to_string(), home)),
             None => {
                 let _looking = trace.child(state, "prefixgate.locate");
-                locate::stored_response(state, upstream, recorder, req, id, shape.model.as_deref())
-                    .await
-                    .map(|home| (id.to_string(), home))
+                locate::stored_response(hop, req, id, shape.model.as_deref()).await.map(|home| (id.to_string(), home))
             }
         },
         None => None,
     };
-    Ok(Lookup { shape, session, large, pinned, named, stored })
+    Ok(Lookup { shape, session, large, pinned, named, stored, scope })
 }

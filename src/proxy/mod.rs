@@ -185,9 +185,10 @@ async fn forward_request(
         let client = opentelemetry::StringValue::from(who.client.clone());
         [KeyValue::new("prefixgate.priority", who.class.as_str()), KeyValue::new("prefixgate.client", client)]
     });
-    let body = read_body(payload, config.limits.max_body_bytes).await?;
+    let body = salted(read_body(payload, config.limits.max_body_bytes).await?, endpoint, &config.identity, &who);
     let settings = state.policy.get();
-    let hop = Hop { state, upstream: &upstream, recorder: &recorder, trace };
+    let scope = crate::policy::tenancy::Scope::of(config.identity.scope, &who.client);
+    let hop = Hop { state, upstream: &upstream, recorder: &recorder, trace, scope };
     let lookup = look_up(req, endpoint, &body, hop, &settings).await?;
     let Lookup { shape, session, large, pinned, .. } = &lookup;
     trace.set(|| {
@@ -347,6 +348,7 @@ async fn forward_request(
                     prompt_bytes: shape.prompt_bytes,
                     held: (guard, permit, ticket, turn),
                     trace: trace.clone(),
+                    scope,
                 };
                 let idle = Duration::from_millis(config.timeouts.idle_stream_ms);
                 let name = outcome.replica().name_header.clone();
@@ -367,6 +369,26 @@ async fn forward_request(
                 retries.failed(replica, reason, &e, took_down);
             }
         }
+    }
+}
+
+/// The body as forwarded: with `identity.cache_salt = "client"`, a request
+/// to a dialect the engines salt (chat, completions, Responses, Messages)
+/// that carries no `cache_salt` gets its client's (`tenancy.rs`). The one
+/// edit the gateway makes to a body; every other body goes byte for byte.
+fn salted(
+    body: web::Bytes,
+    endpoint: Endpoint,
+    identity: &crate::config::IdentityConfig,
+    who: &crate::priority::Who,
+) -> web::Bytes {
+    use crate::policy::tenancy::{cache_salt_for, with_cache_salt, CacheSalt};
+    if identity.cache_salt == CacheSalt::None || endpoint == Endpoint::Other {
+        return body;
+    }
+    match with_cache_salt(&body, &cache_salt_for(&who.client)) {
+        Some(edited) => web::Bytes::from(edited),
+        None => body,
     }
 }
 

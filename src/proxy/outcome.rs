@@ -289,9 +289,9 @@ impl OutcomeRecorder {
 
     /// A response the replica stored (Responses API): follow-ups naming it
     /// must come back here. Persisted like any pin.
-    pub fn stored_response(&self, id: &str, replica: &Arc<str>) {
+    /// `key`: the response id's, in its tenant's scope.
+    pub fn stored_response(&self, key: PrefixKey, replica: &Arc<str>) {
         let origin = PinOrigin { dialect: Dialect::Responses, source: PinSource::Response };
-        let key = response_key(id);
         self.pins.record(key, replica, None, 0, crate::clock::now_ms(), origin);
         // The others hear of it now, not at the next flush: the follow-up
         // naming it may come to any of them right after the body ends.
@@ -325,6 +325,8 @@ pub struct Outcome {
     pub held: Held,
     /// The request's server span, ended with the body.
     pub trace: super::trace::RequestTrace,
+    /// The tenant a response it stores is pinned for (`identity.scope`).
+    pub scope: crate::policy::tenancy::Scope,
 }
 
 impl Outcome {
@@ -336,7 +338,7 @@ impl Outcome {
 
 impl BodyEnd for Outcome {
     fn response_id(&mut self, id: &str) {
-        self.recorder.stored_response(id, &self.replica().id);
+        self.recorder.stored_response(self.scope.key(response_key(id)), &self.replica().id);
     }
 
     fn finish(&mut self, outcome: BodyOutcome, usage: Option<&UsageTap>) {

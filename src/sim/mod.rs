@@ -105,6 +105,10 @@ pub struct SimState {
     pub seen: Mutex<std::collections::VecDeque<String>>,
     /// The `traceparent` of the last 1,000 requests that carried one.
     pub traceparents: Mutex<std::collections::VecDeque<String>>,
+    /// The `cache_salt` of the last 1,000 chat and completion requests that
+    /// carried one (tests check what reached the engine; the simulated
+    /// cache does not tell salts apart).
+    pub cache_salts: Mutex<std::collections::VecDeque<String>>,
     /// Responses API: responses stored by this process (as vLLM keeps them).
     responses: Mutex<std::collections::HashMap<String, agents::StoredResponse>>,
 }
@@ -118,6 +122,7 @@ impl SimState {
             prefill_lane: tokio::sync::Mutex::new(()),
             seen: Mutex::default(),
             traceparents: Mutex::default(),
+            cache_salts: Mutex::default(),
             running: AtomicU64::new(0),
             waiting: AtomicU64::new(0),
             kv_waits: AtomicU64::new(0),
@@ -264,6 +269,20 @@ struct GenParams {
     max_tokens: Option<u64>,
     max_completion_tokens: Option<u64>,
     stream_options: Option<StreamOptions>,
+    cache_salt: Option<String>,
+}
+
+impl SimState {
+    /// Keeps the salt a generation request carried, if any (the last 1,000).
+    fn saw_salt(&self, params: &GenParams) {
+        if let Some(salt) = &params.cache_salt {
+            let mut salts = self.cache_salts.lock().expect("salts lock");
+            if salts.len() >= 1_000 {
+                salts.pop_front();
+            }
+            salts.push_back(salt.clone());
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -323,6 +342,7 @@ async fn chat(s: web::Data<SimState>, body: web::Bytes) -> HttpResponse {
             (Ok(p), Ok(c)) if !c.messages.is_empty() => (p, render_chat(&c.messages)),
             _ => return bad_request("expected a chat completion request with a non-empty 'messages' array"),
         };
+    s.saw_salt(&params);
     generate(s.into_inner(), params, prompt, true).await
 }
 
@@ -332,7 +352,10 @@ async fn completions(s: web::Data<SimState>, body: web::Bytes) -> HttpResponse {
         .ok()
         .zip(serde_json::from_slice::<CompletionPrompt>(&body).ok().and_then(|c| render_completion(&c.prompt)));
     match parsed {
-        Some((params, prompt)) => generate(s.into_inner(), params, prompt, false).await,
+        Some((params, prompt)) => {
+            s.saw_salt(&params);
+            generate(s.into_inner(), params, prompt, false).await
+        }
         None => bad_request("expected a completion request with a string or token-array 'prompt'"),
     }
 }

@@ -27,4 +27,5 @@ mod routing;
 mod sdk;
 mod sessions;
 mod shared;
+mod tenants;
 mod traces;
