@@ -24,6 +24,7 @@ use crate::policy::{IdentityBlocks, Mode};
 pub use crate::priority::PriorityConfig;
 pub use crate::sessions::SessionConfig;
 pub use crate::telemetry::TracingConfig;
+pub use crate::timeline::TimelineConfig;
 
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields, default)]
@@ -71,6 +72,9 @@ pub struct Config {
     pub store: StoreConfig,
     #[schema(inline)]
     pub tracing: TracingConfig,
+    /// The fleet over time (`GET /admin/v1/timeline`, the UI's charts).
+    #[schema(inline)]
+    pub timeline: TimelineConfig,
     /// Replicas as `ID=URL` (repeatable); they seed an empty database only.
     pub replicas: Vec<ReplicaSpec>,
     /// Where to find more replicas: `dns://NAME:PORT`, `dns+srv://_SERVICE._PROTO.NAME`
@@ -252,6 +256,7 @@ impl Default for Config {
             sessions: SessionConfig::default(),
             priority: PriorityConfig::default(),
             tracing: TracingConfig::default(),
+            timeline: TimelineConfig::default(),
             store: StoreConfig::default(),
             replicas: Vec::new(),
             discovery: Vec::new(),
@@ -334,6 +339,7 @@ const SECTIONS: &[&str] = &[
     "sessions",
     "store",
     "tracing",
+    "timeline",
 ];
 
 /// Keys renamed since operators wrote their config files: (old section, new

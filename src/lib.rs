@@ -37,6 +37,7 @@ pub mod state;
 pub mod store;
 pub mod striped;
 pub mod telemetry;
+pub mod timeline;
 pub mod tokens;
 pub mod unknown_ids;
 
@@ -213,8 +214,35 @@ fn spawn_background(state: &Arc<AppState>, admin_addr: SocketAddr) -> Background
         }
     });
     let mut others = vec![health, housekeeping, sessions];
+    if state.config.timeline.interval_ms > 0 {
+        others.push(actix_web::rt::spawn(sample_timeline(state.clone())));
+    }
     others.extend(state.discovery.spawn(&state.operator, &state.metrics, state.telemetry.tracer().cloned()));
     Background { flusher, stop_flusher, others }
+}
+
+/// The timeline's sampler: every `timeline.interval_ms`, each replica's
+/// gauges and series totals, and the held sessions (`timeline.rs`).
+async fn sample_timeline(state: Arc<AppState>) {
+    let every = Duration::from_millis(state.config.timeline.interval_ms);
+    loop {
+        tokio::time::sleep(every).await;
+        let readings = state
+            .fleet
+            .snapshot()
+            .iter()
+            .map(|r| timeline::Reading {
+                id: r.id.clone(),
+                resident_tokens: sessions::Sessions::resident(r).counted_tokens,
+                capacity_tokens: r.kv_capacity(),
+                wall_tokens: r.residents.wall(),
+                inflight: r.inflight(),
+                paused_by_class: sessions::Sessions::paused_by_class(r),
+                totals: r.series.totals(),
+            })
+            .collect();
+        state.timeline.record(clock::now_ms(), readings, state.sessions.held_by_class());
+    }
 }
 
 /// The pin and event flusher: every `pins.flush_interval_ms`, the heartbeat

@@ -43,6 +43,8 @@ pub struct AppState {
     pub telemetry: crate::telemetry::Telemetry,
     /// Sessions resident on each replica, and the new ones held for room.
     pub sessions: Arc<crate::sessions::Sessions>,
+    /// The fleet over time, sampled in the background.
+    pub timeline: crate::timeline::Timeline,
     /// Stored response ids no replica held, not looked for again for a while.
     pub unknown_responses: crate::unknown_ids::UnknownIds,
     /// False while the last write to the store failed (a shared store that is
@@ -151,6 +153,7 @@ impl AppState {
             discovery: Arc::new(crate::discovery::Discovery::new(&config.discovery)),
             unknown_responses: crate::unknown_ids::UnknownIds::new(config.timeouts.unknown_response_ms),
             sessions,
+            timeline: crate::timeline::Timeline::new(config.timeline.clone()),
             telemetry: crate::telemetry::Telemetry::from_config(&config.tracing).map_err(StoreError::Backend)?,
             config: Arc::new(config),
             fleet,

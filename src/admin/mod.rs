@@ -10,6 +10,8 @@ mod instances;
 mod pins;
 mod policy;
 mod replicas;
+mod sessions;
+mod timeline;
 pub mod web_ui;
 
 use actix_web::{web, App, HttpResponse};
@@ -38,7 +40,7 @@ use std::sync::Arc;
         (name = "pins", description = "Conversation pins: which replica holds which prefix"),
         (name = "events", description = "History: failovers, pin moves, drains, health changes"),
         (name = "policy", description = "The routing mode and identity block sizes"),
-        (name = "capacity", description = "KV working set against capacity"),
+        (name = "capacity", description = "KV working set against capacity, the sessions at the KV wall, the fleet over time"),
         (name = "instances", description = "Gateway instances sharing the fleet (a shared store)"),
         (name = "discovery", description = "Sources replicas are found in (DNS, SRV, files)")
     )
@@ -113,6 +115,8 @@ fn api_scope() -> scope::Scope<
         .configure(events::routes)
         .configure(policy::routes)
         .configure(capacity::routes)
+        .configure(sessions::routes)
+        .configure(timeline::routes)
         .configure(instances::routes)
         .configure(discovery::routes)
 }
@@ -269,14 +273,24 @@ async fn metrics(s: web::Data<AppState>) -> HttpResponse {
             bytes_per_token: r.calibration.bytes_per_token(),
             resident_sessions: crate::sessions::Sessions::resident(r).sessions,
             room_tokens: s.sessions.room_of(r).left(),
+            resident_tokens: crate::sessions::Sessions::resident(r).counted_tokens,
+            wall_tokens: r.residents.wall(),
         })
         .collect();
     s.metrics.refresh_gauges(&replicas, &report);
     s.metrics.events_unwritten.set(s.event_writer.backlog() as i64);
     let dropped = &s.metrics.events_unwritten_dropped;
     dropped.inc_by(s.events.unwritten_dropped().saturating_sub(dropped.get()));
-    for (class, held) in crate::priority::Class::ALL.into_iter().zip(s.sessions.held_by_class()) {
-        s.metrics.held_sessions.get_or_create(&crate::metrics::ClassLabels::of(class)).set(held as i64);
+    let fleet = s.fleet.snapshot();
+    let paused = fleet.iter().map(|r| crate::sessions::Sessions::paused_by_class(r)).fold([0; 3], |mut sum, p| {
+        sum.iter_mut().zip(p).for_each(|(s, p)| *s += p);
+        sum
+    });
+    let held = s.sessions.held_by_class();
+    for (i, class) in crate::priority::Class::ALL.into_iter().enumerate() {
+        let labels = crate::metrics::ClassLabels::of(class);
+        s.metrics.held_sessions.get_or_create(&labels).set(held[i] as i64);
+        s.metrics.paused_turns.get_or_create(&labels).set(paused[i] as i64);
     }
     let spans = &s.metrics.spans_dropped;
     spans.inc_by(s.telemetry.dropped().saturating_sub(spans.get()));

@@ -62,6 +62,12 @@ pub struct Resident {
     pub preempted: bool,
     /// Its turns here (2 or more: it came back, and the working set counts it).
     pub turns: u32,
+    /// Its turns paused now at the wall (`sessions/pause.rs`), and since
+    /// when the first of them waits, ms.
+    pub paused: u32,
+    pub paused_since_ms: u64,
+    /// How long its turns waited in pauses that ended, ms (the sessions view).
+    pub waited_ms: u64,
 }
 
 /// A conversation that came back here (two turns or more) and has since

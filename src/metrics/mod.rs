@@ -26,7 +26,7 @@ use crate::striped::{StripedCounter, StripedHistogram};
 use crate::capacity::CapacityReport;
 
 mod replica;
-pub use replica::{ReplicaSeries, RouteMetrics};
+pub use replica::{ReplicaSeries, RouteMetrics, SeriesTotals};
 
 // Label values on the request path are shared replica names and static
 // strings: a label set costs no allocation per request.
@@ -151,12 +151,16 @@ pub struct ReplicaGauges {
     pub resident_sessions: usize,
     /// None: capacity unknown.
     pub room_tokens: Option<i64>,
+    pub resident_tokens: u64,
+    /// None: no wall seen.
+    pub wall_tokens: Option<u64>,
 }
 
 pub struct Metrics {
     registry: Registry,
     pub requests: Family<RequestLabels, StripedCounter>,
     pub upstream_ttfb: HistogramFamily<RouteLabels>,
+    pub first_token: HistogramFamily<RouteLabels>,
     pub request_duration: HistogramFamily<RouteLabels>,
     pub failovers: Family<FailoverLabels, Counter>,
     pub pin_lookups: Family<ResultLabels, StripedCounter>,
@@ -198,7 +202,14 @@ pub struct Metrics {
     pub sessions_preempted: Family<ClassLabels, Counter>,
     /// New sessions admitted over capacity (no room opened within the wait).
     pub sessions_over_capacity: Counter,
-    pub session_turns_paused: Counter,
+    /// Turns of resident sessions paused at their boundary, by the session's class.
+    pub session_turns_paused: Family<ClassLabels, Counter>,
+    /// Turns paused now, by class.
+    pub paused_turns: Family<ClassLabels, Gauge>,
+    /// Tokens the resident sessions count for per replica, and the wall its
+    /// receipts found (set at scrape; 0: no wall seen).
+    pub resident_tokens: Family<ReplicaLabels, Gauge>,
+    pub kv_wall_tokens: Family<ReplicaLabels, Gauge>,
     /// Sessions resident per replica, and the room left (tokens; set at scrape).
     pub resident_sessions: Family<ReplicaLabels, Gauge>,
     pub room_tokens: Family<ReplicaLabels, Gauge>,
@@ -225,6 +236,7 @@ impl Metrics {
         let m = Metrics {
             requests: Family::default(),
             upstream_ttfb: Family::new_with_constructor(latency_histogram as fn() -> StripedHistogram),
+            first_token: Family::new_with_constructor(latency_histogram as fn() -> StripedHistogram),
             request_duration: Family::new_with_constructor(latency_histogram as fn() -> StripedHistogram),
             failovers: Family::default(),
             pin_lookups: Family::default(),
@@ -255,7 +267,10 @@ impl Metrics {
             held_sessions: Family::default(),
             sessions_preempted: Family::default(),
             sessions_over_capacity: Counter::default(),
-            session_turns_paused: Counter::default(),
+            session_turns_paused: Family::default(),
+            paused_turns: Family::default(),
+            resident_tokens: Family::default(),
+            kv_wall_tokens: Family::default(),
             resident_sessions: Family::default(),
             room_tokens: Family::default(),
             spans_dropped: Counter::default(),
@@ -277,6 +292,11 @@ impl Metrics {
             "prefixgate_upstream_ttfb_seconds",
             "Time to the first upstream response byte",
             m.upstream_ttfb.clone(),
+        );
+        registry.register(
+            "prefixgate_time_to_first_token_seconds",
+            "Streamed responses: time from the attempt's start to the first event of the body (the first token)",
+            m.first_token.clone(),
         );
         registry.register(
             "prefixgate_request_duration_seconds",
@@ -408,8 +428,23 @@ impl Metrics {
         );
         registry.register(
             "prefixgate_session_turns_paused",
-            "Turns of resident sessions paused at their boundary: their replica's sessions outgrew its KV",
+            "Turns of resident sessions paused at their boundary (their replica's sessions outgrew its KV), by the session's priority class",
             m.session_turns_paused.clone(),
+        );
+        registry.register(
+            "prefixgate_paused_turns",
+            "Turns of resident sessions paused now at the KV wall, by the session's priority class",
+            m.paused_turns.clone(),
+        );
+        registry.register(
+            "prefixgate_resident_session_tokens",
+            "Tokens the sessions resident per replica count for (each at the larger of its context and its projection)",
+            m.resident_tokens.clone(),
+        );
+        registry.register(
+            "prefixgate_kv_wall_tokens",
+            "The load at which a replica was seen to lose a resident session's prefix: its wall in practice (0: none seen)",
+            m.kv_wall_tokens.clone(),
         );
         registry.register(
             "prefixgate_resident_sessions",
@@ -470,6 +505,8 @@ impl Metrics {
         for class in crate::priority::Class::ALL {
             let l = ClassLabels::of(class);
             m.sessions_preempted.get_or_create(&l).inc_by(0);
+            m.session_turns_paused.get_or_create(&l).inc_by(0);
+            m.paused_turns.get_or_create(&l).set(0);
             m.held_sessions.get_or_create(&l).set(0);
             let _ = m.session_hold.get_or_create(&l);
         }
@@ -521,6 +558,8 @@ impl Metrics {
             &self.capacity_warning,
             &self.resident_sessions,
             &self.room_tokens,
+            &self.resident_tokens,
+            &self.kv_wall_tokens,
         ] {
             family.clear();
         }
@@ -537,6 +576,8 @@ impl Metrics {
             if let Some(room) = r.room_tokens {
                 self.room_tokens.get_or_create(&l).set(room);
             }
+            self.resident_tokens.get_or_create(&l).set(r.resident_tokens as i64);
+            self.kv_wall_tokens.get_or_create(&l).set(r.wall_tokens.unwrap_or(0) as i64);
         }
         for r in &report.replicas {
             let l = replica_label(&r.replica);

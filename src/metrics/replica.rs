@@ -40,12 +40,26 @@ const STATUSES: [&str; 13] = [
 /// The request-path metrics of one (replica, route).
 pub struct RouteMetrics {
     pub upstream_ttfb: StripedHistogram,
+    /// Streamed responses' first body event (`prefixgate_time_to_first_token_seconds`).
+    pub first_token: StripedHistogram,
     pub request_duration: StripedHistogram,
     pub prompt_tokens: StripedCounter,
     pub cached_tokens: StripedCounter,
     /// `prefixgate_requests_total` by status, created on first use.
     requests: [OnceLock<StripedCounter>; STATUSES.len()],
     other_requests: Mutex<Vec<(Cow<'static, str>, StripedCounter)>>,
+}
+
+/// Running totals of one replica's series (`ReplicaSeries::totals`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SeriesTotals {
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    /// Streamed responses' time to first token: (upper bound s, count) per
+    /// bucket, not cumulative (empty: none yet).
+    pub first_token: Vec<(f64, u64)>,
+    /// Failovers away from this replica.
+    pub failovers: u64,
 }
 
 /// The series labelled with one replica, and its handles on them.
@@ -103,15 +117,25 @@ impl ReplicaSeries {
                 push_once(&mut listed.routes, &labels);
                 (
                     m.upstream_ttfb.get_or_create(&labels).clone(),
+                    m.first_token.get_or_create(&labels).clone(),
                     m.request_duration.get_or_create(&labels).clone(),
                     m.prompt_tokens.get_or_create(&labels).clone(),
                     m.cached_tokens.get_or_create(&labels).clone(),
                 )
             });
-            let (upstream_ttfb, request_duration, prompt_tokens, cached_tokens) = created
-                .unwrap_or_else(|| (latency_histogram(), latency_histogram(), Default::default(), Default::default()));
+            let (upstream_ttfb, first_token, request_duration, prompt_tokens, cached_tokens) =
+                created.unwrap_or_else(|| {
+                    (
+                        latency_histogram(),
+                        latency_histogram(),
+                        latency_histogram(),
+                        Default::default(),
+                        Default::default(),
+                    )
+                });
             RouteMetrics {
                 upstream_ttfb,
+                first_token,
                 request_duration,
                 prompt_tokens,
                 cached_tokens,
@@ -179,6 +203,29 @@ impl ReplicaSeries {
         }
     }
 
+    /// What this replica's series count so far, over every route: for the
+    /// timeline, which takes differences between two readings. Reads only
+    /// the handles that exist (nothing is created).
+    pub fn totals(&self) -> SeriesTotals {
+        let mut t = SeriesTotals::default();
+        for route in self.routes.iter().filter_map(OnceLock::get) {
+            t.prompt_tokens += route.prompt_tokens.get();
+            t.cached_tokens += route.cached_tokens.get();
+            let (_, _, buckets) = route.first_token.get();
+            if t.first_token.is_empty() {
+                t.first_token = buckets;
+            } else {
+                t.first_token.iter_mut().zip(buckets).for_each(|(sum, b)| sum.1 += b.1);
+            }
+        }
+        let listed = self.lock();
+        if let Some(m) = &listed.metrics {
+            let from_here = listed.failovers.iter().filter(|l| l.from == self.name);
+            t.failovers = from_here.map(|l| m.failovers.get_or_create(l).get()).sum();
+        }
+        t
+    }
+
     /// The replica left the fleet: its series leave their families, and
     /// none is created again through this record.
     pub fn remove(&self) {
@@ -190,6 +237,7 @@ impl ReplicaSeries {
         }
         for l in &listed.routes {
             m.upstream_ttfb.remove(l);
+            m.first_token.remove(l);
             m.request_duration.remove(l);
             m.prompt_tokens.remove(l);
             m.cached_tokens.remove(l);

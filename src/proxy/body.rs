@@ -27,6 +27,8 @@ pub trait BodyEnd {
     /// or from a body that arrived whole; for a body in pieces, when it
     /// ends complete.
     fn response_id(&mut self, id: &str);
+    /// Called once, when a stream's first chunk passes (its first token).
+    fn first_event(&mut self);
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -138,6 +140,11 @@ where
                 let idle = self.idle;
                 if let Some(timer) = self.timer.as_mut() {
                     timer.as_mut().reset(Instant::now() + idle);
+                }
+                if self.seen == 0 && self.sse {
+                    if let Some(end) = self.end.as_mut() {
+                        end.first_event();
+                    }
                 }
                 self.seen += chunk.len() as u64;
                 let this = &mut *self;

@@ -110,9 +110,10 @@ pub async fn pause_if_over(
     tokens: u64,
     who: &Who,
 ) -> Option<Duration> {
-    let preempted = replica.residents.lock().get(&session).is_some_and(|r| r.preempted);
+    let (preempted, class) =
+        replica.residents.lock().get(&session).map_or((false, who.class), |r| (r.preempted, r.class));
     let paused = state.sessions.pause_if_over(replica, session, tokens).await?;
-    state.metrics.session_turns_paused.inc();
+    state.metrics.session_turns_paused.get_or_create(&crate::metrics::ClassLabels::of(class)).inc();
     let why = match preempted {
         true => "a session of a higher class had taken its room",
         false => "the sessions here outgrew its KV and it was the first to give way",

@@ -341,6 +341,11 @@ impl BodyEnd for Outcome {
         self.recorder.stored_response(self.scope.key(response_key(id)), &self.replica().id);
     }
 
+    fn first_event(&mut self) {
+        let route = self.replica().series.route(self.recorder.metrics(), self.reason);
+        route.first_token.observe(self.started.elapsed().as_secs_f64());
+    }
+
     fn finish(&mut self, outcome: BodyOutcome, usage: Option<&UsageTap>) {
         let m = &self.recorder.metrics;
         let status = match outcome {

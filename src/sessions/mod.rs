@@ -39,6 +39,7 @@ mod hold;
 mod pause;
 pub mod projection;
 pub mod room;
+mod view;
 
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
@@ -50,6 +51,7 @@ use crate::priority::{FairQueue, Who};
 pub use hold::{Held, Ticket};
 pub use room::{Room, Verdict};
 use serde::{Deserialize, Serialize};
+pub use view::{SessionState, SessionView};
 
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields, default)]
@@ -132,6 +134,10 @@ struct State {
     /// Tickets turned away after they queued (`max_held` reached by a
     /// higher class): their waiters answer 503.
     evicted: Vec<u64>,
+    /// The names of the clients resident sessions belong to, by hash
+    /// (`Resident::client`), for the sessions view: kept while a resident
+    /// session of theirs is (pruned by `sweep`).
+    clients: foldhash::HashMap<u64, Arc<str>>,
 }
 
 /// A new session admitted to the room whose first turn is not resident yet.
@@ -354,6 +360,7 @@ impl Sessions {
         let projected = self.project(link).unwrap_or(0);
         let moved = {
             let mut state = self.lock();
+            state.clients.entry(client_hash(&who.client)).or_insert_with(|| who.client.clone());
             let here = state.home.get(&session).is_some_and(|home| std::ptr::eq(home.as_ptr(), Arc::as_ptr(replica)));
             let moved = if here { None } else { state.leave(session) };
             state.home.insert(session, Arc::downgrade(replica));
@@ -484,7 +491,9 @@ impl Sessions {
         let mut walls: Vec<Arc<Replica>> = Vec::new();
         let mut crossed = Vec::new();
         let mut next_idle_out_ms: Option<u64> = None;
-        self.lock().home.retain(|session, home| {
+        let mut clients = foldhash::HashSet::default();
+        let mut state = self.lock();
+        state.home.retain(|session, home| {
             let Some(replica) = home.upgrade() else {
                 gone = true;
                 return false;
@@ -523,8 +532,13 @@ impl Sessions {
             } else if let Some(at) = idle_out_ms {
                 next_idle_out_ms = Some(next_idle_out_ms.map_or(at, |n| n.min(at)));
             }
+            if !idle {
+                clients.extend(on.get(session).map(|r| r.client));
+            }
             !idle
         });
+        state.clients.retain(|hash, _| clients.contains(hash));
+        drop(state);
         if !ended.is_empty() || !crossed.is_empty() {
             let mut projections = self.projections();
             for r in ended {

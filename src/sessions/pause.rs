@@ -26,6 +26,10 @@ impl<'a> PausedTurn<'a> {
     fn start(sessions: &'a Sessions, replica: &'a Replica, session: PrefixKey) -> PausedTurn<'a> {
         if let Some(r) = replica.residents.lock().get_mut(&session) {
             r.running += 1;
+            if r.paused == 0 {
+                r.paused_since_ms = crate::clock::now_ms();
+            }
+            r.paused += 1;
         }
         sessions.paused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         PausedTurn { sessions, replica, session }
@@ -36,6 +40,10 @@ impl Drop for PausedTurn<'_> {
     fn drop(&mut self) {
         if let Some(r) = self.replica.residents.lock().get_mut(&self.session) {
             r.running = r.running.saturating_sub(1);
+            r.paused = r.paused.saturating_sub(1);
+            if r.paused == 0 {
+                r.waited_ms += crate::clock::now_ms().saturating_sub(r.paused_since_ms);
+            }
         }
         self.sessions.paused.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     }
@@ -115,6 +123,17 @@ impl Sessions {
     pub fn paused(&self) -> usize {
         self.paused.load(std::sync::atomic::Ordering::Relaxed)
     }
+
+    /// Turns paused now on `replica`, by class (interactive, default,
+    /// background: `Class::ALL`'s order).
+    pub fn paused_by_class(replica: &Replica) -> [usize; 3] {
+        let mut by_class = [0; 3];
+        for r in replica.residents.lock().values() {
+            let i = Class::ALL.iter().position(|c| *c == r.class).unwrap_or(1);
+            by_class[i] += r.paused as usize;
+        }
+        by_class
+    }
 }
 
 #[cfg(test)]
@@ -183,10 +202,20 @@ mod tests {
         });
         tokio::time::sleep(Duration::from_millis(1_500)).await;
         assert_eq!(s.paused(), 1);
+        // The views say where: a default-class turn on a, its session paused.
+        assert_eq!(Sessions::paused_by_class(&a), [0, 1, 0]);
+        let state_of = |id: u128| {
+            let view = s.view(crate::clock::now_ms(), 100);
+            view.iter().find(|v| v.session == Some(format!("{id:032x}"))).map(|v| v.state)
+        };
+        assert_eq!(state_of(2), Some(SessionState::Paused));
+        assert_eq!(state_of(1), Some(SessionState::Idle));
         assert!(s.sweep(crate::clock::now_ms() + 60_000).any);
         assert!(s.is_resident(2) && !s.is_resident(1), "the older idled out; the paused one, busy, did not");
         assert_eq!(paused.await.unwrap(), Some(Duration::from_millis(1_500)));
         assert_eq!(s.paused(), 0);
+        assert_eq!(Sessions::paused_by_class(&a), [0; 3]);
+        assert_eq!(state_of(2), Some(SessionState::Idle));
         // No room ever: it goes after max_wait_ms.
         let now = crate::clock::now_ms() - 100;
         drop(s.begin_turn(&a, 3, None, 5_000, &Who::default(), now));

@@ -28,4 +28,5 @@ mod sdk;
 mod sessions;
 mod shared;
 mod tenants;
+mod timeline;
 mod traces;
