@@ -3,7 +3,7 @@
 "use strict";
 
 const api = "/admin/v1";
-const state = { pinOffset: 0, pinLimit: 20, ttfb: {}, lastTtfb: {}, replicas: [] };
+const state = { pinOffset: 0, pinLimit: 20, ttfb: {}, lastTtfb: {}, replicas: [], instances: [], charts: [], timelineAt: 0 };
 const $ = (sel) => document.querySelector(sel);
 
 function el(tag, attrs = {}, ...children) {
@@ -188,6 +188,102 @@ function updateTtfb(metricsText) {
   }
 }
 
+// Fleet over time: the gateway's own timeline (GET /admin/v1/timeline),
+// drawn with uPlot (vendored in web/vendor/uplot). One chart per question an
+// operator asks; a line per replica.
+const PALETTE = ["#0969da", "#cf222e", "#1a7f37", "#9a6700", "#8250df", "#bf3989", "#1b7c83", "#953800"];
+const CLASSES = ["interactive", "default", "background"];
+const CLASS_COLORS = { interactive: "#cf222e", default: "#0969da", background: "#57606a" };
+
+function chartSpecs(t) {
+  const color = (i) => PALETTE[i % PALETTE.length];
+  const per = (key, label = (r) => r.replica, dash, f = (v) => v) => t.replicas.map((r, i) =>
+    ({ label: label(r), color: color(i), dash, values: r[key].map((v) => (v === null ? null : f(v))) }));
+  const sum = (rows) => rows[0].map((_, i) => rows.reduce((n, row) => n + (row[i] || 0), 0));
+  const paused = (c) => t.replicas.length ? sum(t.replicas.map((r) => r.paused.map((p) => (p ? p[c] : 0)))) : [];
+  return [
+    { name: "kv", title: "KV: resident session tokens (solid), capacity and learned wall (dashed)", series: [
+      ...per("resident_tokens"),
+      ...per("capacity_tokens", (r) => `${r.replica} capacity`, [6, 4]),
+      ...per("wall_tokens", (r) => `${r.replica} wall`, [2, 3])] },
+    { name: "warm", title: "Warm share of prompt tokens (%)", series: per("warm_share", undefined, undefined, (v) => v * 100) },
+    { name: "ttft", title: "Time to first token, ms: p50 (solid), p90 (dashed)", series: [
+      ...per("ttft_p50_ms", (r) => `${r.replica} p50`), ...per("ttft_p90_ms", (r) => `${r.replica} p90`, [6, 4])] },
+    { name: "inflight", title: "Requests in flight", series: per("inflight") },
+    { name: "waiting", title: "Held sessions (solid) and paused turns (dashed), by class", series: [
+      ...CLASSES.map((c) => ({ label: `held ${c}`, color: CLASS_COLORS[c], values: t.held.map((h) => h[c]) })),
+      ...CLASSES.map((c) => ({ label: `paused ${c}`, color: CLASS_COLORS[c], dash: [6, 4], values: paused(c) }))] },
+    { name: "failovers", title: "Failovers away from each replica, per sample", series: per("failovers") },
+  ];
+}
+
+// An axis value in few characters: 150000 -> 150k.
+function compact(v) {
+  if (v === null || v === undefined) return "";
+  const a = Math.abs(v);
+  if (a >= 1e6) return +(v / 1e6).toFixed(1) + "M";
+  if (a >= 1e3) return +(v / 1e3).toFixed(1) + "k";
+  return +v.toFixed(2) + "";
+}
+
+function drawChart(container, spec, xs) {
+  // A series with no value at all is left out (a wall never seen, say).
+  const series = spec.series.filter((s) => s.values.some((v) => v !== null));
+  const points = series.reduce((n, s) => n + s.values.filter((v) => v !== null).length, 0);
+  const box = el("div", { class: "chart", "data-chart": spec.name, "data-points": String(points) }, el("h3", {}, spec.title));
+  container.append(box);
+  if (!points || typeof uPlot === "undefined") {
+    box.append(el("p", { class: "empty" }, "no samples yet"));
+    return null;
+  }
+  const opts = {
+    width: Math.max(200, box.clientWidth - 16),
+    height: 180,
+    series: [{}, ...series.map((s) => ({ label: s.label, stroke: s.color, width: 1.5, dash: s.dash }))],
+    axes: [{}, { size: 56, values: (u, splits) => splits.map(compact) }],
+    legend: { live: false },
+  };
+  return new uPlot(opts, [xs, ...series.map((s) => s.values)], box);
+}
+
+function renderTimeline(t) {
+  for (const c of state.charts) c.destroy();
+  const charts = $("#charts");
+  charts.replaceChildren();
+  const xs = t.at.map((ms) => ms / 1000);
+  const drawn = chartSpecs(t).map((spec) => [spec.name, drawChart(charts, spec, xs)]).filter(([, u]) => u);
+  state.charts = drawn.map(([, u]) => u);
+  // For the browser test (and a curious operator's console): the charts by name.
+  window.prefixgateCharts = Object.fromEntries(drawn);
+  const alive = state.instances.filter((i) => i.alive).length;
+  $("#timeline-scope").textContent = (alive > 1
+    ? `This is instance ${t.instance}'s timeline: each gateway instance keeps its own, of the traffic it served (open another instance's admin UI for its own).`
+    : "This gateway's timeline.") + ` A sample every ${t.interval_ms / 1000} s; ${t.at.length} in the window.`;
+}
+
+async function loadTimeline(force) {
+  // The samples come every few seconds: redrawn as often, not at each poll.
+  if (!force && Date.now() - state.timelineAt < 2000) return;
+  state.timelineAt = Date.now();
+  renderTimeline(await call("GET", `${api}/timeline?window_s=${$("#timeline-window").value}`));
+}
+
+// Sessions at the KV wall: resident ones by replica, then the held.
+async function loadSessions() {
+  const list = await call("GET", `${api}/sessions?limit=200`);
+  const ms = (n) => (n >= 1000 ? `${(n / 1000).toFixed(1)} s` : `${n} ms`);
+  $("#session-table tbody").replaceChildren(...list.map((s) => el("tr", { "data-session": s.session || "held", "data-state": s.state },
+    el("td", {}, s.replica || "—"),
+    el("td", { class: "key" }, s.session ? s.session.slice(0, 12) + "…" : "(new)"),
+    el("td", { class: "state " + s.state }, s.state),
+    el("td", { class: "class" }, s.class),
+    el("td", { class: "client" }, s.client),
+    el("td", {}, fmtTokens(s.context_tokens)),
+    el("td", {}, s.projected_tokens ? fmtTokens(s.projected_tokens) : "—"),
+    el("td", {}, s.turns),
+    el("td", {}, s.waited_ms ? ms(s.waited_ms) : "—"))));
+}
+
 async function loadPins() {
   const params = new URLSearchParams({ offset: state.pinOffset, limit: state.pinLimit });
   const q = $("#pin-search").value.trim();
@@ -238,6 +334,7 @@ async function loadEvents() {
 // Gateway instances sharing this fleet (a shared store); alone, one line says so.
 async function loadInstances() {
   const list = await call("GET", `${api}/instances`);
+  state.instances = list;
   const alive = list.filter((i) => i.alive);
   const names = alive.map((i) => (i.this ? `${i.instance} (this one)` : i.instance));
   $("#instances").textContent = list.length === 1 && list[0].instance === "this"
@@ -270,7 +367,8 @@ async function refresh() {
     if (document.activeElement !== $("#policy-mode")) $("#policy-mode").value = policy.mode;
     renderReplicas(replicas, capacity);
     renderCapacity(capacity);
-    await Promise.all([loadPins(), loadEvents(), loadInstances(), loadDiscovery()]);
+    await Promise.all([loadPins(), loadEvents(), loadInstances(), loadDiscovery(), loadSessions()]);
+    await loadTimeline(false);
   } catch (e) {
     if (e instanceof AuthError) {
       const hadToken = !!sessionStorage.getItem("prefixgate-token");
@@ -323,6 +421,7 @@ function init() {
   $("#pins-prev").addEventListener("click", () => { state.pinOffset = Math.max(0, state.pinOffset - state.pinLimit); loadPins(); });
   $("#pins-next").addEventListener("click", () => { state.pinOffset += state.pinLimit; loadPins(); });
   $("#event-kind").addEventListener("change", loadEvents);
+  $("#timeline-window").addEventListener("change", () => loadTimeline(true));
   $("#event-replica").addEventListener("change", loadEvents);
   refresh();
   setInterval(() => { if (!$("#app").hidden) refresh(); }, 1000);

@@ -169,15 +169,52 @@ impl Cdp {
     }
 
     async fn screenshot(&mut self, name: &str) {
-        let r = self.call("Page.captureScreenshot", json!({"format": "png", "captureBeyondViewport": true})).await;
+        self.capture(name, json!({"format": "png", "captureBeyondViewport": true})).await;
+    }
+
+    /// A screenshot of the part of the page `selector` covers.
+    async fn screenshot_of(&mut self, name: &str, selector: &str) {
+        let rect = self
+            .eval(&format!(
+                "(() => {{ const r = document.querySelector('{selector}').getBoundingClientRect(); \
+                  return [r.left + window.scrollX, r.top + window.scrollY, r.width, r.height]; }})()"
+            ))
+            .await;
+        let [x, y, width, height] = [0, 1, 2, 3].map(|i| rect[i].as_f64().unwrap());
+        let clip = json!({"x": x, "y": y, "width": width, "height": height, "scale": 1});
+        self.capture(name, json!({"format": "png", "captureBeyondViewport": true, "clip": clip})).await;
+    }
+
+    async fn capture(&mut self, name: &str, params: Value) {
+        let r = self.call("Page.captureScreenshot", params).await;
         let png = base64::engine::general_purpose::STANDARD.decode(r["data"].as_str().unwrap()).unwrap();
         let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/target/screenshots");
         std::fs::create_dir_all(dir).unwrap();
         std::fs::write(format!("{dir}/{name}.png"), &png).unwrap();
-        if name == "fleet" && std::env::var_os("UPDATE_SCREENSHOTS").is_some() {
-            std::fs::write(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/fleet.png"), &png).unwrap();
+        // The README's pictures.
+        if ["fleet", "over-time"].contains(&name) && std::env::var_os("UPDATE_SCREENSHOTS").is_some() {
+            std::fs::write(format!("{}/docs/{name}.png", env!("CARGO_MANIFEST_DIR")), &png).unwrap();
         }
     }
+}
+
+/// Four streamed agent loops for a second: usage and first tokens for the
+/// timeline's samples.
+async fn streamed_agents(gw: &Gw) {
+    let until = tokio::time::Instant::now() + Duration::from_millis(1_200);
+    let loops = (0..4).map(|family| async move {
+        let mut messages = vec![("user".to_string(), format!("family {family} starts"))];
+        while tokio::time::Instant::now() < until {
+            let view: Vec<(&str, &str)> = messages.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
+            let body = chat_body(&view, json!({"stream": true, "stream_options": {"include_usage": true}}));
+            let mut resp = client().post(format!("{}/v1/chat/completions", gw.base)).send_json(&body).await.unwrap();
+            assert_eq!(resp.status(), 200);
+            resp.body().await.unwrap();
+            messages.push(("assistant".into(), "ok".into()));
+            messages.push(("user".into(), format!("turn {}", messages.len())));
+        }
+    });
+    futures_util::future::join_all(loops).await;
 }
 
 #[actix_web::test]
@@ -193,6 +230,11 @@ async fn the_admin_ui_steers_the_fleet_in_a_real_browser() {
     for r in &mut config.replicas {
         r.kv_tokens = Some(122_636);
     }
+    // The timeline sampled often, so a second of traffic draws its charts;
+    // a session stays resident while the page is looked at.
+    config.timeline.interval_ms = 200;
+    config.sessions.idle_ms = 600_000;
+    config.priority.client_header = true;
     // A third replica comes from a discovery source (a file listing it).
     let c = start_sim("c", fast_sim()).await;
     let dir = tempfile::tempdir().unwrap();
@@ -205,6 +247,13 @@ async fn the_admin_ui_steers_the_fleet_in_a_real_browser() {
         chat(&gw, &[("user", &format!("a question {i}"))]).await;
     }
     let convo = chat(&gw, &[("user", "a conversation"), ("assistant", "yes"), ("user", "go on")]).await;
+    streamed_agents(&gw).await;
+    // A new session of a named client, one turn so far: resident until idle_ms.
+    let url = format!("{}/v1/chat/completions", gw.base);
+    let session =
+        chat_body(&[("system", "an agent"), ("user", "plan"), ("assistant", "ok"), ("user", "do it")], json!({}));
+    let headers = [("x-prefixgate-client", "ui-agent"), ("x-prefixgate-priority", "interactive")];
+    assert_eq!(post_with(&url, &session, &headers).await.status, 200);
 
     let browser = launch(&bin);
     let mut page = Cdp::connect(&browser).await;
@@ -264,6 +313,41 @@ async fn the_admin_ui_steers_the_fleet_in_a_real_browser() {
     )
     .await;
     page.screenshot("fleet").await;
+
+    // Fleet over time: every chart drew the samples of the traffic above:
+    // its canvas holds pixels of its lines' colours (axes and grid are grey).
+    let charts = ["kv", "warm", "ttft", "inflight", "waiting", "failovers"];
+    for chart in charts {
+        page.wait_for(
+            &format!("the {chart} chart drawn"),
+            &format!(
+                "(() => {{ const box = document.querySelector('.chart[data-chart=\"{chart}\"]'); \
+                  if (!box || Number(box.dataset.points) < 3) return false; \
+                  const canvas = box.querySelector('canvas'); \
+                  const u = window.prefixgateCharts && window.prefixgateCharts['{chart}']; if (!canvas || !u) return false; \
+                  const colours = u.series.slice(1).map((s, i) => typeof s.stroke === 'function' ? s.stroke(u, i + 1) : s.stroke) \
+                    .map(hex => [1, 3, 5].map(i => parseInt(hex.slice(i, i + 2), 16))); \
+                  const px = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height).data; \
+                  let n = 0; for (let i = 0; i < px.length; i += 4) {{ \
+                    if (px[i + 3] > 200 && colours.some(c => Math.abs(px[i] - c[0]) + Math.abs(px[i + 1] - c[1]) + Math.abs(px[i + 2] - c[2]) < 40)) n++; }} \
+                  return n >= 20; }})()"
+            ),
+        )
+        .await;
+    }
+    page.wait_for("the timeline's scope", "document.querySelector('#timeline-scope').textContent.includes('timeline')")
+        .await;
+    // The sessions view lists the resident session with its class and client.
+    page.wait_for(
+        "the resident session",
+        "[...document.querySelectorAll('#session-table tbody tr')].some(tr => \
+           tr.querySelector('.client').textContent === 'ui-agent' && tr.querySelector('.class').textContent === 'interactive' \
+           && ['running', 'idle'].includes(tr.dataset.state))",
+    )
+    .await;
+    page.eval("document.querySelector('#over-time').scrollIntoView(); true").await;
+    page.screenshot_of("over-time", "#over-time").await;
+    page.screenshot_of("sessions", "#sessions").await;
 
     // Drain b with a click (the confirmation dialog answered yes).
     page.eval("window.confirm = () => true; document.querySelector('tr[data-replica=\"b\"] button[data-action=\"drain\"]').click(); true").await;

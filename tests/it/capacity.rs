@@ -75,12 +75,6 @@ async fn three_large_families_on_two_cards_raise_a_capacity_warning_whatever_the
     }
 }
 
-async fn scrape(gw: &Gw) -> String {
-    let mut resp = client().get(format!("{}/metrics", gw.admin)).send().await.unwrap();
-    assert_eq!(resp.status(), 200);
-    String::from_utf8(resp.body().limit(16 << 20).await.unwrap().to_vec()).unwrap()
-}
-
 #[actix_web::test]
 async fn admission_queues_in_order_rejects_past_the_bounds_and_never_leaks_a_slot() {
     // Decode is slow so the first large stream holds its slot until we let go.

@@ -164,6 +164,13 @@ pub fn cached_tokens(r: &Reply) -> u64 {
     r.body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap()
 }
 
+/// The gateway's `/metrics`, as Prometheus reads it.
+pub async fn scrape(gw: &Gw) -> String {
+    let mut resp = client().get(format!("{}/metrics", gw.admin)).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    String::from_utf8(resp.body().limit(16 << 20).await.unwrap().to_vec()).unwrap()
+}
+
 /// A JSON request to the admin API with an optional bearer token.
 pub async fn admin(method: &str, url: &str, token: Option<&str>, body: Option<Value>) -> (u16, Value) {
     let c = client();

@@ -84,6 +84,29 @@ fn numbers_after(text: &str, key: &str) -> Vec<u64> {
     re.captures_iter(text).map(|c| c[1].parse().unwrap()).collect()
 }
 
+/// The Compose services that run a gateway (`<<: *gateway`), as text: the
+/// others (Prometheus, Grafana, Redis, the engines) listen where they like.
+fn gateway_services(compose: &str) -> String {
+    let mut out = String::new();
+    let mut block = String::new();
+    let mut flush = |block: &mut String| {
+        if block.contains("<<: *gateway") {
+            out.push_str(block);
+        }
+        block.clear();
+    };
+    for line in compose.lines() {
+        let service = line.starts_with("  ") && !line.starts_with("   ") && line.trim_end().ends_with(':');
+        if service || !line.starts_with(' ') {
+            flush(&mut block);
+        }
+        block.push_str(line);
+        block.push('\n');
+    }
+    flush(&mut block);
+    out
+}
+
 #[actix_web::test]
 async fn every_flag_variable_key_port_and_path_in_the_deployment_examples_exists() {
     let mut all = Vec::new();
@@ -150,8 +173,8 @@ async fn every_flag_variable_key_port_and_path_in_the_deployment_examples_exists
                 .flat_map(|l| l.split_whitespace().map(|p| p.parse().unwrap()))
                 .collect(),
             "gateway.yaml" => numbers_after(&text, "containerPort:"),
-            // Compose's "HOST:CONTAINER" mappings: the container side.
-            _ => numbers_after(&text, r#"- "(?:[0-9.]+:)?\d+:"#),
+            // Compose's "HOST:CONTAINER" mappings of the gateway services: the container side.
+            _ => numbers_after(&gateway_services(&text), r#"- "(?:[0-9.]+:)?\d+:"#),
         };
         assert!(!named.is_empty(), "{path:?} names the gateway's ports");
         for p in named {
@@ -184,4 +207,139 @@ async fn every_flag_variable_key_port_and_path_in_the_deployment_examples_exists
     }
     assert!(paths >= 3 && checked >= 10, "the examples were read ({paths} paths, {checked} names)");
     gw.stop().await;
+}
+
+fn read(path: &str) -> String {
+    std::fs::read_to_string(deploy().join(path)).unwrap_or_else(|e| panic!("deploy/{path}: {e}"))
+}
+
+/// Every PromQL expression of the dashboard (its panels' targets) and of the
+/// alert rules (`expr:` lines), with where each came from.
+fn promql() -> Vec<(String, String)> {
+    let dashboard: serde_json::Value = serde_json::from_str(&read("grafana/dashboards/prefixgate.json")).unwrap();
+    let mut out = Vec::new();
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            let title = format!("dashboard panel '{}'", panel["title"].as_str().unwrap());
+            out.push((title, target["expr"].as_str().unwrap().to_string()));
+        }
+    }
+    let rules = read("prometheus/alerts.yml");
+    let mut alert = String::new();
+    for line in rules.lines().map(str::trim) {
+        if let Some(name) = line.strip_prefix("- alert: ") {
+            alert = name.to_string();
+        }
+        if let Some(expr) = line.strip_prefix("expr: ") {
+            out.push((format!("alert {alert}"), expr.to_string()));
+        }
+    }
+    out
+}
+
+/// The metric names an expression reads (a histogram's `_bucket`, `_sum`
+/// and `_count` samples are the histogram's).
+fn metric_names(expr: &str) -> BTreeSet<String> {
+    let name = regex::Regex::new(r"prefixgate_[a-z0-9_]+").unwrap();
+    name.find_iter(expr).map(|m| m.as_str().to_string()).collect()
+}
+
+#[actix_web::test]
+async fn every_metric_the_dashboard_and_the_alert_rules_name_is_exposed_after_traffic() {
+    let exprs = promql();
+    let dashboard_panels = exprs.iter().filter(|(from, _)| from.starts_with("dashboard")).count();
+    let alerts: BTreeSet<&str> = exprs.iter().filter_map(|(from, _)| from.strip_prefix("alert ")).collect();
+    assert!(dashboard_panels >= 15, "the dashboard was read ({dashboard_panels} queries)");
+    for wanted in [
+        "PrefixgateReplicaDown",
+        "PrefixgateKvWallSeen",
+        "PrefixgateWarmShareLow",
+        "PrefixgateHoldQueueGrowing",
+        "PrefixgateSharedStoreUnreachable",
+        "PrefixgateDiscoverySourceFailing",
+    ] {
+        assert!(alerts.contains(wanted), "alert {wanted} is in deploy/prometheus/alerts.yml");
+    }
+
+    // A gateway with a discovery source, sessions, streams with usage, a
+    // stored response and a failover: every family has its samples.
+    let (a, b, c) =
+        (start_sim("a", fast_sim()).await, start_sim("b", fast_sim()).await, start_sim("c", fast_sim()).await);
+    let dir = tempfile::tempdir().unwrap();
+    let listing = dir.path().join("engines.toml");
+    std::fs::write(&listing, format!("[[replicas]]\nid = \"c\"\nurl = \"{}\"\n", c.url)).unwrap();
+    let mut config = test_config(&[&a, &b]);
+    config.discovery = vec![prefixgate::config::SourceConfig::new(&format!("file://{}", listing.display()))];
+    let gw = start_gateway(config).await;
+    wait_until("c found", std::time::Duration::from_secs(10), || gw.gw.fleet.get("c").is_some_and(|r| r.routable()))
+        .await;
+    let mut turns = vec![("user".to_string(), "an agent's task".to_string())];
+    for turn in 0..3 {
+        let view: Vec<(&str, &str)> = turns.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
+        let body = chat_body(&view, serde_json::json!({"stream": true, "stream_options": {"include_usage": true}}));
+        let r = post(&format!("{}/v1/chat/completions", gw.base), &body).await;
+        assert_eq!(r.status, 200);
+        turns.push(("assistant".into(), format!("answer {turn}")));
+        turns.push(("user".into(), format!("next {turn}")));
+    }
+    b.stop(true).await;
+    for i in 0..3 {
+        assert_eq!(chat(&gw, &[("user", &format!("after the stop {i}"))]).await.status, 200);
+    }
+    let metrics = scrape(&gw).await;
+    let exposed: BTreeSet<&str> =
+        metrics.lines().filter(|l| !l.starts_with('#')).filter_map(|l| l.split(['{', ' ']).next()).collect();
+    let mut checked = 0;
+    for (from, expr) in &exprs {
+        let names = metric_names(expr);
+        assert!(!names.is_empty(), "{from}: `{expr}` reads no prefixgate metric");
+        for name in names {
+            assert!(exposed.contains(name.as_str()), "{from}: {name} is not in /metrics after traffic");
+            checked += 1;
+        }
+    }
+    assert!(checked >= 30, "{checked} names checked");
+    gw.stop().await;
+}
+
+#[test]
+fn the_compose_example_brings_prometheus_and_grafana_up_with_the_dashboard_and_rules_provisioned() {
+    let compose = read("compose.yaml");
+    // Each mounted folder exists, and holds what the service reads there.
+    for (mount, inside) in [
+        ("./prometheus:/etc/prometheus:ro", "prometheus/prometheus.yml"),
+        ("./grafana/provisioning:/etc/grafana/provisioning:ro", "grafana/provisioning/datasources/prometheus.yaml"),
+        ("./grafana/dashboards:/var/lib/grafana/dashboards:ro", "grafana/dashboards/prefixgate.json"),
+    ] {
+        assert!(compose.contains(&format!("- {mount}")), "compose.yaml mounts {mount}");
+        assert!(deploy().join(inside).is_file(), "deploy/{inside}");
+    }
+    // Prometheus scrapes the gateway services on their admin port, and loads the rules.
+    let prometheus = read("prometheus/prometheus.yml");
+    assert!(prometheus.contains("- alerts.yml"));
+    for gateway in ["gateway-a", "gateway-b"] {
+        assert!(compose.contains(&format!("\n  {gateway}:\n")), "{gateway} is a service");
+        assert!(prometheus.contains(&format!("\"{gateway}:9090\"")), "{gateway}'s admin listener is scraped");
+    }
+    // Grafana's data source is that Prometheus, under the uid the dashboard names.
+    let datasource = read("grafana/provisioning/datasources/prometheus.yaml");
+    assert!(datasource.contains("url: http://prometheus:9090") && datasource.contains("uid: prometheus"));
+    assert!(read("grafana/provisioning/dashboards/prefixgate.yaml").contains("path: /var/lib/grafana/dashboards"));
+    let dashboard: serde_json::Value = serde_json::from_str(&read("grafana/dashboards/prefixgate.json")).unwrap();
+    for panel in dashboard["panels"].as_array().unwrap().iter().filter(|p| p["type"] != "row") {
+        assert_eq!(panel["datasource"]["uid"], "prometheus", "{}", panel["title"]);
+    }
+}
+
+#[test]
+fn the_alert_rules_and_the_prometheus_config_pass_promtool() {
+    let found = std::process::Command::new("promtool").arg("--version").output().is_ok_and(|o| o.status.success());
+    if !require("promtool", found, "apt-get install -y prometheus") {
+        return;
+    }
+    for args in [["check", "rules", "prometheus/alerts.yml"], ["check", "config", "prometheus/prometheus.yml"]] {
+        let out = std::process::Command::new("promtool").args(args).current_dir(deploy()).output().unwrap();
+        let said = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "promtool {args:?}: {said}");
+    }
 }

@@ -94,11 +94,6 @@ async fn all_answered(waiting: Vec<actix_web::rt::task::JoinHandle<(Reply, Insta
     ended
 }
 
-async fn scrape(gw: &Gw) -> String {
-    let mut resp = client().get(format!("{}/metrics", gw.admin)).send().await.unwrap();
-    String::from_utf8(resp.body().await.unwrap().to_vec()).unwrap()
-}
-
 #[actix_web::test]
 async fn an_unknown_class_is_a_400_naming_the_header_and_nothing_is_queued() {
     let (_a, gw) = one_full_card(300, 8, true).await;
