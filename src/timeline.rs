@@ -400,7 +400,10 @@ mod tests {
         }
         assert_eq!(t.len(), 720, "the oldest go first");
         assert!(t.bytes() <= t.bound_bytes(16), "{} > {}", t.bytes(), t.bound_bytes(16));
-        assert!(t.bound_bytes(16) < 2 << 20, "an hour of 16 replicas is under 2 MB: {}", t.bound_bytes(16));
+        // As the module's doc and docs/observability.md state it.
+        assert!(POINT_BYTES <= 120, "{POINT_BYTES} bytes a point");
+        assert!(t.bound_bytes(16) <= 1_300_000, "an hour of 16 replicas: {} bytes", t.bound_bytes(16));
+        assert!(t.bound_bytes(MAX_REPLICAS) <= 48_000_000, "an hour of 512: {} bytes", t.bound_bytes(MAX_REPLICAS));
         assert!(t.last.lock().unwrap().len() <= 16, "bases only for the replicas now");
         // More replicas than a sample keeps: the points stop at MAX_REPLICAS.
         let many = (0..MAX_REPLICAS + 10).map(|i| reading(&format!("m{i}"), 0, 0, vec![], 0)).collect();
