@@ -152,7 +152,7 @@ said() {
   for i in $(seq 1 "$INSTANCES"); do
     admin=${GW_ADMIN[hold$i]}
     held=$((held + $(curl -s "$admin/admin/v1/capacity" | python3 -c 'import json,sys; print(json.load(sys.stdin)["sessions"]["waited"])')))
-    paused=$((paused + $(curl -s "$admin/metrics" | awk '/^prefixgate_session_turns_paused_total/ {print int($2)}')))
+    paused=$((paused + $(curl -s "$admin/metrics" | awk '/^prefixgate_session_turns_paused_total/ {n += $2} END {print int(n)}')))
   done
   curl -s "${GATEWAY_ADMIN[hold]}/admin/v1/capacity" | python3 -c 'import json,sys; print("projection", json.load(sys.stdin)["sessions"].get("projected_tokens"), end="; ")'
   echo "$1: so far $held sessions held, $paused turns paused"

@@ -47,7 +47,7 @@ arm() {
   python3 -c 'import json,sys; r=json.load(open(sys.argv[1]))["summary"]; print("  errors", r["errors"], file=sys.stderr)' "$tmp/r$round-n$n.json"
   local paused=0 held=0
   for admin in "${admins[@]}"; do
-    paused=$((paused + $(curl -s "$admin/metrics" | awk '/^prefixgate_session_turns_paused_total/ {print int($2)}')))
+    paused=$((paused + $(curl -s "$admin/metrics" | awk '/^prefixgate_session_turns_paused_total/ {n += $2} END {print int(n)}')))
     held=$((held + $(curl -s "$admin/admin/v1/capacity" | python3 -c 'import json,sys; print(json.load(sys.stdin)["sessions"]["waited"])')))
   done
   echo "  $n instance(s): $held sessions held, $paused turns paused" >&2

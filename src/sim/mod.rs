@@ -59,6 +59,11 @@ pub struct SimConfig {
     /// prompt for the gateway (vLLM serves one).
     #[arg(long)]
     pub no_tokenize: bool,
+    /// Say the KV as llama.cpp's server does: `GET /props` with this many
+    /// slots of `kv_tokens / slots` context each, and no vLLM metrics
+    /// (`/metrics` answers 404). Unset: vLLM's metrics, no `/props`.
+    #[arg(long)]
+    pub slots: Option<u64>,
 }
 
 impl Default for SimConfig {
@@ -72,6 +77,7 @@ impl Default for SimConfig {
             api_key: None,
             no_preemption_counter: false,
             no_tokenize: false,
+            slots: None,
         }
     }
 }
@@ -208,6 +214,7 @@ pub fn serve(listener: std::net::TcpListener, state: Arc<SimState>) -> std::io::
             .app_data(web::PayloadConfig::new(256 * 1024 * 1024))
             .route("/health", web::get().to(|| async { HttpResponse::Ok().finish() }))
             .route("/metrics", web::get().to(metrics))
+            .route("/props", web::get().to(props))
             .route("/v1/models", web::get().to(models))
             .route("/v1/chat/completions", web::post().to(chat))
             .route("/v1/completions", web::post().to(completions))
@@ -227,7 +234,22 @@ async fn models(s: web::Data<SimState>) -> HttpResponse {
         .json(json!({"object": "list", "data": [{"id": s.cfg.model, "object": "model", "owned_by": "prefixgate-sim"}]}))
 }
 
+/// llama.cpp's `GET /props`, with `--slots`: its slots and one slot's context.
+async fn props(s: web::Data<SimState>) -> HttpResponse {
+    match s.cfg.slots.filter(|n| *n > 0) {
+        Some(n) => HttpResponse::Ok().json(json!({
+            "total_slots": n,
+            "default_generation_settings": {"n_ctx": s.cfg.kv_tokens / n, "id": 0},
+            "model_path": format!("{}.gguf", s.cfg.model),
+        })),
+        None => HttpResponse::NotFound().finish(),
+    }
+}
+
 async fn metrics(s: web::Data<SimState>) -> HttpResponse {
+    if s.cfg.slots.is_some() {
+        return HttpResponse::NotFound().finish();
+    }
     let kv = s.kv.lock().expect("kv lock");
     let usage = kv.running_blocks() as f64 / kv.capacity_blocks().max(1) as f64;
     let body = format!(

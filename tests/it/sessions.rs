@@ -635,3 +635,42 @@ async fn engine_preemptions_set_the_wall_at_the_load_they_happened_at() {
     assert_eq!((first.await.unwrap().status, second.await.unwrap().status), (200, 200));
     gw.stop().await;
 }
+
+/// Issue 40: with the hold off, new sessions that arrive together still see
+/// each other, when every replica already holds an idle session (no room
+/// anywhere, the replicas tie): the first one's reservation tips the
+/// second to the other replica. Round after round, with all of them
+/// staying resident, on `sim`'s kind of KV.
+async fn with_the_hold_off_pairs_arriving_together_spread_over_full_replicas(sim: prefixgate::sim::SimConfig) {
+    let (a, b) = (start_sim("a", sim.clone()).await, start_sim("b", sim).await);
+    let mut config = test_config(&[&a, &b]); // the hold off
+    config.sessions.idle_ms = 600_000;
+    let gw = start_gateway(config).await;
+    capacity_read(&gw).await;
+    let first = [send(&gw, "first-a", 1).await.replica, send(&gw, "first-b", 1).await.replica];
+    assert_ne!(first[0], first[1], "one idle session on each replica");
+    for round in 0..10 {
+        let names: [&'static str; 2] =
+            [Box::leak(format!("r{round}-x").into_boxed_str()), Box::leak(format!("r{round}-y").into_boxed_str())];
+        let (x, y) = (spawn_turn(&gw, names[0]), spawn_turn(&gw, names[1]));
+        let (x, y) = (x.await.unwrap(), y.await.unwrap());
+        assert_eq!((x.status, y.status), (200, 200));
+        assert_ne!(x.replica, y.replica, "round {round}: the pair went to one replica");
+    }
+    gw.stop().await;
+}
+
+#[actix_web::test]
+async fn with_the_hold_off_pairs_arriving_together_spread_on_a_token_pool() {
+    with_the_hold_off_pairs_arriving_together_spread_over_full_replicas(card()).await;
+}
+
+#[actix_web::test]
+async fn with_the_hold_off_pairs_arriving_together_spread_on_a_slot_engine() {
+    // llama.cpp's shape: one slot of 20,000 tokens, said by /props.
+    with_the_hold_off_pairs_arriving_together_spread_over_full_replicas(prefixgate::sim::SimConfig {
+        slots: Some(1),
+        ..card()
+    })
+    .await;
+}
