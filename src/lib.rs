@@ -73,7 +73,8 @@ struct Background {
 
 impl Running {
     /// Stops accepting, lets in-flight requests finish (bounded by the
-    /// servers' shutdown timeout), then flushes pins and the store.
+    /// servers' shutdown timeout), flushes pins and the store, then gives
+    /// back the room of the sessions it served last (a shared store).
     pub async fn stop(self) {
         futures_util::future::join(self.traffic.stop(true), self.admin.stop(true)).await;
         futures_util::future::join_all(self.servers).await;
@@ -87,6 +88,13 @@ impl Running {
         futures_util::future::join_all(others).await;
         if let Err(e) = self.state.flush_all().await {
             tracing::error!("final flush failed: {e}");
+        }
+        // After the flusher (which would keep them again) and the last pins
+        // (which would make them resident again on the others).
+        match self.state.release_own_sessions().await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!("released {n} session(s) this instance served last"),
+            Err(e) => tracing::warn!("could not release this instance's sessions (their entries expire): {e}"),
         }
         self.state.telemetry.shutdown();
     }

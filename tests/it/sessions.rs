@@ -674,3 +674,49 @@ async fn with_the_hold_off_pairs_arriving_together_spread_on_a_slot_engine() {
     })
     .await;
 }
+
+/// Issue 40: no phantom rooms. An instance that stops gives back at once
+/// the room of the sessions it served last: they leave the shared store
+/// and the other instance forgets them now, not when their entries expire
+/// (`idle_ms` after their last turn: a minute here).
+#[actix_web::test]
+async fn an_instance_that_stops_releases_its_ended_sessions_at_once() {
+    let Some(redis) = crate::shared::Redis::start() else { return };
+    let a = start_sim("a", card()).await;
+    let config = |name: &str| {
+        let mut c = on_redis(holding(&[&a], 10_000, 8), &redis, name);
+        c.sessions.idle_ms = 60_000;
+        c
+    };
+    let (g1, g2) = (start_gateway(config("gw1")).await, start_gateway(config("gw2")).await);
+    let store = prefixgate::store::open_url(&redis.url, "reader").await.unwrap();
+    let load = || async { store.session_loads(&["a".to_string()]).await.unwrap()[0] };
+    for n in 1..=2 {
+        assert_eq!(send(&g1, "one", n).await.status, 200);
+    }
+    let key = u128::from_str_radix(&g1.gw.sessions.kept(prefixgate::clock::now_ms())[0].session, 16).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while load().await == 0 || !g2.gw.sessions.is_resident(key) {
+        assert!(std::time::Instant::now() < deadline, "the session never reached the store and gw2");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    g1.stop().await;
+    let stopped = std::time::Instant::now();
+    while load().await != 0 || g2.gw.sessions.is_resident(key) {
+        assert!(
+            stopped.elapsed() < Duration::from_millis(500),
+            "the stopped instance's session held its room: load {}, resident on gw2 {}",
+            load().await,
+            g2.gw.sessions.is_resident(key)
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // A session with a turn running elsewhere keeps its room: gw2 serves it now.
+    let running = spawn_chat(&g2, turn("two", 1));
+    assert_eq!(running.await.unwrap().status, 200);
+    wait_until("two kept by gw2", Duration::from_secs(5), || {
+        !g2.gw.sessions.kept(prefixgate::clock::now_ms()).is_empty()
+    })
+    .await;
+    g2.stop().await;
+}
