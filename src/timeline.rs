@@ -401,7 +401,7 @@ mod tests {
         assert_eq!(t.len(), 720, "the oldest go first");
         assert!(t.bytes() <= t.bound_bytes(16), "{} > {}", t.bytes(), t.bound_bytes(16));
         // As the module's doc and docs/observability.md state it.
-        assert!(POINT_BYTES <= 120, "{POINT_BYTES} bytes a point");
+        const { assert!(POINT_BYTES <= 120, "a point is at most 120 bytes") };
         assert!(t.bound_bytes(16) <= 1_300_000, "an hour of 16 replicas: {} bytes", t.bound_bytes(16));
         assert!(t.bound_bytes(MAX_REPLICAS) <= 48_000_000, "an hour of 512: {} bytes", t.bound_bytes(MAX_REPLICAS));
         assert!(t.last.lock().unwrap().len() <= 16, "bases only for the replicas now");
