@@ -221,7 +221,10 @@ async fn forward_request(
             None => next_target(state, &settings, &lookup, &mut retries, &recorder, new_session)?,
         };
         let mut est_tokens = replica.calibration.estimate(shape.prompt_bytes);
-        if first_attempt && of_session.is_some() && count::worth_asking(state.sessions.settings(), &replica) {
+        let room = || state.sessions.room_of(&replica);
+        let worth =
+            |s: &hold::SessionTurn| count::worth_asking(state.sessions.settings(), &replica, s.id, est_tokens, room);
+        if first_attempt && of_session.as_ref().is_some_and(worth) {
             // The engine's own count of this turn, before it runs (`count.rs`).
             let _counting = trace.child(state, "prefixgate.count");
             let keys = !config.api_keys.is_empty();

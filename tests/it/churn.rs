@@ -86,8 +86,13 @@ async fn thousands_of_names_churned_through_the_admin_api_leave_nothing_behind()
 /// its KV capacity read.
 #[actix_web::test]
 async fn a_keyed_replica_is_probed_with_its_key() {
-    let cfg =
-        prefixgate::sim::SimConfig { api_key: Some("sk-engine".into()), model: "keyed-model".into(), ..fast_sim() };
+    // A small pool: the session below nearly fills it, where its turns are counted.
+    let cfg = prefixgate::sim::SimConfig {
+        api_key: Some("sk-engine".into()),
+        model: "keyed-model".into(),
+        kv_tokens: 1_024,
+        ..fast_sim()
+    };
     let sim = start_sim("keyed", cfg).await;
     let (unkeyed, _) = admin("GET", &format!("{}/v1/models", sim.url), None, None).await;
     assert_eq!(unkeyed, 401, "the engine refuses unkeyed calls");
@@ -99,12 +104,13 @@ async fn a_keyed_replica_is_probed_with_its_key() {
     assert_eq!(r.health(), prefixgate::fleet::Health::Up);
     wait_until("models learned", std::time::Duration::from_secs(5), || !r.models().is_empty()).await;
     assert_eq!(**r.models(), vec!["keyed-model".to_string()]);
-    assert_eq!(r.observed_kv(), Some(122_624), "the KV capacity read from its metrics");
+    assert_eq!(r.observed_kv(), Some(1_024), "the KV capacity read from its metrics");
     let body = json!({"model": "keyed-model", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]});
     let reply = post(&format!("{}/v1/chat/completions", gw.base), &body).await;
     assert_eq!(reply.status, 200, "{}", reply.body);
     // A session's turn is counted by the engine with the same key.
-    let messages = json!([{"role": "system", "content": "you are terse"}, {"role": "user", "content": "hi"}]);
+    let messages =
+        json!([{"role": "system", "content": text("you are terse", 950)}, {"role": "user", "content": "hi"}]);
     let body = json!({"model": "keyed-model", "max_tokens": 4, "messages": messages});
     let reply = post(&format!("{}/v1/chat/completions", gw.base), &body).await;
     assert_eq!(reply.status, 200, "{}", reply.body);

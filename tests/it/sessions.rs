@@ -66,8 +66,13 @@ fn spawn_chat(gw: &Gw, messages: Vec<(String, String)>) -> actix_web::rt::task::
 
 /// Until the prober read every replica's 20,000-token capacity.
 async fn capacity_read(gw: &Gw) {
+    pool_read(gw, 20_000).await;
+}
+
+/// Until the prober read every replica's capacity as `tokens`.
+async fn pool_read(gw: &Gw, tokens: u64) {
     wait_until("capacity read", Duration::from_secs(5), || {
-        gw.gw.fleet.snapshot().iter().all(|r| r.kv_capacity() == Some(20_000))
+        gw.gw.fleet.snapshot().iter().all(|r| r.kv_capacity() == Some(tokens))
     })
     .await;
 }
@@ -390,7 +395,10 @@ async fn the_youngest_sessions_turn_pauses_when_its_replica_is_over_its_pool_and
     assert_eq!(gw.gw.events.count(prefixgate::events::EventKind::SessionPaused), 1);
     assert!(cached_tokens(&younger) > 0, "it resumed where its prefix was");
     let metrics = gw.gw.metrics.encode();
-    assert!(metrics.contains("prefixgate_session_turns_paused_total 1"), "the pause is counted");
+    assert!(
+        metrics.contains(r#"prefixgate_session_turns_paused_total{class="default"} 1"#),
+        "the pause is counted, by its session's class"
+    );
     gw.stop().await;
 }
 
@@ -401,11 +409,12 @@ async fn the_youngest_sessions_turn_pauses_when_its_replica_is_over_its_pool_and
 /// engine's template adds a line break a message that the bytes do not).
 #[actix_web::test]
 async fn a_session_turn_bound_for_a_pool_is_counted_by_the_engine_before_it_runs() {
-    let a = start_sim("a", card()).await;
+    // A pool the session nearly fills: near the wall, where a count matters.
+    let a = start_sim("a", prefixgate::sim::SimConfig { kv_tokens: 7_008, ..card() }).await;
     let mut config = holding(&[&a], 10_000, 8);
     config.sessions.idle_ms = 60_000; // resident still when it is looked at, however loaded the machine
     let gw = start_gateway(config).await;
-    capacity_read(&gw).await;
+    pool_read(&gw, 7_008).await;
     let mut messages = vec![("system".to_string(), text("counted", 6_000))];
     for i in 0..40 {
         messages.push(("user".into(), format!("question {i}")));
@@ -427,13 +436,43 @@ async fn a_session_turn_bound_for_a_pool_is_counted_by_the_engine_before_it_runs
     gw.stop().await;
 }
 
+/// Issue 40: below the wall, nothing is asked. A session whose turns keep
+/// its replica's load well under the pool (with an eighth more for an
+/// estimate's shortfall) goes on with estimates: no count could change a
+/// decision there, and each would cost its turn a round trip. Once its
+/// turns bring the load near the pool, they are counted.
+#[actix_web::test]
+async fn below_the_wall_no_count_is_asked_and_near_it_every_turn_is_counted() {
+    let a = start_sim("a", card()).await;
+    let gw = start_gateway(holding(&[&a], 10_000, 8)).await;
+    capacity_read(&gw).await;
+    let asked = || a.state.tokenize_requests.load(std::sync::atomic::Ordering::Relaxed);
+    let mut messages = vec![("system".to_string(), text("below", 2_000)), ("user".to_string(), "go".to_string())];
+    for turn in 0..3 {
+        assert_eq!(spawn_chat(&gw, messages.clone()).await.unwrap().status, 200);
+        messages.push(("assistant".into(), format!("step {turn}")));
+        messages.push(("user".into(), text(&format!("more {turn}"), 500)));
+    }
+    assert_eq!(asked(), 0, "a session at ~3,500 of 20,000 tokens is never counted");
+    // Its context grows to ~19,000 tokens: near the pool, each turn is counted.
+    messages.push(("user".into(), text("a large tool result", 15_500)));
+    for turn in 0..2 {
+        assert_eq!(spawn_chat(&gw, messages.clone()).await.unwrap().status, 200);
+        assert_eq!(asked(), turn + 1);
+        messages.push(("assistant".into(), "ok".into()));
+        messages.push(("user".into(), "again".into()));
+    }
+    gw.stop().await;
+}
+
 /// An engine without `POST /tokenize` is asked once: its turns go on with
 /// estimates, and it is not asked again.
 #[actix_web::test]
 async fn an_engine_that_counts_no_prompts_is_asked_once() {
-    let a = start_sim("a", prefixgate::sim::SimConfig { no_tokenize: true, ..card() }).await;
+    // Sessions of ~12,000 tokens on a 12,800-token pool: near the wall, where counts are asked.
+    let a = start_sim("a", prefixgate::sim::SimConfig { no_tokenize: true, kv_tokens: 12_800, ..card() }).await;
     let gw = start_gateway(holding(&[&a], 10_000, 8)).await;
-    capacity_read(&gw).await;
+    pool_read(&gw, 12_800).await;
     for n in 1..=3 {
         let r = send(&gw, "uncounted", n).await;
         assert_eq!(r.status, 200);
