@@ -69,20 +69,51 @@ fn candidate_rooms(state: &AppState, model: Option<&str>) -> Vec<Room> {
 /// `who`'s class (`Sessions::preempt_for`); history and metrics record
 /// each. True when any was.
 fn preempt_for(state: &AppState, model: Option<&str>, tokens: u64, who: &Who) -> bool {
+    preempt(state, model, tokens, who.class, None, &who_said(who))
+}
+
+/// Preempts lower-class residents for a waiting session of `class` and
+/// `tokens` (`Sessions::preempt_for`; `boundary`: a session at its turn
+/// boundary now); history and metrics record each. `for_whom`: the waiting
+/// session, in words.
+fn preempt(
+    state: &AppState,
+    model: Option<&str>,
+    tokens: u64,
+    class: Class,
+    boundary: Option<PrefixKey>,
+    for_whom: &str,
+) -> bool {
     let candidates: Vec<Arc<Replica>> =
         state.fleet.snapshot().iter().filter(|r| r.routable() && model.is_none_or(|m| r.serves(m))).cloned().collect();
-    let preempted = state.sessions.preempt_for(&candidates, who.class, tokens);
+    let preempted = state.sessions.preempt_for(&candidates, class, tokens, boundary);
     for (replica, class) in &preempted {
         state.metrics.sessions_preempted.get_or_create(&crate::metrics::ClassLabels::of(*class)).inc();
         let detail = format!(
-            "a {} session gave its room, between its turns, to a waiting session of ~{tokens} tokens ({}); its next turn waits for room",
+            "a {} session gave its room, between its turns, to a waiting session of ~{tokens} tokens ({for_whom}); its next turn waits for room",
             class.as_str(),
-            who_said(who)
         );
         tracing::info!(replica = %replica, class = class.as_str(), "a session was preempted at its turn boundary");
         state.events.record(EventKind::SessionPreempted, Some(replica), None, detail);
     }
     !preempted.is_empty()
+}
+
+/// A resident session's next turn is arriving: its turn boundary, whether
+/// or not its last turn's stream end was seen (an agent sends its next turn
+/// on the last chunk). A held session of a higher class takes its room now,
+/// if that frees enough (`priority.preempt`), rather than waiting for a
+/// moment between its turns that a streaming agent never leaves; this turn
+/// then pauses (`pause_if_over`). A turn that started is never cut.
+pub fn yield_at_boundary(state: &AppState, replica: &Replica, session: PrefixKey, model: Option<&str>) {
+    if !state.config.priority.preempt || state.sessions.settings().max_wait_ms == 0 {
+        return;
+    }
+    let Some((class, tokens)) = state.sessions.next_held() else { return };
+    let mine = replica.residents.lock().get(&session).map(|r| r.class);
+    if mine.is_some_and(|mine| class > mine) {
+        preempt(state, model, tokens, class, Some(session), &format!("class {}", class.as_str()));
+    }
 }
 
 /// A session's first link (system prompt, instructions, tools): what its

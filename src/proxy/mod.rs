@@ -255,6 +255,10 @@ async fn forward_request(
                 let heard = Heard { tokens: heard.tokens.min(est_tokens), last_ms: now, ..heard };
                 state.sessions.seen_elsewhere(&replica, s.id, heard);
             }
+            // Its turn boundary: a held session of a higher class may take its room now.
+            if let Some(s) = of_session.filter(|s| !s.new) {
+                hold::yield_at_boundary(state, &replica, s.id, shape.model.as_deref());
+            }
             // A resident session's turn pauses here, before it starts, while
             // its replica's sessions outgrew the KV and it is the youngest there.
             if let Some(s) = of_session.filter(|s| !s.new && state.sessions.must_pause(&replica, s.id, est_tokens, now))

@@ -10,7 +10,9 @@ use super::room::{self, Room};
 use super::{HeldWaiter, Reservation, Sessions, WaitStats};
 use crate::capacity::QueuedSession;
 use crate::domain_error::DomainError;
+use crate::fleet::residents::Resident;
 use crate::fleet::Replica;
+use crate::policy::PrefixKey;
 use crate::priority::{Class, Who};
 
 /// A place in the held queue; leaving it (admitted, timed out, or the
@@ -55,7 +57,20 @@ impl Sessions {
     /// (`room::preemptible`), those are preempted: they count for nothing
     /// from now, and their next turns wait for room again. Returns the
     /// replica and the classes of the sessions preempted (empty: none).
-    pub fn preempt_for(&self, candidates: &[Arc<Replica>], class: Class, tokens: u64) -> Vec<(Arc<str>, Class)> {
+    ///
+    /// `boundary`: a session whose next turn is arriving now counts as
+    /// between turns, whether or not its last turn's stream end was seen:
+    /// its client has the answer (agents send the next turn on the last
+    /// chunk, before the gateway sees the stream close), so this is its
+    /// turn boundary. Its new turn has not started: nothing is cut.
+    pub fn preempt_for(
+        &self,
+        candidates: &[Arc<Replica>],
+        class: Class,
+        tokens: u64,
+        boundary: Option<PrefixKey>,
+    ) -> Vec<(Arc<str>, Class)> {
+        let between_turns = |id: &PrefixKey, s: &Resident| s.running == 0 || boundary == Some(*id);
         let rooms: Vec<(Room, Vec<(room::Occupant, bool)>)> = candidates
             .iter()
             .map(|r| {
@@ -74,7 +89,7 @@ impl Sessions {
                             class: s.class,
                             client_sessions: 1,
                         };
-                        (o, s.running > 0)
+                        (o, !between_turns(id, s))
                     })
                     .collect();
                 (room, residents)
@@ -88,12 +103,22 @@ impl Sessions {
         let mut out = Vec::new();
         for id in victims {
             // Still between turns (a turn may have begun since): else left alone.
-            if let Some(r) = on.get_mut(&id).filter(|r| r.running == 0 && r.class < class) {
+            if let Some(r) = on.get_mut(&id).filter(|r| between_turns(&id, r) && r.class < class) {
                 r.preempted = true;
                 out.push((replica.id.clone(), r.class));
             }
         }
+        drop(on);
+        if !out.is_empty() {
+            // The held look again: the room is theirs now.
+            self.changed.notify_waiters();
+        }
         out
+    }
+
+    /// The class and tokens of the held session that goes next, if any.
+    pub fn next_held(&self) -> Option<(Class, u64)> {
+        self.lock().held.head().map(|w| (w.class, w.value.tokens))
     }
 
     /// Counts one finished wait.

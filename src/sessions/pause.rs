@@ -66,13 +66,19 @@ impl Sessions {
         let on = replica.residents.lock();
         let Some(me) = on.get(&session).copied() else { return false };
         if me.preempted {
-            // Alone, it goes: no room would open for it by waiting.
+            // Alone, it goes: no room would open for it by waiting; unless
+            // the session it gave its room to is still on its way.
             let alone = on.len() == 1;
             drop(on);
-            // The session that took its room may be admitted but not placed
-            // yet: counted here until it is, or this turn would slip in first.
+            // That session may be admitted but not placed yet, or still held
+            // (it took the room at this turn's boundary a moment ago, and
+            // looks again when told): counted here until it is resident, or
+            // this turn would slip in first and take the room back.
             let mut room = self.room_of(replica);
-            room.taken += self.unplaced_tokens().iter().map(|t| room.footprint(*t)).sum::<u64>();
+            let unplaced = self.unplaced_tokens();
+            let held_above = self.next_held().filter(|(class, _)| *class > me.class).map(|(_, tokens)| tokens);
+            let alone = alone && unplaced.is_empty() && held_above.is_none();
+            room.taken += unplaced.iter().chain(&held_above).map(|t| room.footprint(*t)).sum::<u64>();
             return !alone && !room.fits(tokens);
         }
         if !self.settings.pause {

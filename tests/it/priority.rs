@@ -220,3 +220,66 @@ async fn a_waiting_interactive_session_takes_a_background_ones_room_at_its_turn_
     next.abort();
     gw.stop().await;
 }
+
+/// One streamed turn `n` of `family`, read as agents and the SDKs read it:
+/// up to the stream's last event (`data: [DONE]`), then the next turn goes,
+/// whether or not the gateway has seen the stream close. Its held time.
+async fn streamed_turn(url: &str, family: &str, n: usize, headers: &[(&str, &str)]) -> u64 {
+    use futures_util::StreamExt;
+    let mut body = turn(family, n);
+    body["stream"] = json!(true);
+    body["max_tokens"] = json!(10);
+    let mut req = client().post(url);
+    for (k, v) in headers {
+        req = req.insert_header((*k, *v));
+    }
+    let mut resp = req.send_json(&body).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let held = resp.headers().get("x-prefixgate-held-ms").map_or(0, |v| v.to_str().unwrap().parse().unwrap());
+    let mut seen = Vec::new();
+    while let Some(chunk) = resp.next().await {
+        seen.extend_from_slice(&chunk.unwrap());
+        if seen.windows(12).any(|w| w == b"data: [DONE]") {
+            break;
+        }
+    }
+    held
+}
+
+/// Issue 40: a streamed turn's end is a turn boundary. A background agent
+/// streams six turns back to back, each sent on the last event of the one
+/// before, so the gateway never sees it between turns. An interactive
+/// session that arrives meanwhile takes its room at its next turn, not when
+/// it ends: it waits about one turn, and the background agent's next turn
+/// pauses (a turn that started is never cut).
+#[actix_web::test]
+async fn a_streaming_background_agent_gives_its_room_at_its_next_turn_not_at_its_end() {
+    // Ten tokens a turn at 20 tokens/s: each turn streams for ~0.5 s.
+    let slow = prefixgate::sim::SimConfig { kv_tokens: 20_000, ..slow_decoder(20.0) };
+    let a = start_sim("a", slow).await;
+    // Sessions idle out after 2 s: longer than a turn boundary, shorter than the test.
+    let gw = start_gateway(config(&[&a], 2_000, 8, true)).await;
+    capacity_read(&gw).await;
+    let url = format!("{}/v1/chat/completions", gw.base);
+    let background = actix_web::rt::spawn({
+        let url = url.clone();
+        async move {
+            let mut held = Vec::new();
+            for n in 1..=6 {
+                held.push(streamed_turn(&url, "bg", n, BACKGROUND).await);
+            }
+            held
+        }
+    });
+    // The background agent is in its second turn when the interactive one comes.
+    wait_until("the background agent's second turn", Duration::from_secs(10), || {
+        a.state.received() >= 2 && gw.gw.sessions.held() == 0
+    })
+    .await;
+    let interactive = streamed_turn(&url, "int", 1, INTERACTIVE).await;
+    assert!(interactive < 1_500, "the interactive session waited {interactive} ms: past a turn boundary");
+    assert_eq!(gw.gw.events.count(EventKind::SessionPreempted), 1);
+    let background = background.await.unwrap();
+    assert!(background.iter().any(|held| *held > 0), "a background turn paused: {background:?}");
+    gw.stop().await;
+}
