@@ -145,8 +145,7 @@ impl Access {
 }
 
 fn bearer(req: &HttpRequest) -> Option<&str> {
-    let v = req.headers().get(header::AUTHORIZATION)?.to_str().ok()?;
-    v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")).map(str::trim)
+    crate::priority::bearer(req.headers().get(header::AUTHORIZATION)?.to_str().ok()?)
 }
 
 /// Middleware for the admin listener (`/admin/v1` only: metrics, docs and UI are open).

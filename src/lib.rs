@@ -5,6 +5,8 @@
 //! `create_traffic_app` and `create_admin_app` are the one place where the
 //! HTTP surface is wired; `main` and the integration tests both use them.
 
+#![forbid(unsafe_code)]
+
 pub mod access;
 pub mod admin;
 pub mod admission;

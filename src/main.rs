@@ -1,5 +1,7 @@
 //! The command line: parse, then call into the library.
 
+#![forbid(unsafe_code)]
+
 use std::net::{SocketAddr, TcpListener};
 
 use clap::{Parser, Subcommand};

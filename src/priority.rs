@@ -153,11 +153,22 @@ fn client_id<'a>(config: &PriorityConfig, header: &impl Fn(&str) -> Option<&'a s
             return Arc::from(name);
         }
     }
-    let bearer = header("authorization").and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")));
-    match bearer.or_else(|| header("x-api-key")).map(str::trim).filter(|k| !k.is_empty()) {
+    match header("authorization")
+        .and_then(bearer)
+        .or_else(|| header("x-api-key"))
+        .map(str::trim)
+        .filter(|k| !k.is_empty())
+    {
         Some(key) => Arc::from(key_id(key)),
         None => anonymous(),
     }
+}
+
+/// The token of an `Authorization: Bearer TOKEN` value (the scheme's case
+/// as clients send it), trimmed: the one reading of it, for client keys
+/// here and the admin token (`access.rs`).
+pub fn bearer(value: &str) -> Option<&str> {
+    value.strip_prefix("Bearer ").or_else(|| value.strip_prefix("bearer ")).map(str::trim)
 }
 
 /// A key's client id: `key-` and the first 12 hex digits of its SHA-256

@@ -327,14 +327,14 @@ pub async fn copy(src: &dyn Store, dst: &dyn Store) -> Result<Copied, StoreError
     Ok(copied)
 }
 
-/// Opens the store a URL names: `sled:DIR` (or a plain directory path),
-/// `memory:`, or `redis://...` / `redis+unix://...` as `instance`.
 /// Microseconds since the epoch: the clock announcements are stamped with
 /// (instances on one host, or NTP-synchronized hosts, share it).
 pub fn now_us() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
 }
 
+/// Opens the store a URL names: `sled:DIR` (or a plain directory path),
+/// `memory:`, or `redis://...` / `redis+unix://...` as `instance`.
 pub async fn open_url(url: &str, instance: &str) -> Result<std::sync::Arc<dyn Store>, StoreError> {
     if ["redis://", "rediss://", "redis+unix://", "redis+sentinel://"].iter().any(|s| url.starts_with(s)) {
         return Ok(std::sync::Arc::new(RedisStore::open(url, instance).await?));

@@ -197,7 +197,9 @@ async fn a_waiting_interactive_session_takes_a_background_ones_room_at_its_turn_
             (r, Instant::now())
         }
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Until that turn runs on the replica (it decodes for ~1 s).
+    let replica = gw.gw.fleet.get("a").unwrap();
+    wait_until("the background turn runs", Duration::from_secs(5), || replica.inflight() == 1).await;
     let int = spawn_turn(&gw, "int", 1, INTERACTIVE);
     let (bg_turn, bg_ended) = running.await.unwrap();
     // The turn that had started was never cut.

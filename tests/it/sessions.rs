@@ -625,7 +625,18 @@ async fn a_full_pool_with_requests_waiting_sets_the_wall() {
     let (u1, u2) = (url.clone(), url.clone());
     let first = actix_web::rt::spawn(async move { post(&u1, &big).await });
     wait_until("the big one runs", Duration::from_secs(5), || !replica.residents.lock().is_empty()).await;
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Until the engine holds its blocks (its pool full), so the second waits in it.
+    let pool_full = || async {
+        let metrics = client().get(format!("{}/metrics", a.url)).send().await.unwrap().body().await.unwrap();
+        let text = String::from_utf8(metrics.to_vec()).unwrap();
+        let usage = text.lines().find(|l| l.starts_with("vllm:kv_cache_usage_perc")).unwrap();
+        usage.rsplit(' ').next().unwrap().parse::<f64>().unwrap() >= 0.95
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !pool_full().await {
+        assert!(std::time::Instant::now() < deadline, "the big one never filled the pool");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let second = actix_web::rt::spawn(async move { post(&u2, &small).await });
     wait_until("the wall seen", Duration::from_secs(10), || replica.residents.wall().is_some()).await;
     let load: u64 = replica.residents.lock().values().map(|r| r.tokens).sum();
