@@ -91,6 +91,39 @@ pub fn keys() -> Vec<KeyDoc> {
     out
 }
 
+/// `docs/configuration.md`: every config key, by section, with its doc
+/// and default, from the same schema as the flags' help (`prefixgate
+/// config-reference` prints it; a test compares the committed file).
+pub fn configuration_markdown() -> String {
+    let mut out = String::from(
+        "# Configuration reference\n\n\
+         Every key prefixgate reads, generated from the config's own definition \
+         (`prefixgate config-reference > docs/configuration.md`; a test fails when \
+         this page and the code differ). Each key can be set in the TOML file \
+         (`--config FILE`: `[section]` then `key = value`), as an environment \
+         variable (`PREFIXGATE_SECTION_KEY`, read as a TOML value), or on the \
+         command line (`--set section.key=value`); the command line wins over \
+         the environment, which wins over the file. A few keys have flags of \
+         their own (`prefixgate serve --help`).\n",
+    );
+    let keys = keys();
+    let section_of = |k: &KeyDoc| k.key.split_once('.').map_or(String::new(), |(s, _)| s.to_string());
+    let mut sections: Vec<String> = keys.iter().map(section_of).collect();
+    sections.dedup();
+    sections.sort();
+    sections.dedup();
+    for section in sections {
+        let title = if section.is_empty() { "Top-level keys".to_string() } else { format!("`[{section}]`") };
+        out.push_str(&format!("\n## {title}\n\n| key | default | what it does |\n|---|---|---|\n"));
+        for k in keys.iter().filter(|k| section_of(k) == section) {
+            let default = k.default.replace('|', "\\|");
+            let doc = k.doc.replace('|', "\\|");
+            out.push_str(&format!("| `{}` | `{default}` | {doc} |\n", k.key));
+        }
+    }
+    out
+}
+
 /// What `prefixgate serve` was told on its command line.
 #[derive(Debug, Clone, Default)]
 pub struct ServeArgs {

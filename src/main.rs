@@ -53,6 +53,8 @@ enum Command {
     },
     /// Print the admin API's OpenAPI document.
     Openapi,
+    /// Print the configuration reference (docs/configuration.md): every key, its default and what it does.
+    ConfigReference,
     /// Work on a store offline (stop the gateways first).
     #[command(subcommand)]
     Store(StoreCommand),
@@ -92,6 +94,10 @@ fn main() -> std::process::ExitCode {
         Command::Store(StoreCommand::Copy { from, to }) => store_copy(&from, &to),
         Command::Openapi => {
             print!("{}", prefixgate::admin::openapi_json());
+            Ok(())
+        }
+        Command::ConfigReference => {
+            print!("{}", prefixgate::config_flags::configuration_markdown());
             Ok(())
         }
     };

@@ -298,3 +298,18 @@ fn the_committed_spec_matches_the_code() {
     let committed = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/openapi/admin.json")).unwrap();
     assert_eq!(committed, prefixgate::admin::openapi_json(), "run `cargo run -- openapi > openapi/admin.json`");
 }
+
+/// docs/configuration.md lists every config key, its default and its doc,
+/// as the code defines them: a key added without it fails here.
+#[test]
+fn the_committed_configuration_reference_matches_the_code() {
+    let committed = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/configuration.md")).unwrap();
+    for key in prefixgate::config_flags::keys() {
+        assert!(committed.contains(&format!("| `{}` |", key.key)), "docs/configuration.md lacks {}", key.key);
+    }
+    assert_eq!(
+        committed,
+        prefixgate::config_flags::configuration_markdown(),
+        "run `cargo run -- config-reference > docs/configuration.md`"
+    );
+}
