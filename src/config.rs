@@ -65,7 +65,7 @@ pub struct Config {
     pub capacity: CapacityConfig,
     #[schema(inline)]
     pub sessions: SessionConfig,
-    /// Who waits at the wall: priority classes, clients, preemption (README "Priority").
+    /// Who waits at the wall: priority classes, clients, preemption (docs/sessions.md, "Priority").
     #[schema(inline)]
     pub priority: PriorityConfig,
     #[schema(inline)]
@@ -84,7 +84,7 @@ pub struct Config {
 
 /// How conversations are told apart: the identity blocks of a string or
 /// token prompt (their runtime values: `PUT /admin/v1/policy`), and whether
-/// tenants share pins (`policy::tenancy`; README "Tenants").
+/// tenants share pins (`policy::tenancy`; docs/routing.md, "Tenants").
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct IdentityConfig {

@@ -1,6 +1,6 @@
 //! Prometheus metrics (`GET /metrics` on the admin listener). Names follow
 //! Prometheus conventions: `prefixgate_` prefix, counters end in `_total`,
-//! durations in `_seconds`. Every name here is listed in the README and a
+//! durations in `_seconds`. Every name here is listed in docs/observability.md and a
 //! test scrapes the live endpoint for each, so docs and code cannot drift.
 //!
 //! Counters and histograms are updated on the request path (atomics in a
@@ -592,7 +592,7 @@ impl Metrics {
 
     /// Every metric's name as samples carry it (counters end in `_total`),
     /// in registration order: read from the registry itself, so the list
-    /// the README keeps (and a test compares) is typed nowhere else.
+    /// docs/observability.md keeps (and a test compares) is typed nowhere else.
     pub fn exposed_names(&self) -> Vec<String> {
         self.encode()
             .lines()

@@ -1,6 +1,6 @@
 //! One attempt: the request sent to one replica, up to its response head.
 //! The error says whether a re-send is safe, as Pingora's errors do. The
-//! retry rule, stated once (README "Failover" says the same):
+//! retry rule, stated once (docs/operations.md, "Failover", says the same):
 //!
 //! | what happened | re-sent? | the replica |
 //! |---|---|---|

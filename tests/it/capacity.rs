@@ -250,11 +250,11 @@ async fn every_documented_metric_is_exposed_with_sane_values_and_receipts_join_u
         + sample("prefixgate_prompt_tokens_total{replica=\"b\",route=\"pinned\"}");
     assert!(pinned_cached / pinned_prompt > 0.9, "pinned turns {pinned_cached}/{pinned_prompt} cached");
 
-    // The README lists exactly the metrics the code exposes.
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    // docs/observability.md lists exactly the metrics the code exposes.
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/observability.md")).unwrap();
     let section = readme.split("<!-- metrics:start -->").nth(1).unwrap().split("<!-- metrics:end -->").next().unwrap();
     let listed: Vec<&str> =
         section.lines().filter_map(|l| l.strip_prefix("- `")).map(|l| l.split(['{', '`']).next().unwrap()).collect();
-    assert_eq!(listed, names, "README metrics list and code differ");
+    assert_eq!(listed, names, "docs/observability.md's metrics list and the code differ");
     gw.stop().await;
 }

@@ -1,4 +1,4 @@
-//! The retry rule (`src/proxy/attempt.rs`, README "Failover"), one test per
+//! The retry rule (`src/proxy/attempt.rs`, docs/operations.md, "Failover"), one test per
 //! case, against hand-written replicas that fail in exactly one way beside a
 //! simulated replica that works.
 
