@@ -10,6 +10,13 @@
 # of a family reach the same one. Each arm on fresh gateways and a fresh
 # Redis, ROUNDS (3) rounds interleaved; prints each arm's wall times and
 # the median ratio three/one (the issue's target: within 1.15x).
+# RESTART=1 (issue 40, phantom rooms): instead, the restart sequence. Three
+# instances on one Redis run the growing families (CONTEXT=1500 TURN=1500)
+# to their end and are stopped with SIGTERM; three new instances on the
+# same Redis start at once (a rolling restart's step) and run the
+# 8,000-token families (+200 a turn). The same with the new instances
+# started GAP (6) seconds after the stop, each way ROUNDS times,
+# interleaved: prints both walls and the ratio now/later.
 # BIN=path/to/prefixgate runs that build instead of building this tree.
 # Never run in CI. Needs redis-server.
 # Usage: [ROUNDS=3 FAMILIES=4 SIM_KV=12000 TIME_SCALE=0.25 CONTEXT=8000 TURN=200] bench/wall-instances.sh
@@ -55,6 +62,50 @@ arm() {
   for i in $(seq 1 "$n"); do kill "${GW_PID[r$round-n$n-gw$i]}"; done
   kill "$REDIS_PID"
 }
+
+# restarted ROUND GAP: the restart sequence; prints the second set's wall in seconds.
+restarted() {
+  local round=$1 gap=$2 sock="$tmp/restart-$1-$2.sock" urls=() admins=() i start set
+  start_redis "$sock"
+  for set in first second; do
+    urls=(); admins=()
+    for i in 1 2 3; do
+      PREFIXGATE_STORE_INSTANCE="$set$i" start_gateway "rs$round-$gap-$set$i" "$bin" --store "redis+unix://$sock" \
+        --replica "a=${SIM_URL[a]}" --replica "b=${SIM_URL[b]}" --set sessions.idle_ms=1000 --set sessions.hold_min_tokens=512
+      urls+=("${GW_URL[rs$round-$gap-$set$i]}"); admins+=("${GW_ADMIN[rs$round-$gap-$set$i]}")
+    done
+    for admin in "${admins[@]}"; do wait_replicas_up "$admin" 2; done
+    if [ "$set" = first ]; then
+      $bin bench agent-loop --base-url "$(IFS=,; echo "${urls[*]}")" --families "$FAMILIES" --turns 6 \
+        --system-tokens 500 --context-tokens 1500 --turn-tokens 1500 --max-tokens 16 --json >/dev/null
+      for i in 1 2 3; do kill -TERM "${GW_PID[rs$round-$gap-first$i]}"; done
+      for i in 1 2 3; do wait "${GW_PID[rs$round-$gap-first$i]}" 2>/dev/null || true; done
+      sleep "$gap"
+    else
+      start=$(date +%s.%N)
+      $bin bench agent-loop --base-url "$(IFS=,; echo "${urls[*]}")" --families "$FAMILIES" --turns 6 \
+        --system-tokens 500 --context-tokens 8000 --turn-tokens 200 --max-tokens 16 --json >"$tmp/rs$round-$gap.json"
+      echo "$(date +%s.%N) - $start" | bc
+      for i in 1 2 3; do kill "${GW_PID[rs$round-$gap-second$i]}"; done
+    fi
+  done
+  kill "$REDIS_PID"
+}
+
+if [ -n "${RESTART:-}" ]; then
+  GAP=${GAP:-6}; now=(); later=()
+  for round in $(seq 1 "$ROUNDS"); do
+    now+=("$(restarted "$round" 0)"); later+=("$(restarted "$round" "$GAP")")
+    echo "round $round: new instances at once ${now[-1]} s, $GAP s later ${later[-1]} s"
+  done
+  python3 - "${now[*]}" "${later[*]}" <<'PY'
+import statistics, sys
+now, later = [list(map(float, a.split())) for a in sys.argv[1:3]]
+print(f"median wall of the 8,000-token set: new instances at once {statistics.median(now):.2f} s, "
+      f"later {statistics.median(later):.2f} s: {statistics.median(now) / statistics.median(later):.2f}x")
+PY
+  exit 0
+fi
 
 one=(); three=()
 for round in $(seq 1 "$ROUNDS"); do

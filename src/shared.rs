@@ -113,7 +113,7 @@ async fn resync(operator: &Operator) -> Result<(), StoreError> {
     // Read in both cases: an instance that reconnected first may already
     // have written its pins into the emptied store (announced before this
     // listener was back) without having restored the replicas yet.
-    operator.apply_pins(operator.store.pins().await?.into_iter().map(|(k, p)| (k, Some(p))));
+    operator.restore_pins(operator.store.pins().await?.into_iter().map(|(k, p)| (k, Some(p))));
     tracing::info!("re-read the shared state (at start, or after the listener lost its connection)");
     Ok(())
 }

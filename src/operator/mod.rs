@@ -313,6 +313,19 @@ impl Operator {
         Ok(())
     }
 
+    /// Pins read back from the store (at a start, or a resync after a lost
+    /// connection): applied as pins only. Sessions are not made resident
+    /// from them: a read-back pin says where a session was, not that it is
+    /// alive. Those that ended on an instance that stopped (a rolling
+    /// restart's new instances read the stopped ones' pins) would hold a
+    /// phantom room here for `ELSEWHERE_FACTOR` x `idle_ms`, and their
+    /// release was announced before this instance listened. The room of
+    /// the live ones is in the store's loads, which placement reads; each
+    /// becomes resident here at its next turn's announcement.
+    pub(crate) fn restore_pins(&self, changes: impl IntoIterator<Item = PinChange>) {
+        self.pins.apply(changes.into_iter().collect::<Vec<_>>());
+    }
+
     /// Applies pin changes that are in the store already (not marked dirty):
     /// another instance's, or an operator's deletion once persisted.
     pub(crate) fn apply_pins(&self, changes: impl IntoIterator<Item = PinChange>) {

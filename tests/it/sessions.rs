@@ -770,3 +770,43 @@ async fn an_instance_that_stops_releases_its_ended_sessions_at_once() {
     .await;
     g2.stop().await;
 }
+
+/// Issue 40: no phantom rooms after a restart. A new instance reads back
+/// the pins of sessions that ended on an instance that stopped: it does not
+/// take them for resident (they would hold their room here for
+/// `ELSEWHERE_FACTOR` x `idle_ms`), and a new session goes at once.
+#[actix_web::test]
+async fn a_new_instance_does_not_take_the_ended_sessions_of_a_stopped_one_for_resident() {
+    let Some(redis) = crate::shared::Redis::start() else { return };
+    let a = start_sim("a", card()).await;
+    let config = |name: &str| on_redis(holding(&[&a], 10_000, 8), &redis, name); // idle_ms 300
+    let g1 = start_gateway(config("gw1")).await;
+    for n in 1..=2 {
+        assert_eq!(send(&g1, "one", n).await.status, 200);
+    }
+    let ended = prefixgate::clock::now_ms();
+    g1.stop().await;
+    // Its idle time passes: had g1 lived, the session would have idled out.
+    wait_until("past its idle time", Duration::from_secs(5), || prefixgate::clock::now_ms() > ended + 400).await;
+    let (g2, g3) = (start_gateway(config("gw2")).await, start_gateway(config("gw3")).await);
+    assert!(g2.gw.pins.count_by_replica().values().sum::<usize>() > 0, "gw2 read the pins back");
+    // gw2 re-reads the store when it subscribes, before it applies any
+    // announcement: once gw3's marker reached it, that re-read is done.
+    let marker = chat_body(&[("user", "a marker")], json!({}));
+    assert_eq!(post(&format!("{}/v1/chat/completions", g3.base), &marker).await.status, 200);
+    let key = prefixgate::policy::identity::extract(
+        prefixgate::policy::Endpoint::Chat,
+        &serde_json::to_vec(&marker).unwrap(),
+        Default::default(),
+    )
+    .unwrap()
+    .pin_at
+    .unwrap();
+    wait_until("gw3's marker reached gw2", Duration::from_secs(5), || g2.gw.pins.get(key).is_some()).await;
+    assert!(g2.gw.sessions.is_empty(), "the stopped instance's ended session is not resident on gw2");
+    let r = spawn_turn(&g2, "two").await.unwrap();
+    assert_eq!((r.status, held_ms(&r)), (200, None), "a new session goes at once: no phantom room");
+    assert_eq!(g2.gw.sessions.len(), 1, "only the new session is resident");
+    g2.stop().await;
+    g3.stop().await;
+}
