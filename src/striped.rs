@@ -6,7 +6,7 @@
 //! thread writes its own stripe (a cache-padded slot picked once per
 //! thread); a scrape sums the stripes. The exposition is unchanged.
 //! (On the 2-core bench machine the difference is inside the noise,
-//! `docs/benchmarks.md`; the traffic it removes grows with the workers.)
+//! `docs/benchmarks-log.md`; the traffic it removes grows with the workers.)
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;

@@ -368,7 +368,7 @@ pub struct Replica {
     /// (llama.cpp's `/props`; 0: not slots).
     slot_tokens: AtomicU64,
     // Written on every request. Plain atomics: striping them per thread
-    // measured inside the noise on two cores (docs/benchmarks.md).
+    // measured inside the noise on two cores (docs/benchmarks-log.md).
     inflight: AtomicI64,
     large_inflight: AtomicI64,
     attempts: AtomicU64,

@@ -92,7 +92,7 @@ pub const MIN_IDLE_MS: u64 = 500;
 /// each added 247 tokens by the engine's count, but 195-380 by the
 /// gateway's estimates, made as the replica's calibration moved between
 /// turns; reckoning with the latest let an older session's turn cross a
-/// 3,072-token pool by 16 tokens (docs/benchmarks.md, three instances).
+/// 3,072-token pool by 16 tokens (docs/benchmarks-log.md, three instances).
 /// Why not every turn: a one-off large tool result would count against the
 /// room for the rest of the session.
 pub const GROWTH_MEMORY: usize = 3;

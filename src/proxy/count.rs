@@ -8,7 +8,7 @@
 //! in a cold fleet's first seconds (an instance that has had no report yet
 //! reckons 4 bytes a token; after that the ratio lags contexts that grow
 //! denser), and a round that crossed a 3,072-token pool by 43 tokens went
-//! by the estimates (docs/benchmarks.md, three instances on real vLLM). A
+//! by the estimates (docs/benchmarks-log.md, three instances on real vLLM). A
 //! tokenize is milliseconds; a prefill is seconds, and a thrash many.
 //!
 //! Asked only where it matters: a turn of a session, the hold on, bound for
