@@ -17,7 +17,12 @@
 //! Layout: `{prefix}:meta` (hash: schema), `{prefix}:replicas` (hash: id ->
 //! JSON), `{prefix}:pins` (hash: 16-byte key -> pin record, the same layout
 //! as sled), `{prefix}:events` (sorted set by id), `{prefix}:settings`
-//! (hash: name -> JSON), `{prefix}:instances` (hash: name -> JSON beat).
+//! (hash: name -> JSON), `{prefix}:instances` (hash: name -> JSON beat),
+//! `{prefix}:leases:{replica}` (sorted set: a large request's fleet-wide
+//! slot -> its expiry), `{prefix}:session_until:{replica}` (sorted set:
+//! session -> when its entry expires) and `{prefix}:session_tokens:{replica}`
+//! (hash: session -> footprint): the resident sessions every instance
+//! places by; and the pub/sub channel `{prefix}:changes`.
 //!
 //! Every command goes through redis' async client with a response timeout
 //! (`TIMEOUT`) on a multiplexed connection that is re-made after any error:
