@@ -31,7 +31,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use actix_web::http::header::{self, HeaderValue};
+use actix_web::http::Method;
 use actix_web::http::Uri;
 use actix_web::HttpRequest;
 use futures_util::future::{select_ok, FutureExt};
@@ -121,16 +121,9 @@ async fn ask_replicas(
         .filter(|r| model.is_none_or(|m| r.serves(m)))
         .map(|r| {
             let spec = r.spec();
-            let mut ask = upstream.client.get(upstream.replicas.target(&spec, &path).0);
-            // The credentials the request itself would carry (`headers.rs`).
-            let credentials = match &spec.api_key {
-                Some(key) => HeaderValue::from_str(&format!("Bearer {key}")).ok(),
-                None if gateway_keys => None,
-                None => req.headers().get(header::AUTHORIZATION).cloned(),
-            };
-            if let Some(value) = credentials {
-                ask = ask.insert_header((header::AUTHORIZATION, value));
-            }
+            // Host and credentials as the request itself would carry them (`headers.rs`).
+            let target = upstream.replicas.target(&spec, &path);
+            let ask = super::headers::replica_request(&upstream.client, Method::GET, target, req, &spec, gateway_keys);
             let name = r.id.clone();
             async move {
                 // The body is not read: the status answers the question, and

@@ -116,5 +116,14 @@ async fn a_keyed_replica_is_probed_with_its_key() {
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert_eq!(sim.state.tokenize_requests.load(std::sync::atomic::Ordering::Relaxed), 1);
     assert!(r.calibration.engine_counts(u64::MAX), "the count was answered, not refused");
+    // A stored response the gateway never saw is looked for on the replica
+    // with the replica's key, as the request itself would carry it.
+    let stored = json!({"model": "keyed-model", "input": "stored elsewhere", "max_output_tokens": 4});
+    let direct =
+        post_with(&format!("{}/v1/responses", sim.url), &stored, &[("authorization", "Bearer sk-engine")]).await;
+    assert_eq!(direct.status, 200, "{}", direct.body);
+    let follow = json!({"model": "keyed-model", "input": "again", "previous_response_id": direct.body["id"], "max_output_tokens": 4});
+    let reply = post(&format!("{}/v1/responses", gw.base), &follow).await;
+    assert_eq!((reply.status, reply.route.as_str()), (200, "response"), "located with the key: {}", reply.body);
     gw.stop().await;
 }
