@@ -43,7 +43,7 @@ use crate::sessions::Heard;
 use crate::state::AppState;
 use body::GuardedBody;
 use lookup::{look_up, Hop, Lookup};
-use outcome::{Outcome, OutcomeRecorder, Responded, Routed};
+use outcome::{Outcome, OutcomeRecorder, Responded, Routed, Turn};
 use plan::PlanInput;
 pub use upstream::Upstream;
 use usage::UsageTap;
@@ -305,15 +305,15 @@ async fn forward_request(
             state.sessions.begin_turn(replica, s.id, link, est_tokens, &who, now_ms)
         });
         drop(reservation.take());
-        recorder.routed(&Routed {
-            replica: &replica.id,
+        let pin_turn = Turn {
             pin_at: shape.pin_at,
             pinned: pinned.as_ref(),
             session: *session,
             dialect: shape.dialect,
             est_tokens,
             now_ms,
-        });
+        };
+        recorder.routed(&Routed { replica: &replica.id, turn: pin_turn });
         let mut request = upstream.request(&replica.spec(), req, !config.api_keys.is_empty());
         // The engine continues the trace under this attempt's span (the
         // client's own traceparent names the gateway's server span's parent).
@@ -331,12 +331,7 @@ async fn forward_request(
                     ttfb: started.elapsed(),
                     tried: &retries.tried,
                     failed_from: retries.failed_from.as_ref(),
-                    pin_at: shape.pin_at,
-                    pinned: pinned.as_ref(),
-                    session: *session,
-                    dialect: shape.dialect,
-                    est_tokens,
-                    now_ms,
+                    turn: pin_turn,
                 });
                 trace.set(|| {
                     let predicted =

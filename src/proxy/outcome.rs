@@ -37,6 +37,25 @@ pub struct OutcomeRecorder {
     announcer: Arc<Announcer>,
 }
 
+/// A turn as its pins see it: shared by the routing decision (`Routed`)
+/// and the response head (`Responded`).
+#[derive(Clone, Copy)]
+pub struct Turn<'a> {
+    /// Where the request's own pin goes (None: never pinned).
+    pub pin_at: Option<PrefixKey>,
+    /// The longest pinned prefix the request carried.
+    pub pinned: Option<&'a (PrefixMatch, Pin)>,
+    /// The conversation's explicit name, if it has one.
+    pub session: Option<SessionKey>,
+    pub dialect: Dialect,
+    pub est_tokens: u64,
+    /// When the turn began here (its session's arrival, on its first
+    /// turn): its pins are recorded at that moment, the one they were
+    /// announced with, so every instance dates the conversation alike
+    /// (which session is the youngest).
+    pub now_ms: u64,
+}
+
 /// A response head arrived: what the recorder needs to know about it.
 pub struct Responded<'a> {
     pub replica: &'a Arc<Replica>,
@@ -47,30 +66,13 @@ pub struct Responded<'a> {
     pub tried: &'a [Arc<str>],
     /// The first replica failed over from, and whether this request took it down.
     pub failed_from: Option<&'a (Arc<str>, bool)>,
-    /// Where the request's own pin goes (None: never pinned).
-    pub pin_at: Option<PrefixKey>,
-    /// The longest pinned prefix the request carried.
-    pub pinned: Option<&'a (PrefixMatch, Pin)>,
-    /// The conversation's explicit name, if it has one.
-    pub session: Option<SessionKey>,
-    pub dialect: Dialect,
-    pub est_tokens: u64,
-    /// When the turn began here (`Routed::now_ms`): its pins are recorded
-    /// at that moment, the one they were announced with, so every instance
-    /// dates the conversation alike (which session is the youngest).
-    pub now_ms: u64,
+    pub turn: Turn<'a>,
 }
 
 /// A routing decision, before the request is sent.
 pub struct Routed<'a> {
     pub replica: &'a Arc<str>,
-    pub pin_at: Option<PrefixKey>,
-    pub pinned: Option<&'a (PrefixMatch, Pin)>,
-    pub session: Option<SessionKey>,
-    pub dialect: Dialect,
-    pub est_tokens: u64,
-    /// When the turn began (its session's arrival, on its first turn).
-    pub now_ms: u64,
+    pub turn: Turn<'a>,
 }
 
 fn result(r: &'static str) -> ResultLabels {
@@ -193,24 +195,25 @@ impl OutcomeRecorder {
         if !self.announcer.enabled() {
             return;
         }
-        let now = r.now_ms;
-        if let Some(s) = r.session {
+        let (replica, t) = (r.replica, &r.turn);
+        let now = t.now_ms;
+        if let Some(s) = t.session {
             let source = match s.kind {
                 KeyKind::PromptCacheKey => PinSource::PromptCacheKey,
                 KeyKind::SessionHeader => PinSource::SessionHeader,
             };
             let pin =
-                self.pins.next_pin(s.key, r.replica, None, r.est_tokens, now, PinOrigin { dialect: r.dialect, source });
+                self.pins.next_pin(s.key, replica, None, t.est_tokens, now, PinOrigin { dialect: t.dialect, source });
             self.announcer.announce((s.key, Some(pin)));
         }
-        let Some(pin_at) = r.pin_at else { return };
-        let parent = r.pinned.map(|(_, p)| p);
-        let origin = PinOrigin { dialect: r.dialect, source: PinSource::Prefix };
-        let pin = self.pins.next_pin(pin_at, r.replica, parent, r.est_tokens, now, origin);
+        let Some(pin_at) = t.pin_at else { return };
+        let parent = t.pinned.map(|(_, p)| p);
+        let origin = PinOrigin { dialect: t.dialect, source: PinSource::Prefix };
+        let pin = self.pins.next_pin(pin_at, replica, parent, t.est_tokens, now, origin);
         self.announcer.announce((pin_at, Some(pin)));
-        if let Some((m, p)) = r.pinned.filter(|(_, p)| p.replica != *r.replica) {
+        if let Some((m, p)) = t.pinned.filter(|(_, p)| p.replica != *replica) {
             // The conversation moves: its parent prefix lives where it goes.
-            self.announcer.announce((m.key, Some(Pin { replica: r.replica.clone(), last_used_ms: now, ..p.clone() })));
+            self.announcer.announce((m.key, Some(Pin { replica: replica.clone(), last_used_ms: now, ..p.clone() })));
         }
     }
 
@@ -231,17 +234,18 @@ impl OutcomeRecorder {
         if !r.success {
             return None;
         }
-        let now = r.now_ms;
-        if let Some(s) = r.session {
+        let t = &r.turn;
+        let now = t.now_ms;
+        if let Some(s) = t.session {
             // The session lives where its latest turn went.
             let source = match s.kind {
                 KeyKind::PromptCacheKey => PinSource::PromptCacheKey,
                 KeyKind::SessionHeader => PinSource::SessionHeader,
             };
-            self.pins.record(s.key, &r.replica.id, None, r.est_tokens, now, PinOrigin { dialect: r.dialect, source });
+            self.pins.record(s.key, &r.replica.id, None, t.est_tokens, now, PinOrigin { dialect: t.dialect, source });
         }
-        let pin_at = r.pin_at?;
-        let home = r.pinned.map(|(m, pin)| (m, &pin.replica));
+        let pin_at = t.pin_at?;
+        let home = t.pinned.map(|(m, pin)| (m, &pin.replica));
         let predicted = match home {
             Some((m, home)) if home == &r.replica.id => Some(r.replica.calibration.estimate(m.bytes)),
             // The baselines move conversations on every turn by design;
@@ -253,9 +257,9 @@ impl OutcomeRecorder {
             }
             _ => None,
         };
-        let parent = r.pinned.map(|(m, _)| m.key);
-        let origin = PinOrigin { dialect: r.dialect, source: PinSource::Prefix };
-        let recorded = self.pins.record(pin_at, &r.replica.id, parent, r.est_tokens, now, origin);
+        let parent = t.pinned.map(|(m, _)| m.key);
+        let origin = PinOrigin { dialect: t.dialect, source: PinSource::Prefix };
+        let recorded = self.pins.record(pin_at, &r.replica.id, parent, t.est_tokens, now, origin);
         if let Some(from) = &recorded.moved_from {
             if let Some(old) = self.fleet.get(from) {
                 // It lives here now (`Sessions::begin_turn` moved it if it was resident there).
