@@ -66,20 +66,30 @@ impl Sessions {
         let on = replica.residents.lock();
         let Some(me) = on.get(&session).copied() else { return false };
         if me.preempted {
-            // Alone, it goes: no room would open for it by waiting; unless
-            // the session it gave its room to is still on its way.
-            let alone = on.len() == 1;
             drop(on);
-            // That session may be admitted but not placed yet, or still held
-            // (it took the room at this turn's boundary a moment ago, and
-            // looks again when told): counted here until it is resident, or
-            // this turn would slip in first and take the room back.
+            // The session that took its room may be placed here and not
+            // resident yet (its reservation is in the room), admitted and
+            // not placed, or still held (it took the room at this turn's
+            // boundary a moment ago, and looks again when told): each counts
+            // here until it is resident, or this turn would slip in first
+            // and both would run over the pool.
             let mut room = self.room_of(replica);
             let unplaced = self.unplaced_tokens();
             let held_above = self.next_held().filter(|(class, _)| *class > me.class).map(|(_, tokens)| tokens);
-            let alone = alone && unplaced.is_empty() && held_above.is_none();
+            let placed_here = self.reservations().iter().any(|r| r.on.as_ref() == Some(&replica.id));
+            if unplaced.is_empty() && held_above.is_none() && !placed_here {
+                // The room went where it was given (that session is
+                // resident now, or went elsewhere): from here this session
+                // counts again, and its turn waits as any resident's over
+                // the pool (the lowest class gives way), so a new session
+                // does not take the room back before it.
+                if let Some(r) = replica.residents.lock().get_mut(&session) {
+                    r.preempted = false;
+                }
+                return self.must_pause(replica, session, tokens, now_ms);
+            }
             room.taken += unplaced.iter().chain(&held_above).map(|t| room.footprint(*t)).sum::<u64>();
-            return !alone && !room.fits(tokens);
+            return !room.fits(tokens);
         }
         if !self.settings.pause {
             return false;
@@ -146,6 +156,7 @@ impl Sessions {
 mod tests {
     use super::super::tests::{heard, instance, pool_of, replica, settings};
     use super::super::*;
+    use crate::priority::Class;
 
     #[test]
     fn the_youngest_pauses_in_the_round_that_crosses_the_pool_whichever_turn_comes_first() {
@@ -234,6 +245,22 @@ mod tests {
         let started = tokio::time::Instant::now();
         assert_eq!(s.pause_if_over(&a, 4, 8_000).await, Some(Duration::from_millis(10_000)));
         assert_eq!(started.elapsed(), Duration::from_millis(10_000));
+    }
+
+    #[test]
+    fn a_preempted_turn_waits_while_the_session_that_took_its_room_is_placed_here_but_not_resident() {
+        let (s, a) = instance(); // a 12,000-token pool
+        let background = Who { class: Class::Background, ..Who::default() };
+        drop(s.begin_turn(&a, 1, None, 8_000, &background, crate::clock::now_ms()));
+        assert_eq!(s.preempt_for(std::slice::from_ref(&a), Class::Interactive, 8_000, None).len(), 1);
+        // The interactive session was admitted and placed here; its first
+        // turn has not begun. The preempted session is the only resident.
+        let reservation = s.reserve_unheld(8_000);
+        reservation.place(&a.id);
+        assert!(s.must_pause(&a, 1, 8_200, u64::MAX), "not alone: the room is the placed session's");
+        // Once the other is resident and gone, it goes.
+        drop(reservation);
+        assert!(!s.must_pause(&a, 1, 8_200, u64::MAX), "alone, it goes");
     }
 
     #[test]
