@@ -207,8 +207,8 @@ pub async fn check(tracker: &HealthTracker, client: &awc::Client, r: Arc<Replica
     // every probe carries the replica's key, as its requests do.
     let get = |path: &str| {
         let req = client.get(format!("{}{path}", spec.url));
-        match &spec.api_key {
-            Some(key) => req.insert_header((awc::http::header::AUTHORIZATION, format!("Bearer {key}"))),
+        match spec.own_credentials() {
+            Some(credentials) => req.insert_header((awc::http::header::AUTHORIZATION, credentials)),
             None => req,
         }
     };

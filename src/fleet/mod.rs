@@ -137,6 +137,15 @@ pub mod patterns {
 }
 
 impl ReplicaSpec {
+    /// The `Authorization` value every call to this replica carries when it
+    /// has a key of its own (proxied requests, counts, probes, lookups of
+    /// stored responses): one spelling of it (`proxy::headers` adds the
+    /// client's where it has none).
+    pub fn own_credentials(&self) -> Option<awc::http::header::HeaderValue> {
+        let key = self.api_key.as_ref()?;
+        awc::http::header::HeaderValue::from_str(&format!("Bearer {key}")).ok()
+    }
+
     pub fn new(id: &str, url: &str) -> ReplicaSpec {
         ReplicaSpec {
             id: id.to_string(),

@@ -148,8 +148,8 @@ pub fn replica_request(
 /// when it has one; else the client's, unless the client's key is for the
 /// gateway itself (`gateway_keys`).
 fn credentials(req: &HttpRequest, spec: &ReplicaSpec, gateway_keys: bool) -> Option<HeaderValue> {
-    match &spec.api_key {
-        Some(key) => HeaderValue::from_str(&format!("Bearer {key}")).ok(),
+    match spec.own_credentials() {
+        Some(own) => Some(own),
         None if gateway_keys => None,
         None => req.headers().get(header::AUTHORIZATION).cloned(),
     }
