@@ -257,31 +257,32 @@ fn path_config() -> web::PathConfig {
 async fn metrics(s: web::Data<AppState>) -> HttpResponse {
     let report = s.capacity.report(&s.fleet.capacity_inputs(s.capacity.since_ms(crate::clock::now_ms())));
     let pins = s.pins.count_by_replica();
-    let replicas: Vec<crate::metrics::ReplicaGauges> = s
-        .fleet
-        .snapshot()
+    let fleet = s.fleet.snapshot();
+    let replicas: Vec<crate::metrics::ReplicaGauges> = fleet
         .iter()
         // Counters a dashboard divides by: present from the start, at zero.
         .inspect(|r| r.series.admission(&s.metrics, 0, 0))
-        .map(|r| crate::metrics::ReplicaGauges {
-            id: r.id.to_string(),
-            inflight: r.inflight(),
-            large_inflight: r.large_inflight(),
-            pins: pins.get(&r.id).copied().unwrap_or(0),
-            up: r.routable(),
-            queued: r.large_slots.queued(),
-            bytes_per_token: r.calibration.bytes_per_token(),
-            resident_sessions: crate::sessions::Sessions::resident(r).sessions,
-            room_tokens: s.sessions.room_of(r).left(),
-            resident_tokens: crate::sessions::Sessions::resident(r).counted_tokens,
-            wall_tokens: r.residents.wall(),
+        .map(|r| {
+            let resident = crate::sessions::Sessions::resident(r);
+            crate::metrics::ReplicaGauges {
+                id: r.id.to_string(),
+                inflight: r.inflight(),
+                large_inflight: r.large_inflight(),
+                pins: pins.get(&r.id).copied().unwrap_or(0),
+                up: r.routable(),
+                queued: r.large_slots.queued(),
+                bytes_per_token: r.calibration.bytes_per_token(),
+                resident_sessions: resident.sessions,
+                room_tokens: s.sessions.room_of(r).left(),
+                resident_tokens: resident.counted_tokens,
+                wall_tokens: r.residents.wall(),
+            }
         })
         .collect();
     s.metrics.refresh_gauges(&replicas, &report);
     s.metrics.events_unwritten.set(s.event_writer.backlog() as i64);
     let dropped = &s.metrics.events_unwritten_dropped;
     dropped.inc_by(s.events.unwritten_dropped().saturating_sub(dropped.get()));
-    let fleet = s.fleet.snapshot();
     let paused = fleet.iter().map(|r| crate::sessions::Sessions::paused_by_class(r)).fold([0; 3], |mut sum, p| {
         sum.iter_mut().zip(p).for_each(|(s, p)| *s += p);
         sum

@@ -73,7 +73,6 @@ impl Sessions {
             // boundary a moment ago, and looks again when told): each counts
             // here until it is resident, or this turn would slip in first
             // and both would run over the pool.
-            let mut room = self.room_of(replica);
             let unplaced = self.unplaced_tokens();
             let held_above = self.next_held().filter(|(class, _)| *class > me.class).map(|(_, tokens)| tokens);
             let placed_here = self.reservations().iter().any(|r| r.on.as_ref() == Some(&replica.id));
@@ -88,6 +87,7 @@ impl Sessions {
                 }
                 return self.must_pause(replica, session, tokens, now_ms);
             }
+            let mut room = self.room_of(replica);
             room.taken += unplaced.iter().chain(&held_above).map(|t| room.footprint(*t)).sum::<u64>();
             return !room.fits(tokens);
         }
