@@ -197,11 +197,307 @@ pub const WALL_MEMORY_MS: u64 = 10 * 60_000;
 /// A receipt below this many predicted cached tokens says nothing.
 pub const MIN_RECEIPT_TOKENS: u64 = 256;
 
+/// What another instance's pins say of a session (`Residents::heard`,
+/// `Sessions::seen_elsewhere`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Heard {
+    /// Its context at its latest turn, tokens.
+    pub tokens: u64,
+    /// When its latest turn began, ms.
+    pub last_ms: u64,
+    /// Its first turn's start: its family's first pin's creation, the same
+    /// moment on every instance, so all agree which session is the youngest.
+    pub arrived_ms: u64,
+    /// When its second turn began, ms (0: not known): of sessions that
+    /// arrived together, the later to continue is the younger.
+    pub continued_ms: u64,
+    /// What its turns added on average, as its pins say (0: unknown),
+    /// until a turn seen here says.
+    pub growth_hint: u64,
+}
+
+/// A turn of a session beginning here (`Residents::begin`).
+#[derive(Debug, Clone, Copy)]
+pub struct Begin {
+    /// Its context with this turn, tokens.
+    pub tokens: u64,
+    pub now_ms: u64,
+    /// What it was on the replica it moved from, if it moved: it keeps its
+    /// gaps, peak and projection.
+    pub moved: Option<Resident>,
+    /// What a session new here is projected to reach (0: nothing learned).
+    pub projected: u64,
+    pub link: Option<PrefixKey>,
+    pub class: crate::priority::Class,
+    /// The turn stated its class (a later turn's stated class replaces the first's).
+    pub stated: bool,
+    /// Its client, hashed.
+    pub client: u64,
+}
+
+/// A paused turn of a resident session: it counts as busy (it cannot idle
+/// out: the room that opens is for it) until the guard is dropped, however
+/// the pause ends (room opened, the wait ran out, or the client went away).
+pub struct PausedTurn<'a> {
+    residents: &'a Residents,
+    session: PrefixKey,
+}
+
+impl Drop for PausedTurn<'_> {
+    fn drop(&mut self) {
+        if let Some(r) = self.residents.lock().get_mut(&self.session) {
+            r.running = r.running.saturating_sub(1);
+            r.paused = r.paused.saturating_sub(1);
+            if r.paused == 0 {
+                r.waited_ms += crate::clock::now_ms().saturating_sub(r.paused_since_ms);
+            }
+        }
+    }
+}
+
+/// What the sweep found of one session (`Residents::sweep_one`).
+#[derive(Debug, Default)]
+pub struct SweptOne {
+    /// It idled out (or was not here): it left, as it was.
+    pub left: Option<Resident>,
+    /// It left, or was not here at all.
+    pub gone: bool,
+    /// When it idles out, when it is between turns and stays, ms.
+    pub idle_out_ms: Option<u64>,
+    /// It stays: its client, hashed.
+    pub client: Option<u64>,
+    /// Its first link and context now, when it stays and the replica saw its wall.
+    pub crossed: Option<(Option<PrefixKey>, u64)>,
+}
+
 impl Residents {
-    /// The sessions resident here. `Sessions` takes its own lock first,
-    /// then this one: always in that order.
-    pub fn lock(&self) -> MutexGuard<'_, foldhash::HashMap<PrefixKey, Resident>> {
+    /// The sessions resident here. Private: every reading and change is a
+    /// method, so none holds it across another lock. `Sessions` calls
+    /// these with its own lock held, never the other way round.
+    fn lock(&self) -> MutexGuard<'_, foldhash::HashMap<PrefixKey, Resident>> {
         self.sessions.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `session` as it is now, if resident here.
+    pub fn get(&self, session: PrefixKey) -> Option<Resident> {
+        self.lock().get(&session).copied()
+    }
+
+    pub fn contains(&self, session: PrefixKey) -> bool {
+        self.lock().contains_key(&session)
+    }
+
+    /// Every resident session as it is now.
+    pub fn snapshot(&self) -> Vec<(PrefixKey, Resident)> {
+        self.lock().iter().map(|(id, r)| (*id, *r)).collect()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+
+    /// The sum of the residents' footprints: each counted at
+    /// `counted_tokens`, shaped by `footprint` (whole slots on llama.cpp).
+    pub fn footprint_sum(&self, footprint: impl Fn(u64) -> u64) -> u64 {
+        self.lock().values().map(|s| footprint(s.counted_tokens())).sum()
+    }
+
+    /// Sessions, their contexts and their counted contexts, summed.
+    pub fn figures(&self) -> (usize, u64, u64) {
+        let on = self.lock();
+        (on.len(), on.values().map(|r| r.tokens).sum(), on.values().map(|r| r.counted_tokens()).sum())
+    }
+
+    /// Turns paused now, by class (`Class::ALL`'s order).
+    pub fn paused_by_class(&self) -> [usize; 3] {
+        let mut by_class = [0; 3];
+        for r in self.lock().values() {
+            let i = crate::priority::Class::ALL.iter().position(|c| *c == r.class).unwrap_or(1);
+            by_class[i] += r.paused as usize;
+        }
+        by_class
+    }
+
+    /// A turn of `session` begins here: resident from now (as it was where
+    /// it moved from, if it moved; anew otherwise).
+    pub fn begin(&self, session: PrefixKey, b: Begin) {
+        let mut on = self.lock();
+        // One that ended here and came back has had a turn here already.
+        let returned = u32::from(self.back(session));
+        let fresh = !on.contains_key(&session);
+        let r = on.entry(session).or_insert(match b.moved {
+            Some(m) => Resident { last_ms: b.now_ms, arrived_ms: b.now_ms, running: 0, ours: true, ..m },
+            None => Resident {
+                tokens: b.tokens,
+                last_ms: b.now_ms,
+                arrived_ms: b.now_ms,
+                ours: true,
+                projected: b.projected,
+                link: b.link,
+                class: b.class,
+                client: b.client,
+                turns: returned,
+                ..Default::default()
+            },
+        });
+        if b.stated {
+            r.class = b.class;
+        }
+        r.preempted = false;
+        if !fresh && r.ours {
+            // The silence since its last turn ended: how long its agent
+            // was away. Only when that turn ran here: a turn another
+            // instance served is known by when it began, not when it
+            // ended (that instance learns the gap, in `heard`).
+            r.came_back((r.running == 0).then(|| b.now_ms.saturating_sub(r.last_ms)));
+        }
+        let tokens = b.tokens.max(b.moved.map_or(0, |m| m.tokens));
+        r.grew(tokens.saturating_sub(r.tokens));
+        r.tokens = tokens;
+        r.peak_tokens = r.peak_tokens.max(r.tokens);
+        r.last_ms = b.now_ms;
+        r.began_ms = b.now_ms;
+        r.running += 1;
+        r.turns = r.turns.saturating_add(1);
+        if r.turns >= 2 && r.continued_ms == 0 {
+            r.continued_ms = b.now_ms;
+        }
+        r.ours = true;
+    }
+
+    /// A turn of `session` that ran here ended at `now_ms`.
+    pub fn end(&self, session: PrefixKey, now_ms: u64) {
+        if let Some(r) = self.lock().get_mut(&session) {
+            r.running = r.running.saturating_sub(1);
+            r.last_ms = r.last_ms.max(now_ms);
+        }
+    }
+
+    /// Another instance's pins say of `session` what `heard` holds: resident
+    /// here as of `heard.last_ms` (no turn of it runs here).
+    pub fn heard(&self, session: PrefixKey, heard: Heard) {
+        let Heard { tokens, last_ms, arrived_ms, continued_ms, growth_hint } = heard;
+        let mut on = self.lock();
+        self.back(session);
+        // Known from its pins: it came back (or has a name), as the working set counts.
+        let r = on.entry(session).or_insert(Resident {
+            tokens,
+            last_ms,
+            began_ms: last_ms,
+            arrived_ms,
+            turns: 2,
+            ..Default::default()
+        });
+        if r.continued_ms == 0 {
+            r.continued_ms = continued_ms;
+        }
+        // Compared with when the latest turn known here began, not with when
+        // it ended: the client may send the next turn elsewhere before this
+        // instance sees its own turn's stream end.
+        if last_ms > r.began_ms {
+            // A later turn began elsewhere: that instance, the last to serve
+            // it, releases it once it idles out after that turn (it knows
+            // when the turn ends); this one stops keeping it. When the turn
+            // before ran here, the silence between its end and this start
+            // is the agent's gap: every instance learns it from the turns it
+            // hands on, so the one serving the last turn releases it soon.
+            if r.ours {
+                r.came_back((r.running == 0).then(|| last_ms.saturating_sub(r.last_ms)));
+            }
+            r.ours = false;
+            r.began_ms = last_ms;
+        }
+        if tokens > r.tokens {
+            r.grew(tokens - r.tokens);
+            r.tokens = tokens;
+        } else if r.growth() == 0 {
+            // First heard of here, after turns elsewhere: its pins say what
+            // they added, or the youngest would reckon with it at its size
+            // now and go into a round that crosses the pool.
+            r.grew(growth_hint);
+        }
+        r.peak_tokens = r.peak_tokens.max(r.tokens);
+        r.last_ms = r.last_ms.max(last_ms);
+    }
+
+    /// `session` leaves this replica (it moved, or its record is dropped),
+    /// as it was.
+    pub fn remove(&self, session: PrefixKey) -> Option<Resident> {
+        self.lock().remove(&session)
+    }
+
+    /// `session` leaves if no turn of it runs here (another instance
+    /// released it): as it was, remembered for the working set.
+    pub fn remove_if_between_turns(&self, session: PrefixKey) -> Option<Resident> {
+        let mut on = self.lock();
+        let ended = on.get(&session).filter(|r| r.running == 0).copied()?;
+        on.remove(&session);
+        drop(on);
+        self.remember_ended(session, &ended);
+        Some(ended)
+    }
+
+    /// The sweep's look at `session`: it leaves when it is not here or
+    /// idled out at `now_ms` (`idle_after`: how long after its last turn);
+    /// `lesson`: this replica saw its wall, and what stays says what it holds.
+    pub fn sweep_one(
+        &self,
+        session: PrefixKey,
+        now_ms: u64,
+        idle_after: impl Fn(&Resident) -> u64,
+        lesson: bool,
+    ) -> SweptOne {
+        let mut on = self.lock();
+        let Some(r) = on.get(&session).copied() else { return SweptOne { gone: true, ..SweptOne::default() } };
+        let crossed = lesson.then_some((r.link, r.tokens));
+        let idle_out_ms = (r.running == 0).then(|| r.last_ms.saturating_add(idle_after(&r)).saturating_add(1));
+        if idle_out_ms.is_some_and(|at| now_ms >= at) {
+            on.remove(&session);
+            drop(on);
+            self.remember_ended(session, &r);
+            return SweptOne { left: Some(r), gone: true, crossed, ..SweptOne::default() };
+        }
+        SweptOne { left: None, gone: false, idle_out_ms, client: Some(r.client), crossed }
+    }
+
+    /// A turn of `session` pauses: the session counts as busy until the guard is dropped.
+    pub fn paused_turn(&self, session: PrefixKey) -> PausedTurn<'_> {
+        if let Some(r) = self.lock().get_mut(&session) {
+            r.running += 1;
+            if r.paused == 0 {
+                r.paused_since_ms = crate::clock::now_ms();
+            }
+            r.paused += 1;
+        }
+        PausedTurn { residents: self, session }
+    }
+
+    /// `session` counts again (the room a higher class took went where it was given).
+    pub fn unpreempt(&self, session: PrefixKey) {
+        if let Some(r) = self.lock().get_mut(&session) {
+            r.preempted = false;
+        }
+    }
+
+    /// Preempts `victims` that are still of a class below `class` and
+    /// `between_turns` (a turn may have begun since they were chosen):
+    /// they count for nothing until their next turn. Returns the classes
+    /// of those preempted.
+    pub fn preempt(
+        &self,
+        victims: &[PrefixKey],
+        class: crate::priority::Class,
+        between_turns: impl Fn(&PrefixKey, &Resident) -> bool,
+    ) -> Vec<crate::priority::Class> {
+        let mut on = self.lock();
+        let mut out = Vec::new();
+        for id in victims {
+            if let Some(r) = on.get_mut(id).filter(|r| between_turns(id, r) && r.class < class) {
+                r.preempted = true;
+                out.push(r.class);
+            }
+        }
+        out
     }
 
     pub fn fleet_load(&self) -> u64 {

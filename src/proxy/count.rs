@@ -104,7 +104,7 @@ pub fn worth_asking(
 ) -> bool {
     let near_the_pool = || {
         let room = room();
-        let before = replica.residents.lock().get(&session).map_or(0, |r| room.footprint(r.counted_tokens()));
+        let before = replica.residents.get(session).map_or(0, |r| room.footprint(r.counted_tokens()));
         let load = room.taken.saturating_sub(before).saturating_add(tokens);
         let (num, den) = ESTIMATE_MARGIN;
         room.capacity.is_some_and(|pool| load.saturating_add(load * num / den) >= pool)

@@ -110,7 +110,7 @@ pub fn yield_at_boundary(state: &AppState, replica: &Replica, session: PrefixKey
         return;
     }
     let Some((class, tokens)) = state.sessions.next_held() else { return };
-    let mine = replica.residents.lock().get(&session).map(|r| r.class);
+    let mine = replica.residents.get(session).map(|r| r.class);
     if mine.is_some_and(|mine| class > mine) {
         preempt(state, model, tokens, class, Some(session), &format!("class {}", class.as_str()));
     }
@@ -141,8 +141,7 @@ pub async fn pause_if_over(
     tokens: u64,
     who: &Who,
 ) -> Option<Duration> {
-    let (preempted, class) =
-        replica.residents.lock().get(&session).map_or((false, who.class), |r| (r.preempted, r.class));
+    let (preempted, class) = replica.residents.get(session).map_or((false, who.class), |r| (r.preempted, r.class));
     let paused = state.sessions.pause_if_over(replica, session, tokens).await?;
     state.metrics.session_turns_paused.get_or_create(&crate::metrics::ClassLabels::of(class)).inc();
     let why = match preempted {

@@ -240,7 +240,7 @@ async fn forward_request(
             // the sessions' index is one lock for every request. (One
             // resident on another replica moves at `begin_turn`, with all
             // it learned.)
-            let here = |id| replica.residents.lock().contains_key(&id);
+            let here = |id| replica.residents.contains(id);
             let now = crate::clock::now_ms();
             if let Some(s) = of_session.filter(|s| !s.new && !here(s.id) && !state.sessions.is_resident(s.id)) {
                 // As its pins say: its previous turn's, else its session key's.

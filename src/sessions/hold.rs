@@ -77,19 +77,19 @@ impl Sessions {
                 let room = self.room_of(r);
                 let residents = r
                     .residents
-                    .lock()
-                    .iter()
+                    .snapshot()
+                    .into_iter()
                     .filter(|(_, s)| s.ours && !s.preempted)
                     .map(|(id, s)| {
                         let o = room::Occupant {
                             arrived_ms: s.arrived_ms,
                             continued_ms: s.continued_ms,
-                            id: *id,
+                            id,
                             tokens: s.counted_tokens(),
                             class: s.class,
                             client_sessions: 1,
                         };
-                        (o, !between_turns(id, s))
+                        (o, !between_turns(&id, &s))
                     })
                     .collect();
                 (room, residents)
@@ -99,16 +99,13 @@ impl Sessions {
         let Some(need) = rooms.first().map(|(room, _)| footprint(room)) else { return Vec::new() };
         let Some((i, victims)) = room::preemptible(&rooms, class, need) else { return Vec::new() };
         let replica = &candidates[i];
-        let mut on = replica.residents.lock();
-        let mut out = Vec::new();
-        for id in victims {
-            // Still between turns (a turn may have begun since): else left alone.
-            if let Some(r) = on.get_mut(&id).filter(|r| between_turns(&id, r) && r.class < class) {
-                r.preempted = true;
-                out.push((replica.id.clone(), r.class));
-            }
-        }
-        drop(on);
+        // Still between turns (a turn may have begun since): else left alone.
+        let out: Vec<(Arc<str>, Class)> = replica
+            .residents
+            .preempt(&victims, class, between_turns)
+            .into_iter()
+            .map(|c| (replica.id.clone(), c))
+            .collect();
         if !out.is_empty() {
             // The held look again: the room is theirs now.
             self.changed.notify_waiters();

@@ -44,7 +44,8 @@ mod view;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use crate::fleet::residents::Resident;
+pub use crate::fleet::residents::Heard;
+use crate::fleet::residents::{Begin, Resident};
 use crate::fleet::Replica;
 use crate::policy::PrefixKey;
 use crate::priority::{FairQueue, Who};
@@ -189,8 +190,7 @@ fn client_hash(client: &str) -> u64 {
 impl State {
     fn leave(&mut self, session: PrefixKey) -> Option<Resident> {
         let replica = self.home.remove(&session)?.upgrade()?;
-        let gone = replica.residents.lock().remove(&session);
-        gone
+        replica.residents.remove(session)
     }
 
     /// Where `session` lives, when its replica is still there.
@@ -231,24 +231,6 @@ pub struct Swept {
     /// none is): the next sweep is due then, not a whole `RECHECK` later,
     /// since a paused turn or a held session waits for that moment.
     pub next_idle_out_ms: Option<u64>,
-}
-
-/// What another instance's pins say of a session (`Sessions::seen_elsewhere`).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Heard {
-    /// Its context at its latest turn, tokens.
-    pub tokens: u64,
-    /// When its latest turn began, ms.
-    pub last_ms: u64,
-    /// Its first turn's start: its family's first pin's creation, the same
-    /// moment on every instance, so all agree which session is the youngest.
-    pub arrived_ms: u64,
-    /// When its second turn began, ms (0: not known): of sessions that
-    /// arrived together, the later to continue is the younger.
-    pub continued_ms: u64,
-    /// What its turns added on average, as its pins say (0: unknown),
-    /// until a turn seen here says.
-    pub growth_hint: u64,
 }
 
 impl Heard {
@@ -364,49 +346,10 @@ impl Sessions {
             let here = state.home.get(&session).is_some_and(|home| std::ptr::eq(home.as_ptr(), Arc::as_ptr(replica)));
             let moved = if here { None } else { state.leave(session) };
             state.home.insert(session, Arc::downgrade(replica));
-            let mut on = replica.residents.lock();
-            // One that ended here and came back has had a turn here already.
-            let returned = u32::from(replica.residents.back(session));
-            let fresh = !on.contains_key(&session);
-            let r = on.entry(session).or_insert(match moved {
-                // A move keeps what the session was: its gaps, peak and projection.
-                Some(m) => Resident { last_ms: now_ms, arrived_ms: now_ms, running: 0, ours: true, ..m },
-                None => Resident {
-                    tokens,
-                    last_ms: now_ms,
-                    arrived_ms: now_ms,
-                    ours: true,
-                    projected,
-                    link,
-                    class: who.class,
-                    client: client_hash(&who.client),
-                    turns: returned,
-                    ..Default::default()
-                },
-            });
-            if who.stated {
-                r.class = who.class;
-            }
-            r.preempted = false;
-            if !fresh && r.ours {
-                // The silence since its last turn ended: how long its agent
-                // was away. Only when that turn ran here: a turn another
-                // instance served is known by when it began, not when it
-                // ended (that instance learns the gap, in `seen_elsewhere`).
-                r.came_back((r.running == 0).then(|| now_ms.saturating_sub(r.last_ms)));
-            }
-            let tokens = tokens.max(moved.map_or(0, |m| m.tokens));
-            r.grew(tokens.saturating_sub(r.tokens));
-            r.tokens = tokens;
-            r.peak_tokens = r.peak_tokens.max(r.tokens);
-            r.last_ms = now_ms;
-            r.began_ms = now_ms;
-            r.running += 1;
-            r.turns = r.turns.saturating_add(1);
-            if r.turns >= 2 && r.continued_ms == 0 {
-                r.continued_ms = now_ms;
-            }
-            r.ours = true;
+            let client = client_hash(&who.client);
+            let (class, stated) = (who.class, who.stated);
+            let begin = Begin { tokens, now_ms, moved, projected, link, class, stated, client };
+            replica.residents.begin(session, begin);
             moved.is_some()
         };
         if moved {
@@ -418,63 +361,18 @@ impl Sessions {
     fn end_turn(&self, session: PrefixKey, now_ms: u64) {
         let state = self.lock();
         let Some(replica) = state.home_of(session) else { return };
-        let mut on = replica.residents.lock();
-        if let Some(r) = on.get_mut(&session) {
-            r.running = r.running.saturating_sub(1);
-            r.last_ms = r.last_ms.max(now_ms);
-        }
+        replica.residents.end(session, now_ms);
     }
 
     /// Another instance's session, known from its pins (`heard`): resident
     /// where they say, as of `heard.last_ms` (no turn of it runs here).
     pub fn seen_elsewhere(&self, replica: &Arc<Replica>, session: PrefixKey, heard: Heard) {
-        let Heard { tokens, last_ms, arrived_ms, continued_ms, growth_hint } = heard;
         let mut state = self.lock();
         if state.home.get(&session).is_some_and(|home| !std::ptr::eq(home.as_ptr(), Arc::as_ptr(replica))) {
             state.leave(session);
         }
         state.home.insert(session, Arc::downgrade(replica));
-        let mut on = replica.residents.lock();
-        replica.residents.back(session);
-        // Known from its pins: it came back (or has a name), as the working set counts.
-        let r = on.entry(session).or_insert(Resident {
-            tokens,
-            last_ms,
-            began_ms: last_ms,
-            arrived_ms,
-            turns: 2,
-            ..Default::default()
-        });
-        if r.continued_ms == 0 {
-            r.continued_ms = continued_ms;
-        }
-        // Compared with when the latest turn known here began, not with when
-        // it ended: the client may send the next turn elsewhere before this
-        // instance sees its own turn's stream end.
-        if last_ms > r.began_ms {
-            // A later turn began elsewhere: that instance, the last to serve
-            // it, releases it once it idles out after that turn (it knows
-            // when the turn ends); this one stops keeping it. When the turn
-            // before ran here, the silence between its end and this start
-            // is the agent's gap: every instance learns it from the turns it
-            // hands on, so the one serving the last turn releases it soon.
-            if r.ours {
-                r.came_back((r.running == 0).then(|| last_ms.saturating_sub(r.last_ms)));
-            }
-            r.ours = false;
-            r.began_ms = last_ms;
-        }
-        if tokens > r.tokens {
-            r.grew(tokens - r.tokens);
-            r.tokens = tokens;
-        } else if r.growth() == 0 {
-            // First heard of here, after turns elsewhere: its pins say what
-            // they added, or the youngest would reckon with it at its size
-            // now and go into a round that crosses the pool.
-            r.grew(growth_hint);
-        }
-        r.peak_tokens = r.peak_tokens.max(r.tokens);
-        r.last_ms = r.last_ms.max(last_ms);
+        replica.residents.heard(session, heard);
     }
 
     /// Forgets the sessions idle for longer than their idle-out
@@ -503,10 +401,6 @@ impl Sessions {
                 walls.push(replica.clone());
             }
             let lesson = seen(&walls);
-            let mut on = replica.residents.lock();
-            if lesson {
-                crossed.extend(on.get(session).map(|r| (r.link, r.tokens)));
-            }
             // A session another instance served last leaves when that one
             // releases it (`released_elsewhere`): only it knows when its
             // turn ended. Past `ELSEWHERE_FACTOR` x `idle_ms` without news
@@ -515,27 +409,20 @@ impl Sessions {
                 true => r.idle_after_ms(idle_ms),
                 false => idle_ms.saturating_mul(ELSEWHERE_FACTOR),
             };
-            let idle_out_ms = on
-                .get(session)
-                .filter(|r| r.running == 0)
-                .map(|r| r.last_ms.saturating_add(idle_after(r)).saturating_add(1));
-            let idle = on.get(session).is_none() || idle_out_ms.is_some_and(|at| now_ms >= at);
-            if idle {
-                if let Some(r) = on.remove(session) {
-                    replica.residents.remember_ended(*session, &r);
-                    if r.ours {
-                        released.push((replica.id.clone(), *session));
-                    }
-                    ended.push(r);
+            let one = replica.residents.sweep_one(*session, now_ms, idle_after, lesson);
+            crossed.extend(one.crossed);
+            clients.extend(one.client);
+            if let Some(r) = one.left {
+                if r.ours {
+                    released.push((replica.id.clone(), *session));
                 }
-                gone = true;
-            } else if let Some(at) = idle_out_ms {
+                ended.push(r);
+            }
+            if let Some(at) = one.idle_out_ms {
                 next_idle_out_ms = Some(next_idle_out_ms.map_or(at, |n| n.min(at)));
             }
-            if !idle {
-                clients.extend(on.get(session).map(|r| r.client));
-            }
-            !idle
+            gone |= one.gone;
+            !one.gone
         });
         state.clients.retain(|hash, _| clients.contains(hash));
         drop(state);
@@ -561,11 +448,7 @@ impl Sessions {
     pub fn released_elsewhere(&self, replica: &str, session: PrefixKey) {
         let mut state = self.lock();
         let Some(home) = state.home_of(session).filter(|r| &*r.id == replica) else { return };
-        let mut on = home.residents.lock();
-        if let Some(ended) = on.get(&session).filter(|r| r.running == 0).copied() {
-            on.remove(&session);
-            home.residents.remember_ended(session, &ended);
-            drop(on);
+        if let Some(ended) = home.residents.remove_if_between_turns(session) {
             state.home.remove(&session);
             drop(state);
             // It ended: every instance learns what it grew to, not only
@@ -581,7 +464,7 @@ impl Sessions {
     pub fn room_of(&self, r: &Replica) -> Room {
         let slot_tokens = r.slot_tokens();
         let shape = Room { capacity: None, taken: 0, slot_tokens };
-        let resident: u64 = r.residents.lock().values().map(|s| shape.footprint(s.counted_tokens())).sum();
+        let resident = r.residents.footprint_sum(|tokens| shape.footprint(tokens));
         let placed: u64 = self
             .reservations()
             .iter()
@@ -628,7 +511,7 @@ impl Sessions {
         let mut out = Vec::new();
         for (session, home) in &state.home {
             let Some(replica) = home.upgrade() else { continue };
-            let Some(r) = replica.residents.lock().get(session).filter(|r| r.ours).copied() else { continue };
+            let Some(r) = replica.residents.get(*session).filter(|r| r.ours) else { continue };
             let from = if r.running > 0 { now_ms } else { r.last_ms };
             out.push(crate::store::KeptSession {
                 replica: replica.id.to_string(),
@@ -642,12 +525,8 @@ impl Sessions {
 
     /// What the capacity view shows of `replica`'s sessions.
     pub fn resident(replica: &Replica) -> ResidentFigures {
-        let on = replica.residents.lock();
-        ResidentFigures {
-            sessions: on.len(),
-            tokens: on.values().map(|r| r.tokens).sum(),
-            counted_tokens: on.values().map(|r| r.counted_tokens()).sum(),
-        }
+        let (sessions, tokens, counted_tokens) = replica.residents.figures();
+        ResidentFigures { sessions, tokens, counted_tokens }
     }
 
     fn projections(&self) -> std::sync::MutexGuard<'_, projection::Projections> {
@@ -919,7 +798,7 @@ mod tests {
             }
             at += 1_050;
         }
-        let r = *a.residents.lock().get(&1).unwrap();
+        let r = a.residents.get(1).unwrap();
         assert_eq!(r.longest_gap_ms, 50, "the agent's silence, not a turn elsewhere and its silence");
         assert_eq!(r.idle_after_ms(5_000), crate::fleet::residents::MIN_IDLE_MS, "it leaves soon after its last turn");
     }

@@ -13,38 +13,23 @@ use crate::fleet::Replica;
 use crate::policy::PrefixKey;
 use crate::priority::Class;
 
-/// A paused turn: its session counts as busy until the pause ends, however
-/// it ends (room opened, the wait ran out, or the client went away and the
-/// request's future was dropped).
+/// A paused turn (`Residents::paused_turn`), counted in `Sessions::paused`
+/// while it waits.
 struct PausedTurn<'a> {
+    _resident: crate::fleet::residents::PausedTurn<'a>,
     sessions: &'a Sessions,
-    replica: &'a Replica,
-    session: PrefixKey,
 }
 
 impl<'a> PausedTurn<'a> {
     fn start(sessions: &'a Sessions, replica: &'a Replica, session: PrefixKey) -> PausedTurn<'a> {
-        if let Some(r) = replica.residents.lock().get_mut(&session) {
-            r.running += 1;
-            if r.paused == 0 {
-                r.paused_since_ms = crate::clock::now_ms();
-            }
-            r.paused += 1;
-        }
+        let resident = replica.residents.paused_turn(session);
         sessions.paused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        PausedTurn { sessions, replica, session }
+        PausedTurn { _resident: resident, sessions }
     }
 }
 
 impl Drop for PausedTurn<'_> {
     fn drop(&mut self) {
-        if let Some(r) = self.replica.residents.lock().get_mut(&self.session) {
-            r.running = r.running.saturating_sub(1);
-            r.paused = r.paused.saturating_sub(1);
-            if r.paused == 0 {
-                r.waited_ms += crate::clock::now_ms().saturating_sub(r.paused_since_ms);
-            }
-        }
         self.sessions.paused.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
@@ -63,10 +48,9 @@ impl Sessions {
         }
         let Some(capacity) = replica.kv_capacity() else { return false };
         let shape = Room { capacity: Some(capacity), taken: 0, slot_tokens: replica.slot_tokens() };
-        let on = replica.residents.lock();
-        let Some(me) = on.get(&session).copied() else { return false };
+        let on = replica.residents.snapshot();
+        let Some(me) = on.iter().find(|(id, _)| *id == session).map(|(_, r)| *r) else { return false };
         if me.preempted {
-            drop(on);
             // The session that took its room may be placed here and not
             // resident yet (its reservation is in the room), admitted and
             // not placed, or still held (it took the room at this turn's
@@ -82,9 +66,7 @@ impl Sessions {
                 // counts again, and its turn waits as any resident's over
                 // the pool (the lowest class gives way), so a new session
                 // does not take the room back before it.
-                if let Some(r) = replica.residents.lock().get_mut(&session) {
-                    r.preempted = false;
-                }
+                replica.residents.unpreempt(session);
                 return self.must_pause(replica, session, tokens, now_ms);
             }
             let mut room = self.room_of(replica);
@@ -95,7 +77,7 @@ impl Sessions {
             return false;
         }
         let client_sessions =
-            |class: Class, client: u64| on.values().filter(|r| r.class == class && r.client == client).count();
+            |class: Class, client: u64| on.iter().filter(|(_, r)| r.class == class && r.client == client).count();
         let occupant = |id: PrefixKey, r: &Resident, tokens: u64, continued_ms: u64| room::Occupant {
             arrived_ms: r.arrived_ms,
             continued_ms,
@@ -111,7 +93,7 @@ impl Sessions {
         let continued = |r: &Resident, or: u64| if r.continued_ms == 0 { or } else { r.continued_ms };
         let others = on
             .iter()
-            .filter(|(s, _)| **s != session)
+            .filter(|(s, _)| *s != session)
             .map(|(s, r)| occupant(*s, r, r.next_turn_tokens(), continued(r, u64::MAX)));
         room::must_pause(&shape, occupant(session, &me, tokens.max(me.tokens), continued(&me, now_ms)), others)
     }
@@ -143,12 +125,7 @@ impl Sessions {
     /// Turns paused now on `replica`, by class (interactive, default,
     /// background: `Class::ALL`'s order).
     pub fn paused_by_class(replica: &Replica) -> [usize; 3] {
-        let mut by_class = [0; 3];
-        for r in replica.residents.lock().values() {
-            let i = Class::ALL.iter().position(|c| *c == r.class).unwrap_or(1);
-            by_class[i] += r.paused as usize;
-        }
-        by_class
+        replica.residents.paused_by_class()
     }
 }
 
@@ -196,7 +173,7 @@ mod tests {
         for (t, tokens) in [1_800, 1_820, 1_840].into_iter().enumerate() {
             drop(s.begin_turn(&a, 1, None, tokens, &Who::default(), now + 100 + t as u64 * 10));
         }
-        assert_eq!(a.residents.lock()[&1].growth(), 25);
+        assert_eq!(a.residents.get(1).unwrap().growth(), 25);
     }
 
     #[tokio::test(start_paused = true)]
@@ -315,10 +292,10 @@ mod tests {
         // Turns seen here say what they added; the hint counts as one of
         // its recent turns until they push it out.
         s.seen_elsewhere(&a, 1, heard(1_500, now + 10, now - 2_000, 198));
-        assert_eq!(a.residents.lock()[&1].growth(), 198);
+        assert_eq!(a.residents.get(1).unwrap().growth(), 198);
         s.seen_elsewhere(&a, 1, heard(1_531, now + 20, now - 2_000, 198));
         s.seen_elsewhere(&a, 1, heard(1_562, now + 30, now - 2_000, 198));
-        assert_eq!(a.residents.lock()[&1].growth(), 31);
+        assert_eq!(a.residents.get(1).unwrap().growth(), 31);
         assert!(!s.must_pause(&a, 2, 1_450, u64::MAX));
     }
 }

@@ -58,7 +58,7 @@ impl Sessions {
         let mut out: Vec<SessionView> = Vec::new();
         for (session, home) in &state.home {
             let Some(replica) = home.upgrade() else { continue };
-            let Some(r) = replica.residents.lock().get(session).copied() else { continue };
+            let Some(r) = replica.residents.get(*session) else { continue };
             out.push(resident_view(&state, &replica.id, *session, &r, now_ms));
         }
         out.sort_by(|a, b| a.replica.cmp(&b.replica).then(a.session.cmp(&b.session)));

@@ -427,7 +427,7 @@ async fn a_session_turn_bound_for_a_pool_is_counted_by_the_engine_before_it_runs
     assert_eq!(a.state.tokenize_requests.load(std::sync::atomic::Ordering::Relaxed), 1);
     let engine = r.body["usage"]["prompt_tokens"].as_u64().unwrap();
     let replica = gw.gw.fleet.get("a").unwrap();
-    let resident = replica.residents.lock().values().map(|s| s.tokens).collect::<Vec<_>>();
+    let resident = replica.residents.snapshot().iter().map(|(_, s)| s.tokens).collect::<Vec<_>>();
     assert_eq!(resident, vec![engine], "the session counts at the engine's figure");
     let (_, replicas) = admin("GET", &format!("{}/admin/v1/replicas", gw.admin), None, None).await;
     assert_eq!(replicas[0]["engine_counts"], json!(true));
@@ -624,7 +624,7 @@ async fn a_full_pool_with_requests_waiting_sets_the_wall() {
     let (big, small) = (body("big", 19_500), body("small", 2_000));
     let (u1, u2) = (url.clone(), url.clone());
     let first = actix_web::rt::spawn(async move { post(&u1, &big).await });
-    wait_until("the big one runs", Duration::from_secs(5), || !replica.residents.lock().is_empty()).await;
+    wait_until("the big one runs", Duration::from_secs(5), || !replica.residents.is_empty()).await;
     // Until the engine holds its blocks (its pool full), so the second waits in it.
     let pool_full = || async {
         let metrics = client().get(format!("{}/metrics", a.url)).send().await.unwrap().body().await.unwrap();
@@ -639,7 +639,7 @@ async fn a_full_pool_with_requests_waiting_sets_the_wall() {
     }
     let second = actix_web::rt::spawn(async move { post(&u2, &small).await });
     wait_until("the wall seen", Duration::from_secs(10), || replica.residents.wall().is_some()).await;
-    let load: u64 = replica.residents.lock().values().map(|r| r.tokens).sum();
+    let load: u64 = replica.residents.snapshot().iter().map(|(_, r)| r.tokens).sum();
     assert!(load >= 21_000, "both resident when it was read: {load}");
     assert_eq!(replica.residents.wall(), Some(load));
     let kind = Some(prefixgate::events::EventKind::KvWallSeen);
@@ -678,7 +678,7 @@ async fn engine_preemptions_set_the_wall_at_the_load_they_happened_at() {
     let first = actix_web::rt::spawn(async move { post(&u1, &one).await });
     let second = actix_web::rt::spawn(async move { post(&u2, &two).await });
     wait_until("the wall seen", Duration::from_secs(10), || replica.residents.wall().is_some()).await;
-    let load: u64 = replica.residents.lock().values().map(|r| r.tokens).sum();
+    let load: u64 = replica.residents.snapshot().iter().map(|(_, r)| r.tokens).sum();
     assert!(load >= 20_000, "both sessions resident: {load}");
     assert_eq!(replica.residents.wall(), Some(load));
     assert_eq!(events_of(&gw, prefixgate::events::EventKind::KvWallSeen), 1);
