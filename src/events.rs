@@ -208,9 +208,14 @@ impl Kept {
     }
 }
 
-/// An event on its way to the store, with the id up to which older persisted
-/// events fell out of the ring.
-pub type Pending = (Event, Option<u64>);
+/// An event on its way to the store.
+#[derive(Debug, Clone)]
+pub struct Pending {
+    pub event: Event,
+    /// The id up to which older persisted events fell out of the ring (the
+    /// store trims them with this write).
+    pub dropped_upto: Option<u64>,
+}
 
 pub struct EventLog {
     next_id: AtomicU64,
@@ -389,7 +394,7 @@ impl EventLog {
         }
         drop(ring);
         let mut unwritten = self.unwritten.lock();
-        unwritten.push_back((event.clone(), dropped));
+        unwritten.push_back(Pending { event: event.clone(), dropped_upto: dropped });
         self.unwritten.trim(&mut unwritten);
         event
     }
@@ -441,14 +446,14 @@ mod tests {
         }
         assert_eq!((unwritten.len(), log.unwritten_dropped()), (10, 5));
         let batch = unwritten.take(4);
-        assert_eq!(batch[0].0.detail, "5", "the oldest kept");
+        assert_eq!(batch[0].event.detail, "5", "the oldest kept");
         log.record(EventKind::ReplicaUp, Some("a"), None, "15");
         // A failed write goes back ahead of what came since; past the cap, the oldest go.
         unwritten.put_back(batch);
         assert_eq!((unwritten.len(), log.unwritten_dropped()), (10, 6));
         let all = unwritten.take(100);
-        assert_eq!(all.first().unwrap().0.detail, "6");
-        assert_eq!(all.last().unwrap().0.detail, "15");
+        assert_eq!(all.first().unwrap().event.detail, "6");
+        assert_eq!(all.last().unwrap().event.detail, "15");
         assert_eq!(log.query(&EventFilter { limit: 100, ..Default::default() }).len(), 16, "history keeps them all");
     }
 

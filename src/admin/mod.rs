@@ -35,6 +35,8 @@ use std::sync::Arc;
     ),
     modifiers(&BearerAuth),
     security(("bearer" = [])),
+    // Named only in path and query parameters, which utoipa does not collect.
+    components(schemas(pins::PinKey, pins::PinKeyPrefix)),
     tags(
         (name = "replicas", description = "The fleet: add, update, drain, disable, remove"),
         (name = "pins", description = "Conversation pins: which replica holds which prefix"),

@@ -45,13 +45,44 @@ fn view(key: PrefixKey, p: &Pin) -> PinView {
     }
 }
 
+/// A pin's key on the wire: 32 hex digits. One schema for every path that
+/// names a pin.
+pub struct PinKey;
+
+/// The start of a pin's key: up to 32 hex digits.
+pub struct PinKeyPrefix;
+
+fn hex_schema(pattern: &str, description: &str) -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+    utoipa::openapi::schema::ObjectBuilder::new()
+        .schema_type(utoipa::openapi::schema::Type::String)
+        .pattern(Some(pattern))
+        .description(Some(description))
+        .into()
+}
+
+impl utoipa::PartialSchema for PinKey {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        hex_schema("^[0-9a-fA-F]{32}$", "A pin's key: 32 hex digits.")
+    }
+}
+
+impl utoipa::ToSchema for PinKey {}
+
+impl utoipa::PartialSchema for PinKeyPrefix {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        hex_schema("^[0-9a-fA-F]{0,32}$", "The start of a pin's key: up to 32 hex digits.")
+    }
+}
+
+impl utoipa::ToSchema for PinKeyPrefix {}
+
 #[derive(Debug, Deserialize, IntoParams)]
 pub struct PinQuery {
     /// Only pins held by this replica.
     #[param(value_type = Option<crate::fleet::ReplicaId>)]
     pub replica: Option<String>,
     /// Only pins whose key starts with these hex digits.
-    #[param(pattern = "^[0-9a-fA-F]{0,32}$")]
+    #[param(value_type = Option<PinKeyPrefix>)]
     pub key_prefix: Option<String>,
     #[serde(default)]
     #[param(minimum = 0)]
@@ -93,7 +124,7 @@ fn parse_key(key: &str) -> Result<PrefixKey, ApiError> {
     PrefixKey::from_str_radix(key, 16).map_err(|_| ApiError::BadRequest("a pin key is 32 hex digits".into()))
 }
 
-#[utoipa::path(tag = "pins", params(("key" = String, Path, description = "32 hex digits", pattern = "^[0-9a-fA-F]{32}$")),
+#[utoipa::path(tag = "pins", params(("key" = PinKey, Path)),
     responses((status = 200, body = PinView), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
 #[get("/pins/{key}")]
 async fn get_one(s: web::Data<AppState>, key: web::Path<String>) -> Result<web::Json<PinView>, ApiError> {
@@ -102,7 +133,7 @@ async fn get_one(s: web::Data<AppState>, key: web::Path<String>) -> Result<web::
     Ok(web::Json(view(k, &pin)))
 }
 
-#[utoipa::path(tag = "pins", params(("key" = String, Path, description = "32 hex digits", pattern = "^[0-9a-fA-F]{32}$")),
+#[utoipa::path(tag = "pins", params(("key" = PinKey, Path)),
     responses((status = 204, description = "deleted"), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
 #[delete("/pins/{key}")]
 async fn remove(s: web::Data<AppState>, key: web::Path<String>) -> Result<HttpResponse, ApiError> {

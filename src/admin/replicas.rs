@@ -136,9 +136,9 @@ pub struct NewReplica {
     pub id: ReplicaId,
     pub url: ReplicaUrl,
     /// Upstream API key (write-only; empty means none).
-    #[schema(pattern = "^[!-~]{0,4096}$")]
+    #[schema(schema_with = crate::fleet::api_key_schema)]
     pub api_key: Option<String>,
-    #[schema(pattern = "^/[A-Za-z0-9_~/-]{0,255}$")]
+    #[schema(schema_with = crate::fleet::health_path_schema)]
     pub health_path: Option<String>,
     #[serde(default, deserialize_with = "crate::json_int::opt_int32")]
     #[schema(minimum = 0, maximum = 2147483647)]

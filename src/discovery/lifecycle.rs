@@ -40,7 +40,7 @@ pub struct Settings {
 
 /// How an answer was taken.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Verdict {
+pub enum Taken {
     Applied,
     /// The source failed; nothing changed.
     Failed(String),
@@ -83,12 +83,12 @@ impl SourceState {
         answer: Result<Vec<ReplicaSpec>, String>,
         now_ms: u64,
         settings: Settings,
-    ) -> (Verdict, Vec<SourceAction>) {
+    ) -> (Taken, Vec<SourceAction>) {
         let found = match answer {
             Ok(found) => found,
             Err(why) => {
                 self.failing_since_ms.get_or_insert(now_ms);
-                return (Verdict::Failed(why), Vec::new());
+                return (Taken::Failed(why), Vec::new());
             }
         };
         self.failing_since_ms = None;
@@ -122,7 +122,7 @@ impl SourceState {
         let too_many = !leaving.is_empty() && leaving.len() as f64 > settings.max_removal_fraction * present as f64;
         if too_many && self.held.as_ref() != Some(&found_ids) {
             self.held = Some(found_ids);
-            return (Verdict::Held { would_remove: leaving.len(), of: present }, actions);
+            return (Taken::Held { would_remove: leaving.len(), of: present }, actions);
         }
         self.held = None;
         for id in leaving {
@@ -131,7 +131,7 @@ impl SourceState {
             }
             actions.push(SourceAction::Drain(id));
         }
-        (Verdict::Applied, actions)
+        (Taken::Applied, actions)
     }
 
     /// The operator added `spec` (an `Add` this state proposed): from now
@@ -178,7 +178,7 @@ mod tests {
     }
 
     /// One answer, every addition accepted (no name conflict).
-    fn ok(s: &mut SourceState, ids: &[&str], now: u64) -> (Verdict, Vec<SourceAction>) {
+    fn ok(s: &mut SourceState, ids: &[&str], now: u64) -> (Taken, Vec<SourceAction>) {
         let (verdict, actions) = s.answer(Ok(specs(ids)), now, SETTINGS);
         for a in &actions {
             if let SourceAction::Add(spec) = a {
@@ -208,11 +208,11 @@ mod tests {
     fn appearances_are_added_and_a_departure_drains_then_removes_when_idle() {
         let mut s = SourceState::default();
         let (v, a) = ok(&mut s, &["e-1", "e-2", "e-3"], 0);
-        assert_eq!(v, Verdict::Applied);
+        assert_eq!(v, Taken::Applied);
         assert_eq!(a.len(), 3, "{a:?}");
         assert!(a.iter().all(|a| matches!(a, SourceAction::Add(_))));
         let (v, a) = ok(&mut s, &["e-1", "e-2"], 1_000);
-        assert_eq!((v, a), (Verdict::Applied, vec![SourceAction::Drain("e-3".into())]));
+        assert_eq!((v, a), (Taken::Applied, vec![SourceAction::Drain("e-3".into())]));
         // Still busy: stays until idle...
         assert!(s.due(2_000, |_| false, SETTINGS).is_empty());
         assert_eq!(s.due(3_000, |id| id == "e-3", SETTINGS), vec![SourceAction::Remove("e-3".into())]);
@@ -242,13 +242,13 @@ mod tests {
         let mut s = SourceState::default();
         ok(&mut s, &["e-1", "e-2"], 0);
         let (v, a) = s.answer(Err("SERVFAIL".into()), 1_000, SETTINGS);
-        assert_eq!((v, a), (Verdict::Failed("SERVFAIL".into()), vec![]));
+        assert_eq!((v, a), (Taken::Failed("SERVFAIL".into()), vec![]));
         assert!(s.stale());
         s.answer(Err("timeout".into()), 2_000, SETTINGS);
         assert_eq!(s.failing_since_ms, Some(1_000), "stale since the first failure");
         assert_eq!(s.present(), 2, "the last good answer stands");
         let (v, a) = ok(&mut s, &["e-1", "e-2"], 3_000);
-        assert_eq!((v, a), (Verdict::Applied, vec![]));
+        assert_eq!((v, a), (Taken::Applied, vec![]));
         assert!(!s.stale());
     }
 
@@ -258,24 +258,24 @@ mod tests {
         ok(&mut s, &["e-1", "e-2", "e-3", "e-4"], 0);
         // A resolver restarting answers with one record, then with all four.
         let (v, a) = ok(&mut s, &["e-1"], 1_000);
-        assert_eq!((v, a), (Verdict::Held { would_remove: 3, of: 4 }, vec![]));
+        assert_eq!((v, a), (Taken::Held { would_remove: 3, of: 4 }, vec![]));
         let (v, a) = ok(&mut s, &["e-1", "e-2", "e-3", "e-4"], 2_000);
-        assert_eq!((v, a), (Verdict::Applied, vec![]), "nothing was lost");
+        assert_eq!((v, a), (Taken::Applied, vec![]), "nothing was lost");
         // Held once, then the same answer again: a real scale-down.
-        assert!(matches!(ok(&mut s, &["e-1"], 3_000).0, Verdict::Held { .. }));
+        assert!(matches!(ok(&mut s, &["e-1"], 3_000).0, Taken::Held { .. }));
         let (v, a) = ok(&mut s, &["e-1"], 4_000);
-        assert_eq!(v, Verdict::Applied);
+        assert_eq!(v, Taken::Applied);
         assert_eq!(a.len(), 3);
         // An empty answer (NXDOMAIN as "no records") is a removal of everything: held too.
         let (v, _) = ok(&mut s, &[], 5_000);
-        assert_eq!(v, Verdict::Held { would_remove: 1, of: 1 });
+        assert_eq!(v, Taken::Held { would_remove: 1, of: 1 });
         // A removal within the fraction is applied at once, and an addition
         // in a held answer still happens.
         let mut t = SourceState::default();
         ok(&mut t, &["e-1", "e-2", "e-3", "e-4"], 0);
-        assert_eq!(ok(&mut t, &["e-1", "e-2", "e-3"], 1_000).0, Verdict::Applied);
+        assert_eq!(ok(&mut t, &["e-1", "e-2", "e-3"], 1_000).0, Taken::Applied);
         let (v, a) = ok(&mut t, &["e-5"], 2_000);
-        assert!(matches!(v, Verdict::Held { .. }));
+        assert!(matches!(v, Taken::Held { .. }));
         assert!(matches!(&a[..], [SourceAction::Add(spec)] if spec.id == "e-5"), "{a:?}");
     }
 }

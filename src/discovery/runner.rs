@@ -16,7 +16,7 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use super::dns;
-use super::lifecycle::{SourceState, Verdict};
+use super::lifecycle::{SourceState, Taken};
 use super::source::{read_file, Source};
 use super::SourceConfig;
 use crate::clock::now_ms;
@@ -147,12 +147,18 @@ struct Run {
 }
 
 /// A file's identity between two looks: a change in any part is a change.
-type FileStamp = Option<(SystemTime, u64, u64)>;
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileStamp {
+    modified: SystemTime,
+    len: u64,
+    inode: u64,
+}
 
-fn stamp(path: &std::path::Path) -> FileStamp {
+/// None: the file is not there (or unreadable).
+fn stamp(path: &std::path::Path) -> Option<FileStamp> {
     use std::os::unix::fs::MetadataExt;
     let m = std::fs::metadata(path).ok()?;
-    Some((m.modified().ok()?, m.len(), m.ino()))
+    Some(FileStamp { modified: m.modified().ok()?, len: m.len(), inode: m.ino() })
 }
 
 impl Run {
@@ -160,7 +166,7 @@ impl Run {
         let interval = Duration::from_millis(self.entry.config.interval_ms);
         self.metrics.discovery_source(&self.entry.label);
         let mut next_read = tokio::time::Instant::now();
-        let mut seen: FileStamp = None;
+        let mut seen: Option<FileStamp> = None;
         loop {
             let changed = match &self.entry.source {
                 Source::File { path } => {
@@ -223,9 +229,9 @@ impl Run {
             let was_stale = read.state.stale();
             let (verdict, actions) = read.state.answer(answer, now, self.entry.config.lifecycle());
             let (result, error) = match &verdict {
-                Verdict::Applied => ("ok", None),
-                Verdict::Failed(why) => ("failed", Some(why.clone())),
-                Verdict::Held { would_remove, of } => (
+                Taken::Applied => ("ok", None),
+                Taken::Failed(why) => ("failed", Some(why.clone())),
+                Taken::Held { would_remove, of } => (
                     "held",
                     Some(format!(
                         "would remove {would_remove} of {of} replicas at once; applied if the next answer says the same"
@@ -245,19 +251,19 @@ impl Run {
         let events = &self.operator.events;
         let error = error.unwrap_or_default();
         match verdict {
-            Verdict::Applied if was_stale => {
+            Taken::Applied if was_stale => {
                 tracing::info!(source = label, "discovery source answers again");
                 events.record(EventKind::DiscoveryRecovered, None, None, format!("{label} answers again"));
             }
-            Verdict::Applied => {}
-            Verdict::Failed(_) if was_stale => {
+            Taken::Applied => {}
+            Taken::Failed(_) if was_stale => {
                 tracing::debug!(source = label, "discovery source still failing: {error}")
             }
-            Verdict::Failed(_) => {
+            Taken::Failed(_) => {
                 tracing::warn!(source = label, "discovery source failed, keeping its last answer: {error}");
                 events.record(EventKind::DiscoveryFailed, None, None, format!("{label}: {error}; last answer kept"));
             }
-            Verdict::Held { .. } => {
+            Taken::Held { .. } => {
                 tracing::warn!(source = label, "discovery answer held: {error}");
                 events.record(EventKind::DiscoveryHeld, None, None, format!("{label}: {error}"));
             }

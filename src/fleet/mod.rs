@@ -103,6 +103,32 @@ impl utoipa::PartialSchema for ReplicaUrl {
 
 impl utoipa::ToSchema for ReplicaUrl {}
 
+fn nullable_string() -> utoipa::openapi::schema::SchemaType {
+    use utoipa::openapi::schema::{SchemaType, Type};
+    SchemaType::from_iter([Type::String, Type::Null])
+}
+
+/// The schema of an upstream API key field, in every body that carries one
+/// (`patterns::API_KEY`, declared once): write-only, never echoed back.
+pub fn api_key_schema() -> utoipa::openapi::schema::Object {
+    utoipa::openapi::schema::ObjectBuilder::new()
+        .schema_type(nullable_string())
+        .pattern(Some(patterns::API_KEY))
+        .description(Some(
+            "An upstream API key: visible ASCII, write-only (never echoed back). On a new replica empty means none; on a patch empty changes nothing.",
+        ))
+        .build()
+}
+
+/// The schema of a health probe path field (`patterns::HEALTH_PATH`, declared once).
+pub fn health_path_schema() -> utoipa::openapi::schema::Object {
+    utoipa::openapi::schema::ObjectBuilder::new()
+        .schema_type(nullable_string())
+        .pattern(Some(patterns::HEALTH_PATH))
+        .description(Some("The health probe's path (default /health)."))
+        .build()
+}
+
 pub mod patterns {
     /// A replica id: a slug.
     pub const ID: &str = "^[a-z0-9_-]{1,64}$";

@@ -40,12 +40,12 @@ pub const INSTANCE_TIMEOUT_MS: u64 = 2_000;
 pub struct ReplicaPatch {
     pub url: Option<ReplicaUrl>,
     /// Sets the upstream API key (write-only; empty changes nothing).
-    #[schema(pattern = "^[!-~]{0,4096}$")]
+    #[schema(schema_with = crate::fleet::api_key_schema)]
     pub api_key: Option<String>,
     /// Removes the upstream API key.
     #[serde(default)]
     pub clear_api_key: bool,
-    #[schema(pattern = "^/[A-Za-z0-9_~/-]{0,255}$")]
+    #[schema(schema_with = crate::fleet::health_path_schema)]
     pub health_path: Option<String>,
     #[serde(default, deserialize_with = "crate::json_int::opt_int32")]
     #[schema(minimum = 0, maximum = 2147483647)]

@@ -150,8 +150,8 @@ pub trait Store: Send + Sync {
     async fn append_event(&self, e: &Event, dropped_up_to: Option<u64>) -> Result<(), StoreError>;
     /// Appends a batch of events in order (one write where the store can).
     async fn append_events(&self, batch: &[crate::events::Pending]) -> Result<(), StoreError> {
-        for (e, dropped_up_to) in batch {
-            self.append_event(e, *dropped_up_to).await?;
+        for p in batch {
+            self.append_event(&p.event, p.dropped_upto).await?;
         }
         Ok(())
     }

@@ -422,14 +422,14 @@ impl Store for RedisStore {
     /// announcement (the other instances add them to their history).
     async fn append_events(&self, batch: &[crate::events::Pending]) -> Result<(), StoreError> {
         let mut pipe = redis::pipe();
-        for (e, _) in batch {
+        for crate::events::Pending { event: e, .. } in batch {
             let v = serde_json::to_string(e).map_err(|e| StoreError::Backend(e.to_string()))?;
             pipe.zadd(key("events"), v, e.id).ignore();
         }
-        if let Some(upto) = batch.iter().filter_map(|(_, d)| *d).max() {
+        if let Some(upto) = batch.iter().filter_map(|p| p.dropped_upto).max() {
             pipe.zrembyscore(key("events"), "-inf", upto).ignore();
         }
-        for (e, _) in batch {
+        for crate::events::Pending { event: e, .. } in batch {
             pipe.publish(key("changes"), self.envelope(Change::Event { event: e.clone() })).ignore();
         }
         self.run(|mut c| async move { pipe.query_async::<()>(&mut c).await }).await

@@ -1,5 +1,6 @@
 //! The embedded default store: sled, one tree per kind of state.
 
+use crate::events::Pending;
 use std::path::Path;
 
 use super::{corrupt, decode_page, decode_pin, merge_page, migrations, page_of, Store, StoreError, StoredReplica};
@@ -189,12 +190,12 @@ impl Trees {
     }
 
     /// One sled batch for the events, then the trim.
-    fn append_events(&self, batch: &[crate::events::Pending]) -> Result<(), StoreError> {
+    fn append_events(&self, batch: &[Pending]) -> Result<(), StoreError> {
         let mut writes = sled::Batch::default();
-        for (e, _) in batch {
+        for Pending { event: e, .. } in batch {
             writes.insert(&e.id.to_be_bytes(), serde_json::to_vec(e).map_err(|e| StoreError::Backend(e.to_string()))?);
         }
-        if let Some(upto) = batch.iter().filter_map(|(_, d)| *d).max() {
+        if let Some(upto) = batch.iter().filter_map(|p| p.dropped_upto).max() {
             for item in self.events.range(..=upto.to_be_bytes()) {
                 writes.remove(item?.0);
             }
@@ -287,7 +288,16 @@ mod tests {
             db.insert("schema_version", &99u64.to_be_bytes()).unwrap();
             db.flush().unwrap();
         }
-        let err = SledStore::open(dir.path()).err().expect("must refuse");
+        // sled's own threads let go of the file lock a moment after the
+        // handle is dropped: until then, an open fails on the lock instead.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let err = loop {
+            let err = SledStore::open(dir.path()).err().expect("must refuse");
+            if !err.to_string().contains("could not acquire lock") || std::time::Instant::now() > deadline {
+                break err;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
         assert!(err.to_string().contains("newer prefixgate"), "{err}");
     }
 
