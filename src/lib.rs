@@ -93,7 +93,7 @@ impl Running {
         }
         // After the flusher (which would keep them again) and the last pins
         // (which would make them resident again on the others).
-        match self.state.release_own_sessions().await {
+        match sessions::sync::release_ours(&self.state.sessions, self.state.store.as_ref()).await {
             Ok(0) => {}
             Ok(n) => tracing::info!("released {n} session(s) this instance served last"),
             Err(e) => tracing::warn!("could not release this instance's sessions (their entries expire): {e}"),
@@ -185,44 +185,16 @@ fn spawn_background(state: &Arc<AppState>, admin_addr: SocketAddr) -> Background
             }
         }
     });
-    // Sessions idle out, and the held look at the room again (capacity read
-    // by the prober, replicas added, other instances' pins).
-    // A session of this instance's that idled out is given back to the
-    // fleet at once (a shared store): the others' held sessions need not
-    // wait for its entry to expire.
-    let sessions = actix_web::rt::spawn({
-        let (sessions, store) = (state.sessions.clone(), state.store.clone());
-        async move {
-            let mut next_sweep = sessions::RECHECK;
-            loop {
-                tokio::time::sleep(next_sweep).await;
-                let now_ms = clock::now_ms();
-                let swept = sessions.sweep(now_ms);
-                // At the next idle-out if sooner: a paused turn or a held
-                // session gets the room the moment it opens.
-                next_sweep = swept
-                    .next_idle_out_ms
-                    .map(|at| Duration::from_millis(at.saturating_sub(now_ms)))
-                    .map_or(sessions::RECHECK, |due| due.clamp(sessions::MIN_SWEEP_SPACING, sessions::RECHECK));
-                if !swept.any && sessions.held() > 0 {
-                    sessions.recheck();
-                }
-                if store.instance().is_some() && !swept.released.is_empty() {
-                    let released: Vec<(String, String)> =
-                        swept.released.iter().map(|(r, s)| (r.to_string(), format!("{s:032x}"))).collect();
-                    let store = store.clone();
-                    actix_web::rt::spawn(async move {
-                        if let Err(e) = store.release_sessions(&released).await {
-                            tracing::debug!(
-                                "could not release {} session(s) at once (they expire): {e}",
-                                released.len()
-                            );
-                        }
-                    });
-                }
-            }
+    // The sessions' own task: the sweep, and their half of a shared store.
+    let sessions = actix_web::rt::spawn(
+        sessions::sync::SessionSync {
+            sessions: state.sessions.clone(),
+            store: state.store.clone(),
+            fleet: state.fleet.clone(),
+            keep_every: Duration::from_millis(state.config.pins.flush_interval_ms),
         }
-    });
+        .run(),
+    );
     let mut others = vec![health, housekeeping, sessions];
     if state.config.timeline.interval_ms > 0 {
         others.push(actix_web::rt::spawn(sample_timeline(state.clone())));

@@ -60,11 +60,7 @@ impl Follower {
                 Ok(())
             }
             Change::SessionsReleased { sessions, sent_us } => {
-                for (replica, session) in sessions {
-                    if let Ok(session) = u128::from_str_radix(&session, 16) {
-                        operator.sessions.released_elsewhere(&replica, session);
-                    }
-                }
+                crate::sessions::sync::released_elsewhere(&operator.sessions, &sessions);
                 observe_propagation(&metrics, sent_us);
                 Ok(())
             }

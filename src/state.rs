@@ -255,7 +255,6 @@ impl AppState {
         let result = async {
             self.store.heartbeat(&beat).await?;
             self.store.renew_leases(&self.leases.held(), crate::leases::LEASE_TTL_MS).await?;
-            self.keep_sessions().await?;
             self.store.instances().await
         }
         .await;
@@ -276,32 +275,6 @@ impl AppState {
             }
         }
         result.map(|_| ())
-    }
-
-    /// The sessions resident here, kept alive in the shared store; and every
-    /// instance's loads read back, so this instance places by the fleet's room.
-    async fn keep_sessions(&self) -> Result<(), StoreError> {
-        let fleet = self.fleet.snapshot_owned();
-        let ours = self.sessions.kept(crate::clock::now_ms());
-        self.store.keep_sessions(&ours).await?;
-        self.sessions.read_fleet_loads(self.store.as_ref(), &fleet).await
-    }
-
-    /// A stopping instance's word on its sessions: those whose last turn it
-    /// served (none runs here any more: its servers stopped) leave the
-    /// shared store at once, and the other instances are told, instead of
-    /// holding their room until their entries expire. Only it knew they had
-    /// ended; a session whose next turn runs elsewhere is kept there again
-    /// by that instance (its own entry, renewed every flush), and the
-    /// others forget only sessions with no turn running (`released_elsewhere`).
-    pub async fn release_own_sessions(&self) -> Result<usize, StoreError> {
-        if self.store.instance().is_none() {
-            return Ok(0);
-        }
-        let ours: Vec<(String, String)> =
-            self.sessions.kept(crate::clock::now_ms()).into_iter().map(|k| (k.replica, k.session)).collect();
-        self.store.release_sessions(&ours).await?;
-        Ok(ours.len())
     }
 
     /// Graceful shutdown's last step: everything to disk.

@@ -11,11 +11,11 @@
 mod chain;
 mod chat;
 mod completions;
+pub mod conversation;
 pub mod identity;
 mod json;
 mod messages;
 mod responses;
-pub mod sessions;
 pub mod tenancy;
 
 use arc_swap::ArcSwap;
@@ -224,7 +224,7 @@ impl SpreadCounter {
 /// request that has a pin, and the replica it names (the caller looks it up
 /// once, see `PinTable::lookup_longest`); it is ignored for requests without
 /// history. `named` is the replica the request's session key points at
-/// (`sessions.rs`): it decides only when no prefix matched. `None` when no
+/// (`conversation.rs`): it decides only when no prefix matched. `None` when no
 /// candidate is routable. Pure: a spread decision names no candidate, the
 /// caller picks one with its counter (`Decision::candidate`).
 pub fn decide(

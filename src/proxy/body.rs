@@ -61,8 +61,18 @@ pub struct GuardedBody<S, E: BodyEnd> {
 // `data: [DONE]`, the Responses API's `response.completed`, Anthropic's
 // `message_stop`: see `UsageTap::stream_completed`) is a failed upstream.
 
+/// How a body says it ended: an SSE stream by its API's terminal event
+/// (checked on successful streams only: an error reply carries none), a
+/// sized body by its length.
+#[derive(Debug, Clone, Copy)]
+pub struct Framing {
+    pub sse: bool,
+    pub expected: Option<u64>,
+}
+
 impl<S, E: BodyEnd> GuardedBody<S, E> {
-    pub fn new(inner: S, idle: Duration, sse: bool, expected: Option<u64>, tap: Option<UsageTap>, end: E) -> Self {
+    pub fn new(inner: S, idle: Duration, framing: Framing, tap: Option<UsageTap>, end: E) -> Self {
+        let Framing { sse, expected } = framing;
         GuardedBody { inner, idle, timer: None, sse, end: Some(end), tap, done: false, expected, seen: 0 }
     }
 

@@ -22,7 +22,6 @@
 use std::time::Duration;
 
 use actix_web::http::{header, StatusCode};
-use actix_web::HttpRequest;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
@@ -133,16 +132,14 @@ enum Answer {
 pub async fn engine_count(
     upstream: &Upstream,
     replica: &Replica,
-    req: &HttpRequest,
-    gateway_keys: bool,
-    dialect: Dialect,
+    caller: super::headers::Caller<'_>,
+    shape: &crate::policy::RequestShape,
     body: &[u8],
-    prompt_bytes: usize,
 ) -> Option<u64> {
+    let (dialect, prompt_bytes) = (shape.dialect, shape.prompt_bytes);
     let tokenize = tokenize_body(dialect, body)?;
-    let request = upstream
-        .tokenize_request(&replica.spec(), req, gateway_keys)
-        .insert_header((header::CONTENT_TYPE, "application/json"));
+    let request =
+        upstream.tokenize_request(&replica.spec(), caller).insert_header((header::CONTENT_TYPE, "application/json"));
     let ask = async {
         let Ok(mut resp) = request.send_body(tokenize).await else { return Answer::Failed };
         let status = resp.status();

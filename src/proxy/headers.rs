@@ -107,11 +107,11 @@ impl PerReplica {
 pub fn upstream_request(
     client: &awc::Client,
     target: (Uri, Option<HeaderValue>),
-    req: &HttpRequest,
+    caller: Caller<'_>,
     spec: &ReplicaSpec,
-    gateway_keys: bool,
 ) -> awc::ClientRequest {
-    let mut up = replica_request(client, req.method().clone(), target, req, spec, gateway_keys);
+    let req = caller.req;
+    let mut up = replica_request(client, req.method().clone(), target, caller, spec);
     let headers = up.headers_mut();
     for (name, value) in req.headers() {
         if !hop_by_hop(name) && name != header::AUTHORIZATION {
@@ -121,24 +121,33 @@ pub fn upstream_request(
     up
 }
 
+/// The client's request, as far as its credentials go upstream: the
+/// request, and whether the gateway has keys of its own (`api_keys`: a
+/// client's key for the gateway is never passed on).
+#[derive(Clone, Copy)]
+pub struct Caller<'a> {
+    pub req: &'a HttpRequest,
+    pub gateway_keys: bool,
+}
+
 /// A `method` request to the replica `spec` at `uri`, with its host and
-/// the credentials `req` carries there (`credentials`), and nothing else of
-/// `req`: the base of the proxied request, and the whole of the gateway's
-/// own (the engine's count of a prompt, `count.rs`).
+/// the credentials the caller carries there (`credentials`), and nothing
+/// else of its request: the base of the proxied request, and the whole of
+/// the gateway's own (the engine's count of a prompt, `count.rs`; a stored
+/// response's lookup, `locate.rs`).
 pub fn replica_request(
     client: &awc::Client,
     method: Method,
     (uri, host): (Uri, Option<HeaderValue>),
-    req: &HttpRequest,
+    caller: Caller<'_>,
     spec: &ReplicaSpec,
-    gateway_keys: bool,
 ) -> awc::ClientRequest {
     let mut up = client.request(method, uri).no_decompress();
     let headers = up.headers_mut();
     if let Some(host) = host {
         headers.insert(header::HOST, host);
     }
-    if let Some(credentials) = credentials(req, spec, gateway_keys) {
+    if let Some(credentials) = credentials(caller.req, spec, caller.gateway_keys) {
         headers.insert(header::AUTHORIZATION, credentials);
     }
     up

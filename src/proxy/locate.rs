@@ -21,7 +21,7 @@
 //!    `timeouts.unknown_response_ms` (`unknown_ids.rs`): each replica sees
 //!    at most one lookup per id in that window.
 //!
-//! An id reaches here only once checked (`sessions::check_response_id`:
+//! An id reaches here only once checked (`conversation::check_response_id`:
 //! letters, digits, `_`, `-`), so it is one path segment of the lookup.
 //!
 //! A found answer is recorded as a pin (and announced), so the next
@@ -39,7 +39,7 @@ use futures_util::future::{select_ok, FutureExt};
 use super::lookup::Hop;
 use super::upstream::Upstream;
 use crate::metrics::ResultLabels;
-use crate::policy::sessions::response_key;
+use crate::policy::conversation::response_key;
 use crate::policy::PrefixKey;
 use crate::state::AppState;
 
@@ -123,7 +123,8 @@ async fn ask_replicas(
             let spec = r.spec();
             // Host and credentials as the request itself would carry them (`headers.rs`).
             let target = upstream.replicas.target(&spec, &path);
-            let ask = super::headers::replica_request(&upstream.client, Method::GET, target, req, &spec, gateway_keys);
+            let caller = super::headers::Caller { req, gateway_keys };
+            let ask = super::headers::replica_request(&upstream.client, Method::GET, target, caller, &spec);
             let name = r.id.clone();
             async move {
                 // The body is not read: the status answers the question, and

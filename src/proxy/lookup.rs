@@ -8,7 +8,8 @@ use actix_web::HttpRequest;
 use crate::error::ApiError;
 use crate::pins::Pin;
 use crate::policy::tenancy::Scope;
-use crate::policy::{self, sessions, Dialect, Endpoint, Mode, PolicySettings, PrefixMatch};
+use crate::policy::{self, conversation, Dialect, Endpoint, Mode, PolicySettings, PrefixMatch};
+use crate::sessions::gate::Ask;
 use crate::state::AppState;
 
 use super::outcome::OutcomeRecorder;
@@ -25,7 +26,7 @@ fn stored_response_in_path(path: &str) -> Option<&str> {
 /// every pin that names a home for it.
 pub(super) struct Lookup {
     pub(super) shape: policy::RequestShape,
-    pub(super) session: Option<sessions::SessionKey>,
+    pub(super) session: Option<conversation::SessionKey>,
     /// Counts against `max_large_inflight`.
     pub(super) large: bool,
     /// The longest pinned prefix of the request.
@@ -56,7 +57,7 @@ pub(super) async fn look_up(
     hop: Hop<'_>,
     settings: &PolicySettings,
 ) -> Result<Lookup, ApiError> {
-    let Hop { state, recorder, trace, scope, .. } = hop;
+    let Hop { state, recorder, scope, .. } = hop;
     let config = &state.config;
     let bad_request = |e: policy::ShapeError| {
         recorder.rejected("bad_request");
@@ -73,9 +74,9 @@ pub(super) async fn look_up(
     let session = {
         let headers = headers::RequestHeaders::of(req);
         let header = |name: &str| headers.get(name);
-        sessions::session_key(shape.model.as_deref(), shape.cache_key.as_deref(), header, &config.sessions.headers)
+        conversation::session_key(shape.model.as_deref(), shape.cache_key.as_deref(), header, &config.sessions.headers)
             .map_err(bad_request)?
-            .map(|s| sessions::SessionKey { key: scope.key(s.key), ..s })
+            .map(|s| conversation::SessionKey { key: scope.key(s.key), ..s })
     };
     // The large/small decision uses the documented default ratio: it is
     // made before a replica (and its calibrated ratio) is chosen.
@@ -108,25 +109,70 @@ pub(super) async fn look_up(
     if settings.mode == Mode::Shape && shape.multi_unit {
         recorder.pin_lookup(pinned.is_some());
     }
-    // A stored response unknown here is looked for (`locate.rs`); one
-    // nobody holds is forwarded like anything else, and the engine that does
-    // not know it answers for itself.
-    if let Some(id) = stored_in_path {
-        sessions::check_response_id("path: the response id", id).map_err(bad_request)?;
+    let stored = stored_response(hop, req, &shape, stored_in_path).await.map_err(bad_request)?;
+    Ok(Lookup { shape, session, large, pinned, named, stored, scope })
+}
+
+/// The stored response a request names (its path's, or its
+/// `previous_response_id`), and the replica holding it. One unknown here is
+/// looked for (`locate.rs`); one nobody holds is forwarded like anything
+/// else, and the engine that does not know it answers for itself.
+async fn stored_response(
+    hop: Hop<'_>,
+    req: &HttpRequest,
+    shape: &policy::RequestShape,
+    in_path: Option<&str>,
+) -> Result<Option<(String, Arc<str>)>, policy::ShapeError> {
+    if let Some(id) = in_path {
+        conversation::check_response_id("path: the response id", id)?;
     }
     if let Some(id) = shape.previous_response.as_deref() {
-        sessions::check_response_id("previous_response_id", id).map_err(bad_request)?;
+        conversation::check_response_id("previous_response_id", id)?;
     }
-    let stored_id = shape.previous_response.as_deref().or(stored_in_path);
-    let stored = match stored_id {
-        Some(id) => match state.pins.replica_of(scope.key(sessions::response_key(id))) {
-            Some(home) => Some((id.to_string(), home)),
-            None => {
-                let _looking = trace.child(state, "prefixgate.locate");
-                locate::stored_response(hop, req, id, shape.model.as_deref()).await.map(|home| (id.to_string(), home))
-            }
-        },
-        None => None,
+    let Some(id) = shape.previous_response.as_deref().or(in_path) else { return Ok(None) };
+    let (state, scope) = (hop.state, hop.scope);
+    let home = match state.pins.replica_of(scope.key(conversation::response_key(id))) {
+        Some(home) => Some(home),
+        None => {
+            let _looking = hop.trace.child(state, "prefixgate.locate");
+            locate::stored_response(hop, req, id, shape.model.as_deref()).await
+        }
     };
-    Ok(Lookup { shape, session, large, pinned, named, stored, scope })
+    Ok(home.map(|home| (id.to_string(), home)))
+}
+
+impl Lookup {
+    /// The session this request is a turn of, as the gate asks it (None:
+    /// not a session: a one-shot or a batch member keeps the counter
+    /// spread, unheld). A new session is a conversation-shaped request
+    /// (several messages, or a session key) that nothing pins yet: an
+    /// agent's first turn. Turns of a resident session (pinned, named by
+    /// its key, or a stored response's chain) are never held with them.
+    pub(super) fn ask<'a>(
+        &'a self,
+        mode: Mode,
+        known: &crate::sessions::Sessions,
+        who: &'a crate::priority::Who,
+    ) -> Option<Ask<'a>> {
+        let (session, new) = if let Some((_, pin)) = &self.pinned {
+            (pin.family, false)
+        } else if let Some((id, _)) = &self.stored {
+            (self.scope.key(conversation::response_key(id)), false)
+        } else if let Some(s) = self.session {
+            (s.key, self.named.is_none() && !known.is_resident(s.key) && mode == Mode::Shape)
+        } else {
+            match (self.shape.multi_unit, self.shape.pin_at) {
+                (true, Some(first)) => (first, mode == Mode::Shape),
+                _ => return None,
+            }
+        };
+        Some(Ask {
+            session,
+            new,
+            link: self.shape.boundaries.first().map(|b| b.key),
+            tokens: crate::tokens::estimate_tokens(self.shape.prompt_bytes),
+            model: self.shape.model.as_deref(),
+            who,
+        })
+    }
 }

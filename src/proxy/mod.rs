@@ -18,7 +18,6 @@ mod attempt;
 mod body;
 mod count;
 mod headers;
-mod hold;
 mod locate;
 mod lookup;
 pub mod outcome;
@@ -35,15 +34,16 @@ use actix_web::{web, HttpRequest, HttpResponse};
 use futures_util::StreamExt;
 use opentelemetry::KeyValue;
 
-use crate::admission::{Admitted, Permit};
+use crate::admission::Admitted;
 use crate::error::ApiError;
 use crate::fleet::Replica;
 use crate::policy::{Dialect, Endpoint, PolicySettings, RouteReason};
+use crate::sessions::gate::{Gate, Pass};
 use crate::sessions::Heard;
 use crate::state::AppState;
 use body::GuardedBody;
 use lookup::{look_up, Hop, Lookup};
-use outcome::{Outcome, OutcomeRecorder, Responded, Routed, Turn};
+use outcome::{Holdings, LargeSlot, Outcome, OutcomeRecorder, Responded, Routed, Turn};
 use plan::PlanInput;
 pub use upstream::Upstream;
 use usage::UsageTap;
@@ -78,10 +78,14 @@ pub async fn forward(
     // future (allocated and moved on every request) grow by its size.
     let forwarded = match trace.context() {
         Some(cx) => {
-            let forwarded = forward_request(&req, endpoint, payload, state, upstream, recorder, &trace);
+            let h = Handles { state, upstream: &upstream, recorder: &recorder, trace: &trace };
+            let forwarded = forward_request(&req, endpoint, payload, h);
             opentelemetry::context::FutureExt::with_context(forwarded, cx).await
         }
-        None => forward_request(&req, endpoint, payload, state, upstream, recorder, &trace).await,
+        None => {
+            let h = Handles { state, upstream: &upstream, recorder: &recorder, trace: &trace };
+            forward_request(&req, endpoint, payload, h).await
+        }
     };
     match forwarded {
         Ok(resp) => resp,
@@ -101,6 +105,27 @@ pub fn refuse_client(state: &AppState, req: &HttpRequest, dialect: Dialect) -> O
     let e = state.access.check_client(req).err()?;
     state.metrics.rejected.get_or_create(&crate::metrics::ResultLabels { result: "client_access" }).inc();
     Some(e.response_for(dialect))
+}
+
+/// What every step of a request reaches: the gateway, this worker's
+/// upstream client and recorder, and the request's trace.
+#[derive(Clone, Copy)]
+struct Handles<'a> {
+    state: &'a AppState,
+    upstream: &'a web::Data<Upstream>,
+    recorder: &'a web::Data<OutcomeRecorder>,
+    trace: &'a trace::RequestTrace,
+}
+
+/// One request, read and looked up: what its attempts send, and for whom.
+struct Forwarding<'a> {
+    h: Handles<'a>,
+    req: &'a HttpRequest,
+    body: web::Bytes,
+    lookup: Lookup,
+    settings: PolicySettings,
+    who: crate::priority::Who,
+    scope: crate::policy::tenancy::Scope,
 }
 
 /// Where a request's attempts stand (the retry rule: `attempt.rs`).
@@ -133,245 +158,288 @@ impl Retries {
     }
 }
 
-/// The replica for the next attempt, and why: the same one once more, or a plan.
-fn next_target(
-    state: &AppState,
-    settings: &PolicySettings,
-    lookup: &Lookup,
-    retries: &mut Retries,
-    recorder: &OutcomeRecorder,
-    new_session: bool,
-) -> Result<(Arc<Replica>, RouteReason), ApiError> {
-    if let Some(again) = retries.resend.take() {
-        return Ok(again);
-    }
-    // The fleet is read while planning only (no guard across an await).
-    let fleet = state.fleet.snapshot();
-    let room = |r: &Replica| state.sessions.room_of(r);
-    let input = PlanInput {
-        mode: settings.mode,
-        shape: &lookup.shape,
-        pinned: lookup.pinned.as_ref(),
-        named: lookup.named.as_deref(),
-        stored: lookup.stored.as_ref().map(|(id, home)| (id.as_str(), &**home)),
-        tried: &retries.tried,
-        large: lookup.large,
-        room: new_session.then_some(&room as &dyn Fn(&Replica) -> crate::sessions::Room),
-    };
-    let has_slot = |r: &Replica| r.large_slots.has_free_slot(r.spec().max_large_inflight);
-    let route =
-        plan::plan(&input, &fleet, has_slot, &state.spread).map_err(|e| recorder.plan_failed(e, &retries.tried))?;
-    let reason = if retries.failed_from.is_some() { RouteReason::Failover } else { route.reason };
-    Ok((fleet[route.replica].clone(), reason))
+/// How long the client waited before its attempt went (the hold, a pause,
+/// a large-context slot), and what the trace was last told.
+#[derive(Default)]
+struct Waited {
+    total: Option<Duration>,
+    said: Option<Duration>,
 }
 
-/// The request path: look the request up once, then plan and attempt until
-/// a replica answers or nothing is left to try.
+impl Waited {
+    fn add(&mut self, waited: Duration) {
+        self.total = Some(self.total.unwrap_or_default() + waited);
+    }
+
+    /// Said once, and again only if a retry waited more.
+    fn say(&mut self, trace: &trace::RequestTrace) {
+        if let Some(waited) = self.total.filter(|_| self.total != self.said) {
+            trace.set(|| [KeyValue::new("prefixgate.held_ms", waited.as_millis() as i64)]);
+            self.said = self.total;
+        }
+    }
+}
+
+/// The request path: read the body, look the request up once, then
+/// `Forwarding::run`.
 async fn forward_request(
     req: &HttpRequest,
     endpoint: Endpoint,
     payload: web::Payload,
-    state: &AppState,
-    upstream: web::Data<Upstream>,
-    recorder: web::Data<OutcomeRecorder>,
-    trace: &trace::RequestTrace,
+    h: Handles<'_>,
 ) -> Result<HttpResponse, ApiError> {
-    let config = &state.config;
+    let config = &h.state.config;
     // Who waits at the wall (`priority.rs`): an unknown class is refused
     // before anything is read or queued.
     let header = |name: &str| priority_header(req, name);
     let who = crate::priority::resolve(&config.priority, header).map_err(|e| ApiError::BadRequest(e.0))?;
-    trace.set(|| {
+    h.trace.set(|| {
         let client = opentelemetry::StringValue::from(who.client.clone());
         [KeyValue::new("prefixgate.priority", who.class.as_str()), KeyValue::new("prefixgate.client", client)]
     });
     let body = salted(read_body(payload, config.limits.max_body_bytes).await?, endpoint, &config.identity, &who);
-    let settings = state.policy.get();
+    let settings = h.state.policy.get();
     let scope = crate::policy::tenancy::Scope::of(config.identity.scope, &who.client);
-    let hop = Hop { state, upstream: &upstream, recorder: &recorder, trace, scope };
+    let hop = Hop { state: h.state, upstream: h.upstream, recorder: h.recorder, trace: h.trace, scope };
     let lookup = look_up(req, endpoint, &body, hop, &settings).await?;
-    let Lookup { shape, session, large, pinned, .. } = &lookup;
-    trace.set(|| {
+    h.trace.set(|| {
+        let shape = &lookup.shape;
         let model = shape.model.as_ref().map(|m| KeyValue::new("gen_ai.request.model", m.clone()));
         [Some(KeyValue::new("prefixgate.dialect", shape.dialect.as_str())), model].into_iter().flatten()
     });
-    // A new session waits here while no replica has room for it (the KV
-    // wall, `sessions/`); a turn of a resident one may pause below, before
-    // its first attempt, when its replica is crossed.
-    let of_session = hold::session_of(&lookup, &settings, state);
-    let new_session = of_session.is_some_and(|s| s.new);
-    let mut retries = Retries::default();
-    // A new session's reservation counts against the room until its first
-    // turn is resident (below).
-    let (mut placed, (mut held_for, mut reservation)) = match of_session.filter(|s| s.new) {
-        Some(s) => {
-            let _waiting = trace.child(state, "prefixgate.hold");
-            // Boxed: a rare path whose future would otherwise grow every
-            // request's (bench/hop-instructions.sh: a larger request future
-            // cost each request ~1,000 instructions of allocator work).
-            Box::pin(place_new_session(state, &settings, &lookup, &mut retries, &recorder, s.id, &who)).await?
-        }
-        None => (None, (None, None)),
-    };
-    let mut first_attempt = true;
-    let mut held_said: Option<Duration> = None;
-    loop {
-        let (replica, reason) = match placed.take() {
-            Some(target) => target,
-            None => next_target(state, &settings, &lookup, &mut retries, &recorder, new_session)?,
+    Forwarding { h, req, body, lookup, settings, who, scope }.run().await
+}
+
+impl Forwarding<'_> {
+    /// The client's request as its credentials go upstream.
+    fn caller(&self) -> headers::Caller<'_> {
+        headers::Caller { req: self.req, gateway_keys: !self.h.state.config.api_keys.is_empty() }
+    }
+
+    /// Through the session gate (`sessions/gate.rs`: a new session waits
+    /// there while no replica has room for it), then attempts until a
+    /// replica answers or nothing is left to try.
+    async fn run(&self) -> Result<HttpResponse, ApiError> {
+        let state = self.h.state;
+        let report = |happened| self.h.recorder.session(happened, &self.who);
+        let gate = Gate {
+            sessions: &state.sessions,
+            fleet: &state.fleet,
+            store: state.shared_store_answers().then(|| state.store.as_ref()),
+            preempt: state.config.priority.preempt,
+            report: &report,
         };
-        let mut est_tokens = replica.calibration.estimate(shape.prompt_bytes);
-        let room = || state.sessions.room_of(&replica);
-        let worth =
-            |s: &hold::SessionTurn| count::worth_asking(state.sessions.settings(), &replica, s.id, est_tokens, room);
-        if first_attempt && of_session.as_ref().is_some_and(worth) {
-            // The engine's own count of this turn, before it runs (`count.rs`).
-            let _counting = trace.child(state, "prefixgate.count");
-            let keys = !config.api_keys.is_empty();
-            let counted = count::engine_count(&upstream, &replica, req, keys, shape.dialect, &body, shape.prompt_bytes);
-            if let Some(count) = Box::pin(counted).await {
-                est_tokens = count;
+        let mut retries = Retries::default();
+        let ask = self.lookup.ask(self.settings.mode, &state.sessions, &self.who);
+        let new_session = ask.is_some_and(|a| a.new);
+        let mut pass = match ask {
+            Some(ask) => {
+                let _waiting = new_session.then(|| self.h.trace.child(state, "prefixgate.hold"));
+                let plan = || self.next_target(&mut retries, true);
+                // Boxed: a rare path whose future would otherwise grow every
+                // request's (bench/hop-instructions.sh: a larger request future
+                // cost each request ~1,000 instructions of allocator work).
+                Some(Box::pin(gate.enter(ask, plan)).await?)
             }
-        }
-        if std::mem::take(&mut first_attempt) {
-            // A session resident nowhere here (served by another instance
-            // until now) is resident from its first turn on, as every
-            // instance counts it. The replica's own record is asked first:
-            // the sessions' index is one lock for every request. (One
-            // resident on another replica moves at `begin_turn`, with all
-            // it learned.)
-            let here = |id| replica.residents.contains(id);
-            let now = crate::clock::now_ms();
-            if let Some(s) = of_session.filter(|s| !s.new && !here(s.id) && !state.sessions.is_resident(s.id)) {
-                // As its pins say: its previous turn's, else its session key's.
-                let first = state.pins.get(s.id);
-                let heard = match pinned.as_ref().map(|(_, p)| p).or(first.as_ref()) {
-                    Some(latest) => Heard::from_pins(latest, first.as_ref()),
-                    None => Heard { tokens: est_tokens, arrived_ms: now, ..Heard::default() },
-                };
-                // Resident at its previous turn's context as of now: this
-                // turn, beginning, says what it added (and, its second,
-                // that it continued).
-                let heard = Heard { tokens: heard.tokens.min(est_tokens), last_ms: now, ..heard };
-                state.sessions.seen_elsewhere(&replica, s.id, heard);
-            }
-            // Its turn boundary: a held session of a higher class may take its room now.
-            if let Some(s) = of_session.filter(|s| !s.new) {
-                hold::yield_at_boundary(state, &replica, s.id, shape.model.as_deref());
-            }
-            // A resident session's turn pauses here, before it starts, while
-            // its replica's sessions outgrew the KV and it is the youngest there.
-            if let Some(s) = of_session.filter(|s| !s.new && state.sessions.must_pause(&replica, s.id, est_tokens, now))
-            {
-                let _waiting = trace.child(state, "prefixgate.pause");
-                if let Some(paused) = Box::pin(hold::pause_if_over(state, &replica, s.id, est_tokens, &who)).await {
-                    held_for = Some(held_for.unwrap_or_default() + paused);
-                }
-            }
-        }
-        let started = Instant::now();
-        let permit = match large {
-            true => {
-                let _waiting = trace.child(state, "prefixgate.admission");
-                let permit = Box::pin(admit(state, &recorder, &replica, &who)).await?;
-                // A wait for a slot is a wait the client had, like the hold's.
-                let waited = started.elapsed();
-                if waited >= Duration::from_millis(1) {
-                    held_for = Some(held_for.unwrap_or_default() + waited);
-                }
-                Some(permit)
-            }
-            false => None,
+            None => None,
         };
-        // Said once, and again only if a retry waited more.
-        if let Some(waited) = held_for.filter(|_| held_for != held_said) {
-            trace.set(|| [KeyValue::new("prefixgate.held_ms", waited.as_millis() as i64)]);
-            held_said = held_for;
-        }
-        // The guard holds the replica from here on (one reference, not two).
-        let guard = replica.begin(*large);
-        let replica = &guard.replica;
-        // The conversation it belongs to, as the working set knows it: its
-        // session's id (a pinned turn's is its pin's family), else where it would pin.
-        let family = of_session.map(|s| s.id).or(shape.pin_at);
-        let ticket = recorder.running(&replica.id, family, est_tokens);
-        // Resident from this turn on; idle only once it ended. The pins
-        // announced below carry the same moment: the other instances take
-        // it as the session's arrival, so all agree which one is youngest
-        // (the one whose turns pause when the replica is crossed).
-        let now_ms = crate::clock::now_ms();
-        let turn = of_session.map(|s| {
-            let link = hold::first_link(&lookup);
-            state.sessions.begin_turn(replica, s.id, link, est_tokens, &who, now_ms)
-        });
-        drop(reservation.take());
-        let pin_turn = Turn {
-            pin_at: shape.pin_at,
-            pinned: pinned.as_ref(),
-            session: *session,
-            dialect: shape.dialect,
-            est_tokens,
-            now_ms,
-        };
-        recorder.routed(&Routed { replica: &replica.id, turn: pin_turn });
-        let mut request = upstream.request(&replica.spec(), req, !config.api_keys.is_empty());
-        // The engine continues the trace under this attempt's span (the
-        // client's own traceparent names the gateway's server span's parent).
-        let (attempt_span, carried) = trace.attempt(state, &replica.id);
-        for (name, value) in carried {
-            request = request.insert_header((name, value));
-        }
-        match attempt::send(request, body.clone()).await {
-            Ok(resp) => {
-                trace::attempt_ended(&attempt_span, Ok(resp.status().as_u16()));
-                let predicted_cached = recorder.responded(&Responded {
-                    replica,
-                    reason,
-                    success: resp.status().is_success(),
-                    ttfb: started.elapsed(),
-                    tried: &retries.tried,
-                    failed_from: retries.failed_from.as_ref(),
-                    turn: pin_turn,
-                });
-                trace.set(|| {
-                    let predicted =
-                        predicted_cached.map(|p| KeyValue::new("prefixgate.predicted_cached_tokens", p as i64));
-                    let route = KeyValue::new("prefixgate.route", reason.as_str());
-                    let replica =
-                        KeyValue::new("prefixgate.replica", opentelemetry::StringValue::from(replica.id.clone()));
-                    [Some(route), Some(replica), predicted].into_iter().flatten()
-                });
-                let outcome = Outcome {
-                    recorder: recorder.into_inner(),
-                    reason,
-                    status: resp.status().as_u16(),
-                    predicted_cached,
-                    started,
-                    prompt_bytes: shape.prompt_bytes,
-                    held: (guard, permit, ticket, turn),
-                    trace: trace.clone(),
-                    scope,
-                };
-                let idle = Duration::from_millis(config.timeouts.idle_stream_ms);
-                let name = outcome.replica().name_header.clone();
-                let mut out = respond(resp, outcome, name, predicted_cached, idle, shape.dialect);
-                if let Some(waited) = held_for {
-                    out.headers_mut().insert(HEADER_HELD_MS, HeaderValue::from(waited.as_millis() as u64));
-                }
-                return Ok(out);
+        let mut waited = Waited { total: pass.as_ref().and_then(|p| p.waited), said: None };
+        let mut first_attempt = true;
+        loop {
+            let target = match pass.as_mut().and_then(|p| p.target.take()) {
+                Some(target) => target,
+                None => self.next_target(&mut retries, new_session)?,
+            };
+            let mut tokens = target.0.calibration.estimate(self.lookup.shape.prompt_bytes);
+            if let Some(pass) = pass.as_ref().filter(|_| std::mem::take(&mut first_attempt)) {
+                tokens = self.arrive(&gate, pass, &target.0, tokens, &mut waited).await;
             }
-            Err(e) => {
-                trace::attempt_ended(&attempt_span, Err((&e.message, e.retry_safe())));
-                let replica = replica.clone();
-                drop((guard, permit, ticket, turn));
-                let took_down = recorder.attempt_failed(&replica, reason, &e, shape.stores_response);
-                if !e.retry_safe() {
-                    return Err(e.into_api_error());
+            let (replica, reason) = target;
+            match self.attempt(&replica, tokens, pass.as_mut(), &mut waited).await? {
+                Ok(out) => return Ok(self.answer(out, reason, &retries, waited.total)),
+                Err(e) => {
+                    let took_down =
+                        self.h.recorder.attempt_failed(&replica, reason, &e, self.lookup.shape.stores_response);
+                    if !e.retry_safe() {
+                        return Err(e.into_api_error());
+                    }
+                    retries.failed(replica, reason, &e, took_down);
                 }
-                retries.failed(replica, reason, &e, took_down);
             }
         }
     }
+
+    /// The replica for the next attempt, and why: the same one once more, or a plan.
+    fn next_target(&self, retries: &mut Retries, new_session: bool) -> Result<(Arc<Replica>, RouteReason), ApiError> {
+        if let Some(again) = retries.resend.take() {
+            return Ok(again);
+        }
+        let (state, lookup) = (self.h.state, &self.lookup);
+        // The fleet is read while planning only (no guard across an await).
+        let fleet = state.fleet.snapshot();
+        let room = |r: &Replica| state.sessions.room_of(r);
+        let input = PlanInput {
+            mode: self.settings.mode,
+            shape: &lookup.shape,
+            pinned: lookup.pinned.as_ref(),
+            named: lookup.named.as_deref(),
+            stored: lookup.stored.as_ref().map(|(id, home)| (id.as_str(), &**home)),
+            tried: &retries.tried,
+            large: lookup.large,
+            room: new_session.then_some(&room as &dyn Fn(&Replica) -> crate::sessions::Room),
+        };
+        let has_slot = |r: &Replica| r.large_slots.has_free_slot(r.spec().max_large_inflight);
+        let route = plan::plan(&input, &fleet, has_slot, &state.spread)
+            .map_err(|e| self.h.recorder.plan_failed(e, &retries.tried))?;
+        let reason = if retries.failed_from.is_some() { RouteReason::Failover } else { route.reason };
+        Ok((fleet[route.replica].clone(), reason))
+    }
+
+    /// A session's turn reaches its first replica: the engine's own count
+    /// of it where that could change a decision (`count.rs`), then the
+    /// gate's arrival (heard, its boundary, its pause). Returns its tokens.
+    async fn arrive(
+        &self,
+        gate: &Gate<'_>,
+        pass: &Pass<'_, RouteReason>,
+        replica: &Arc<Replica>,
+        mut tokens: u64,
+        waited: &mut Waited,
+    ) -> u64 {
+        let (state, shape) = (self.h.state, &self.lookup.shape);
+        let room = || state.sessions.room_of(replica);
+        if count::worth_asking(state.sessions.settings(), replica, pass.session(), tokens, room) {
+            let _counting = self.h.trace.child(state, "prefixgate.count");
+            let counted = count::engine_count(self.h.upstream, replica, self.caller(), shape, &self.body);
+            if let Some(count) = Box::pin(counted).await {
+                tokens = count;
+            }
+        }
+        // As its pins say: its previous turn's, else its session key's.
+        let heard = || {
+            let first = state.pins.get(pass.session());
+            let latest = self.lookup.pinned.as_ref().map(|(_, p)| p).or(first.as_ref())?;
+            Some(Heard::from_pins(latest, first.as_ref()))
+        };
+        if let Some(pause) = pass.arrive(gate, replica, tokens, heard) {
+            let _waiting = self.h.trace.child(state, "prefixgate.pause");
+            waited.add(Box::pin(pause.wait()).await);
+        }
+        tokens
+    }
+
+    /// One attempt on `replica`: its large-context slot, its session's turn
+    /// begun, the request sent. Err: refused before sending; Ok(Err): the
+    /// attempt failed (the retry rule decides).
+    async fn attempt(
+        &self,
+        replica: &Arc<Replica>,
+        tokens: u64,
+        pass: Option<&mut Pass<'_, RouteReason>>,
+        waited: &mut Waited,
+    ) -> Result<Result<Sent<'_>, attempt::AttemptError>, ApiError> {
+        let (state, recorder, shape) = (self.h.state, self.h.recorder, &self.lookup.shape);
+        let started = Instant::now();
+        let large = match self.lookup.large {
+            true => {
+                let _waiting = self.h.trace.child(state, "prefixgate.admission");
+                let slot = Box::pin(admit(state, recorder, replica, &self.who)).await?;
+                // A wait for a slot is a wait the client had, like the hold's.
+                if started.elapsed() >= Duration::from_millis(1) {
+                    waited.add(started.elapsed());
+                }
+                Some(slot)
+            }
+            false => None,
+        };
+        waited.say(self.h.trace);
+        // The guard holds the replica from here on.
+        let guard = replica.begin(self.lookup.large);
+        // The conversation it belongs to, as the working set knows it: its
+        // session's id (a pinned turn's is its pin's family), else where it would pin.
+        let family = pass.as_ref().map(|p| p.session()).or(shape.pin_at);
+        let running = recorder.running(&replica.id, family, tokens);
+        // Resident from this turn on; idle only once it ended. The pins
+        // announced below carry the same moment: the other instances take
+        // it as the session's arrival, so all agree which one is youngest.
+        let now_ms = crate::clock::now_ms();
+        let turn = pass.map(|p| p.begin(&state.sessions, replica, tokens, now_ms));
+        let pinned = self.lookup.pinned.as_ref();
+        let pin_turn = Turn {
+            pin_at: shape.pin_at,
+            pinned,
+            session: self.lookup.session,
+            dialect: shape.dialect,
+            est_tokens: tokens,
+            now_ms,
+        };
+        recorder.routed(&Routed { replica: &replica.id, turn: pin_turn });
+        let mut request = self.h.upstream.request(&replica.spec(), self.caller());
+        // The engine continues the trace under this attempt's span (the
+        // client's own traceparent names the gateway's server span's parent).
+        let (span, carried) = self.h.trace.attempt(state, &replica.id);
+        for (name, value) in carried {
+            request = request.insert_header((name, value));
+        }
+        let held = Holdings { guard, large, running, turn };
+        Ok(match attempt::send(request, self.body.clone()).await {
+            Ok(resp) => {
+                trace::attempt_ended(&span, Ok(resp.status().as_u16()));
+                Ok(Sent { resp, held, started, turn: pin_turn })
+            }
+            Err(e) => {
+                trace::attempt_ended(&span, Err((&e.message, e.retry_safe())));
+                Err(e)
+            }
+        })
+    }
+
+    /// The response head arrived: recorded, and streamed back to the client.
+    fn answer(&self, sent: Sent, reason: RouteReason, retries: &Retries, waited: Option<Duration>) -> HttpResponse {
+        let Sent { resp, held, started, turn } = sent;
+        let recorder = self.h.recorder;
+        let replica = &held.guard.replica;
+        let predicted_cached = recorder.responded(&Responded {
+            replica,
+            reason,
+            success: resp.status().is_success(),
+            ttfb: started.elapsed(),
+            tried: &retries.tried,
+            failed_from: retries.failed_from.as_ref(),
+            turn,
+        });
+        self.h.trace.set(|| {
+            let predicted = predicted_cached.map(|p| KeyValue::new("prefixgate.predicted_cached_tokens", p as i64));
+            let route = KeyValue::new("prefixgate.route", reason.as_str());
+            let replica = KeyValue::new("prefixgate.replica", opentelemetry::StringValue::from(replica.id.clone()));
+            [Some(route), Some(replica), predicted].into_iter().flatten()
+        });
+        let outcome = Outcome {
+            recorder: recorder.clone().into_inner(),
+            reason,
+            status: resp.status().as_u16(),
+            predicted_cached,
+            started,
+            prompt_bytes: self.lookup.shape.prompt_bytes,
+            held,
+            trace: self.h.trace.clone(),
+            scope: self.scope,
+        };
+        let idle = Duration::from_millis(self.h.state.config.timeouts.idle_stream_ms);
+        let mut out = respond(resp, outcome, predicted_cached, idle, self.lookup.shape.dialect);
+        if let Some(waited) = waited {
+            out.headers_mut().insert(HEADER_HELD_MS, HeaderValue::from(waited.as_millis() as u64));
+        }
+        out
+    }
+}
+
+/// An attempt whose response head arrived, with what it holds until its body ends.
+struct Sent<'a> {
+    resp: attempt::UpstreamResponse,
+    held: Holdings,
+    started: Instant,
+    turn: Turn<'a>,
 }
 
 /// The body as forwarded: with `identity.cache_salt = "client"`, a request
@@ -410,59 +478,6 @@ fn priority_header<'r>(req: &'r HttpRequest, name: &str) -> Option<&'r str> {
     value.and_then(|v| v.to_str().ok())
 }
 
-/// A new session's first target: held while no replica has room (`hold.rs`),
-/// then placed where the most room is (ties broken fleet-wide by the fewest
-/// sessions), and (with a shared store) admitted there atomically: another
-/// instance that took the last room first sends it back to wait. Returns
-/// the target and how long it waited, if it did.
-async fn place_new_session(
-    state: &AppState,
-    settings: &PolicySettings,
-    lookup: &Lookup,
-    retries: &mut Retries,
-    recorder: &OutcomeRecorder,
-    session: crate::policy::PrefixKey,
-    who: &crate::priority::Who,
-) -> Result<(Option<(Arc<Replica>, RouteReason)>, hold::Admission), ApiError> {
-    // Admitted against what it will hold, not only its first turn.
-    let tokens = hold::admitted_tokens(state, lookup, crate::tokens::estimate_tokens(lookup.shape.prompt_bytes));
-    let max_wait = Duration::from_millis(state.sessions.settings().max_wait_ms);
-    let started = Instant::now();
-    let mut waited: Option<Duration> = None;
-    loop {
-        let (w, reservation) = hold::hold_if_full(state, lookup, tokens, who).await?;
-        if let Some(w) = w {
-            waited = Some(waited.unwrap_or_default() + w);
-        }
-        if !state.shared_store_answers() {
-            // This instance's view decides: chosen and placed in one step.
-            let _placing = state.sessions.placing();
-            let (target, reason) = next_target(state, settings, lookup, retries, recorder, true)?;
-            if let Some(r) = &reservation {
-                r.place(&target.id);
-            }
-            return Ok((Some((target, reason)), (waited, reservation)));
-        }
-        let (target, reason) = next_target(state, settings, lookup, retries, recorder, true)?;
-        // Past the wait (or with the hold off), placed without a capacity check.
-        let enforce = !max_wait.is_zero() && started.elapsed() < max_wait;
-        if let Some(placed) =
-            hold::place_in_store(state, lookup, &target, &retries.tried, session, tokens, enforce).await
-        {
-            if let Some(r) = &reservation {
-                r.place(&placed.id);
-            }
-            return Ok((Some((placed, reason)), (waited, reservation)));
-        }
-        tracing::debug!(replica = %target.id, "another instance took the last room first: waiting again");
-        tokio::time::sleep(crate::sessions::RECHECK).await;
-    }
-}
-
-/// A large request's slots: its place in this instance's queue, and (with a
-/// shared store) its fleet-wide lease. Both are released when dropped.
-type LargeSlot = (Permit, Option<crate::leases::FleetLease>);
-
 /// Waits for a large-context slot on `replica`: this instance's FIFO queue
 /// first, then the fleet-wide lease, all within `admission.wait_ms`.
 async fn admit(
@@ -490,7 +505,7 @@ async fn admit(
             if how == Admitted::AfterWaiting || waited {
                 recorder.admission_waited(replica);
             }
-            Ok((permit, lease))
+            Ok(LargeSlot { permit, lease })
         }
         (Err(e), _) | (_, Err(e)) => {
             recorder.admission_rejected(replica);
@@ -529,7 +544,6 @@ fn respond(
         impl futures_util::Stream<Item = Result<web::Bytes, actix_web::error::PayloadError>> + Unpin + 'static,
     >,
     outcome: Outcome,
-    replica_name: HeaderValue,
     predicted_cached: Option<u64>,
     idle: Duration,
     dialect: Dialect,
@@ -537,7 +551,7 @@ fn respond(
     let status = resp.status();
     let mut out = HttpResponse::build(status);
     headers::copy_response_headers(resp.headers(), &mut out);
-    out.insert_header((HEADER_REPLICA, replica_name));
+    out.insert_header((HEADER_REPLICA, outcome.replica().name_header.clone()));
     out.insert_header((HEADER_ROUTE, HeaderValue::from_static(outcome.reason.as_str())));
     if let Some(n) = predicted_cached {
         out.insert_header((HEADER_PREDICTED_CACHED, HeaderValue::from(n)));
@@ -552,7 +566,7 @@ fn respond(
     let tap = status.is_success().then(|| UsageTap::new(dialect, sse, expected));
     // An SSE error reply (non-2xx) carries no [DONE]: only check successful streams.
     let sse_checked = sse && status.is_success();
-    let body = GuardedBody::new(resp, idle, sse_checked, expected, tap, outcome);
+    let body = GuardedBody::new(resp, idle, body::Framing { sse: sse_checked, expected }, tap, outcome);
     // The body's own size frames the reply: with a length, the HTTP encoder
     // writes Content-Length itself and never chunks, so a client sees a body
     // cut short as short, whatever its HTTP library does with chunked

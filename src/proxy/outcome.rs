@@ -18,10 +18,12 @@ use crate::error::ApiError;
 use crate::events::{EventKind, EventLog};
 use crate::fleet::health::{HealthTracker, Observation};
 use crate::fleet::{InflightGuard, Replica};
-use crate::metrics::{Metrics, ResultLabels, WorkerMetrics};
+use crate::metrics::{ClassLabels, Metrics, ResultLabels, WorkerMetrics};
 use crate::pins::{Pin, PinOrigin, PinSource, PinTable};
-use crate::policy::sessions::{response_key, KeyKind, SessionKey};
+use crate::policy::conversation::{response_key, KeyKind, SessionKey};
 use crate::policy::{Dialect, PrefixKey, PrefixMatch, RouteReason};
+use crate::priority::Who;
+use crate::sessions::gate::Happened;
 use crate::state::AppState;
 
 pub struct OutcomeRecorder {
@@ -294,6 +296,50 @@ impl OutcomeRecorder {
     /// A response the replica stored (Responses API): follow-ups naming it
     /// must come back here. Persisted like any pin.
     /// `key`: the response id's, in its tenant's scope.
+    /// What the session gate did (`sessions::gate::Happened`), for `who`'s
+    /// request: history and metrics record each, as it happens.
+    pub fn session(&self, happened: Happened, who: &Who) {
+        let m = self.metrics();
+        let whose = format!("class {}, client {}", who.class.as_str(), who.client);
+        match happened {
+            Happened::QueueFull => self.rejected("session_queue_full"),
+            Happened::Held { tokens, waited, over_capacity, alone } => {
+                m.session_hold.get_or_create(&ClassLabels::of(who.class)).observe(waited.as_secs_f64());
+                let ms = waited.as_millis();
+                let alone = if alone { " (larger than any replica: it runs alone)" } else { "" };
+                if !over_capacity {
+                    let detail = format!("a new session of ~{tokens} tokens ({whose}) waited {ms} ms for room{alone}");
+                    self.events.record(EventKind::SessionHeld, None, None, detail);
+                    return;
+                }
+                m.sessions_over_capacity.inc();
+                tracing::warn!(tokens, waited_ms = ms as u64, "no room opened: a new session admitted over capacity");
+                let detail = format!(
+                    "a new session of ~{tokens} tokens ({whose}) waited {ms} ms (sessions.max_wait_ms) without room and was admitted over capacity{alone}"
+                );
+                self.events.record(EventKind::SessionOverCapacity, None, None, detail);
+            }
+            Happened::Preempted { replica, class, for_class, for_tokens } => {
+                m.sessions_preempted.get_or_create(&ClassLabels::of(class)).inc();
+                let detail = format!(
+                    "a {} session gave its room, between its turns, to a waiting {} session of ~{for_tokens} tokens; its next turn waits for room",
+                    class.as_str(),
+                    for_class.as_str(),
+                );
+                self.events.record(EventKind::SessionPreempted, Some(&replica), None, detail);
+            }
+            Happened::Paused { replica, tokens, waited, class, preempted } => {
+                m.session_turns_paused.get_or_create(&ClassLabels::of(class)).inc();
+                let why = match preempted {
+                    true => "a session of a higher class had taken its room",
+                    false => "the sessions here outgrew its KV and it was the first to give way",
+                };
+                let detail = format!("a turn of ~{tokens} tokens ({whose}) paused {} ms: {why}", waited.as_millis());
+                self.events.record(EventKind::SessionPaused, Some(&replica), None, detail);
+            }
+        }
+    }
+
     pub fn stored_response(&self, key: PrefixKey, replica: &Arc<str>) {
         let origin = PinOrigin { dialect: Dialect::Responses, source: PinSource::Response };
         self.pins.record(key, replica, None, 0, crate::clock::now_ms(), origin);
@@ -305,14 +351,21 @@ impl OutcomeRecorder {
     }
 }
 
+/// A large request's slots: its place in this instance's queue, and (with
+/// a shared store) its fleet-wide lease. Both are released when dropped.
+pub struct LargeSlot {
+    pub permit: Permit,
+    pub lease: Option<crate::leases::FleetLease>,
+}
+
 /// What a request holds until its body ends: its place in flight, its
 /// large-context slot, its running ticket, and its session's turn.
-pub type Held = (
-    InflightGuard,
-    Option<(Permit, Option<crate::leases::FleetLease>)>,
-    RunningTicket,
-    Option<crate::sessions::SessionTurn>,
-);
+pub struct Holdings {
+    pub guard: InflightGuard,
+    pub large: Option<LargeSlot>,
+    pub running: RunningTicket,
+    pub turn: Option<crate::sessions::SessionTurn>,
+}
 
 /// Held by the response body; reports to the recorder when the body ends,
 /// however it ends, and releases the request's counters, admission slot and
@@ -326,7 +379,7 @@ pub struct Outcome {
     pub predicted_cached: Option<u64>,
     pub started: Instant,
     pub prompt_bytes: usize,
-    pub held: Held,
+    pub held: Holdings,
     /// The request's server span, ended with the body.
     pub trace: super::trace::RequestTrace,
     /// The tenant a response it stores is pinned for (`identity.scope`).
@@ -336,7 +389,7 @@ pub struct Outcome {
 impl Outcome {
     /// The replica serving the body (the in-flight guard holds it).
     pub fn replica(&self) -> &Arc<Replica> {
-        &self.held.0.replica
+        &self.held.guard.replica
     }
 }
 

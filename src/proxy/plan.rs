@@ -73,7 +73,7 @@ pub fn plan(
         .zip(&serving)
         .map(|(r, &serves)| Candidate {
             id: &r.id,
-            routable: serves && r.routable() && !input.tried.contains(&r.id),
+            routable: crate::sessions::gate::may_go_to(r, serves, input.tried),
             spare: !input.large || has_free_slot(r),
             weight: r.spec().weight(),
         })
@@ -113,4 +113,50 @@ fn stored_response(id: &str, home: &str, fleet: &[Arc<Replica>], tried: &[Arc<st
         return Err(unavailable("is down (failing health checks)", false));
     }
     Ok(Route { replica: i, reason: RouteReason::Response })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fleet::{AdminState, ReplicaSpec};
+
+    fn fleet(ids: &[&str]) -> Vec<Arc<Replica>> {
+        ids.iter().map(|id| Arc::new(Replica::new(ReplicaSpec::new(id, "http://x"), AdminState::Active))).collect()
+    }
+
+    /// Where a new large session goes among `fleet`, with the rooms
+    /// `taken` (tokens of 10,000) and a free large slot only on `slot`.
+    fn new_large_session(fleet: &[Arc<Replica>], taken: &[u64], slot: &str, tried: &[Arc<str>], n: u64) -> String {
+        let shape = RequestShape { multi_unit: true, pin_at: Some(1), prompt_bytes: 4_000, ..Default::default() };
+        let room = |r: &Replica| {
+            let i = fleet.iter().position(|f| f.id == r.id).unwrap();
+            Room { capacity: Some(10_000), taken: taken[i], slot_tokens: None }
+        };
+        let input = PlanInput {
+            mode: Mode::Shape,
+            shape: &shape,
+            pinned: None,
+            named: None,
+            stored: None,
+            tried,
+            large: true,
+            room: Some(&room),
+        };
+        let route = plan(&input, fleet, |r| &*r.id == slot, &SpreadCounter::starting_at(n)).unwrap();
+        fleet[route.replica].id.to_string()
+    }
+
+    #[test]
+    fn a_free_large_slot_is_a_preference_among_the_most_room_never_a_reason_to_go_where_the_room_is_not() {
+        let f = fleet(&["a", "b", "c"]);
+        for n in 0..6 {
+            // a has the most room; only b has a slot free: a, where the large
+            // request then waits for its slot at admission.
+            assert_eq!(new_large_session(&f, &[2_000, 5_000, 5_000], "b", &[], n), "a");
+            // a and b tie on room: the one with a slot free, whatever the counter.
+            assert_eq!(new_large_session(&f, &[2_000, 2_000, 5_000], "b", &[], n), "b");
+            // The rule (`may_go_to`): never one this request failed on.
+            assert_eq!(new_large_session(&f, &[2_000, 5_000, 9_000], "b", &[Arc::from("a")], n), "b");
+        }
+    }
 }

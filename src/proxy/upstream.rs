@@ -5,8 +5,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use actix_web::HttpRequest;
-
 use crate::fleet::ReplicaSpec;
 
 use super::headers;
@@ -36,18 +34,13 @@ impl Upstream {
 
     /// A `POST /tokenize` to the replica `spec` (`count.rs`), with the
     /// credentials `req` carries there (`headers::replica_request`).
-    pub(super) fn tokenize_request(
-        &self,
-        spec: &Arc<ReplicaSpec>,
-        req: &HttpRequest,
-        gateway_keys: bool,
-    ) -> awc::ClientRequest {
+    pub(super) fn tokenize_request(&self, spec: &Arc<ReplicaSpec>, caller: headers::Caller<'_>) -> awc::ClientRequest {
         let target = self.replicas.target(spec, &actix_web::http::Uri::from_static("/tokenize"));
-        headers::replica_request(&self.client, actix_web::http::Method::POST, target, req, spec, gateway_keys)
+        headers::replica_request(&self.client, actix_web::http::Method::POST, target, caller, spec)
     }
 
     /// The upstream request for `req` on the replica `spec`.
-    pub(super) fn request(&self, spec: &Arc<ReplicaSpec>, req: &HttpRequest, gateway_keys: bool) -> awc::ClientRequest {
-        headers::upstream_request(&self.client, self.replicas.target(spec, req.uri()), req, spec, gateway_keys)
+    pub(super) fn request(&self, spec: &Arc<ReplicaSpec>, caller: headers::Caller<'_>) -> awc::ClientRequest {
+        headers::upstream_request(&self.client, self.replicas.target(spec, caller.req.uri()), caller, spec)
     }
 }

@@ -35,17 +35,17 @@ impl Drop for Ticket {
 
 /// How a held session's wait ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Held {
+pub enum WaitEnded {
     /// Room opened after this long.
     Placed(Duration),
     /// `max_wait_ms` passed without room: admitted over capacity.
     OverCapacity(Duration),
 }
 
-impl Held {
+impl WaitEnded {
     pub fn waited(self) -> Duration {
         match self {
-            Held::Placed(d) | Held::OverCapacity(d) => d,
+            WaitEnded::Placed(d) | WaitEnded::OverCapacity(d) => d,
         }
     }
 }
@@ -119,11 +119,11 @@ impl Sessions {
     }
 
     /// Counts one finished wait.
-    pub fn record_wait(&self, held: Held) {
+    pub fn record_wait(&self, held: WaitEnded) {
         let mut w = self.waits.lock().unwrap_or_else(|e| e.into_inner());
         let ms = held.waited().as_millis() as u64;
         w.waited += 1;
-        w.over_capacity += u64::from(matches!(held, Held::OverCapacity(_)));
+        w.over_capacity += u64::from(matches!(held, WaitEnded::OverCapacity(_)));
         w.total_ms += ms;
         w.max_ms = w.max_ms.max(ms);
     }
@@ -150,7 +150,7 @@ impl Sessions {
         who: &Who,
         tokens: u64,
         admit: impl Fn(&[u64]) -> bool,
-    ) -> Result<(Held, Reservation), DomainError> {
+    ) -> Result<(WaitEnded, Reservation), DomainError> {
         let full = |waiting: usize| DomainError::Overloaded {
             message: format!("the replicas' KV is full and {waiting} new sessions already wait for room; retry later"),
             retry_after: Duration::from_millis(self.settings.max_wait_ms / 2).max(Duration::from_secs(1)),
@@ -192,8 +192,8 @@ impl Sessions {
             return Err(full(self.settings.max_held));
         }
         let held = match placed {
-            true => Held::Placed(started.elapsed()),
-            false => Held::OverCapacity(started.elapsed()),
+            true => WaitEnded::Placed(started.elapsed()),
+            false => WaitEnded::OverCapacity(started.elapsed()),
         };
         let reservation = reserved
             .into_inner()
@@ -294,12 +294,12 @@ mod tests {
         tokio::time::sleep(Duration::from_secs(1)).await;
         room.store(true, std::sync::atomic::Ordering::SeqCst);
         s.recheck();
-        assert!(matches!(first.await.unwrap().unwrap().0, Held::Placed(_)));
-        assert!(matches!(second.await.unwrap().unwrap().0, Held::Placed(_)));
+        assert!(matches!(first.await.unwrap().unwrap().0, WaitEnded::Placed(_)));
+        assert!(matches!(second.await.unwrap().unwrap().0, WaitEnded::Placed(_)));
         assert_eq!(s.held(), 0);
         // No room ever: over capacity at max_wait_ms.
         let (over, _) = s.hold(&Who::default(), 1, |_: &[u64]| false).await.unwrap();
-        assert_eq!(over, Held::OverCapacity(Duration::from_millis(10_000)));
+        assert_eq!(over, WaitEnded::OverCapacity(Duration::from_millis(10_000)));
         // A waiter dropped mid-wait leaves the queue.
         let who = Who::default();
         let mut gone = Box::pin(s.hold(&who, 1, |_: &[u64]| false));

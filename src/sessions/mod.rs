@@ -21,7 +21,7 @@
 //!   (`priority::FairQueue`); turns of resident sessions are never queued
 //!   with them (they pause only when their replica is crossed, the lowest
 //!   class, the client with most sessions and the youngest first:
-//!   `pause_if_over`). The head of the queue goes as soon as room opens (a
+//!   `pause.rs`). The head of the queue goes as soon as room opens (a
 //!   session idles out, moves, its replica leaves or capacity grows:
 //!   re-checked on each change and every `RECHECK`), to the replica with
 //!   the most room; a higher class may take a lower one's room between its
@@ -35,10 +35,12 @@
 //! What is kept is bounded by the sessions alive: an idle session is
 //! forgotten by the sweep, a replica's with the replica.
 
+pub mod gate;
 mod hold;
 mod pause;
 pub mod projection;
 pub mod room;
+pub mod sync;
 mod view;
 
 use std::sync::{Arc, Mutex, Weak};
@@ -49,8 +51,8 @@ use crate::fleet::residents::{Begin, Resident};
 use crate::fleet::Replica;
 use crate::policy::PrefixKey;
 use crate::priority::{FairQueue, Who};
-pub use hold::{Held, Ticket};
-pub use room::{Room, Verdict};
+pub use hold::{Ticket, WaitEnded};
+pub use room::{Entry, Room};
 use serde::{Deserialize, Serialize};
 pub use view::{SessionState, SessionView};
 

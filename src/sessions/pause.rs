@@ -101,20 +101,29 @@ impl Sessions {
     /// Pauses the next turn of resident `session` on `replica` (`tokens` of
     /// context with this turn) while the residents there are over its pool
     /// and it is the youngest (`room::must_pause`), at most `max_wait_ms`;
-    /// returns how long it paused, if it did. The turn has not started: a
-    /// turn that started is never cut. While paused the session counts as
-    /// busy (it cannot idle out: the room that opens is for it).
+    /// returns how long it paused, if it did (`gate::Pass::arrive` decides,
+    /// then `pause` waits).
+    #[cfg(test)]
     pub async fn pause_if_over(&self, replica: &Replica, session: PrefixKey, tokens: u64) -> Option<Duration> {
-        // The turn came now, however long it waits: its place in the order is fixed.
         let came = crate::clock::now_ms();
-        if !self.must_pause(replica, session, tokens, came) {
-            return None;
+        match self.must_pause(replica, session, tokens, came) {
+            true => Some(self.pause(replica, session, tokens, came).await),
+            false => None,
         }
+    }
+
+    /// Waits while the next turn of resident `session` on `replica` must
+    /// pause (it did when it came, at `came_ms`: its place in the order is
+    /// fixed), at most `max_wait_ms`; returns how long it waited. The turn
+    /// has not started: a turn that started is never cut. While paused the
+    /// session counts as busy (it cannot idle out: the room that opens is
+    /// for it).
+    pub async fn pause(&self, replica: &Replica, session: PrefixKey, tokens: u64, came_ms: u64) -> Duration {
         let _busy = PausedTurn::start(self, replica, session);
         let started = tokio::time::Instant::now();
         let deadline = started + Duration::from_millis(self.settings.max_wait_ms);
-        self.wait_for(deadline, || !self.must_pause(replica, session, tokens, came)).await;
-        Some(started.elapsed())
+        self.wait_for(deadline, || !self.must_pause(replica, session, tokens, came_ms)).await;
+        started.elapsed()
     }
 
     /// Turns of resident sessions paused now.

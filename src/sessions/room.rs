@@ -59,7 +59,7 @@ pub fn most_room(rooms: &[Room]) -> Vec<usize> {
 
 /// What to do with a new session of `tokens` over `rooms` (its candidates).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Verdict {
+pub enum Entry {
     /// Place it now (room somewhere, capacity unknown, or too small to matter).
     Admit,
     /// No candidate has room: wait until a resident session leaves.
@@ -90,23 +90,23 @@ pub fn default_min_tokens(rooms: &[Room]) -> u64 {
 /// `min_tokens`: a session whose footprint is smaller than this never
 /// waits (a short chat costs a replica little, and holding it costs its user
 /// a turn). On slots, every session takes a whole slot: it always matters.
-pub fn verdict(rooms: &[Room], tokens: u64, min_tokens: u64) -> Verdict {
+pub fn entry(rooms: &[Room], tokens: u64, min_tokens: u64) -> Entry {
     if rooms.is_empty() || rooms.iter().any(|r| r.capacity.is_none()) {
-        return Verdict::Admit;
+        return Entry::Admit;
     }
     if rooms.iter().map(|r| r.footprint(tokens)).min().unwrap_or(0) < min_tokens {
-        return Verdict::Admit;
+        return Entry::Admit;
     }
     if rooms.iter().all(|r| r.footprint(tokens) > r.capacity.unwrap_or(0)) {
         // It fits nowhere even empty: it goes where nothing else is.
         return match rooms.iter().any(|r| r.taken == 0) {
-            true => Verdict::Admit,
-            false => Verdict::HoldAlone,
+            true => Entry::Admit,
+            false => Entry::HoldAlone,
         };
     }
     match rooms.iter().any(|r| r.fits(tokens)) {
-        true => Verdict::Admit,
-        false => Verdict::Hold,
+        true => Entry::Admit,
+        false => Entry::Hold,
     }
 }
 
@@ -228,14 +228,14 @@ mod tests {
 
     #[test]
     fn a_session_waits_only_when_no_candidate_has_room_for_it() {
-        assert_eq!(verdict(&[room(100, 80), room(100, 70)], 20, 10), Verdict::Admit);
-        assert_eq!(verdict(&[room(100, 90), room(100, 85)], 20, 10), Verdict::Hold);
-        assert_eq!(verdict(&[room(100, 90), room(100, 85)], 5, 10), Verdict::Admit, "too small to matter");
+        assert_eq!(entry(&[room(100, 80), room(100, 70)], 20, 10), Entry::Admit);
+        assert_eq!(entry(&[room(100, 90), room(100, 85)], 20, 10), Entry::Hold);
+        assert_eq!(entry(&[room(100, 90), room(100, 85)], 5, 10), Entry::Admit, "too small to matter");
         let unknown = Room { capacity: None, taken: 0, slot_tokens: None };
-        assert_eq!(verdict(&[room(100, 90), unknown], 50, 10), Verdict::Admit, "unknown capacity: no hold");
-        assert_eq!(verdict(&[room(100, 10), room(100, 20)], 150, 10), Verdict::HoldAlone);
-        assert_eq!(verdict(&[room(100, 0), room(100, 20)], 150, 10), Verdict::Admit, "an empty replica takes it");
-        assert_eq!(verdict(&[], 150, 10), Verdict::Admit);
+        assert_eq!(entry(&[room(100, 90), unknown], 50, 10), Entry::Admit, "unknown capacity: no hold");
+        assert_eq!(entry(&[room(100, 10), room(100, 20)], 150, 10), Entry::HoldAlone);
+        assert_eq!(entry(&[room(100, 0), room(100, 20)], 150, 10), Entry::Admit, "an empty replica takes it");
+        assert_eq!(entry(&[], 150, 10), Entry::Admit);
     }
 
     #[test]
@@ -244,7 +244,7 @@ mod tests {
         reserve(&mut rooms, &[50]);
         assert_eq!(rooms.map(|r| r.taken), [80, 60]);
         // The next one of 50 no longer fits anywhere: it waits.
-        assert_eq!(verdict(&rooms, 50, 10), Verdict::Hold);
+        assert_eq!(entry(&rooms, 50, 10), Entry::Hold);
     }
 
     #[test]
@@ -255,8 +255,8 @@ mod tests {
         assert_eq!(default_min_tokens(&[unknown]), 0);
         // A 150-token chat on a 3,072-token pool is below it; a 1,200-token agent turn is not.
         let small_pool = [room(3_072, 3_000), room(3_072, 2_900)];
-        assert_eq!(verdict(&small_pool, 150, default_min_tokens(&small_pool)), Verdict::Admit);
-        assert_eq!(verdict(&small_pool, 1_200, default_min_tokens(&small_pool)), Verdict::Hold);
+        assert_eq!(entry(&small_pool, 150, default_min_tokens(&small_pool)), Entry::Admit);
+        assert_eq!(entry(&small_pool, 1_200, default_min_tokens(&small_pool)), Entry::Hold);
     }
 
     #[test]
@@ -360,8 +360,8 @@ mod tests {
         // llama.cpp with one slot of 8,192 tokens: one conversation each.
         let one_slot = |taken| Room { capacity: Some(8_192), taken, slot_tokens: Some(8_192) };
         assert_eq!(one_slot(0).footprint(1_500), 8_192);
-        assert_eq!(verdict(&[one_slot(8_192), one_slot(8_192)], 1_500, 1_000), Verdict::Hold);
-        assert_eq!(verdict(&[one_slot(8_192), one_slot(0)], 1_500, 1_000), Verdict::Admit);
+        assert_eq!(entry(&[one_slot(8_192), one_slot(8_192)], 1_500, 1_000), Entry::Hold);
+        assert_eq!(entry(&[one_slot(8_192), one_slot(0)], 1_500, 1_000), Entry::Admit);
         let four = Room { capacity: Some(4 * 4_096), taken: 0, slot_tokens: Some(4_096) };
         assert_eq!(four.footprint(5_000), 8_192, "two slots");
     }

@@ -652,7 +652,7 @@ async fn with_redis_down_a_follow_up_unknown_here_is_found_by_asking_the_replica
         let first = post_with(&url(&gws[0]), &json!({"model": "sim-model", "input": format!("first {i}")}), &[]).await;
         assert_eq!(first.status, 200);
         let id = first.body["id"].as_str().unwrap().to_string();
-        let key = prefixgate::policy::sessions::response_key(&id);
+        let key = prefixgate::policy::conversation::response_key(&id);
         assert_eq!(gws[1].gw.pins.replica_of(key), None, "instance 1 cannot have heard of it");
         let follow = json!({"model": "sim-model", "input": "again", "previous_response_id": id});
         let r = post_with(&url(&gws[1]), &follow, &[]).await;
