@@ -122,3 +122,79 @@ fn the_cycle_finder_finds_a_loop_through_grouped_imports() {
     assert_eq!(loops.len(), 3, "{loops:?}");
     assert_eq!(loops[0], ["a", "b", "c", "a"]);
 }
+
+/// A function of `text` (its name, arguments besides `self`, lines from
+/// its signature to its closing brace). Declarations without a body
+/// (trait methods) are skipped. Good enough for this codebase's style
+/// (rustfmt'd, no braces inside string literals of signatures).
+fn functions(text: &str) -> Vec<(String, usize, usize)> {
+    let start = regex::Regex::new(r"\bfn\s+([a-z_][a-z0-9_]*)\s*(<[^(]*>)?\s*\(").unwrap();
+    let bytes = text.as_bytes();
+    let mut out = Vec::new();
+    for m in start.captures_iter(text) {
+        let whole = m.get(0).unwrap();
+        // The arguments: to the matching parenthesis, split at top-level commas.
+        let (mut depth, mut i, mut args, mut current) = (1i32, whole.end(), Vec::new(), String::new());
+        while depth > 0 && i < bytes.len() {
+            let c = bytes[i] as char;
+            match c {
+                '(' | '[' | '{' | '<' => depth += 1,
+                ')' | ']' | '}' => depth -= 1,
+                '>' if bytes[i - 1] != b'-' => depth -= 1,
+                _ => {}
+            }
+            if (c == ',' && depth == 1) || depth == 0 {
+                args.push(std::mem::take(&mut current));
+            } else {
+                current.push(c);
+            }
+            i += 1;
+        }
+        let is_self = regex::Regex::new(r"^\s*(&\s*('\w+\s+)?)?(mut\s+)?self\b").unwrap();
+        let n = args.iter().filter(|a| !a.trim().is_empty() && !is_self.is_match(a)).count();
+        // The body: from the next `{` (unless a `;` comes first) to its match.
+        let (Some(open), semi) = (text[i..].find('{'), text[i..].find(';')) else { continue };
+        if semi.is_some_and(|s| s < open) {
+            continue;
+        }
+        let (mut depth, mut j) = (0i32, i + open);
+        loop {
+            match bytes[j] {
+                b'{' => depth += 1,
+                b'}' => depth -= 1,
+                _ => {}
+            }
+            j += 1;
+            if depth == 0 || j == bytes.len() {
+                break;
+            }
+        }
+        out.push((m[1].to_string(), n, text[whole.start()..j].lines().count()));
+    }
+    out
+}
+
+/// The request path stays readable (docs/architecture.md, "A request"): no
+/// function in `src/proxy/` is longer than 80 lines or takes more than 5
+/// arguments; what a step needs travels in a named struct.
+#[test]
+fn no_function_on_the_request_path_is_longer_than_80_lines_or_takes_more_than_5_arguments() {
+    let mut files = Vec::new();
+    collect_rs(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src/proxy"), &mut files);
+    assert!(files.len() > 10, "read src/proxy: {files:?}");
+    let mut over = Vec::new();
+    for f in &files {
+        for (name, args, lines) in functions(&non_test_code(&std::fs::read_to_string(f).unwrap())) {
+            if args > 5 || lines > 80 {
+                over.push(format!("{}: {name}: {args} arguments, {lines} lines", f.display()));
+            }
+        }
+    }
+    assert!(over.is_empty(), "{}", over.join("\n"));
+}
+
+#[test]
+fn the_function_reader_counts_arguments_and_lines() {
+    let text = "impl X {\n    pub fn a<'r>(&'r self, b: Vec<(u8, u8)>, c: impl Fn(u8) -> u8) -> u8 {\n        1\n    }\n}\nfn d() {}\ntrait T { fn e(&self, x: u8); }\n";
+    assert_eq!(functions(text), vec![("a".to_string(), 2, 3), ("d".to_string(), 0, 1)]);
+}
