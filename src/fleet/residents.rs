@@ -68,6 +68,13 @@ pub struct Resident {
     pub paused_since_ms: u64,
     /// How long its turns waited in pauses that ended, ms (the sessions view).
     pub waited_ms: u64,
+    /// What the last sessions of its first link reached when it arrived
+    /// (0: none ended here): the peak its family's sessions end at.
+    pub link_peak: u64,
+    /// Its latest turn ended at or past its link's peak: most likely its
+    /// last, so it idles out at once and its room goes to the next (a
+    /// paused turn, a held session) without a hand-off's wait.
+    pub at_peak: bool,
 }
 
 /// A conversation that came back here (two turns or more) and has since
@@ -142,6 +149,9 @@ impl Resident {
     /// at once gives its room back soon after it stops; one running long
     /// tool calls keeps it through them (up to `idle_ms`).
     pub fn idle_after_ms(&self, idle_ms: u64) -> u64 {
+        if self.at_peak {
+            return 0;
+        }
         match self.longest_gap_ms {
             0 => idle_ms,
             gap => gap.saturating_mul(GAP_FACTOR).clamp(MIN_IDLE_MS.min(idle_ms), idle_ms),
@@ -171,7 +181,37 @@ pub struct Residents {
     /// The wall was set or lowered since the projections last learned from
     /// the sessions resident here (`take_wall_lesson`).
     wall_lesson: AtomicBool,
+    /// A session turn's duration here, ms, smoothed (0: none ended yet).
+    turn_ms: AtomicU64,
+    /// The engine's prefill rate here, tokens a second, smoothed (an f64's
+    /// bits; 0: not measured yet).
+    prefill_tps: AtomicU64,
 }
+
+/// What the gateway measured of a replica's pace, for the choice between
+/// holding a new session and admitting it to pause later (`room::admit_and_pause`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Pace {
+    /// A session turn's duration, ms (None: none ended yet).
+    pub turn_ms: Option<u64>,
+    /// The engine's prefill rate, tokens a second (None: not measured yet).
+    pub prefill_tps: Option<f64>,
+}
+
+/// Each new reading weighs this much in a smoothed figure (`Pace`).
+const PACE_WEIGHT: f64 = 0.25;
+
+fn smoothed(before: f64, reading: f64) -> f64 {
+    if before == 0.0 {
+        reading
+    } else {
+        before + (reading - before) * PACE_WEIGHT
+    }
+}
+
+/// A prefill shorter than this many uncached tokens says little of the rate
+/// (the time to first token is then mostly the queue and the first decode step).
+pub const MIN_PREFILL_TOKENS: u64 = 256;
 
 /// What a pinned turn's receipt says about its replica.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -227,6 +267,8 @@ pub struct Begin {
     pub moved: Option<Resident>,
     /// What a session new here is projected to reach (0: nothing learned).
     pub projected: u64,
+    /// What the last sessions of its first link reached (0: none ended here).
+    pub link_peak: u64,
     pub link: Option<PrefixKey>,
     pub class: crate::priority::Class,
     /// The turn stated its class (a later turn's stated class replaces the first's).
@@ -333,6 +375,7 @@ impl Residents {
                 arrived_ms: b.now_ms,
                 ours: true,
                 projected: b.projected,
+                link_peak: b.link_peak,
                 link: b.link,
                 class: b.class,
                 client: b.client,
@@ -344,6 +387,7 @@ impl Residents {
             r.class = b.class;
         }
         r.preempted = false;
+        r.at_peak = false;
         if !fresh && r.ours {
             // The silence since its last turn ended: how long its agent
             // was away. Only when that turn ran here: a turn another
@@ -365,12 +409,39 @@ impl Residents {
         r.ours = true;
     }
 
-    /// A turn of `session` that ran here ended at `now_ms`.
-    pub fn end(&self, session: PrefixKey, now_ms: u64) {
-        if let Some(r) = self.lock().get_mut(&session) {
-            r.running = r.running.saturating_sub(1);
-            r.last_ms = r.last_ms.max(now_ms);
+    /// A turn of `session` that ran here ended at `now_ms`. True when it
+    /// ended at its peak (`Resident::at_peak`): it idles out at once.
+    pub fn end(&self, session: PrefixKey, now_ms: u64) -> bool {
+        let mut on = self.lock();
+        let Some(r) = on.get_mut(&session) else { return false };
+        if r.running == 1 && now_ms > r.began_ms {
+            // One turn, from its start to its end here: the pace of a turn.
+            let took = (now_ms - r.began_ms) as f64;
+            let before = self.turn_ms.load(Ordering::Relaxed) as f64;
+            self.turn_ms.store(smoothed(before, took).round() as u64, Ordering::Relaxed);
         }
+        r.running = r.running.saturating_sub(1);
+        r.last_ms = r.last_ms.max(now_ms);
+        r.at_peak = r.running == 0 && r.link_peak > 0 && r.tokens >= r.link_peak;
+        r.at_peak
+    }
+
+    /// A response here prefilled `uncached` tokens and sent its first
+    /// event `first_event` after the request went: the engine's prefill rate.
+    pub fn observe_prefill(&self, uncached: u64, first_event: std::time::Duration) {
+        let secs = first_event.as_secs_f64();
+        if uncached < MIN_PREFILL_TOKENS || secs <= 0.0 {
+            return;
+        }
+        let before = f64::from_bits(self.prefill_tps.load(Ordering::Relaxed));
+        self.prefill_tps.store(smoothed(before, uncached as f64 / secs).to_bits(), Ordering::Relaxed);
+    }
+
+    /// What was measured of this replica's pace.
+    pub fn pace(&self) -> Pace {
+        let turn_ms = Some(self.turn_ms.load(Ordering::Relaxed)).filter(|t| *t > 0);
+        let tps = f64::from_bits(self.prefill_tps.load(Ordering::Relaxed));
+        Pace { turn_ms, prefill_tps: (tps > 0.0).then_some(tps) }
     }
 
     /// Another instance's pins say of `session` what `heard` holds: resident

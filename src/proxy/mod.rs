@@ -424,6 +424,7 @@ impl Forwarding<'_> {
             held,
             trace: self.h.trace.clone(),
             scope: self.scope,
+            first_event: None,
         };
         let idle = Duration::from_millis(self.h.state.config.timeouts.idle_stream_ms);
         let mut out = respond(resp, outcome, predicted_cached, idle, self.lookup.shape.dialect);

@@ -384,6 +384,8 @@ pub struct Outcome {
     pub trace: super::trace::RequestTrace,
     /// The tenant a response it stores is pinned for (`identity.scope`).
     pub scope: crate::policy::tenancy::Scope,
+    /// When a stream's first event came, after `started`.
+    pub first_event: Option<Duration>,
 }
 
 impl Outcome {
@@ -399,8 +401,10 @@ impl BodyEnd for Outcome {
     }
 
     fn first_event(&mut self) {
+        let took = self.started.elapsed();
+        self.first_event = Some(took);
         let route = self.replica().series.route(self.recorder.metrics(), self.reason);
-        route.first_token.observe(self.started.elapsed().as_secs_f64());
+        route.first_token.observe(took.as_secs_f64());
     }
 
     fn finish(&mut self, outcome: BodyOutcome, usage: Option<&UsageTap>) {
@@ -434,6 +438,10 @@ impl BodyEnd for Outcome {
                 self.replica().calibration.calibrate(self.prompt_bytes, u.prompt_tokens);
                 if let (Some(predicted), Some(cached)) = (self.predicted_cached, u.cached_tokens) {
                     self.recorder.receipt(self.replica(), predicted, cached);
+                }
+                // The engine's prefill rate, for the wall's choices (`room::admit_and_pause`).
+                if let (Some(cached), Some(first)) = (u.cached_tokens, self.first_event) {
+                    self.replica().residents.observe_prefill(u.prompt_tokens.saturating_sub(cached), first);
                 }
                 route.prompt_tokens.inc_by(u.prompt_tokens);
                 route.cached_tokens.inc_by(u.cached_tokens.unwrap_or(0));

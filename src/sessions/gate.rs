@@ -135,12 +135,10 @@ impl<'a> Gate<'a> {
         if !ask.new {
             return Ok(pass);
         }
-        // Admitted against what it will hold, not only its first turn.
-        let largest = self.rooms(ask.model).iter().filter_map(|r| r.capacity).max();
-        let tokens = super::projection::admitted_tokens(ask.tokens, self.sessions.project(ask.link), largest);
         let max_wait = Duration::from_millis(self.sessions.settings().max_wait_ms);
         let started = tokio::time::Instant::now();
         loop {
+            let tokens = self.admitted_tokens(&ask);
             let (waited, reservation) = self.hold_if_full(&ask, tokens).await?;
             if let Some(w) = waited {
                 pass.waited = Some(pass.waited.unwrap_or_default() + w);
@@ -166,6 +164,53 @@ impl<'a> Gate<'a> {
             tracing::debug!(replica = %target.id, "another instance took the last room first: waiting again");
             tokio::time::sleep(RECHECK).await;
         }
+    }
+
+    /// The tokens a new session is admitted against: what it will grow to
+    /// (its projection, at most the largest candidate's capacity), unless
+    /// it fits now and admitting it to pause at the crossing costs less
+    /// than holding it whole (`room::admit_and_pause`): then its first turn's.
+    fn admitted_tokens(&self, ask: &Ask<'_>) -> u64 {
+        let rooms = self.rooms(ask.model);
+        let largest = rooms.iter().filter_map(|r| r.capacity).max();
+        let projected = super::projection::admitted_tokens(ask.tokens, self.sessions.project(ask.link), largest);
+        let hold = self.sessions.settings();
+        if projected <= ask.tokens || hold.max_wait_ms == 0 {
+            return projected;
+        }
+        let min_tokens = hold.hold_min_tokens.unwrap_or_else(|| room::default_min_tokens(&rooms));
+        if room::entry(&rooms, projected, min_tokens) != Entry::Hold {
+            return projected; // It fits at its peak: nothing to choose.
+        }
+        match self.cheaper_to_pause(ask) {
+            true => ask.tokens,
+            false => projected,
+        }
+    }
+
+    /// On the candidate with the most room for the new session as it is
+    /// now (a pool of tokens: on slots a session never grows into
+    /// another's), whether admitting it to pause later beats holding it.
+    fn cheaper_to_pause(&self, ask: &Ask<'_>) -> bool {
+        let sessions = self.sessions;
+        let candidates = self.candidates(ask.model);
+        let fits_now = |r: &&Arc<Replica>| r.slot_tokens().is_none() && sessions.room_of(r).fits(ask.tokens);
+        let Some(best) = candidates.iter().filter(fits_now).max_by_key(|r| sessions.room_of(r).left()) else {
+            return false;
+        };
+        let Some(capacity) = sessions.room_of(best).capacity else { return false };
+        let learned = sessions.project_growth(ask.link).unwrap_or(0);
+        let growth = |g: u64| if g > 0 { g } else { learned };
+        let mut residents: Vec<room::Growing> = best
+            .residents
+            .snapshot()
+            .iter()
+            .filter(|(_, r)| !r.preempted)
+            .map(|(_, r)| room::Growing { tokens: r.next_turn_tokens(), growth: growth(r.growth()) })
+            .collect();
+        residents.extend(sessions.placed_on(best).into_iter().map(|tokens| room::Growing { tokens, growth: learned }));
+        let new = room::Growing { tokens: ask.tokens, growth: learned };
+        room::admit_and_pause(capacity, &residents, new, best.residents.pace())
     }
 
     /// Holds a new session of about `tokens` while no candidate has room
@@ -529,5 +574,48 @@ mod tests {
             for_tokens: 6_000,
         };
         assert!(reports.borrow().contains(&preempted), "{:?}", reports.borrow());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_session_that_fits_now_but_not_at_its_peak_is_admitted_or_held_by_what_each_costs() {
+        let (s, fleet) = gateway(&["a"], 12_000);
+        let a = fleet.get("a").unwrap();
+        let who = Who::default();
+        let link = Some(42);
+        // A session of the link grew to 9,500 tokens, 1,500 a turn, and ended.
+        let t0 = crate::clock::now_ms();
+        for (i, tokens) in [2_000, 3_500, 5_000, 6_500, 8_000, 9_500].into_iter().enumerate() {
+            drop(s.begin_turn(&a, 1, link, tokens, &who, t0 + i as u64));
+        }
+        assert!(s.sweep(crate::clock::now_ms() + 60_000).any);
+        assert_eq!((s.project(link), s.project_growth(link)), (Some(9_500), Some(1_500)));
+        // Another is resident at its first turn; a third comes: 9,500 + 9,500
+        // do not fit, 2,000 beside it do, for three rounds.
+        drop(s.begin_turn(&a, 2, link, 2_000, &who, crate::clock::now_ms()));
+        let reports = RefCell::new(Vec::new());
+        let report = |h: Happened| reports.borrow_mut().push(h);
+        let gate = Gate { sessions: &s, fleet: &fleet, store: None, preempt: false, report: &report };
+        let new = Ask { link, ..ask(3, true, 2_000, &who) };
+        // Nothing measured of the replica's pace: admitted now, as a cold gateway would.
+        let pass = gate.enter(new, || most_room(&s, &fleet)).await.unwrap();
+        assert_eq!(pass.waited, None, "admitted at once");
+        assert_eq!(s.room_of(&a).taken, 9_500 + 2_000, "reserved at its first turn's size");
+        drop(pass);
+        // Turns of 400 ms and a prefill of 500 tokens a second (re-prefilling
+        // 5,000 tokens: 10 s): holding costs less than three turns
+        // overlapped. Held, until the resident leaves.
+        let now = crate::clock::now_ms();
+        drop(s.begin_turn(&a, 2, link, 3_500, &who, now - 400));
+        a.residents.observe_prefill(1_000, Duration::from_secs(2));
+        assert_eq!(a.residents.pace().prefill_tps, Some(500.0));
+        assert!(a.residents.pace().turn_ms.is_some_and(|t| t >= 400));
+        let entering = gate.enter(new, || most_room(&s, &fleet));
+        let room_opens = async {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            assert_eq!(s.held(), 1, "held whole: pausing would cost more");
+            assert!(s.sweep(crate::clock::now_ms() + 60_000).any);
+        };
+        let (pass, ()) = tokio::join!(entering, room_opens);
+        assert_eq!(pass.unwrap().waited, Some(Duration::from_millis(300)));
     }
 }

@@ -211,6 +211,8 @@ pub struct Sessions {
     paused: std::sync::atomic::AtomicUsize,
     /// Told when room may have opened.
     changed: tokio::sync::Notify,
+    /// Told when a session's turn ended at its peak: sweep now.
+    sweep_soon: tokio::sync::Notify,
     /// How the waits went, since start.
     waits: Mutex<WaitStats>,
     /// New sessions admitted whose first turn is not resident yet. Its own
@@ -295,6 +297,7 @@ impl Sessions {
             projections: Mutex::default(),
             paused: Default::default(),
             changed: tokio::sync::Notify::new(),
+            sweep_soon: tokio::sync::Notify::new(),
             waits: Mutex::default(),
             reservations: Mutex::default(),
             next_reservation: Default::default(),
@@ -341,7 +344,10 @@ impl Sessions {
         who: &Who,
         now_ms: u64,
     ) -> SessionTurn {
-        let projected = self.project(link).unwrap_or(0);
+        let (projected, link_peak) = {
+            let projections = self.projections();
+            (projections.project(link).unwrap_or(0), projections.link_peak(link).unwrap_or(0))
+        };
         let moved = {
             let mut state = self.lock();
             state.clients.entry(client_hash(&who.client)).or_insert_with(|| who.client.clone());
@@ -350,7 +356,7 @@ impl Sessions {
             state.home.insert(session, Arc::downgrade(replica));
             let client = client_hash(&who.client);
             let (class, stated) = (who.class, who.stated);
-            let begin = Begin { tokens, now_ms, moved, projected, link, class, stated, client };
+            let begin = Begin { tokens, now_ms, moved, projected, link_peak, link, class, stated, client };
             replica.residents.begin(session, begin);
             moved.is_some()
         };
@@ -363,7 +369,16 @@ impl Sessions {
     fn end_turn(&self, session: PrefixKey, now_ms: u64) {
         let state = self.lock();
         let Some(replica) = state.home_of(session) else { return };
-        replica.residents.end(session, now_ms);
+        if replica.residents.end(session, now_ms) {
+            // Its last turn, most likely: its room goes now, not a hand-off later.
+            self.sweep_soon.notify_one();
+        }
+    }
+
+    /// Waits until a session's turn ended at its peak (the sessions' task
+    /// sweeps then: `sync.rs`).
+    pub async fn sweep_wanted(&self) {
+        self.sweep_soon.notified().await
     }
 
     /// Another instance's session, known from its pins (`heard`): resident
@@ -432,6 +447,7 @@ impl Sessions {
             let mut projections = self.projections();
             for r in ended {
                 projections.learn(r.link, r.peak_tokens);
+                projections.learn_growth(r.link, r.growth());
             }
             for (link, tokens) in crossed {
                 projections.learn(link, tokens);
@@ -455,7 +471,10 @@ impl Sessions {
             drop(state);
             // It ended: every instance learns what it grew to, not only
             // the one that served its last turn.
-            self.projections().learn(ended.link, ended.peak_tokens);
+            let mut projections = self.projections();
+            projections.learn(ended.link, ended.peak_tokens);
+            projections.learn_growth(ended.link, ended.growth());
+            drop(projections);
             self.changed.notify_waiters();
         }
     }
@@ -539,6 +558,18 @@ impl Sessions {
     /// nothing learned yet).
     pub fn project(&self, link: Option<PrefixKey>) -> Option<u64> {
         self.projections().project(link)
+    }
+
+    /// What a turn of a new session of first link `link` is expected to
+    /// add, tokens (None: nothing learned yet).
+    pub fn project_growth(&self, link: Option<PrefixKey>) -> Option<u64> {
+        self.projections().project_growth(link)
+    }
+
+    /// The tokens of the new sessions placed on `replica` whose first turn
+    /// is not resident yet.
+    pub fn placed_on(&self, replica: &Replica) -> Vec<u64> {
+        self.reservations().iter().filter(|r| r.on.as_ref() == Some(&replica.id)).map(|r| r.tokens).collect()
     }
 
     /// What the capacity view shows of the projections.
@@ -712,6 +743,35 @@ mod tests {
         assert_eq!(s.room_of(&a).left(), Some(2_000));
         let figures = s.projection_figures();
         assert_eq!((figures.fleet_tokens, figures.sessions_learned, figures.links), (Some(9_000), 1, 1));
+    }
+
+    #[tokio::test]
+    async fn a_turn_that_ends_at_its_links_peak_gives_its_room_at_once() {
+        let s = Sessions::new(SessionConfig { idle_ms: 10_000, ..settings() });
+        let a = replica("a");
+        let link = Some(42);
+        // One session of the link grows to 9,000 tokens and ends: learned.
+        let start = crate::clock::now_ms();
+        for (i, tokens) in [2_000, 5_500, 9_000].into_iter().enumerate() {
+            drop(s.begin_turn(&a, 1, link, tokens, &Who::default(), start + i as u64));
+        }
+        assert!(s.sweep(crate::clock::now_ms() + 60_000).any);
+        // The next one: below the peak it keeps its room through its gaps.
+        let now = crate::clock::now_ms();
+        drop(s.begin_turn(&a, 2, link, 2_000, &Who::default(), now));
+        drop(s.begin_turn(&a, 2, link, 5_500, &Who::default(), now + 1));
+        assert!(!s.sweep(crate::clock::now_ms() + 100).any);
+        // Its turn at the peak ends: most likely its last. The sessions'
+        // task is told to sweep, and the sweep lets it go at once.
+        let turn = s.begin_turn(&a, 2, link, 9_000, &Who::default(), now + 2);
+        let told = tokio::time::timeout(std::time::Duration::from_millis(50), s.sweep_wanted());
+        drop(turn);
+        assert!(told.await.is_ok(), "the sessions' task is told");
+        assert!(s.sweep(now + 10).any, "gone a moment after its turn ended, not its gaps later");
+        assert!(!s.is_resident(2));
+        // Another link's session at the same size is not at its peak.
+        drop(s.begin_turn(&a, 3, Some(7), 9_000, &Who::default(), crate::clock::now_ms()));
+        assert!(!s.sweep(crate::clock::now_ms() + 100).any);
     }
 
     #[test]

@@ -27,6 +27,9 @@ pub const MAX_LINKS: usize = 4_096;
 #[derive(Debug, Default)]
 struct LinkPeaks {
     peaks: VecDeque<u64>,
+    /// What a turn of its recent sessions added, tokens (each session's
+    /// largest recent turn): how fast a new session of the link will grow.
+    growths: VecDeque<u64>,
     /// When it was last fed (a counter, not a clock): the oldest leaves first.
     fed: u64,
 }
@@ -35,6 +38,7 @@ struct LinkPeaks {
 pub struct Projections {
     links: foldhash::HashMap<PrefixKey, LinkPeaks>,
     fleet: VecDeque<u64>,
+    fleet_growths: VecDeque<u64>,
     fed: u64,
 }
 
@@ -76,6 +80,41 @@ impl Projections {
         entry.fed = self.fed;
     }
 
+    /// A session of `link` that ended added up to `growth` tokens a turn
+    /// (0: not known, nothing is learned). Kept beside its peak, bounded alike.
+    pub fn learn_growth(&mut self, link: Option<PrefixKey>, growth: u64) {
+        if growth == 0 {
+            return;
+        }
+        if self.fleet_growths.len() == FLEET {
+            self.fleet_growths.pop_front();
+        }
+        self.fleet_growths.push_back(growth);
+        // Only a link `learn` keeps (it bounds them): what a link grows to
+        // and how fast are learned together.
+        if let Some(entry) = link.and_then(|l| self.links.get_mut(&l)) {
+            if entry.growths.len() == PER_LINK {
+                entry.growths.pop_front();
+            }
+            entry.growths.push_back(growth);
+        }
+    }
+
+    /// What a turn of a new session of this link is expected to add,
+    /// tokens: the most its link's recent sessions added, else the fleet's
+    /// 75th percentile; None when nothing was learned.
+    pub fn project_growth(&self, link: Option<PrefixKey>) -> Option<u64> {
+        link.and_then(|l| self.links.get(&l))
+            .and_then(|l| l.growths.iter().max().copied())
+            .or_else(|| percentile_75(&self.fleet_growths))
+    }
+
+    /// What the last sessions of this link reached, tokens (None: none of
+    /// them ended here): a session that reaches it is most likely at its end.
+    pub fn link_peak(&self, link: Option<PrefixKey>) -> Option<u64> {
+        link.and_then(|l| self.links.get(&l)).and_then(|l| l.peaks.iter().max().copied())
+    }
+
     /// What a session of this link is expected to reach, tokens: its link's
     /// projection, else the fleet's; None when nothing was learned.
     pub fn project(&self, link: Option<PrefixKey>) -> Option<u64> {
@@ -85,12 +124,7 @@ impl Projections {
     }
 
     fn fleet_tokens(&self) -> Option<u64> {
-        if self.fleet.is_empty() {
-            return None;
-        }
-        let mut sorted: Vec<u64> = self.fleet.iter().copied().collect();
-        sorted.sort_unstable();
-        Some(sorted[(sorted.len() * 3).div_ceil(4) - 1])
+        percentile_75(&self.fleet)
     }
 
     pub fn figures(&self) -> ProjectionFigures {
@@ -100,6 +134,17 @@ impl Projections {
             links: self.links.len(),
         }
     }
+}
+
+/// The 75th percentile of `values` (None: empty): mixed families, where most
+/// fit and the largest outliers do not set the rule.
+fn percentile_75(values: &VecDeque<u64>) -> Option<u64> {
+    if values.is_empty() {
+        return None;
+    }
+    let mut sorted: Vec<u64> = values.iter().copied().collect();
+    sorted.sort_unstable();
+    Some(sorted[(sorted.len() * 3).div_ceil(4) - 1])
 }
 
 /// The footprint a new session is admitted against: what it holds now, or
@@ -116,6 +161,25 @@ pub fn admitted_tokens(now: u64, projected: Option<u64>, capacity: Option<u64>) 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn what_a_turn_adds_is_learned_beside_the_peak_per_link_then_fleet_wide() {
+        let mut p = Projections::default();
+        assert_eq!(p.project_growth(Some(1)), None, "nothing learned");
+        p.learn(Some(1), 9_500);
+        p.learn_growth(Some(1), 1_500);
+        p.learn(Some(2), 3_000);
+        p.learn_growth(Some(2), 200);
+        p.learn_growth(Some(2), 0);
+        assert_eq!(p.project_growth(Some(1)), Some(1_500));
+        assert_eq!(p.project_growth(Some(2)), Some(200), "0 is unknown, not learned");
+        assert_eq!(p.project_growth(Some(3)), Some(1_500), "an unknown link: the fleet's 75th percentile");
+        for _ in 0..PER_LINK {
+            p.learn(Some(1), 9_500);
+            p.learn_growth(Some(1), 1_000);
+        }
+        assert_eq!(p.project_growth(Some(1)), Some(1_000), "the link's last sessions only");
+    }
 
     #[test]
     fn a_link_projects_its_largest_recent_peak_and_others_the_fleets_upper_quartile() {

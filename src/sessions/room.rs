@@ -14,6 +14,7 @@
 //!   first turn until `sessions.idle_ms` of silence), and what other
 //!   instances reserved.
 
+pub use crate::fleet::residents::Pace;
 use crate::priority::Class;
 
 /// What the placement knows of one candidate replica.
@@ -108,6 +109,55 @@ pub fn entry(rooms: &[Room], tokens: u64, min_tokens: u64) -> Entry {
         true => Entry::Admit,
         false => Entry::Hold,
     }
+}
+
+/// A session as the choice between holding and pausing sees it: its
+/// context at its next turn, and what a turn adds, tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Growing {
+    pub tokens: u64,
+    pub growth: u64,
+}
+
+/// Rounds looked ahead at most.
+const MAX_ROUNDS: u64 = 64;
+
+/// How many turns a new session (`new`, its first turn) runs beside
+/// `residents` (each at its next turn) on a pool of `capacity` before, all
+/// growing a turn a round, their turns together cross it.
+pub fn rounds_before_crossing(capacity: u64, residents: &[Growing], new: Growing) -> u64 {
+    let load = |round: u64| residents.iter().chain([&new]).map(|s| s.tokens + round * s.growth).sum::<u64>();
+    (0..MAX_ROUNDS).take_while(|round| load(*round) <= capacity).count() as u64
+}
+
+/// The choice for a new session that fits its replica now but not at what
+/// it will grow to (its projection): hold it whole until a resident leaves,
+/// or admit it now and pause its turn at the crossing (`must_pause`)?
+///
+/// - Admitted, its first `k` turns (`rounds_before_crossing`) run beside
+///   the residents' turns; held, they would run after them: the overlap
+///   saves about `k` turns of time.
+/// - Paused at the crossing, its prefix is likely evicted while the older
+///   sessions grow to their peaks: its context then re-prefills once, at
+///   the engine's measured rate.
+/// - The hand-off (a resident leaving, its room going to the next) is paid
+///   by both.
+///
+/// Admit when the overlap saves more than the re-prefill costs. With
+/// nothing measured yet, admit: what a cold gateway does, measured no
+/// slower than holding whole sessions on the simulator and on real vLLM
+/// (docs/sessions.md). What was learned informs the choice; it is never a
+/// reason to pick the slower schedule.
+pub fn admit_and_pause(capacity: u64, residents: &[Growing], new: Growing, pace: Pace) -> bool {
+    let k = rounds_before_crossing(capacity, residents, new);
+    if k == 0 {
+        return false;
+    }
+    let (Some(turn_ms), Some(prefill_tps)) = (pace.turn_ms, pace.prefill_tps) else { return true };
+    let overlap_ms = k as f64 * turn_ms as f64;
+    let at_crossing = new.tokens + (k - 1) * new.growth;
+    let reprefill_ms = at_crossing as f64 / prefill_tps * 1_000.0;
+    overlap_ms > reprefill_ms
 }
 
 /// Sessions whose first turns began within the same span of this many
@@ -213,6 +263,27 @@ pub fn preemptible(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_new_session_is_admitted_to_pause_later_when_the_overlap_saves_more_than_the_re_prefill_costs() {
+        // The simulated wall: 12,000 tokens, one resident at its second
+        // turn (3,500, +1,500 a turn), a new session of 2,000 (+1,500).
+        let resident = [Growing { tokens: 3_500, growth: 1_500 }];
+        let new = Growing { tokens: 2_000, growth: 1_500 };
+        assert_eq!(rounds_before_crossing(12_000, &resident, new), 3, "5,500, 8,500, 11,500; then 14,500");
+        let pace = |turn_ms, tps| Pace { turn_ms: Some(turn_ms), prefill_tps: Some(tps) };
+        // Turns of 400 ms, prefill at 8,200 tokens a second: three turns
+        // overlapped (1.2 s) against re-prefilling 5,000 tokens (0.6 s).
+        assert!(admit_and_pause(12_000, &resident, new, pace(400, 8_200.0)));
+        // A slow prefill (1,000 tokens a second: 5 s) against quick turns: hold.
+        assert!(!admit_and_pause(12_000, &resident, new, pace(400, 1_000.0)));
+        // Nothing measured: what a cold gateway does.
+        assert!(admit_and_pause(12_000, &resident, new, Pace::default()));
+        // It does not fit beside the residents now: held, whatever the pace.
+        let full = [Growing { tokens: 11_000, growth: 0 }];
+        assert_eq!(rounds_before_crossing(12_000, &full, new), 0);
+        assert!(!admit_and_pause(12_000, &full, new, Pace::default()));
+    }
 
     fn room(capacity: u64, taken: u64) -> Room {
         Room { capacity: Some(capacity), taken, slot_tokens: None }

@@ -39,6 +39,8 @@ impl SessionSync {
         loop {
             tokio::select! {
                 _ = tokio::time::sleep_until(next_sweep) => next_sweep = tokio::time::Instant::now() + self.sweep(),
+                // A turn ended at its session's peak: its room goes now.
+                _ = self.sessions.sweep_wanted() => next_sweep = tokio::time::Instant::now() + self.sweep(),
                 _ = tokio::time::sleep_until(next_keep), if self.shared() => {
                     // At most every `MIN_SWEEP_SPACING`: a flush interval of 0 does not spin.
                     next_keep = tokio::time::Instant::now() + self.keep_every.max(MIN_SWEEP_SPACING);

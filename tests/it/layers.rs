@@ -129,6 +129,7 @@ fn the_cycle_finder_finds_a_loop_through_grouped_imports() {
 /// (rustfmt'd, no braces inside string literals of signatures).
 fn functions(text: &str) -> Vec<(String, usize, usize)> {
     let start = regex::Regex::new(r"\bfn\s+([a-z_][a-z0-9_]*)\s*(<[^(]*>)?\s*\(").unwrap();
+    let is_self = regex::Regex::new(r"^\s*(&\s*('\w+\s+)?)?(mut\s+)?self\b").unwrap();
     let bytes = text.as_bytes();
     let mut out = Vec::new();
     for m in start.captures_iter(text) {
@@ -150,7 +151,6 @@ fn functions(text: &str) -> Vec<(String, usize, usize)> {
             }
             i += 1;
         }
-        let is_self = regex::Regex::new(r"^\s*(&\s*('\w+\s+)?)?(mut\s+)?self\b").unwrap();
         let n = args.iter().filter(|a| !a.trim().is_empty() && !is_self.is_match(a)).count();
         // The body: from the next `{` (unless a `;` comes first) to its match.
         let (Some(open), semi) = (text[i..].find('{'), text[i..].find(';')) else { continue };
