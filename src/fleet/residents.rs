@@ -68,11 +68,9 @@ pub struct Resident {
     pub paused_since_ms: u64,
     /// How long its turns waited in pauses that ended, ms (the sessions view).
     pub waited_ms: u64,
-    /// What the last sessions of its first link reached when it arrived
-    /// (0: none ended here): the peak its family's sessions end at.
-    pub link_peak: u64,
-    /// Its latest turn ended at or past its link's peak: most likely its
-    /// last, so it idles out at once and its room goes to the next (a
+    /// Its latest turn ended where its next would pass its projection (the
+    /// peak its link's last sessions reached, else the fleet's):
+    /// most likely its last, so it idles out at once and its room goes to the next (a
     /// paused turn, a held session) without a hand-off's wait.
     pub at_peak: bool,
 }
@@ -267,8 +265,6 @@ pub struct Begin {
     pub moved: Option<Resident>,
     /// What a session new here is projected to reach (0: nothing learned).
     pub projected: u64,
-    /// What the last sessions of its first link reached (0: none ended here).
-    pub link_peak: u64,
     pub link: Option<PrefixKey>,
     pub class: crate::priority::Class,
     /// The turn stated its class (a later turn's stated class replaces the first's).
@@ -375,7 +371,6 @@ impl Residents {
                 arrived_ms: b.now_ms,
                 ours: true,
                 projected: b.projected,
-                link_peak: b.link_peak,
                 link: b.link,
                 class: b.class,
                 client: b.client,
@@ -422,7 +417,9 @@ impl Residents {
         }
         r.running = r.running.saturating_sub(1);
         r.last_ms = r.last_ms.max(now_ms);
-        r.at_peak = r.running == 0 && r.link_peak > 0 && r.tokens >= r.link_peak;
+        // Its next turn would take it past what sessions like it reached:
+        // this one was most likely its last.
+        r.at_peak = r.running == 0 && r.projected > 0 && r.tokens + r.growth().max(1) > r.projected;
         r.at_peak
     }
 

@@ -109,12 +109,6 @@ impl Projections {
             .or_else(|| percentile_75(&self.fleet_growths))
     }
 
-    /// What the last sessions of this link reached, tokens (None: none of
-    /// them ended here): a session that reaches it is most likely at its end.
-    pub fn link_peak(&self, link: Option<PrefixKey>) -> Option<u64> {
-        link.and_then(|l| self.links.get(&l)).and_then(|l| l.peaks.iter().max().copied())
-    }
-
     /// What a session of this link is expected to reach, tokens: its link's
     /// projection, else the fleet's; None when nothing was learned.
     pub fn project(&self, link: Option<PrefixKey>) -> Option<u64> {
