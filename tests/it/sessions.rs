@@ -346,7 +346,14 @@ async fn new_sessions_are_admitted_at_what_their_kind_grew_to() {
         assert_eq!(r["resident_tokens"].as_u64(), Some(learned), "{r}");
     }
     assert_eq!(capacity["sessions"]["projected_tokens"].as_u64(), Some(learned));
-    // A third: ~3,000 tokens would fit beside either, ~15,000 does not. It waits.
+    // A third: ~3,000 tokens would fit beside either, ~15,000 does not.
+    // Where holding it whole costs less than admitting it to pause at the
+    // crossing (issue 40: each card measured a slow prefill, so re-prefilling
+    // its context after a pause would cost more than the turns it could
+    // overlap; `room::admit_and_pause`), it waits.
+    for id in ["a", "b"] {
+        gw.gw.fleet.get(id).unwrap().residents.observe_prefill(1_000, Duration::from_secs(10));
+    }
     let fourth = send("fourth", 1);
     wait_until("the fourth held", Duration::from_secs(5), || gw.gw.sessions.held() == 1).await;
     // Room opens when one of the two idles out; then it goes.
