@@ -25,6 +25,8 @@
 # INSTANCES=N (1): each arm through N gateway instances on one fresh Redis,
 # each turn of a family to the next instance (needs redis-server).
 # HOLD_MIN_TOKENS=N: sets sessions.hold_min_tokens.
+# PRIORITY=1: an arm more, four background families and an interactive one
+# two seconds later (its first-turn hold against theirs).
 # SYSTEM_TOKENS (740), CONTEXT_TOKENS (450), TURN_TOKENS (240): the
 # families' sizes, in the bench's estimated tokens (SmolLM2's tokenizer
 # reads these as ~1,340 growing to ~2,990; real-vllm.sh passes 640/415/175:
@@ -100,19 +102,28 @@ fi
 reps="--replica l0=${LLAMA_URL[0]} --replica l1=${LLAMA_URL[1]}"
 declare -A WALL
 
-# arm NAME GATEWAY FAMILIES: one set of families through GATEWAY (its
-# instances, one turn to each in turn); records its wall.
+# arm NAME GATEWAY FAMILIES [agent-loop args]: one set of families through
+# GATEWAY (its instances, one turn to each in turn); records its wall, and
+# prints where the families' first turns went (each family's replica).
 arm() {
   local name=$1 gw=$2 families=$3 start
+  shift 3
   echo "=== $name ($families families)"
   start=$(date +%s.%N)
   local report=()
-  [ -n "${REPORTS:-}" ] && mkdir -p "$REPORTS" && report=(--report "$REPORTS/$name.json")
+  mkdir -p "$BENCH_TMP/reports"
+  report=(--report "${REPORTS:-$BENCH_TMP/reports}/$name.json")
+  [ -n "${REPORTS:-}" ] && mkdir -p "$REPORTS"
   $bin bench agent-loop --base-url "${GATEWAY_URLS[$gw]}" --model "$model" --label "$name" --families "$families" \
-    --turns "$TURNS" "${report[@]}" \
+    --turns "$TURNS" "${report[@]}" "$@" \
     --system-tokens "$SYSTEM_TOKENS" --context-tokens "$CONTEXT_TOKENS" --turn-tokens "$TURN_TOKENS" --max-tokens 16
   WALL[$name]=$(echo "$(date +%s.%N) - $start" | bc)
   echo "wall $name: ${WALL[$name]} s"
+  python3 -c '
+import json, sys
+r = json.load(open(sys.argv[1]))
+first = sorted((s["family"], s["replica"]) for s in r["samples"] if s["turn"] == 1)
+print("  first turns by family:", ", ".join(f"{f}: {rep or chr(63)}" for f, rep in first))' "${report[1]}"
 }
 
 # gateways NAME [args]: INSTANCES gateways (on a fresh Redis when more than
@@ -183,5 +194,27 @@ sleep "$(echo "$IDLE_MS / 1000" | bc -l)"
 arm by-hand-2 off "$((FAMILIES - half))"
 WALL[by-hand]=$(echo "$(date +%s.%N) - $start" | bc)
 echo "wall by-hand: ${WALL[by-hand]} s"
+# PRIORITY=1: four background families through a fresh hold gateway, and
+# one interactive family two seconds later: its first turn's hold against
+# the background sessions' mean (issue 40: it waits for one turn boundary,
+# not for a session's end).
+if [ -n "${PRIORITY:-}" ]; then
+  sleep "$(echo "$IDLE_MS / 1000 + 1" | bc -l)"
+  gateways prio --set "sessions.idle_ms=$IDLE_MS" "${extra[@]}"
+  arm prio-background prio 4 --header x-prefixgate-priority:background >"$BENCH_TMP/prio-bg.log" 2>&1 &
+  bg=$!
+  sleep 2
+  arm prio-interactive prio 1 --header x-prefixgate-priority:interactive
+  wait $bg
+  cat "$BENCH_TMP/prio-bg.log"
+  for cls in interactive background; do
+    curl -s "${GATEWAY_ADMIN[prio]}/metrics" | python3 -c '
+import re, sys
+text, cls = sys.stdin.read(), sys.argv[1]
+get = lambda k: float(re.search(r"prefixgate_session_hold_seconds_%s\{class=\"%s\"\} (\S+)" % (k, cls), text).group(1))
+n, total = get("count"), get("sum")
+print("%s first-turn hold: %.2f s mean over %d" % (cls, total / n if n else 0, n))' "$cls"
+  done
+fi
 python3 -c "import sys; h, a, b, o = map(float, sys.argv[1:]); print(f'hold / by hand: {h / b:.2f}x; hold-again / by hand: {a / b:.2f}x; off / by hand: {o / b:.2f}x')" \
   "${WALL[hold]}" "${WALL[hold-again]}" "${WALL[by-hand]}" "${WALL[off]}"

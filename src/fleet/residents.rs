@@ -335,9 +335,12 @@ impl Residents {
     }
 
     /// The sum of the residents' footprints: each counted at
-    /// `counted_tokens`, shaped by `footprint` (whole slots on llama.cpp).
+    /// `counted_tokens`, shaped by `footprint` (whole slots on llama.cpp),
+    /// the preempted ones at nothing.
     pub fn footprint_sum(&self, footprint: impl Fn(u64) -> u64) -> u64 {
-        self.lock().values().map(|s| footprint(s.counted_tokens())).sum()
+        // A preempted session counts for nothing: on slots, not even the
+        // whole slot a session of any size takes (it gave that slot away).
+        self.lock().values().filter(|s| !s.preempted).map(|s| footprint(s.counted_tokens())).sum()
     }
 
     /// Sessions, their contexts and their counted contexts, summed.

@@ -618,4 +618,31 @@ mod tests {
         let (pass, ()) = tokio::join!(entering, room_opens);
         assert_eq!(pass.unwrap().waited, Some(Duration::from_millis(300)));
     }
+
+    #[tokio::test(start_paused = true)]
+    async fn on_a_one_slot_engine_a_higher_class_takes_the_slot_at_the_lower_ones_boundary() {
+        let (s, fleet) = gateway(&["a"], 16_384);
+        let a = fleet.get("a").unwrap();
+        a.set_slot_tokens(Some(16_384));
+        let background = Who { class: Class::Background, stated: true, ..Who::default() };
+        let interactive = Who { class: Class::Interactive, ..Who::default() };
+        let reports = RefCell::new(Vec::new());
+        let report = |h: Happened| reports.borrow_mut().push(h);
+        let gate = Gate { sessions: &s, fleet: &fleet, store: None, preempt: true, report: &report };
+        let plan = || most_room(&s, &fleet);
+        let mut bg = gate.enter(ask(1, true, 1_300, &background), plan).await.unwrap();
+        let turn = bg.begin(&s, &a, 1_300, crate::clock::now_ms());
+        let entering = gate.enter(ask(2, true, 1_300, &interactive), plan);
+        let next_turn = async {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            assert_eq!(s.held(), 1);
+            let bg = gate.enter(ask(1, false, 1_500, &background), plan).await.unwrap();
+            let pause = bg.arrive(&gate, &a, 1_500, || None).expect("the slot was given away: it pauses");
+            drop(turn);
+            let waited = tokio::time::timeout(Duration::from_millis(500), pause.wait()).await;
+            assert!(waited.is_err(), "still paused while the interactive session holds the slot");
+        };
+        let (pass, ()) = tokio::join!(entering, next_turn);
+        assert_eq!(pass.unwrap().waited, Some(Duration::from_millis(300)));
+    }
 }

@@ -534,7 +534,10 @@ impl Sessions {
             out.push(crate::store::KeptSession {
                 replica: replica.id.to_string(),
                 session: format!("{session:032x}"),
-                footprint: self.room_of(&replica).footprint(r.counted_tokens()),
+                footprint: match r.preempted {
+                    true => 0,
+                    false => self.room_of(&replica).footprint(r.counted_tokens()),
+                },
                 until_ms: from + r.idle_after_ms(idle_ms) + STORE_SLACK_MS,
             });
         }
