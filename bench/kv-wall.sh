@@ -26,7 +26,8 @@
 # each turn of a family to the next instance (needs redis-server).
 # HOLD_MIN_TOKENS=N: sets sessions.hold_min_tokens.
 # PRIORITY=1: an arm more, four background families and an interactive one
-# two seconds later (its first-turn hold against theirs).
+# two seconds later (its first-turn hold against theirs); PRIORITY=only: that
+# arm alone.
 # SYSTEM_TOKENS (740), CONTEXT_TOKENS (450), TURN_TOKENS (240): the
 # families' sizes, in the bench's estimated tokens (SmolLM2's tokenizer
 # reads these as ~1,340 growing to ~2,990; real-vllm.sh passes 640/415/175:
@@ -174,6 +175,8 @@ said() {
     done
   fi
 }
+# PRIORITY=only: the priority arm alone (below).
+if [ "${PRIORITY:-}" != only ]; then
 arm hold hold "$FAMILIES"
 said hold
 # The same gateway again, a new set of families once the first idled out:
@@ -194,6 +197,9 @@ sleep "$(echo "$IDLE_MS / 1000" | bc -l)"
 arm by-hand-2 off "$((FAMILIES - half))"
 WALL[by-hand]=$(echo "$(date +%s.%N) - $start" | bc)
 echo "wall by-hand: ${WALL[by-hand]} s"
+python3 -c "import sys; h, a, b, o = map(float, sys.argv[1:]); print(f'hold / by hand: {h / b:.2f}x; hold-again / by hand: {a / b:.2f}x; off / by hand: {o / b:.2f}x')" \
+  "${WALL[hold]}" "${WALL[hold-again]}" "${WALL[by-hand]}" "${WALL[off]}"
+fi
 # PRIORITY=1: four background families through a fresh hold gateway, and
 # one interactive family two seconds later: its first turn's hold against
 # the background sessions' mean (issue 40: it waits for one turn boundary,
@@ -216,5 +222,3 @@ n, total = get("count"), get("sum")
 print("%s first-turn hold: %.2f s mean over %d" % (cls, total / n if n else 0, n))' "$cls"
   done
 fi
-python3 -c "import sys; h, a, b, o = map(float, sys.argv[1:]); print(f'hold / by hand: {h / b:.2f}x; hold-again / by hand: {a / b:.2f}x; off / by hand: {o / b:.2f}x')" \
-  "${WALL[hold]}" "${WALL[hold-again]}" "${WALL[by-hand]}" "${WALL[off]}"

@@ -29,11 +29,15 @@ async fn schemathesis_finds_no_contract_violation_in_the_admin_api() {
     wait_until("found", std::time::Duration::from_secs(10), || gw.gw.fleet.get("found").is_some()).await;
     // schemathesis keeps a cache in its working directory: not in the repository.
     let scratch = tempfile::tempdir().unwrap();
+    // One worker: with two threads CPython 3.11 (Debian's) now and then
+    // fails building an AST inside schemathesis ("AST constructor recursion
+    // depth mismatch", python/cpython#106905), a failure of the tool, not
+    // of the API.
     let out = tokio::process::Command::new(st)
         .current_dir(scratch.path())
         .args(["run", &format!("{}/openapi.json", gw.admin)])
         .args(["--header", "Authorization: Bearer contract-token"])
-        .args(["--checks", "all", "--max-examples", "50", "--workers", "2", "--seed", "1"])
+        .args(["--checks", "all", "--max-examples", "50", "--workers", "1", "--seed", "1"])
         .env("NO_COLOR", "1")
         .env("SCHEMATHESIS_HOOKS", "")
         .output()
