@@ -135,18 +135,21 @@ pub fn rounds_before_crossing(capacity: u64, residents: &[Growing], new: Growing
 /// or admit it now and pause its turn at the crossing (`must_pause`)?
 ///
 /// - Admitted, its first `k` turns (`rounds_before_crossing`) run beside
-///   the residents' turns; held, they would run after them: the overlap
-///   saves about `k` turns of time.
+///   the residents' turns; held, they would run after them. Its first turn
+///   is a cold prefill of its whole context either way (`first / rate`),
+///   plus a turn's answer: the overlap saves that and `k - 1` turns more.
 /// - Paused at the crossing, its prefix is likely evicted while the older
 ///   sessions grow to their peaks: its context then re-prefills once, at
 ///   the engine's measured rate.
 /// - The hand-off (a resident leaving, its room going to the next) is paid
 ///   by both.
 ///
-/// Admit when the overlap saves more than the re-prefill costs. With
-/// nothing measured yet, admit: what a cold gateway does, measured no
-/// slower than holding whole sessions on the simulator and on real vLLM
-/// (docs/sessions.md). What was learned informs the choice; it is never a
+/// Admit when the overlap saves more than the re-prefill costs. The first
+/// prefill cancels out of the comparison, leaving `k` turns against what
+/// its `k - 1` turns added, re-prefilled. (Counting the overlap as `k` warm
+/// turns alone held whole sessions on real vLLM where the cold schedule
+/// was faster: docs/benchmarks.md.) With nothing measured yet, admit: what
+/// a cold gateway does. What was learned informs the choice; it is never a
 /// reason to pick the slower schedule.
 pub fn admit_and_pause(capacity: u64, residents: &[Growing], new: Growing, pace: Pace) -> bool {
     let k = rounds_before_crossing(capacity, residents, new);
@@ -154,9 +157,9 @@ pub fn admit_and_pause(capacity: u64, residents: &[Growing], new: Growing, pace:
         return false;
     }
     let (Some(turn_ms), Some(prefill_tps)) = (pace.turn_ms, pace.prefill_tps) else { return true };
-    let overlap_ms = k as f64 * turn_ms as f64;
-    let at_crossing = new.tokens + (k - 1) * new.growth;
-    let reprefill_ms = at_crossing as f64 / prefill_tps * 1_000.0;
+    let prefill_ms = |tokens: u64| tokens as f64 / prefill_tps * 1_000.0;
+    let overlap_ms = prefill_ms(new.tokens) + k as f64 * turn_ms as f64;
+    let reprefill_ms = prefill_ms(new.tokens + (k - 1) * new.growth);
     overlap_ms > reprefill_ms
 }
 
@@ -272,11 +275,20 @@ mod tests {
         let new = Growing { tokens: 2_000, growth: 1_500 };
         assert_eq!(rounds_before_crossing(12_000, &resident, new), 3, "5,500, 8,500, 11,500; then 14,500");
         let pace = |turn_ms, tps| Pace { turn_ms: Some(turn_ms), prefill_tps: Some(tps) };
-        // Turns of 400 ms, prefill at 8,200 tokens a second: three turns
-        // overlapped (1.2 s) against re-prefilling 5,000 tokens (0.6 s).
+        // Turns of 400 ms, prefill at 8,200 tokens a second: its first
+        // prefill and three turns overlapped (0.24 + 1.2 s) against
+        // re-prefilling 5,000 tokens (0.6 s).
         assert!(admit_and_pause(12_000, &resident, new, pace(400, 8_200.0)));
-        // A slow prefill (1,000 tokens a second: 5 s) against quick turns: hold.
+        // A slow prefill (1,000 tokens a second) against quick turns: 2 +
+        // 1.2 s overlapped against 5 s re-prefilled: hold.
         assert!(!admit_and_pause(12_000, &resident, new, pace(400, 1_000.0)));
+        // Real vLLM's shape (3,072 tokens, ~1,200-token sessions growing
+        // ~250 a turn): one round overlaps; the re-prefill is the first
+        // prefill again, so the turn it overlaps decides: admit.
+        let vllm = [Growing { tokens: 1_450, growth: 250 }];
+        let newcomer = Growing { tokens: 1_200, growth: 250 };
+        assert_eq!(rounds_before_crossing(3_072, &vllm, newcomer), 1);
+        assert!(admit_and_pause(3_072, &vllm, newcomer, pace(1_200, 300.0)));
         // Nothing measured: what a cold gateway does.
         assert!(admit_and_pause(12_000, &resident, new, Pace::default()));
         // It does not fit beside the residents now: held, whatever the pace.
