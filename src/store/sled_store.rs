@@ -24,11 +24,31 @@ struct Trees {
     settings: sled::Tree,
 }
 
+/// Opens the database, waiting up to `LOCK_WAIT` for its file lock: sled's
+/// own threads let go of it a moment after the last handle of a previous
+/// open is dropped (a restart in-process, a test reopening). Another process
+/// holding it still fails, after that wait, with sled's error.
+fn open_db(path: &Path) -> Result<sled::Db, StoreError> {
+    const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+    let deadline = std::time::Instant::now() + LOCK_WAIT;
+    loop {
+        match sled::Config::new().path(path).open() {
+            // sled says so only in the message (an io::Error of kind Other).
+            Err(sled::Error::Io(e))
+                if e.to_string().contains("could not acquire lock") && std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            other => return Ok(other?),
+        }
+    }
+}
+
 impl SledStore {
     pub fn open(dir: &Path) -> Result<SledStore, StoreError> {
         std::fs::create_dir_all(dir)
             .map_err(|e| StoreError::Backend(format!("cannot create {}: {e}", dir.display())))?;
-        let db = sled::Config::new().path(dir.join("db")).open()?;
+        let db = open_db(&dir.join("db"))?;
         let new = migrations::read_version(&db)? == 0 && db.tree_names().len() <= 1;
         migrations::run(&db)?;
         let trees = Trees {
