@@ -483,12 +483,7 @@ impl Sessions {
         let slot_tokens = r.slot_tokens();
         let shape = Room { capacity: None, taken: 0, slot_tokens };
         let resident = r.residents.footprint_sum(|tokens| shape.footprint(tokens));
-        let placed: u64 = self
-            .reservations()
-            .iter()
-            .filter(|s| s.on.as_ref() == Some(&r.id))
-            .map(|s| shape.footprint(s.tokens))
-            .sum();
+        let placed: u64 = self.placed_on(r).into_iter().map(|tokens| shape.footprint(tokens)).sum();
         let taken = (resident + placed).max(r.residents.fleet_load());
         // A wall its receipts found is its capacity in practice, if lower;
         // but an empty replica loses no session's prefix to another's, so
