@@ -343,6 +343,14 @@ impl Residents {
         self.lock().values().filter(|s| !s.preempted).map(|s| footprint(s.counted_tokens())).sum()
     }
 
+    /// The same sum with each resident at its next turn's context
+    /// (`next_turn_tokens`) rather than at what it is counted for: the
+    /// room a newcomer admitted to pause later (`room::admit_and_pause`)
+    /// has until the residents' turns cross it.
+    pub fn next_turn_sum(&self, footprint: impl Fn(u64) -> u64) -> u64 {
+        self.lock().values().filter(|s| !s.preempted).map(|s| footprint(s.next_turn_tokens())).sum()
+    }
+
     /// Sessions, their contexts and their counted contexts, summed.
     pub fn figures(&self) -> (usize, u64, u64) {
         let on = self.lock();

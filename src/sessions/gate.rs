@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::room::{self, Entry, Room};
-use super::{Heard, Reservation, SessionTurn, Sessions, WaitEnded, RECHECK};
+use super::{Counting, Heard, Reservation, SessionTurn, Sessions, WaitEnded, RECHECK};
 use crate::domain_error::DomainError;
 use crate::fleet::{Fleet, Replica};
 use crate::policy::PrefixKey;
@@ -119,8 +119,8 @@ impl<'a> Gate<'a> {
         fleet.iter().filter(|r| may_go_to(r, model.is_none_or(|m| r.serves(m)), &[])).cloned().collect()
     }
 
-    fn rooms(&self, model: Option<&str>) -> Vec<Room> {
-        self.candidates(model).iter().map(|r| self.sessions.room_of(r)).collect()
+    fn rooms(&self, model: Option<&str>, counting: Counting) -> Vec<Room> {
+        self.candidates(model).iter().map(|r| self.sessions.room_counting(r, counting)).collect()
     }
 
     /// A turn enters. A new session waits while no candidate has room, then
@@ -138,8 +138,8 @@ impl<'a> Gate<'a> {
         let max_wait = Duration::from_millis(self.sessions.settings().max_wait_ms);
         let started = tokio::time::Instant::now();
         loop {
-            let tokens = self.admitted_tokens(&ask);
-            let (waited, reservation) = self.hold_if_full(&ask, tokens).await?;
+            let (tokens, counting) = self.admitted_tokens(&ask);
+            let (waited, reservation) = self.hold_if_full(&ask, tokens, counting).await?;
             if let Some(w) = waited {
                 pass.waited = Some(pass.waited.unwrap_or_default() + w);
             }
@@ -153,8 +153,10 @@ impl<'a> Gate<'a> {
                 return Ok(pass);
             };
             let (target, said) = plan()?;
-            // Past the wait (or with the hold off), placed without a capacity check.
-            let enforce = !max_wait.is_zero() && started.elapsed() < max_wait;
+            // Past the wait (or with the hold off), placed without a capacity
+            // check; and a session admitted to pause later, whose room the
+            // store (counting every session whole) would not see.
+            let enforce = !max_wait.is_zero() && started.elapsed() < max_wait && counting == Counting::Whole;
             if let Some(placed) = self.place_in_store(store, &ask, &target, tokens, enforce).await {
                 reservation.place(&placed.id);
                 pass.target = Some((placed, said));
@@ -166,39 +168,46 @@ impl<'a> Gate<'a> {
         }
     }
 
-    /// The tokens a new session is admitted against: what it will grow to
-    /// (its projection, at most the largest candidate's capacity), unless
-    /// it fits now and admitting it to pause at the crossing costs less
-    /// than holding it whole (`room::admit_and_pause`): then its first turn's.
-    fn admitted_tokens(&self, ask: &Ask<'_>) -> u64 {
-        let rooms = self.rooms(ask.model);
+    /// The tokens a new session is admitted against, and how the rooms it
+    /// is judged against count their residents: what it will grow to (its
+    /// projection, at most the largest candidate's capacity) against the
+    /// residents counted whole, unless it fits beside their next turns and
+    /// admitting it to pause at the crossing costs less than holding it
+    /// whole (`room::admit_and_pause`): then its first turn's, against
+    /// their next turns (the pause keeps them within capacity). Judged
+    /// against the residents counted whole, a newcomer never fits once they
+    /// are counted at their projections, and the choice is never asked.
+    fn admitted_tokens(&self, ask: &Ask<'_>) -> (u64, Counting) {
+        let rooms = self.rooms(ask.model, Counting::Whole);
         let largest = rooms.iter().filter_map(|r| r.capacity).max();
         let projected = super::projection::admitted_tokens(ask.tokens, self.sessions.project(ask.link), largest);
         let hold = self.sessions.settings();
         if projected <= ask.tokens || hold.max_wait_ms == 0 {
-            return projected;
+            return (projected, Counting::Whole);
         }
         let min_tokens = hold.hold_min_tokens.unwrap_or_else(|| room::default_min_tokens(&rooms));
         if room::entry(&rooms, projected, min_tokens) != Entry::Hold {
-            return projected; // It fits at its peak: nothing to choose.
+            return (projected, Counting::Whole); // It fits at its peak: nothing to choose.
         }
         match self.cheaper_to_pause(ask) {
-            true => ask.tokens,
-            false => projected,
+            true => (ask.tokens, Counting::NextTurn),
+            false => (projected, Counting::Whole),
         }
     }
 
-    /// On the candidate with the most room for the new session as it is
-    /// now (a pool of tokens: on slots a session never grows into
-    /// another's), whether admitting it to pause later beats holding it.
+    /// On the candidate with the most room for the new session beside the
+    /// residents' next turns (a pool of tokens: on slots a session never
+    /// grows into another's), whether admitting it to pause later beats
+    /// holding it.
     fn cheaper_to_pause(&self, ask: &Ask<'_>) -> bool {
         let sessions = self.sessions;
+        let room = |r: &Arc<Replica>| sessions.room_counting(r, Counting::NextTurn);
         let candidates = self.candidates(ask.model);
-        let fits_now = |r: &&Arc<Replica>| r.slot_tokens().is_none() && sessions.room_of(r).fits(ask.tokens);
-        let Some(best) = candidates.iter().filter(fits_now).max_by_key(|r| sessions.room_of(r).left()) else {
+        let fits_now = |r: &&Arc<Replica>| r.slot_tokens().is_none() && room(r).fits(ask.tokens);
+        let Some(best) = candidates.iter().filter(fits_now).max_by_key(|r| room(r).left()) else {
             return false;
         };
-        let Some(capacity) = sessions.room_of(best).capacity else { return false };
+        let Some(capacity) = room(best).capacity else { return false };
         let learned = sessions.project_growth(ask.link).unwrap_or(0);
         let growth = |g: u64| if g > 0 { g } else { learned };
         let mut residents: Vec<room::Growing> = best
@@ -216,7 +225,12 @@ impl<'a> Gate<'a> {
     /// Holds a new session of about `tokens` while no candidate has room
     /// for it (off with `sessions.max_wait_ms = 0`). Returns how long it
     /// waited, when it did, and its reservation.
-    async fn hold_if_full(&self, ask: &Ask<'_>, tokens: u64) -> Result<(Option<Duration>, Reservation), DomainError> {
+    async fn hold_if_full(
+        &self,
+        ask: &Ask<'_>,
+        tokens: u64,
+        counting: Counting,
+    ) -> Result<(Option<Duration>, Reservation), DomainError> {
         // Placement by room reads every instance's sessions, the hold on or off.
         if let Some(store) = self.store {
             super::sync::read_loads(self.sessions, store, &self.fleet.snapshot_owned()).await;
@@ -230,7 +244,7 @@ impl<'a> Gate<'a> {
         // The rooms as they will be once the sessions admitted before this
         // one are resident (`reserved`: their tokens).
         let judge = |reserved: &[u64]| {
-            let mut rooms = self.rooms(ask.model);
+            let mut rooms = self.rooms(ask.model, counting);
             room::reserve(&mut rooms, reserved);
             room::entry(&rooms, tokens, min_tokens(&rooms))
         };
@@ -577,38 +591,36 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_session_that_fits_now_but_not_at_its_peak_is_admitted_or_held_by_what_each_costs() {
+    async fn a_newcomer_that_fits_beside_the_residents_next_turns_is_admitted_or_held_by_what_each_costs() {
         let (s, fleet) = gateway(&["a"], 12_000);
         let a = fleet.get("a").unwrap();
         let who = Who::default();
         let link = Some(42);
-        // A session of the link grew to 9,500 tokens, 1,500 a turn, and ended.
         let t0 = crate::clock::now_ms();
         for (i, tokens) in [2_000, 3_500, 5_000, 6_500, 8_000, 9_500].into_iter().enumerate() {
             drop(s.begin_turn(&a, 1, link, tokens, &who, t0 + i as u64));
         }
         assert!(s.sweep(crate::clock::now_ms() + 60_000).any);
-        assert_eq!((s.project(link), s.project_growth(link)), (Some(9_500), Some(1_500)));
-        // Another is resident at its first turn; a third comes: 9,500 + 9,500
-        // do not fit, 2,000 beside it do, for three rounds.
+        // A resident at its first turn, counted at its projection (9,500):
+        // a newcomer of 3,000 does not fit beside that, but beside its next
+        // turn (2,000) it does, for three rounds.
         drop(s.begin_turn(&a, 2, link, 2_000, &who, crate::clock::now_ms()));
+        assert_eq!(s.room_of(&a).left(), Some(2_500));
+        assert_eq!(s.room_counting(&a, Counting::NextTurn).left(), Some(10_000));
         let reports = RefCell::new(Vec::new());
         let report = |h: Happened| reports.borrow_mut().push(h);
         let gate = Gate { sessions: &s, fleet: &fleet, store: None, preempt: false, report: &report };
-        let new = Ask { link, ..ask(3, true, 2_000, &who) };
-        // Nothing measured of the replica's pace: admitted now, as a cold gateway would.
+        let new = Ask { link, ..ask(3, true, 3_000, &who) };
+        // Nothing measured of the replica's pace: admitted now, to pause later.
         let pass = gate.enter(new, || most_room(&s, &fleet)).await.unwrap();
-        assert_eq!(pass.waited, None, "admitted at once");
-        assert_eq!(s.room_of(&a).taken, 9_500 + 2_000, "reserved at its first turn's size");
+        assert_eq!(pass.waited, None, "admitted at once: the choice by cost was asked");
+        assert!(reports.borrow().is_empty(), "{:?}", reports.borrow());
+        assert_eq!(s.room_of(&a).taken, 9_500 + 3_000, "reserved at its first turn's size");
         drop(pass);
-        // Turns of 400 ms and a prefill of 500 tokens a second (re-prefilling
-        // 5,000 tokens: 10 s): holding costs less than three turns
-        // overlapped. Held, until the resident leaves.
+        // Once the pace says pausing costs more, it is held whole.
         let now = crate::clock::now_ms();
         drop(s.begin_turn(&a, 2, link, 3_500, &who, now - 400));
         a.residents.observe_prefill(1_000, Duration::from_secs(2));
-        assert_eq!(a.residents.pace().prefill_tps, Some(500.0));
-        assert!(a.residents.pace().turn_ms.is_some_and(|t| t >= 400));
         let entering = gate.enter(new, || most_room(&s, &fleet));
         let room_opens = async {
             tokio::time::sleep(Duration::from_millis(300)).await;

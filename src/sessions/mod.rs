@@ -152,6 +152,18 @@ struct Reserved {
     on: Option<Arc<str>>,
 }
 
+/// How a room counts its residents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Counting {
+    /// Each at what it is counted for (`Resident::counted_tokens`: its
+    /// projection, once learned): the room for a session held whole.
+    Whole,
+    /// Each at its next turn's context: the room for a newcomer admitted
+    /// to pause at the crossing (`room::admit_and_pause`), which the
+    /// pause, not the hold, keeps within capacity.
+    NextTurn,
+}
+
 /// A new session admitted to the room, until its first turn is resident:
 /// counted against the room meanwhile, so the next in line is neither
 /// admitted into the same room nor placed on the same replica before the
@@ -476,15 +488,29 @@ impl Sessions {
         }
     }
 
-    /// The room `r` has for new sessions now: its capacity, and the
+    /// The room `r` has for new sessions: its capacity, and the
     /// footprints of the sessions resident there. With a shared store, the
     /// larger of this instance's own view and every instance's loads.
     pub fn room_of(&self, r: &Replica) -> Room {
+        self.room_counting(r, Counting::Whole)
+    }
+
+    /// The room `r` has counted as `counting` says (`room_of`: `Whole`).
+    pub fn room_counting(&self, r: &Replica, counting: Counting) -> Room {
         let slot_tokens = r.slot_tokens();
         let shape = Room { capacity: None, taken: 0, slot_tokens };
-        let resident = r.residents.footprint_sum(|tokens| shape.footprint(tokens));
-        let placed: u64 = self.placed_on(r).into_iter().map(|tokens| shape.footprint(tokens)).sum();
-        let taken = (resident + placed).max(r.residents.fleet_load());
+        let footprint = |tokens| shape.footprint(tokens);
+        let placed: u64 = self.placed_on(r).into_iter().map(footprint).sum();
+        let whole = r.residents.footprint_sum(footprint) + placed;
+        let taken = match counting {
+            Counting::Whole => whole.max(r.residents.fleet_load()),
+            // Other instances' sessions here (the fleet's load beyond this
+            // instance's own) stay counted whole: their turns are not seen here.
+            Counting::NextTurn => {
+                let others = r.residents.fleet_load().saturating_sub(whole);
+                r.residents.next_turn_sum(footprint) + placed + others
+            }
+        };
         // A wall its receipts found is its capacity in practice, if lower;
         // but an empty replica loses no session's prefix to another's, so
         // the first to come is never kept from it by a wall.
