@@ -1,4 +1,5 @@
-//! One attempt: the request sent to one replica, up to its response head.
+//! One attempt: the request built for one replica (`Upstream`, the client
+//! side of the hop) and sent, up to its response head.
 //! The error says whether a re-send is safe, as Pingora's errors do. The
 //! retry rule, stated once (docs/operations.md, "Failover", says the same):
 //!
@@ -26,11 +27,52 @@
 //! and the history records that the replica may hold an unreachable stored
 //! response.
 
+use std::sync::Arc;
+use std::time::Duration;
+
 use actix_web::error::ParseError;
 use actix_web::web;
 use awc::error::{ConnectError, SendRequestError};
 
+use super::headers;
 use crate::error::ApiError;
+use crate::fleet::ReplicaSpec;
+
+/// One awc client per actix worker (awc is `!Send`), built in the app
+/// factory, with what this worker derived from the replicas once.
+pub struct Upstream {
+    pub(super) client: awc::Client,
+    pub(super) replicas: headers::PerReplica,
+}
+
+impl Upstream {
+    pub fn new(t: &crate::config::Timeouts) -> Upstream {
+        let connector = crate::connector::connector(Duration::from_millis(t.connect_ms))
+            // No pool cap: a thousand concurrent streams is a normal day.
+            .limit(0);
+        let client = awc::Client::builder()
+            .connector(connector)
+            .no_default_headers()
+            .disable_redirects()
+            // awc's default of 5 s would kill a slow first token; this
+            // bounds sending plus the response head only.
+            .timeout(Duration::from_millis(t.response_head_ms))
+            .finish();
+        Upstream { client, replicas: headers::PerReplica::default() }
+    }
+
+    /// A `POST /tokenize` to the replica `spec` (`count.rs`), with the
+    /// credentials `req` carries there (`headers::replica_request`).
+    pub(super) fn tokenize_request(&self, spec: &Arc<ReplicaSpec>, caller: headers::Caller<'_>) -> awc::ClientRequest {
+        let target = self.replicas.target(spec, &actix_web::http::Uri::from_static("/tokenize"));
+        headers::replica_request(&self.client, actix_web::http::Method::POST, target, caller, spec)
+    }
+
+    /// The upstream request for `req` on the replica `spec`.
+    pub(super) fn request(&self, spec: &Arc<ReplicaSpec>, caller: headers::Caller<'_>) -> awc::ClientRequest {
+        headers::upstream_request(&self.client, self.replicas.target(spec, caller.req.uri()), caller, spec)
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttemptFailure {

@@ -25,7 +25,7 @@ use actix_web::http::{header, StatusCode};
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
-use super::upstream::Upstream;
+use super::attempt::Upstream;
 use crate::fleet::Replica;
 use crate::policy::{Dialect, PrefixKey};
 use crate::sessions::{Room, SessionConfig};

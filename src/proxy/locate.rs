@@ -36,8 +36,8 @@ use actix_web::http::Uri;
 use actix_web::HttpRequest;
 use futures_util::future::{select_ok, FutureExt};
 
+use super::attempt::Upstream;
 use super::lookup::Hop;
-use super::upstream::Upstream;
 use crate::metrics::ResultLabels;
 use crate::policy::conversation::response_key;
 use crate::policy::PrefixKey;

@@ -12,8 +12,8 @@ use crate::policy::{self, conversation, Dialect, Endpoint, Mode, PolicySettings,
 use crate::sessions::gate::Ask;
 use crate::state::AppState;
 
+use super::attempt::Upstream;
 use super::outcome::OutcomeRecorder;
-use super::upstream::Upstream;
 use super::{headers, locate, trace};
 
 /// `/v1/responses/{id}` and everything below it name a stored response.

@@ -23,7 +23,7 @@ mod lookup;
 pub mod outcome;
 pub mod plan;
 pub mod trace;
-mod upstream;
+
 pub mod usage;
 
 use std::sync::Arc;
@@ -41,11 +41,11 @@ use crate::policy::{Dialect, Endpoint, PolicySettings, RouteReason};
 use crate::sessions::gate::{Gate, Pass};
 use crate::sessions::Heard;
 use crate::state::AppState;
+pub use attempt::Upstream;
 use body::GuardedBody;
 use lookup::{look_up, Hop, Lookup};
 use outcome::{Holdings, LargeSlot, Outcome, OutcomeRecorder, Responded, Routed, Turn};
 use plan::PlanInput;
-pub use upstream::Upstream;
 use usage::UsageTap;
 
 // Constants, so the names are checked once at compile time, not per request.

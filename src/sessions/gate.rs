@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::room::{self, Entry, Room};
-use super::{Counting, Heard, Reservation, SessionTurn, Sessions, WaitEnded, RECHECK};
+use super::{Counting, Footprint, Heard, Reservation, SessionTurn, Sessions, WaitEnded, RECHECK};
 use crate::domain_error::DomainError;
 use crate::fleet::{Fleet, Replica};
 use crate::policy::PrefixKey;
@@ -138,8 +138,9 @@ impl<'a> Gate<'a> {
         let max_wait = Duration::from_millis(self.sessions.settings().max_wait_ms);
         let started = tokio::time::Instant::now();
         loop {
-            let (tokens, counting) = self.admitted_tokens(&ask);
-            let (waited, reservation) = self.hold_if_full(&ask, tokens, counting).await?;
+            let (footprint, may_pause) = self.footprint(&ask);
+            let (waited, reservation, counting) = self.hold_if_full(&ask, footprint, may_pause).await?;
+            let tokens = footprint.at(counting);
             if let Some(w) = waited {
                 pass.waited = Some(pass.waited.unwrap_or_default() + w);
             }
@@ -168,31 +169,27 @@ impl<'a> Gate<'a> {
         }
     }
 
-    /// The tokens a new session is admitted against, and how the rooms it
-    /// is judged against count their residents: what it will grow to (its
-    /// projection, at most the largest candidate's capacity) against the
-    /// residents counted whole, unless it fits beside their next turns and
-    /// admitting it to pause at the crossing costs less than holding it
-    /// whole (`room::admit_and_pause`): then its first turn's, against
-    /// their next turns (the pause keeps them within capacity). Judged
-    /// against the residents counted whole, a newcomer never fits once they
-    /// are counted at their projections, and the choice is never asked.
-    fn admitted_tokens(&self, ask: &Ask<'_>) -> (u64, Counting) {
+    /// What a new session is counted at until it is resident (`Footprint`):
+    /// what it will grow to (its projection, at most the largest
+    /// candidate's capacity) against the residents counted whole, or its
+    /// first turn against their next turns. And whether the second may
+    /// admit it: it is projected to outgrow its first turn, the hold is on,
+    /// and it fits nowhere at its peak now. Admitted that way, it pauses at
+    /// the crossing when that costs less than holding it whole
+    /// (`cheaper_to_pause`, asked at every look while it waits). Judged
+    /// only against the residents counted whole, a newcomer never fits once
+    /// they are counted at their projections, and the choice is never asked.
+    fn footprint(&self, ask: &Ask<'_>) -> (Footprint, bool) {
         let rooms = self.rooms(ask.model, Counting::Whole);
         let largest = rooms.iter().filter_map(|r| r.capacity).max();
         let projected = super::projection::admitted_tokens(ask.tokens, self.sessions.project(ask.link), largest);
+        let footprint = Footprint { whole: projected, next_turn: ask.tokens.min(projected) };
         let hold = self.sessions.settings();
         if projected <= ask.tokens || hold.max_wait_ms == 0 {
-            return (projected, Counting::Whole);
+            return (footprint, false);
         }
         let min_tokens = hold.hold_min_tokens.unwrap_or_else(|| room::default_min_tokens(&rooms));
-        if room::entry(&rooms, projected, min_tokens) != Entry::Hold {
-            return (projected, Counting::Whole); // It fits at its peak: nothing to choose.
-        }
-        match self.cheaper_to_pause(ask) {
-            true => (ask.tokens, Counting::NextTurn),
-            false => (projected, Counting::Whole),
-        }
+        (footprint, room::entry(&rooms, projected, min_tokens) == Entry::Hold)
     }
 
     /// On the candidate with the most room for the new session beside the
@@ -217,20 +214,23 @@ impl<'a> Gate<'a> {
             .filter(|(_, r)| !r.preempted)
             .map(|(_, r)| room::Growing { tokens: r.next_turn_tokens(), growth: growth(r.growth()) })
             .collect();
-        residents.extend(sessions.placed_on(best).into_iter().map(|tokens| room::Growing { tokens, growth: learned }));
+        let placed = sessions.placed_on(best, Counting::NextTurn);
+        residents.extend(placed.into_iter().map(|tokens| room::Growing { tokens, growth: learned }));
         let new = room::Growing { tokens: ask.tokens, growth: learned };
         room::admit_and_pause(capacity, &residents, new, best.residents.pace())
     }
 
-    /// Holds a new session of about `tokens` while no candidate has room
-    /// for it (off with `sessions.max_wait_ms = 0`). Returns how long it
-    /// waited, when it did, and its reservation.
+    /// Holds a new session while no candidate has room for it (off with
+    /// `sessions.max_wait_ms = 0`): room for it counted whole, or, when
+    /// `may_pause`, beside the residents' next turns where pausing it later
+    /// costs less. Returns how long it waited, when it did, its
+    /// reservation, and which way it was admitted.
     async fn hold_if_full(
         &self,
         ask: &Ask<'_>,
-        tokens: u64,
-        counting: Counting,
-    ) -> Result<(Option<Duration>, Reservation), DomainError> {
+        footprint: Footprint,
+        may_pause: bool,
+    ) -> Result<(Option<Duration>, Reservation, Counting), DomainError> {
         // Placement by room reads every instance's sessions, the hold on or off.
         if let Some(store) = self.store {
             super::sync::read_loads(self.sessions, store, &self.fleet.snapshot_owned()).await;
@@ -238,35 +238,50 @@ impl<'a> Gate<'a> {
         let hold = self.sessions.settings();
         if hold.max_wait_ms == 0 {
             // Nothing waits, but placement by room counts it until it is resident.
-            return Ok((None, self.sessions.reserve_unheld(tokens)));
+            return Ok((None, self.sessions.reserve_unheld(footprint), Counting::Whole));
         }
         let min_tokens = |rooms: &[Room]| hold.hold_min_tokens.unwrap_or_else(|| room::default_min_tokens(rooms));
         // The rooms as they will be once the sessions admitted before this
-        // one are resident (`reserved`: their tokens).
-        let judge = |reserved: &[u64]| {
+        // one are resident (`reserved`), counted as `counting` says.
+        let judge = |counting: Counting, reserved: &[Footprint]| {
             let mut rooms = self.rooms(ask.model, counting);
-            room::reserve(&mut rooms, reserved);
-            room::entry(&rooms, tokens, min_tokens(&rooms))
+            room::reserve(&mut rooms, &Footprint::all_at(reserved, counting));
+            room::entry(&rooms, footprint.at(counting), min_tokens(&rooms))
+        };
+        let admitted_as = std::cell::Cell::new(Counting::Whole);
+        let fits = |reserved: &[Footprint]| {
+            let counting = match judge(Counting::Whole, reserved) == Entry::Admit {
+                true => Counting::Whole,
+                false
+                    if may_pause
+                        && judge(Counting::NextTurn, reserved) == Entry::Admit
+                        && self.cheaper_to_pause(ask) =>
+                {
+                    Counting::NextTurn
+                }
+                false => return false,
+            };
+            admitted_as.set(counting);
+            true
         };
         let who = ask.who;
-        if let Some(reservation) = self.sessions.admit_at_once(who, tokens, |reserved| judge(reserved) == Entry::Admit)
-        {
-            return Ok((None, reservation));
+        if let Some(reservation) = self.sessions.admit_at_once(who, footprint, fits) {
+            return Ok((None, reservation, admitted_as.get()));
         }
-        let alone = judge(&[]) == Entry::HoldAlone;
+        let alone = judge(Counting::Whole, &[]) == Entry::HoldAlone;
         if alone {
             tracing::warn!(
-                tokens,
+                tokens = footprint.whole,
                 "a new session is larger than any replica's KV: it waits for an empty replica and runs alone"
             );
         }
         // At the head with no room: lower classes between turns give theirs.
         let preempt = self.preempt && who.class > Class::Background;
-        let admit = |reserved: &[u64]| {
-            judge(reserved) == Entry::Admit
-                || (preempt && self.preempt_for(ask.model, tokens, who.class, None) && judge(reserved) == Entry::Admit)
+        let tokens = footprint.whole;
+        let admit = |reserved: &[Footprint]| {
+            fits(reserved) || (preempt && self.preempt_for(ask.model, tokens, who.class, None) && fits(reserved))
         };
-        let (ended, reservation) = match self.sessions.hold(who, tokens, admit).await {
+        let (ended, reservation) = match self.sessions.hold(who, footprint, admit).await {
             Ok(held) => held,
             Err(e) => {
                 (self.report)(Happened::QueueFull);
@@ -275,8 +290,9 @@ impl<'a> Gate<'a> {
         };
         self.sessions.record_wait(ended);
         let over_capacity = matches!(ended, WaitEnded::OverCapacity(_));
+        let tokens = footprint.at(admitted_as.get());
         (self.report)(Happened::Held { tokens, waited: ended.waited(), over_capacity, alone });
-        Ok((Some(ended.waited()), reservation))
+        Ok((Some(ended.waited()), reservation, admitted_as.get()))
     }
 
     /// Preempts lower-class residents for a waiting session of `class` and
@@ -615,8 +631,15 @@ mod tests {
         let pass = gate.enter(new, || most_room(&s, &fleet)).await.unwrap();
         assert_eq!(pass.waited, None, "admitted at once: the choice by cost was asked");
         assert!(reports.borrow().is_empty(), "{:?}", reports.borrow());
-        assert_eq!(s.room_of(&a).taken, 9_500 + 3_000, "reserved at its first turn's size");
-        drop(pass);
+        // Reserved at its projection counted whole, at its first turn beside
+        // the residents' next turns.
+        assert_eq!(s.room_of(&a).taken, 9_500 + 9_500);
+        assert_eq!(s.room_counting(&a, Counting::NextTurn).taken, 2_000 + 3_000);
+        // Another arriving with it, before the first is resident: the room
+        // its reservation leaves beside the next turns admits it too.
+        let second = gate.enter(Ask { session: 4, ..new }, || most_room(&s, &fleet)).await.unwrap();
+        assert_eq!(second.waited, None, "admitted at once beside the first's reservation");
+        drop((pass, second));
         // Once the pace says pausing costs more, it is held whole.
         let now = crate::clock::now_ms();
         drop(s.begin_turn(&a, 2, link, 3_500, &who, now - 400));

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::room::{self, Room};
-use super::{HeldWaiter, Reservation, Sessions, WaitStats};
+use super::{Footprint, HeldWaiter, Reservation, Sessions, WaitStats};
 use crate::capacity::QueuedSession;
 use crate::domain_error::DomainError;
 use crate::fleet::residents::Resident;
@@ -148,8 +148,8 @@ impl Sessions {
     pub async fn hold(
         self: &Arc<Self>,
         who: &Who,
-        tokens: u64,
-        admit: impl Fn(&[u64]) -> bool,
+        tokens: Footprint,
+        admit: impl Fn(&[Footprint]) -> bool,
     ) -> Result<(WaitEnded, Reservation), DomainError> {
         let full = |waiting: usize| DomainError::Overloaded {
             message: format!("the replicas' KV is full and {waiting} new sessions already wait for room; retry later"),
@@ -166,7 +166,7 @@ impl Sessions {
                     None => return Err(full(state.held.len())),
                 }
             }
-            let waiter = HeldWaiter { tokens, since_ms: crate::clock::now_ms() };
+            let waiter = HeldWaiter { tokens: tokens.whole, since_ms: crate::clock::now_ms() };
             let id = state.held.push(who.class, who.client.clone(), waiter);
             Ticket { sessions: self.clone(), id }
         };
@@ -181,7 +181,7 @@ impl Sessions {
                 return true; // turned away
             }
             let first = state.held.head().is_some_and(|h| h.id == ticket.id);
-            if first && admit(&self.unplaced_tokens()) {
+            if first && admit(&self.unplaced()) {
                 *reserved.lock().unwrap_or_else(|e| e.into_inner()) = Some(self.reserve(&state, tokens));
                 return true;
             }
@@ -211,11 +211,11 @@ impl Sessions {
     pub fn admit_at_once(
         self: &Arc<Self>,
         who: &Who,
-        tokens: u64,
-        admit: impl Fn(&[u64]) -> bool,
+        tokens: Footprint,
+        admit: impl Fn(&[Footprint]) -> bool,
     ) -> Option<Reservation> {
         let mut state = self.lock();
-        if !admit(&self.unplaced_tokens()) {
+        if !admit(&self.unplaced()) {
             return None;
         }
         state.held.served_at_once(who.class, &who.client);
@@ -235,7 +235,7 @@ impl Sessions {
     /// off): nothing waits, but the next new session's placement counts
     /// this one where it goes until its first turn is resident, so two
     /// arriving together do not both go to the replica that had the most room.
-    pub fn reserve_unheld(self: &Arc<Self>, tokens: u64) -> Reservation {
+    pub fn reserve_unheld(self: &Arc<Self>, tokens: Footprint) -> Reservation {
         let state = self.lock();
         self.reserve(&state, tokens)
     }
@@ -274,21 +274,24 @@ mod tests {
         let room = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let has_room = {
             let room = room.clone();
-            move |_: &[u64]| room.load(std::sync::atomic::Ordering::SeqCst)
+            move |_: &[Footprint]| room.load(std::sync::atomic::Ordering::SeqCst)
         };
         let first = tokio::spawn({
             let (s, has_room) = (s.clone(), has_room.clone());
-            async move { s.hold(&Who::default(), 1, has_room).await }
+            async move { s.hold(&Who::default(), Footprint::same(1), has_room).await }
         });
         tokio::task::yield_now().await;
         let second = tokio::spawn({
             let s = s.clone();
-            async move { s.hold(&Who::default(), 1, |_: &[u64]| true).await }
+            async move { s.hold(&Who::default(), Footprint::same(1), |_: &[Footprint]| true).await }
         });
         tokio::task::yield_now().await;
         assert_eq!(s.held(), 2, "the second waits behind the first, though it would fit");
         assert!(
-            matches!(s.hold(&Who::default(), 1, |_: &[u64]| true).await, Err(DomainError::Overloaded { .. })),
+            matches!(
+                s.hold(&Who::default(), Footprint::same(1), |_: &[Footprint]| true).await,
+                Err(DomainError::Overloaded { .. })
+            ),
             "the queue is full"
         );
         tokio::time::sleep(Duration::from_secs(1)).await;
@@ -298,11 +301,11 @@ mod tests {
         assert!(matches!(second.await.unwrap().unwrap().0, WaitEnded::Placed(_)));
         assert_eq!(s.held(), 0);
         // No room ever: over capacity at max_wait_ms.
-        let (over, _) = s.hold(&Who::default(), 1, |_: &[u64]| false).await.unwrap();
+        let (over, _) = s.hold(&Who::default(), Footprint::same(1), |_: &[Footprint]| false).await.unwrap();
         assert_eq!(over, WaitEnded::OverCapacity(Duration::from_millis(10_000)));
         // A waiter dropped mid-wait leaves the queue.
         let who = Who::default();
-        let mut gone = Box::pin(s.hold(&who, 1, |_: &[u64]| false));
+        let mut gone = Box::pin(s.hold(&who, Footprint::same(1), |_: &[Footprint]| false));
         assert!(futures_util::poll!(gone.as_mut()).is_pending());
         assert_eq!(s.held(), 1);
         drop(gone);

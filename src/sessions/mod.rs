@@ -147,7 +147,7 @@ struct State {
 #[derive(Debug)]
 struct Reserved {
     id: u64,
-    tokens: u64,
+    tokens: Footprint,
     /// Where it was placed (None: not yet).
     on: Option<Arc<str>>,
 }
@@ -162,6 +162,34 @@ pub enum Counting {
     /// to pause at the crossing (`room::admit_and_pause`), which the
     /// pause, not the hold, keeps within capacity.
     NextTurn,
+}
+
+/// What a new session is counted at until its first turn is resident, in
+/// each way a room counts (`Counting`): what it will grow to (its
+/// projection) counted whole, its first turn beside the residents' next turns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Footprint {
+    pub whole: u64,
+    pub next_turn: u64,
+}
+
+impl Footprint {
+    /// A session counted at `tokens` either way (nothing projected).
+    pub fn same(tokens: u64) -> Footprint {
+        Footprint { whole: tokens, next_turn: tokens }
+    }
+
+    pub fn at(self, counting: Counting) -> u64 {
+        match counting {
+            Counting::Whole => self.whole,
+            Counting::NextTurn => self.next_turn,
+        }
+    }
+
+    /// `reserved`, each as `counting` counts it.
+    pub fn all_at(reserved: &[Footprint], counting: Counting) -> Vec<u64> {
+        reserved.iter().map(|f| f.at(counting)).collect()
+    }
 }
 
 /// A new session admitted to the room, until its first turn is resident:
@@ -331,14 +359,14 @@ impl Sessions {
 
     /// Reserves room for a new session of `tokens`. Called with the state
     /// locked (`_admitting`): judging the room and reserving are one step.
-    fn reserve(self: &Arc<Self>, _admitting: &State, tokens: u64) -> Reservation {
+    fn reserve(self: &Arc<Self>, _admitting: &State, tokens: Footprint) -> Reservation {
         let id = self.next_reservation.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.reservations().push(Reserved { id, tokens, on: None });
         Reservation { sessions: self.clone(), id }
     }
 
-    /// The tokens of the sessions admitted but not placed yet.
-    fn unplaced_tokens(&self) -> Vec<u64> {
+    /// The sessions admitted but not placed yet.
+    fn unplaced(&self) -> Vec<Footprint> {
         self.reservations().iter().filter(|r| r.on.is_none()).map(|r| r.tokens).collect()
     }
 
@@ -500,15 +528,15 @@ impl Sessions {
         let slot_tokens = r.slot_tokens();
         let shape = Room { capacity: None, taken: 0, slot_tokens };
         let footprint = |tokens| shape.footprint(tokens);
-        let placed: u64 = self.placed_on(r).into_iter().map(footprint).sum();
-        let whole = r.residents.footprint_sum(footprint) + placed;
+        let placed = |counting| self.placed_on(r, counting).into_iter().map(footprint).sum::<u64>();
+        let whole = r.residents.footprint_sum(footprint) + placed(Counting::Whole);
         let taken = match counting {
             Counting::Whole => whole.max(r.residents.fleet_load()),
             // Other instances' sessions here (the fleet's load beyond this
             // instance's own) stay counted whole: their turns are not seen here.
             Counting::NextTurn => {
                 let others = r.residents.fleet_load().saturating_sub(whole);
-                r.residents.next_turn_sum(footprint) + placed + others
+                r.residents.next_turn_sum(footprint) + placed(Counting::NextTurn) + others
             }
         };
         // A wall its receipts found is its capacity in practice, if lower;
@@ -588,9 +616,11 @@ impl Sessions {
     }
 
     /// The tokens of the new sessions placed on `replica` whose first turn
-    /// is not resident yet.
-    pub fn placed_on(&self, replica: &Replica) -> Vec<u64> {
-        self.reservations().iter().filter(|r| r.on.as_ref() == Some(&replica.id)).map(|r| r.tokens).collect()
+    /// is not resident yet, as `counting` counts them.
+    pub fn placed_on(&self, replica: &Replica, counting: Counting) -> Vec<u64> {
+        let reservations = self.reservations();
+        let here = reservations.iter().filter(|r| r.on.as_ref() == Some(&replica.id));
+        here.map(|r| r.tokens.at(counting)).collect()
     }
 
     /// What the capacity view shows of the projections.

@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use super::room::{self, Room};
-use super::Sessions;
+use super::{Counting, Footprint, Sessions};
 use crate::fleet::residents::Resident;
 use crate::fleet::Replica;
 use crate::policy::PrefixKey;
@@ -57,9 +57,9 @@ impl Sessions {
             // boundary a moment ago, and looks again when told): each counts
             // here until it is resident, or this turn would slip in first
             // and both would run over the pool.
-            let unplaced = self.unplaced_tokens();
+            let unplaced = Footprint::all_at(&self.unplaced(), Counting::Whole);
             let held_above = self.next_held().filter(|(class, _)| *class > me.class).map(|(_, tokens)| tokens);
-            let placed_here = !self.placed_on(replica).is_empty();
+            let placed_here = !self.placed_on(replica, Counting::Whole).is_empty();
             if unplaced.is_empty() && held_above.is_none() && !placed_here {
                 // The room went where it was given (that session is
                 // resident now, or went elsewhere): from here this session
@@ -241,7 +241,7 @@ mod tests {
         assert_eq!(s.preempt_for(std::slice::from_ref(&a), Class::Interactive, 8_000, None).len(), 1);
         // The interactive session was admitted and placed here; its first
         // turn has not begun. The preempted session is the only resident.
-        let reservation = s.reserve_unheld(8_000);
+        let reservation = s.reserve_unheld(Footprint::same(8_000));
         reservation.place(&a.id);
         assert!(s.must_pause(&a, 1, 8_200, u64::MAX), "not alone: the room is the placed session's");
         // Once the other is resident and gone, it goes.
