@@ -22,6 +22,7 @@ mod locate;
 mod lookup;
 pub mod outcome;
 pub mod plan;
+mod resume;
 pub mod trace;
 
 pub mod usage;

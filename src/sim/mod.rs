@@ -64,6 +64,14 @@ pub struct SimConfig {
     /// (`/metrics` answers 404). Unset: vLLM's metrics, no `/props`.
     #[arg(long)]
     pub slots: Option<u64>,
+    /// A fault: every stream's connection is cut after this many tokens
+    /// (the engine died mid-answer).
+    #[arg(long)]
+    pub die_after_tokens: Option<u64>,
+    /// A fault: every stream stops sending after this many tokens and
+    /// keeps its connection open (a wedged engine).
+    #[arg(long)]
+    pub stall_after_tokens: Option<u64>,
 }
 
 impl Default for SimConfig {
@@ -78,6 +86,8 @@ impl Default for SimConfig {
             no_preemption_counter: false,
             no_tokenize: false,
             slots: None,
+            die_after_tokens: None,
+            stall_after_tokens: None,
         }
     }
 }
@@ -292,6 +302,10 @@ struct GenParams {
     max_completion_tokens: Option<u64>,
     stream_options: Option<StreamOptions>,
     cache_salt: Option<String>,
+    /// vLLM's: the prompt's token ids in a stream's first chunk, each
+    /// chunk's own in `choices[0].token_ids`.
+    #[serde(default)]
+    return_token_ids: bool,
 }
 
 impl SimState {
@@ -357,6 +371,34 @@ fn render_completion(prompt: &Value) -> Option<Vec<u8>> {
     }
 }
 
+/// The simulated tokenizer: a token for every 4 bytes of the rendered
+/// prompt (as many as `prompt_tokens` counts), never an answer word's id.
+fn prompt_ids(prompt: &[u8]) -> Vec<u32> {
+    let id = |chunk: &[u8]| {
+        let mut word = [0u8; 4];
+        word[..chunk.len()].copy_from_slice(chunk);
+        10 + u32::from_le_bytes(word) % 100_000
+    };
+    prompt.chunks(crate::tokens::BYTES_PER_TOKEN).map(id).collect()
+}
+
+/// The answer is deterministic, as greedy decoding is: each token follows
+/// from the one before it, the words of `WORDS` in a cycle, their ids
+/// 1..=9. A prompt of token ids that ends in an answer's token (a stream
+/// resumed with its prompt and the tokens generated so far) goes on where
+/// that answer was; any other prompt starts the cycle.
+fn first_word(prompt: &Value) -> usize {
+    let last = prompt.as_array().and_then(|ids| ids.last()).and_then(Value::as_u64);
+    match last {
+        Some(id @ 1..=9) => id as usize % WORDS.len(),
+        _ => 0,
+    }
+}
+
+fn word_id(word: usize) -> u32 {
+    (word % WORDS.len()) as u32 + 1
+}
+
 async fn chat(s: web::Data<SimState>, body: web::Bytes) -> HttpResponse {
     s.received.fetch_add(1, Ordering::Relaxed);
     let (params, prompt) =
@@ -365,20 +407,26 @@ async fn chat(s: web::Data<SimState>, body: web::Bytes) -> HttpResponse {
             _ => return bad_request("expected a chat completion request with a non-empty 'messages' array"),
         };
     s.saw_salt(&params);
-    generate(s.into_inner(), params, prompt, true).await
+    let ids = prompt_ids(&prompt);
+    generate(s.into_inner(), params, prompt, Answer { chat: true, first_word: 0, prompt_ids: ids }).await
 }
 
 async fn completions(s: web::Data<SimState>, body: web::Bytes) -> HttpResponse {
     s.received.fetch_add(1, Ordering::Relaxed);
-    let parsed = serde_json::from_slice::<GenParams>(&body)
-        .ok()
-        .zip(serde_json::from_slice::<CompletionPrompt>(&body).ok().and_then(|c| render_completion(&c.prompt)));
-    match parsed {
-        Some((params, prompt)) => {
+    let prompt = serde_json::from_slice::<CompletionPrompt>(&body).ok();
+    let rendered = prompt.as_ref().and_then(|c| render_completion(&c.prompt));
+    let parsed = serde_json::from_slice::<GenParams>(&body).ok().zip(rendered);
+    match (parsed, prompt) {
+        (Some((params, rendered)), Some(prompt)) => {
             s.saw_salt(&params);
-            generate(s.into_inner(), params, prompt, false).await
+            let ids = match prompt.prompt.as_array() {
+                Some(ids) => ids.iter().filter_map(Value::as_u64).map(|id| id as u32).collect(),
+                None => prompt_ids(&rendered),
+            };
+            let answer = Answer { chat: false, first_word: first_word(&prompt.prompt), prompt_ids: ids };
+            generate(s.into_inner(), params, rendered, answer).await
         }
-        None => bad_request("expected a completion request with a string or token-array 'prompt'"),
+        _ => bad_request("expected a completion request with a string or token-array 'prompt'"),
     }
 }
 
@@ -531,18 +579,28 @@ pub(crate) fn random_id(prefix: &str) -> String {
     format!("{prefix}_{}", uuid::Uuid::new_v4().simple())
 }
 
-async fn generate(s: Arc<SimState>, params: GenParams, prompt: Vec<u8>, chat: bool) -> HttpResponse {
+/// What a generation answers: chat or completion, where its words start,
+/// and its prompt's token ids.
+struct Answer {
+    chat: bool,
+    first_word: usize,
+    prompt_ids: Vec<u32>,
+}
+
+async fn generate(s: Arc<SimState>, params: GenParams, prompt: Vec<u8>, answer: Answer) -> HttpResponse {
+    let Answer { chat, first_word, prompt_ids } = answer;
     let max_tokens = params.max_completion_tokens.or(params.max_tokens).unwrap_or(16).min(4096);
     let model = params.model.clone().unwrap_or_else(|| s.cfg.model.clone());
     let id = random_id(if chat { "chatcmpl" } else { "cmpl" });
     let created = crate::clock::now_ms() / 1000;
     let per_token = s.scaled(1.0 / s.cfg.decode_tps);
+    let word = move |i: usize| first_word + i;
     if !params.stream {
         let p = match prefill_and_decode(&s, &prompt, max_tokens).await {
             Ok(p) => p,
             Err(resp) => return resp,
         };
-        let text: String = (0..max_tokens as usize).map(|i| WORDS[i % WORDS.len()]).collect();
+        let text: String = (0..max_tokens as usize).map(|i| WORDS[word(i) % WORDS.len()]).collect();
         let choice = if chat {
             json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"})
         } else {
@@ -556,7 +614,9 @@ async fn generate(s: Arc<SimState>, params: GenParams, prompt: Vec<u8>, chat: bo
     // Streaming: headers go out at once (as real SSE servers do); the first
     // data chunk waits for the prefill.
     let include_usage = params.stream_options.is_some_and(|o| o.include_usage);
+    let with_ids = params.return_token_ids;
     let (tx, rx) = tokio::sync::mpsc::channel::<Frame>(8);
+    let (die_after, stall_after) = (s.cfg.die_after_tokens, s.cfg.stall_after_tokens);
     actix_web::rt::spawn(async move {
         let p = match prefill(&s, &prompt, max_tokens).await {
             Ok(p) => p,
@@ -569,24 +629,40 @@ async fn generate(s: Arc<SimState>, params: GenParams, prompt: Vec<u8>, chat: bo
             }
         };
         let object = if chat { "chat.completion.chunk" } else { "text_completion" };
-        let chunk = |delta: Option<&str>, finish: Option<&str>| {
-            let choice = match (chat, delta) {
-                (true, Some(d)) => {
-                    json!({"index": 0, "delta": {"content": d}, "finish_reason": finish})
+        let chunk = |i: Option<usize>, finish: Option<&str>| {
+            let text = i.map(|i| WORDS[word(i) % WORDS.len()]);
+            let mut choice = match (chat, text) {
+                (true, Some(d)) if i == Some(0) => {
+                    json!({"index": 0, "delta": {"role": "assistant", "content": d}, "finish_reason": finish})
                 }
+                (true, Some(d)) => json!({"index": 0, "delta": {"content": d}, "finish_reason": finish}),
                 (true, None) => json!({"index": 0, "delta": {}, "finish_reason": finish}),
                 (false, d) => json!({"index": 0, "text": d.unwrap_or(""), "finish_reason": finish}),
             };
-            sse(
-                &json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice], "prefill_ms": p.prefill_ms}),
-            )
+            let mut event = json!({"id": id, "object": object, "created": created, "model": model, "choices": [], "prefill_ms": p.prefill_ms});
+            if with_ids {
+                choice["token_ids"] = json!(i.map(|i| vec![word_id(word(i))]).unwrap_or_default());
+                if i == Some(0) {
+                    event["prompt_token_ids"] = json!(prompt_ids);
+                }
+            }
+            event["choices"] = json!([choice]);
+            sse(&event)
         };
         for i in 0..max_tokens as usize {
             if i > 0 {
                 elapse(per_token).await;
             }
+            if die_after == Some(i as u64) {
+                return; // the engine died: the connection is cut without an end
+            }
+            if stall_after == Some(i as u64) {
+                tx.closed().await; // wedged, its connection open until the client leaves
+                s.cancelled.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
             s.generated.fetch_add(1, Ordering::Relaxed);
-            if tx.send(Frame::Chunk(chunk(Some(WORDS[i % WORDS.len()]), None))).await.is_err() {
+            if tx.send(Frame::Chunk(chunk(Some(i), None))).await.is_err() {
                 s.cancelled.fetch_add(1, Ordering::Relaxed);
                 return; // the client went away: stop generating, free the KV
             }
