@@ -50,6 +50,8 @@ pub struct Config {
     #[schema(inline)]
     pub timeouts: Timeouts,
     #[schema(inline)]
+    pub failover: FailoverConfig,
+    #[schema(inline)]
     pub health: HealthConfig,
     #[schema(inline)]
     pub limits: Limits,
@@ -173,6 +175,31 @@ pub struct Timeouts {
 
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields, default)]
+pub struct FailoverConfig {
+    /// A streamed chat or completion whose replica dies, stalls or is
+    /// drained with hand-over after its first byte goes on on another
+    /// replica, token for token (the engine is asked for
+    /// `return_token_ids`). False: such a stream breaks.
+    pub continue_streams: bool,
+    /// A stream that could go on and sent nothing for this long (after its
+    /// first event) is taken as stalled and goes on elsewhere.
+    pub stall_ms: u64,
+    /// Most resumed legs per request.
+    pub max_continuations: u32,
+    /// Most resumed legs starting at once on this instance: deaths come in
+    /// bursts, and each resume is a full prefill elsewhere. Past it a
+    /// broken stream ends broken.
+    pub max_resuming: usize,
+}
+
+impl Default for FailoverConfig {
+    fn default() -> Self {
+        FailoverConfig { continue_streams: true, stall_ms: 30_000, max_continuations: 1, max_resuming: 8 }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields, default)]
 pub struct Limits {
     /// Largest request body accepted (a 90k-token context is ~400 KB).
     pub max_body_bytes: usize,
@@ -246,6 +273,7 @@ impl Default for Config {
             api_keys: Vec::new(),
             identity: IdentityConfig::default(),
             timeouts: Timeouts::default(),
+            failover: FailoverConfig::default(),
             health: HealthConfig::default(),
             limits: Limits::default(),
             pins: PinConfig::default(),

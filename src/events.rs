@@ -77,6 +77,13 @@ pub enum EventKind {
     /// No lost prefix confirmed a replica's wall for ten minutes: it was
     /// forgotten, and new sessions are admitted up to its capacity again.
     KvWallForgotten,
+    /// A stream broke after its first byte (its replica died, stalled or
+    /// was drained with hand-over) and went on on another replica: from,
+    /// to, the seam's token count, exact or not, why.
+    StreamContinued,
+    /// A stream broke after its first byte and could not go on (the
+    /// detail says why): the client's stream ended broken.
+    StreamNotContinued,
 }
 
 impl std::str::FromStr for EventKind {

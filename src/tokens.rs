@@ -34,6 +34,9 @@ pub struct Calibration {
     /// this moment, ms: a count failed or took too long (`engine_failed`),
     /// or never again (`NEVER`: it has no way to count, `engine_refused`).
     counts_resume_ms: AtomicU64,
+    /// Whether its streams carry token ids when asked (`return_token_ids`,
+    /// `proxy::resume`): 0 not known yet, 1 yes, 2 no.
+    token_ids: std::sync::atomic::AtomicU8,
 }
 
 /// `counts_resume_ms` of an engine that refused to count.
@@ -77,6 +80,18 @@ impl Calibration {
     /// (until the replica is registered again).
     pub fn engine_refused(&self) {
         self.counts_resume_ms.store(NEVER, Ordering::Relaxed);
+    }
+
+    /// Whether the engine is asked for token ids: yes until a stream it
+    /// was asked for them came without (then never, until the replica is
+    /// registered again).
+    pub fn asks_token_ids(&self) -> bool {
+        self.token_ids.load(Ordering::Relaxed) != 2
+    }
+
+    /// A stream asked for token ids came with them (`true`) or without.
+    pub fn heard_token_ids(&self, given: bool) {
+        self.token_ids.store(if given { 1 } else { 2 }, Ordering::Relaxed);
     }
 
     /// Feeds one measured (bytes, prompt_tokens) pair into the ratio.

@@ -586,6 +586,13 @@ pub struct InflightGuard {
     large: bool,
 }
 
+impl InflightGuard {
+    /// Whether it counts as a large context too.
+    pub fn large(&self) -> bool {
+        self.large
+    }
+}
+
 impl Drop for InflightGuard {
     fn drop(&mut self) {
         self.replica.inflight.fetch_sub(1, Ordering::AcqRel);

@@ -95,6 +95,33 @@ pub struct FailoverLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ContinuedLabels {
+    pub dialect: &'static str,
+    pub reason: &'static str,
+    pub exact: &'static str,
+}
+
+/// Why a broken stream did not go on (`proxy::resume::Refusal::as_str`,
+/// every one: a test there holds the two lists together).
+pub const NOT_CONTINUED_REASONS: [&str; 10] = [
+    "structured_output",
+    "n_greater_than_1",
+    "logprobs",
+    "inside_tool_call",
+    "inside_reasoning",
+    "no_token_ids",
+    "too_many_tokens",
+    "max_continuations",
+    "no_replica",
+    "too_many_resuming",
+];
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ClassLabels {
     pub class: &'static str,
 }
@@ -163,6 +190,8 @@ pub struct Metrics {
     pub first_token: HistogramFamily<RouteLabels>,
     pub request_duration: HistogramFamily<RouteLabels>,
     pub failovers: Family<FailoverLabels, Counter>,
+    pub streams_continued: Family<ContinuedLabels, Counter>,
+    pub streams_not_continued: Family<ReasonLabels, Counter>,
     pub pin_lookups: Family<ResultLabels, StripedCounter>,
     pub rejected: Family<ResultLabels, Counter>,
     pub prompt_tokens: Family<RouteLabels, StripedCounter>,
@@ -239,6 +268,8 @@ impl Metrics {
             first_token: Family::new_with_constructor(latency_histogram as fn() -> StripedHistogram),
             request_duration: Family::new_with_constructor(latency_histogram as fn() -> StripedHistogram),
             failovers: Family::default(),
+            streams_continued: Family::default(),
+            streams_not_continued: Family::default(),
             pin_lookups: Family::default(),
             rejected: Family::default(),
             prompt_tokens: Family::default(),
@@ -307,6 +338,16 @@ impl Metrics {
             "prefixgate_failovers",
             "Requests retried on another replica after a connection failure",
             m.failovers.clone(),
+        );
+        registry.register(
+            "prefixgate_streams_continued",
+            "Streams that broke after their first byte and went on on another replica",
+            m.streams_continued.clone(),
+        );
+        registry.register(
+            "prefixgate_streams_not_continued",
+            "Streams that broke after their first byte and could not go on, by why",
+            m.streams_not_continued.clone(),
         );
         registry.register(
             "prefixgate_pin_lookups",
@@ -500,6 +541,14 @@ impl Metrics {
         }
         for result in ["found", "missed"] {
             m.pin_read_through.get_or_create(&ResultLabels { result }).inc_by(0);
+        }
+        for dialect in ["chat", "completions"] {
+            for reason in ["replica_failed", "stalled"] {
+                m.streams_continued.get_or_create(&ContinuedLabels { dialect, reason, exact: "true" }).inc_by(0);
+            }
+        }
+        for reason in NOT_CONTINUED_REASONS {
+            m.streams_not_continued.get_or_create(&ReasonLabels { reason }).inc_by(0);
         }
         // Every class starts at zero, so a rate over a quiet class is 0, not absent.
         for class in crate::priority::Class::ALL {

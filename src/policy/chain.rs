@@ -114,6 +114,9 @@ pub struct RequestShape {
     /// Responses API: the replica will store the response (`store`, true
     /// unless the client says false).
     pub stores_response: bool,
+    /// Chat and completions: the client asked for a stream (the only
+    /// requests whose stream may go on elsewhere, `proxy::resume`).
+    pub streamed: bool,
 }
 
 /// Input the router cannot route; becomes a 400 with this message.
@@ -209,6 +212,7 @@ pub(super) fn shape(
         cache_key: cache_key.map(Cow::into_owned),
         previous_response: previous_response.map(Cow::into_owned),
         stores_response: false,
+        streamed: false,
     }
 }
 

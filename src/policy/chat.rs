@@ -16,6 +16,8 @@ struct ChatBody<'a> {
     prompt_cache_key: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
     cache_salt: Option<Cow<'a, str>>,
+    #[serde(default)]
+    stream: bool,
 }
 
 #[derive(Deserialize)]
@@ -79,5 +81,6 @@ pub(super) fn extract_chat(body: &[u8]) -> Result<RequestShape, ShapeError> {
         cache_key: parsed.prompt_cache_key.map(Cow::into_owned),
         previous_response: None,
         stores_response: false,
+        streamed: parsed.stream,
     })
 }

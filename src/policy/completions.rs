@@ -19,6 +19,8 @@ struct CompletionBody<'a> {
     prompt_cache_key: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
     cache_salt: Option<Cow<'a, str>>,
+    #[serde(default)]
+    stream: bool,
 }
 
 /// A completions prompt: one string, one token array, or a batch (several
@@ -141,5 +143,6 @@ pub(super) fn extract_completion(body: &[u8], blocks: IdentityBlocks) -> Result<
         cache_key: parsed.prompt_cache_key.map(Cow::into_owned),
         previous_response: None,
         stores_response: false,
+        streamed: parsed.stream,
     })
 }

@@ -35,6 +35,7 @@ use actix_web::web;
 use awc::error::{ConnectError, SendRequestError};
 
 use super::headers;
+use super::resume::Refusal;
 use crate::error::ApiError;
 use crate::fleet::ReplicaSpec;
 
@@ -66,6 +67,18 @@ impl Upstream {
     pub(super) fn tokenize_request(&self, spec: &Arc<ReplicaSpec>, caller: headers::Caller<'_>) -> awc::ClientRequest {
         let target = self.replicas.target(spec, &actix_web::http::Uri::from_static("/tokenize"));
         headers::replica_request(&self.client, actix_web::http::Method::POST, target, caller, spec)
+    }
+
+    /// A `POST /v1/completions` to the replica `spec` (a resumed stream's
+    /// leg, `Resumer`), with the credentials `req` carries there.
+    pub(super) fn completions_request(
+        &self,
+        spec: &Arc<ReplicaSpec>,
+        caller: headers::Caller<'_>,
+    ) -> awc::ClientRequest {
+        let target = self.replicas.target(spec, &actix_web::http::Uri::from_static("/v1/completions"));
+        headers::replica_request(&self.client, actix_web::http::Method::POST, target, caller, spec)
+            .insert_header((actix_web::http::header::CONTENT_TYPE, "application/json"))
     }
 
     /// The upstream request for `req` on the replica `spec`.
@@ -141,4 +154,72 @@ pub type UpstreamResponse = awc::ClientResponse<actix_web::dev::Decompress<actix
 /// client's body, byte for byte.
 pub async fn send(request: awc::ClientRequest, body: web::Bytes) -> Result<UpstreamResponse, AttemptError> {
     request.send_body(body).await.map_err(AttemptError::from)
+}
+
+/// The way on for a broken stream (`body::Resume`): another replica, chosen
+/// as a failover chooses (the planner, without the replicas it ran on),
+/// sent the resuming `/v1/completions` (`resume::resume_request`).
+pub struct Resumer {
+    pub state: web::Data<crate::state::AppState>,
+    pub upstream: web::Data<Upstream>,
+    /// The client's request, for the credentials a replica is sent.
+    pub req: actix_web::HttpRequest,
+    /// The body as the client sent it (parsed only if the stream breaks).
+    pub body: web::Bytes,
+    pub shape: crate::policy::RequestShape,
+    pub mode: crate::policy::Mode,
+    /// The replicas its legs ran on.
+    pub tried: Vec<Arc<str>>,
+    pub trace: super::trace::RequestTrace,
+}
+
+type LegStarted = futures_util::future::LocalBoxFuture<'static, Result<super::body::Leg<UpstreamResponse>, Refusal>>;
+
+impl super::body::Resume<UpstreamResponse> for Resumer {
+    fn start(&mut self, said: &super::resume::Said) -> LegStarted {
+        let refused = |why| -> LegStarted { Box::pin(std::future::ready(Err(why))) };
+        let Ok(permit) = self.state.resuming.clone().try_acquire_owned() else { return refused(Refusal::Busy) };
+        let request = serde_json::from_slice(&self.body).ok();
+        let Some(body) = request.and_then(|r| super::resume::resume_request(&r, said)) else {
+            return refused(Refusal::NoTokenIds);
+        };
+        let Some(to) = self.next_replica() else { return refused(Refusal::NoReplica) };
+        self.tried.push(to.id.clone());
+        let caller = headers::Caller { req: &self.req, gateway_keys: !self.state.config.api_keys.is_empty() };
+        let mut request = self.upstream.completions_request(&to.spec(), caller);
+        let (span, carried) = self.trace.attempt(&self.state, &to.id);
+        for (name, value) in carried {
+            request = request.insert_header((name, value));
+        }
+        Box::pin(async move {
+            let _starting = permit;
+            let sent = send(request, body).await;
+            let status = sent.as_ref().map(|r| r.status().as_u16()).map_err(|e| (e.message.as_str(), false));
+            super::trace::attempt_ended(&span, status);
+            match sent {
+                Ok(resp) if resp.status().is_success() => Ok(super::body::Leg { stream: resp, to }),
+                _ => Err(Refusal::NoReplica),
+            }
+        })
+    }
+}
+
+impl Resumer {
+    /// Where the next leg goes: planned as a failover, without the
+    /// replicas its legs ran on.
+    fn next_replica(&self) -> Option<Arc<crate::fleet::Replica>> {
+        let fleet = self.state.fleet.snapshot();
+        let input = super::plan::PlanInput {
+            mode: self.mode,
+            shape: &self.shape,
+            pinned: None,
+            named: None,
+            stored: None,
+            tried: &self.tried,
+            large: false,
+            room: None,
+        };
+        let route = super::plan::plan(&input, &fleet, |_| true, &self.state.spread).ok()?;
+        Some(fleet[route.replica].clone())
+    }
 }

@@ -7,15 +7,19 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use actix_web::error::PayloadError;
 use bytes::Bytes;
+use futures_util::future::LocalBoxFuture;
 use futures_util::Stream;
 use tokio::time::{Instant, Sleep};
 
+use super::resume::{Refusal, Relay, Said};
 use super::usage::UsageTap;
+use crate::fleet::Replica;
 use crate::policy::Dialect;
 
 /// What ends with the body: the guard, and the outcome recorder.
@@ -29,6 +33,88 @@ pub trait BodyEnd {
     fn response_id(&mut self, id: &str);
     /// Called once, when a stream's first chunk passes (its first token).
     fn first_event(&mut self);
+    /// The stream broke (`why`) after `said` and goes on on `to`: from now
+    /// on the body is that replica's.
+    fn continued(&mut self, to: Arc<Replica>, said: &Said, why: Break);
+    /// The stream broke (`why`) and could not go on (`refused`).
+    fn not_continued(&mut self, refused: Refusal, why: Break);
+}
+
+/// How a stream broke after its first byte.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Break {
+    /// The connection closed or reset without the dialect's terminal event.
+    Died,
+    /// No byte for `failover.stall_ms`.
+    Stalled,
+}
+
+impl Break {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Break::Died => "replica_failed",
+            Break::Stalled => "stalled",
+        }
+    }
+}
+
+/// A resumed leg: its response, and the replica it runs on.
+pub struct Leg<S> {
+    pub stream: S,
+    pub to: Arc<Replica>,
+}
+
+/// Starts the next leg of a broken stream (`proxy::Resumer`).
+pub trait Resume<S> {
+    fn start(&mut self, said: &Said) -> LocalBoxFuture<'static, Result<Leg<S>, Refusal>>;
+}
+
+/// A stream that may outlive its replica (`failover.continue_streams`):
+/// its events through the relay, and the way on when it breaks.
+pub struct Continuing<S> {
+    /// None: refused before it was sent (`refused` says why).
+    pub relay: Option<Relay>,
+    pub refused: Option<Refusal>,
+    /// The replica asked for token ids, until its first event says
+    /// whether it gives them (`Calibration::heard_token_ids`).
+    pub learn: Option<Arc<Replica>>,
+    pub stall: Duration,
+    pub max_legs: u32,
+    pub resume: Box<dyn Resume<S>>,
+    pub resuming: Option<LocalBoxFuture<'static, Result<Leg<S>, Refusal>>>,
+    pub why: Break,
+}
+
+impl<S> Continuing<S> {
+    /// Whether the stream, broken now, may go on; why not, if not.
+    fn refusal(&self) -> Option<Refusal> {
+        if let Some(refused) = self.refused {
+            return Some(refused);
+        }
+        let Some(relay) = self.relay.as_ref() else { return Some(Refusal::NoTokenIds) };
+        if relay.legs >= self.max_legs {
+            return Some(Refusal::Limit);
+        }
+        relay.said.refusal()
+    }
+
+    /// The replica's bytes through the relay (whole events out), and what
+    /// its first event says of its token ids learned.
+    fn feed(&mut self, chunk: &Bytes) -> Bytes {
+        let Some(relay) = self.relay.as_mut() else { return chunk.clone() };
+        let out = relay.feed(chunk);
+        if relay.said.id.is_some() {
+            if let Some(replica) = self.learn.take() {
+                replica.calibration.heard_token_ids(relay.said.prompt_ids.is_some());
+            }
+        }
+        out
+    }
+
+    /// Stalls are watched once the stream's first event came with its ids.
+    fn watches_stalls(&self) -> bool {
+        self.relay.as_ref().is_some_and(|r| r.said.prompt_ids.is_some()) && self.refusal().is_none()
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,6 +138,8 @@ pub struct GuardedBody<S, E: BodyEnd> {
     /// The upstream's Content-Length, and the bytes seen so far.
     expected: Option<u64>,
     seen: u64,
+    /// Boxed: only a stream that may go on carries it.
+    continuing: Option<Box<Continuing<S>>>,
 }
 
 // Why truncation needs detecting here: awc ends a chunked body cleanly when
@@ -73,12 +161,87 @@ pub struct Framing {
 impl<S, E: BodyEnd> GuardedBody<S, E> {
     pub fn new(inner: S, idle: Duration, framing: Framing, tap: Option<UsageTap>, end: E) -> Self {
         let Framing { sse, expected } = framing;
-        GuardedBody { inner, idle, timer: None, sse, end: Some(end), tap, done: false, expected, seen: 0 }
+        GuardedBody {
+            inner,
+            idle,
+            timer: None,
+            sse,
+            end: Some(end),
+            tap,
+            done: false,
+            expected,
+            seen: 0,
+            continuing: None,
+        }
+    }
+
+    /// The stream may outlive its replica.
+    pub fn continuing(mut self, continuing: Continuing<S>) -> Self {
+        self.continuing = Some(Box::new(continuing));
+        self
+    }
+
+    /// The silence allowed now: `failover.stall_ms` for a stream that may
+    /// go on (after its first event), else the idle timeout.
+    fn silence(&self) -> Duration {
+        match self.continuing.as_ref().filter(|c| c.watches_stalls()) {
+            Some(c) => c.stall.min(self.idle),
+            None => self.idle,
+        }
     }
 
     fn idle_timer(&mut self) -> Pin<&mut Sleep> {
-        let idle = self.idle;
-        self.timer.get_or_insert_with(|| Box::pin(tokio::time::sleep(idle))).as_mut()
+        let silence = self.silence();
+        self.timer.get_or_insert_with(|| Box::pin(tokio::time::sleep(silence))).as_mut()
+    }
+
+    /// The stream broke (`why`): its next leg starts, if it may go on
+    /// (true); else the end hears why not (false).
+    fn go_on(&mut self, why: Break) -> bool {
+        let Some(c) = self.continuing.as_mut() else { return false };
+        if let Some(refused) = c.refusal() {
+            if let Some(end) = self.end.as_mut() {
+                end.not_continued(refused, why);
+            }
+            self.continuing = None;
+            return false;
+        }
+        let said = &c.relay.as_ref().expect("a relay: not refused").said;
+        c.resuming = Some(c.resume.start(said));
+        c.why = why;
+        true
+    }
+
+    /// A leg being resumed, polled: Ready(true) once it runs (the body
+    /// reads it from now), Ready(false) when it could not start.
+    fn poll_resuming(&mut self, cx: &mut Context<'_>) -> Poll<bool> {
+        let Some(c) = self.continuing.as_mut() else { return Poll::Ready(false) };
+        let Some(resuming) = c.resuming.as_mut() else { return Poll::Ready(false) };
+        let leg = match resuming.as_mut().poll(cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(leg) => leg,
+        };
+        c.resuming = None;
+        let why = c.why;
+        match leg {
+            Ok(Leg { stream, to }) => {
+                let relay = c.relay.as_mut().expect("a relay: it resumed");
+                if let Some(end) = self.end.as_mut() {
+                    end.continued(to, &relay.said, why);
+                }
+                relay.resumed();
+                self.inner = stream;
+                self.timer = None;
+                Poll::Ready(true)
+            }
+            Err(refused) => {
+                if let Some(end) = self.end.as_mut() {
+                    end.not_continued(refused, why);
+                }
+                self.continuing = None;
+                Poll::Ready(false)
+            }
+        }
     }
 
     fn truncated(&self) -> bool {
@@ -145,50 +308,114 @@ where
         if self.done {
             return Poll::Ready(None);
         }
-        match Pin::new(&mut self.inner).poll_next(cx) {
-            Poll::Ready(Some(Ok(chunk))) => {
-                let idle = self.idle;
-                if let Some(timer) = self.timer.as_mut() {
-                    timer.as_mut().reset(Instant::now() + idle);
+        loop {
+            if self.continuing.as_ref().is_some_and(|c| c.resuming.is_some()) {
+                match self.poll_resuming(cx) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(true) => {}
+                    Poll::Ready(false) => return self.fail(BodyOutcome::UpstreamFailed, NOT_CONTINUED),
                 }
-                if self.seen == 0 && self.sse {
-                    if let Some(end) = self.end.as_mut() {
-                        end.first_event();
+            }
+            match Pin::new(&mut self.inner).poll_next(cx) {
+                Poll::Ready(Some(Ok(chunk))) => {
+                    let silence = self.silence();
+                    if let Some(timer) = self.timer.as_mut() {
+                        timer.as_mut().reset(Instant::now() + silence);
+                    }
+                    let chunk = match self.continuing.as_mut() {
+                        Some(c) => c.feed(&chunk),
+                        None => chunk,
+                    };
+                    if chunk.is_empty() {
+                        continue; // part of an event: it passes whole
+                    }
+                    return Poll::Ready(Some(Ok(self.pass(chunk))));
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    tracing::warn!("upstream body failed mid-response: {e}");
+                    if let Some(end) = self.broke(Break::Died, NOT_CONTINUED) {
+                        return end;
                     }
                 }
-                self.seen += chunk.len() as u64;
-                let this = &mut *self;
-                if let Some(tap) = this.tap.as_mut() {
-                    tap.observe(&chunk);
-                    // Before the chunk reaches the client: the follow-up
-                    // naming this id cannot overtake its announcement here.
-                    if let (Some(id), Some(end)) = (tap.new_response_id(), this.end.as_mut()) {
-                        end.response_id(id);
+                Poll::Ready(None) if self.truncated() => {
+                    tracing::warn!("upstream body ended early (connection closed mid-response)");
+                    let message = "the replica closed the connection before the response was complete";
+                    if let Some(end) = self.broke(Break::Died, message) {
+                        return end;
                     }
                 }
-                Poll::Ready(Some(Ok(chunk)))
+                Poll::Ready(None) => {
+                    self.finish(BodyOutcome::Complete);
+                    self.done = true;
+                    return Poll::Ready(None);
+                }
+                Poll::Pending => {
+                    let stalls = self.continuing.as_ref().is_some_and(|c| c.watches_stalls());
+                    match self.idle_timer().poll(cx) {
+                        Poll::Ready(()) if stalls => {
+                            tracing::warn!("upstream stream stalled: it goes on elsewhere");
+                            if let Some(end) = self.broke(Break::Stalled, "the replica stopped sending (stalled)") {
+                                return end;
+                            }
+                        }
+                        Poll::Ready(()) => {
+                            return self.fail(BodyOutcome::IdleTimeout, "the replica stopped sending (idle timeout)")
+                        }
+                        Poll::Pending => return Poll::Pending,
+                    }
+                }
             }
-            Poll::Ready(Some(Err(e))) => {
-                tracing::warn!("upstream body failed mid-response: {e}");
-                self.fail(BodyOutcome::UpstreamFailed, "the replica failed while streaming the response")
-            }
-            Poll::Ready(None) if self.truncated() => {
-                tracing::warn!("upstream body ended early (connection closed mid-response)");
-                self.fail(
-                    BodyOutcome::UpstreamFailed,
-                    "the replica closed the connection before the response was complete",
-                )
-            }
-            Poll::Ready(None) => {
-                self.finish(BodyOutcome::Complete);
-                self.done = true;
-                Poll::Ready(None)
-            }
-            Poll::Pending => match self.idle_timer().poll(cx) {
-                Poll::Ready(()) => self.fail(BodyOutcome::IdleTimeout, "the replica stopped sending (idle timeout)"),
-                Poll::Pending => Poll::Pending,
-            },
         }
+    }
+}
+
+/// What a client reads when its stream broke and could not go on.
+const NOT_CONTINUED: &str = "the replica failed while streaming the response";
+
+impl<S, E> GuardedBody<S, E>
+where
+    S: Stream<Item = Result<Bytes, PayloadError>> + Unpin,
+    E: BodyEnd + Unpin,
+{
+    /// A chunk on its way to the client: its first event timed, its bytes
+    /// counted and watched.
+    fn pass(&mut self, chunk: Bytes) -> Bytes {
+        if self.seen == 0 && self.sse {
+            if let Some(end) = self.end.as_mut() {
+                end.first_event();
+            }
+        }
+        self.seen += chunk.len() as u64;
+        if let Some(tap) = self.tap.as_mut() {
+            tap.observe(&chunk);
+            // Before the chunk reaches the client: the follow-up
+            // naming this id cannot overtake its announcement here.
+            if let (Some(id), Some(end)) = (tap.new_response_id(), self.end.as_mut()) {
+                end.response_id(id);
+            }
+        }
+        chunk
+    }
+
+    /// The stream broke: None when it goes on (its next leg is being
+    /// started); else what the client reads now. A stream whose answer was
+    /// whole (its finish came) and only its end was missing is ended.
+    fn broke(&mut self, why: Break, message: &str) -> Option<Poll<Option<Result<Bytes, PayloadError>>>> {
+        let finished = self.continuing.as_ref().and_then(|c| c.relay.as_ref()).is_some_and(|r| r.said.finished);
+        if finished && self.expected.is_none() {
+            self.continuing = None;
+            let done = self.pass(Bytes::from_static(b"data: [DONE]\n\n"));
+            self.finish(BodyOutcome::Complete);
+            self.done = true;
+            return Some(Poll::Ready(Some(Ok(done))));
+        }
+        if self.go_on(why) {
+            return None;
+        }
+        Some(match why {
+            Break::Died => self.fail(BodyOutcome::UpstreamFailed, message),
+            Break::Stalled => self.fail(BodyOutcome::IdleTimeout, message),
+        })
     }
 }
 

@@ -383,10 +383,17 @@ impl Forwarding<'_> {
             request = request.insert_header((name, value));
         }
         let held = Holdings { guard, large, running, turn };
-        Ok(match attempt::send(request, self.body.clone()).await {
+        let continuity = self.continuity(replica);
+        let body = match continuity {
+            Some(resume::Continuity::Relay { ask_ids: true }) => {
+                resume::ask_for_ids(&self.body).unwrap_or_else(|| self.body.clone())
+            }
+            _ => self.body.clone(),
+        };
+        Ok(match attempt::send(request, body).await {
             Ok(resp) => {
                 trace::attempt_ended(&span, Ok(resp.status().as_u16()));
-                Ok(Sent { resp, held, started, turn: pin_turn })
+                Ok(Sent { resp, held, started, turn: pin_turn, continuity })
             }
             Err(e) => {
                 trace::attempt_ended(&span, Err((&e.message, e.retry_safe())));
@@ -395,9 +402,55 @@ impl Forwarding<'_> {
         })
     }
 
+    /// Whether this request's stream may go on elsewhere should it break
+    /// (`resume.rs`; None: not a streamed chat or completion, or
+    /// `failover.continue_streams` is off).
+    fn continuity(&self, replica: &Replica) -> Option<resume::Continuity> {
+        let shape = &self.lookup.shape;
+        let relayed = matches!(shape.dialect, Dialect::Chat | Dialect::Completions) && shape.streamed;
+        (relayed && self.h.state.config.failover.continue_streams)
+            .then(|| resume::continuity(&self.body, replica.calibration.asks_token_ids()))
+    }
+
+    /// A stream's way on, should it break (`body::Continuing`).
+    fn continuing(
+        &self,
+        continuity: resume::Continuity,
+        on: &Arc<Replica>,
+    ) -> body::Continuing<attempt::UpstreamResponse> {
+        let failover = &self.h.state.config.failover;
+        let (relay, refused, learn) = match continuity {
+            resume::Continuity::Refused(refused) => (None, Some(refused), None),
+            resume::Continuity::Relay { ask_ids } => {
+                (Some(resume::Relay::new(self.lookup.shape.dialect, !ask_ids)), None, ask_ids.then(|| on.clone()))
+            }
+        };
+        let resumer = attempt::Resumer {
+            state: self.req.app_data::<web::Data<AppState>>().expect("app state").clone(),
+            upstream: self.h.upstream.clone(),
+            req: self.req.clone(),
+            body: self.body.clone(),
+            shape: self.lookup.shape.clone(),
+            mode: self.settings.mode,
+            tried: vec![on.id.clone()],
+            trace: self.h.trace.clone(),
+        };
+        body::Continuing {
+            relay,
+            refused,
+            learn,
+            stall: Duration::from_millis(failover.stall_ms),
+            max_legs: failover.max_continuations,
+            resume: Box::new(resumer),
+            resuming: None,
+            why: body::Break::Died,
+        }
+    }
+
     /// The response head arrived: recorded, and streamed back to the client.
     fn answer(&self, sent: Sent, reason: RouteReason, retries: &Retries, waited: Option<Duration>) -> HttpResponse {
-        let Sent { resp, held, started, turn } = sent;
+        let Sent { resp, held, started, turn, continuity } = sent;
+        let continuing = continuity.map(|c| self.continuing(c, &held.guard.replica));
         let recorder = self.h.recorder;
         let replica = &held.guard.replica;
         let predicted_cached = recorder.responded(&Responded {
@@ -426,9 +479,10 @@ impl Forwarding<'_> {
             trace: self.h.trace.clone(),
             scope: self.scope,
             first_event: None,
+            pins: outcome::TurnPins::of(&turn),
         };
         let idle = Duration::from_millis(self.h.state.config.timeouts.idle_stream_ms);
-        let mut out = respond(resp, outcome, predicted_cached, idle, self.lookup.shape.dialect);
+        let mut out = respond(resp, outcome, idle, self.lookup.shape.dialect, continuing);
         if let Some(waited) = waited {
             out.headers_mut().insert(HEADER_HELD_MS, HeaderValue::from(waited.as_millis() as u64));
         }
@@ -442,6 +496,8 @@ struct Sent<'a> {
     held: Holdings,
     started: Instant,
     turn: Turn<'a>,
+    /// Whether its stream may go on elsewhere should it break.
+    continuity: Option<resume::Continuity>,
 }
 
 /// The body as forwarded: with `identity.cache_salt = "client"`, a request
@@ -542,14 +598,13 @@ async fn read_body(mut payload: web::Payload, limit: usize) -> Result<web::Bytes
 }
 
 fn respond(
-    resp: awc::ClientResponse<
-        impl futures_util::Stream<Item = Result<web::Bytes, actix_web::error::PayloadError>> + Unpin + 'static,
-    >,
+    resp: attempt::UpstreamResponse,
     outcome: Outcome,
-    predicted_cached: Option<u64>,
     idle: Duration,
     dialect: Dialect,
+    continuing: Option<body::Continuing<attempt::UpstreamResponse>>,
 ) -> HttpResponse {
+    let predicted_cached = outcome.predicted_cached;
     let status = resp.status();
     let mut out = HttpResponse::build(status);
     headers::copy_response_headers(resp.headers(), &mut out);
@@ -568,7 +623,10 @@ fn respond(
     let tap = status.is_success().then(|| UsageTap::new(dialect, sse, expected));
     // An SSE error reply (non-2xx) carries no [DONE]: only check successful streams.
     let sse_checked = sse && status.is_success();
-    let body = GuardedBody::new(resp, idle, body::Framing { sse: sse_checked, expected }, tap, outcome);
+    let mut body = GuardedBody::new(resp, idle, body::Framing { sse: sse_checked, expected }, tap, outcome);
+    if let Some(continuing) = continuing.filter(|_| sse_checked) {
+        body = body.continuing(continuing);
+    }
     // The body's own size frames the reply: with a length, the HTTP encoder
     // writes Content-Length itself and never chunks, so a client sees a body
     // cut short as short, whatever its HTTP library does with chunked

@@ -340,6 +340,41 @@ impl OutcomeRecorder {
         }
     }
 
+    /// A stream broke (`why`) after `seam` tokens and went on from `from`
+    /// on `to`: the history says so, and the turn's pins move where the
+    /// answer was finished (that replica holds its prefix now).
+    pub fn continued(&self, from: &Arc<str>, to: &Replica, seam: usize, why: super::body::Break, pins: &TurnPins) {
+        let dialect = pins.dialect.as_str();
+        let detail = format!("{dialect} stream went on after {seam} tokens (exact: true; {})", why.as_str());
+        self.events.record(EventKind::StreamContinued, Some(from), Some(&to.id), detail);
+        let labels = crate::metrics::ContinuedLabels { dialect, reason: why.as_str(), exact: "true" };
+        self.metrics.shared().streams_continued.get_or_create(&labels).inc();
+        let now = crate::clock::now_ms();
+        if let Some(s) = pins.session {
+            let source = match s.kind {
+                KeyKind::PromptCacheKey => PinSource::PromptCacheKey,
+                KeyKind::SessionHeader => PinSource::SessionHeader,
+            };
+            let origin = PinOrigin { dialect: pins.dialect, source };
+            self.pins.record(s.key, &to.id, None, pins.est_tokens, now, origin);
+        }
+        if let Some(pin_at) = pins.pin_at {
+            let origin = PinOrigin { dialect: pins.dialect, source: PinSource::Prefix };
+            let recorded = self.pins.record(pin_at, &to.id, pins.parent, pins.est_tokens, now, origin);
+            if let Some(old) = recorded.moved_from.and_then(|from| self.fleet.get(&from)) {
+                old.residents.forget(recorded.family);
+            }
+        }
+    }
+
+    /// A stream broke (`why`) on `replica` and could not go on (`refused`).
+    pub fn not_continued(&self, replica: &Arc<str>, refused: super::resume::Refusal, why: super::body::Break) {
+        let detail = format!("stream broke ({}) and did not go on: {}", why.as_str(), refused.as_str());
+        self.events.record(EventKind::StreamNotContinued, Some(replica), None, detail);
+        let labels = crate::metrics::ReasonLabels { reason: refused.as_str() };
+        self.metrics.shared().streams_not_continued.get_or_create(&labels).inc();
+    }
+
     pub fn stored_response(&self, key: PrefixKey, replica: &Arc<str>) {
         let origin = PinOrigin { dialect: Dialect::Responses, source: PinSource::Response };
         self.pins.record(key, replica, None, 0, crate::clock::now_ms(), origin);
@@ -386,6 +421,31 @@ pub struct Outcome {
     pub scope: crate::policy::tenancy::Scope,
     /// When a stream's first event came, after `started`.
     pub first_event: Option<Duration>,
+    /// Where the turn's pins go, should its stream go on elsewhere.
+    pub pins: TurnPins,
+}
+
+/// A turn's pins, owned: what moves when its stream goes on on another
+/// replica (`OutcomeRecorder::continued`).
+#[derive(Clone, Copy)]
+pub struct TurnPins {
+    pub pin_at: Option<PrefixKey>,
+    pub parent: Option<PrefixKey>,
+    pub session: Option<SessionKey>,
+    pub dialect: Dialect,
+    pub est_tokens: u64,
+}
+
+impl TurnPins {
+    pub fn of(turn: &Turn<'_>) -> TurnPins {
+        TurnPins {
+            pin_at: turn.pin_at,
+            parent: turn.pinned.map(|(m, _)| m.key),
+            session: turn.session,
+            dialect: turn.dialect,
+            est_tokens: turn.est_tokens,
+        }
+    }
 }
 
 impl Outcome {
@@ -396,6 +456,18 @@ impl Outcome {
 }
 
 impl BodyEnd for Outcome {
+    fn continued(&mut self, to: Arc<Replica>, said: &super::resume::Said, why: super::body::Break) {
+        let from = self.replica().id.clone();
+        self.recorder.continued(&from, &to, said.seam(), why, &self.pins);
+        // In flight there from now; its large-context slot and session go with the request.
+        let large = self.held.guard.large();
+        self.held.guard = to.begin(large);
+    }
+
+    fn not_continued(&mut self, refused: super::resume::Refusal, why: super::body::Break) {
+        self.recorder.not_continued(&self.replica().id, refused, why);
+    }
+
     fn response_id(&mut self, id: &str) {
         self.recorder.stored_response(self.scope.key(response_key(id)), &self.replica().id);
     }

@@ -45,6 +45,8 @@ pub enum Refusal {
     Limit,
     /// No other replica could take it, or it refused the resumed leg.
     NoReplica,
+    /// `failover.max_resuming` legs were starting already.
+    Busy,
 }
 
 impl Refusal {
@@ -59,29 +61,72 @@ impl Refusal {
             Refusal::TooLong => "too_many_tokens",
             Refusal::Limit => "max_continuations",
             Refusal::NoReplica => "no_replica",
+            Refusal::Busy => "too_many_resuming",
         }
     }
 }
 
+/// What a streamed chat or completion asks that decides whether its
+/// stream may go on (the rest of the body is skimmed, not kept).
+#[derive(Debug, Default, serde::Deserialize)]
+pub struct Asked {
+    n: Option<u64>,
+    logprobs: Option<Value>,
+    top_logprobs: Option<Value>,
+    response_format: Option<Value>,
+    structured_outputs: Option<Value>,
+    guided_json: Option<Value>,
+    guided_regex: Option<Value>,
+    guided_choice: Option<Value>,
+    guided_grammar: Option<Value>,
+    return_token_ids: Option<Value>,
+}
+
 /// Whether a request's stream could ever go on elsewhere: refused before
 /// anything is sent for what a seam would corrupt.
-pub fn refusal_of(request: &Value) -> Option<Refusal> {
-    let has = |key: &str| request.get(key).is_some_and(|v| !v.is_null());
-    let schema = request.get("response_format").and_then(|f| f.get("type")).and_then(Value::as_str);
+pub fn refusal_of(asked: &Asked) -> Option<Refusal> {
+    let set = |v: &Option<Value>| v.as_ref().is_some_and(|v| !v.is_null());
+    let schema = asked.response_format.as_ref().and_then(|f| f.get("type")).and_then(Value::as_str);
+    let guided = [&asked.guided_json, &asked.guided_regex, &asked.guided_choice, &asked.guided_grammar];
     if matches!(schema, Some("json_schema" | "json_object" | "structural_tag"))
-        || has("structured_outputs")
-        || ["guided_json", "guided_regex", "guided_choice", "guided_grammar"].iter().any(|k| has(k))
+        || set(&asked.structured_outputs)
+        || guided.into_iter().any(set)
     {
         return Some(Refusal::StructuredOutput);
     }
-    if request.get("n").and_then(Value::as_u64).is_some_and(|n| n > 1) {
+    if asked.n.is_some_and(|n| n > 1) {
         return Some(Refusal::SeveralChoices);
     }
-    let logprobs = request.get("logprobs").is_some_and(|v| v.as_bool() != Some(false) && !v.is_null());
-    if logprobs || has("top_logprobs") {
+    let logprobs = asked.logprobs.as_ref().is_some_and(|v| !v.is_null() && v.as_bool() != Some(false));
+    if logprobs || set(&asked.top_logprobs) {
         return Some(Refusal::Logprobs);
     }
     None
+}
+
+/// What a stream's relay does, decided before its request is sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Continuity {
+    /// Refused up front: a break says why.
+    Refused(Refusal),
+    /// Ask the engine for ids (`ask_ids`: the gateway adds the field; the
+    /// client did not ask, so they are stripped) and relay its events.
+    Relay { ask_ids: bool },
+}
+
+/// The continuity of a streamed chat or completion request (`body`), on a
+/// replica that gives token ids as far as is known (`gives_ids`).
+pub fn continuity(body: &[u8], gives_ids: bool) -> Continuity {
+    let Ok(asked) = serde_json::from_slice::<Asked>(body) else { return Continuity::Refused(Refusal::NoTokenIds) };
+    if let Some(refused) = refusal_of(&asked) {
+        return Continuity::Refused(refused);
+    }
+    match asked.return_token_ids {
+        None if gives_ids => Continuity::Relay { ask_ids: true },
+        None => Continuity::Refused(Refusal::NoTokenIds),
+        // The client's own: passed as it asked, ids kept if they come.
+        Some(_) => Continuity::Relay { ask_ids: false },
+    }
 }
 
 /// The field the gateway adds to a request to get token ids, before the
@@ -310,6 +355,7 @@ impl Relay {
             return None;
         }
         let mut choice = match self.dialect {
+            Dialect::Chat if text.is_empty() => json!({"index": 0, "delta": {}, "finish_reason": finish}),
             Dialect::Chat => json!({"index": 0, "delta": {"content": text}, "finish_reason": finish}),
             _ => json!({"index": 0, "text": text, "finish_reason": finish}),
         };
@@ -435,6 +481,23 @@ mod tests {
     }
 
     #[test]
+    fn every_refusal_is_a_metric_label_from_the_start() {
+        let all = [
+            Refusal::StructuredOutput,
+            Refusal::SeveralChoices,
+            Refusal::Logprobs,
+            Refusal::ToolCall,
+            Refusal::Reasoning,
+            Refusal::NoTokenIds,
+            Refusal::TooLong,
+            Refusal::Limit,
+            Refusal::NoReplica,
+            Refusal::Busy,
+        ];
+        assert_eq!(all.map(Refusal::as_str), crate::metrics::NOT_CONTINUED_REASONS);
+    }
+
+    #[test]
     fn the_ids_the_gateway_asked_for_are_stripped_and_nothing_else_changes() {
         let event = r#"{"id":"c1","prompt_token_ids":[1,2,3],"choices":[{"index":0,"delta":{"content":"a, \"b\""},"token_ids":[7],"finish_reason":null}]}"#;
         assert_eq!(
@@ -458,13 +521,18 @@ mod tests {
 
     #[test]
     fn what_a_seam_would_corrupt_is_refused_before_anything_is_sent() {
-        let refused = |v: Value| refusal_of(&v);
-        assert_eq!(refused(json!({"response_format": {"type": "json_schema"}})), Some(Refusal::StructuredOutput));
-        assert_eq!(refused(json!({"guided_regex": "a+"})), Some(Refusal::StructuredOutput));
-        assert_eq!(refused(json!({"n": 2})), Some(Refusal::SeveralChoices));
-        assert_eq!(refused(json!({"logprobs": true})), Some(Refusal::Logprobs));
-        assert_eq!(refused(json!({"logprobs": 2})), Some(Refusal::Logprobs));
-        assert_eq!(refused(json!({"n": 1, "logprobs": false, "response_format": {"type": "text"}})), None);
+        let of = |v: Value| continuity(v.to_string().as_bytes(), true);
+        let refused = |v: Value| of(v) == Continuity::Refused(Refusal::StructuredOutput);
+        assert!(refused(json!({"response_format": {"type": "json_schema", "json_schema": {}}})));
+        assert!(refused(json!({"guided_regex": "a+"})));
+        assert_eq!(of(json!({"n": 2})), Continuity::Refused(Refusal::SeveralChoices));
+        assert_eq!(of(json!({"logprobs": true})), Continuity::Refused(Refusal::Logprobs));
+        assert_eq!(of(json!({"logprobs": 2})), Continuity::Refused(Refusal::Logprobs));
+        let plain = json!({"messages": [{"role": "user", "content": "x"}], "n": 1, "logprobs": false,
+            "response_format": {"type": "text"}});
+        assert_eq!(of(plain.clone()), Continuity::Relay { ask_ids: true });
+        assert_eq!(continuity(plain.to_string().as_bytes(), false), Continuity::Refused(Refusal::NoTokenIds));
+        assert_eq!(of(json!({"return_token_ids": true})), Continuity::Relay { ask_ids: false }, "the client's own");
     }
 
     #[test]
@@ -506,6 +574,7 @@ mod tests {
         assert_eq!(parsed[0]["created"], 5);
         assert_eq!(parsed[0]["choices"][0]["delta"], json!({"content": " cache"}), "no second role");
         assert_eq!(parsed[1]["choices"][0]["finish_reason"], "length");
+        assert_eq!(parsed[1]["choices"][0]["delta"], json!({}), "a finish says no text");
         assert_eq!(parsed[2]["usage"], json!({"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}));
         assert_eq!(events[3], "data: [DONE]");
         assert_eq!(relay.said.generated, vec![1, 2]);

@@ -162,6 +162,15 @@ fn functions(text: &str) -> Vec<(String, usize, usize)> {
             match bytes[j] {
                 b'{' => depth += 1,
                 b'}' => depth -= 1,
+                // A string's braces are text: skipped to its closing quote.
+                b'"' => {
+                    j += 1;
+                    while j < bytes.len() && bytes[j] != b'"' {
+                        j += if bytes[j] == b'\\' { 2 } else { 1 };
+                    }
+                }
+                // A character literal (`'{'`), not a lifetime.
+                b'\'' if bytes.get(j + 2) == Some(&b'\'') => j += 2,
                 _ => {}
             }
             j += 1;
@@ -197,4 +206,6 @@ fn no_function_on_the_request_path_is_longer_than_80_lines_or_takes_more_than_5_
 fn the_function_reader_counts_arguments_and_lines() {
     let text = "impl X {\n    pub fn a<'r>(&'r self, b: Vec<(u8, u8)>, c: impl Fn(u8) -> u8) -> u8 {\n        1\n    }\n}\nfn d() {}\ntrait T { fn e(&self, x: u8); }\n";
     assert_eq!(functions(text), vec![("a".to_string(), 2, 3), ("d".to_string(), 0, 1)]);
+    let braces = "fn f(b: &[u8]) -> bool {\n    b[0] == b'{' && b != b\"{\\\"{\"\n}\nfn g() {}\n";
+    assert_eq!(functions(braces), vec![("f".to_string(), 1, 3), ("g".to_string(), 0, 1)]);
 }

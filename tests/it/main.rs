@@ -12,6 +12,7 @@ mod agents;
 mod browser;
 mod capacity;
 mod churn;
+mod continuation;
 mod contract;
 mod deploy;
 mod discovery;

@@ -91,10 +91,11 @@ async fn a_stopped_replica_is_failed_over_six_requests_six_200s_one_failover() {
 }
 
 #[actix_web::test]
-async fn a_replica_dying_mid_stream_ends_that_stream_with_an_error_and_nothing_is_retried() {
+async fn with_continuation_off_a_replica_dying_mid_stream_ends_that_stream_with_an_error_and_nothing_is_retried() {
     let slow = slow_decoder(5.0);
     let (a, b) = (start_sim("a", slow.clone()).await, start_sim("b", slow).await);
-    let gw = start_gateway(test_config(&[&a, &b])).await;
+    let failover = prefixgate::config::FailoverConfig { continue_streams: false, ..Default::default() };
+    let gw = start_gateway(prefixgate::config::Config { failover, ..test_config(&[&a, &b]) }).await;
     let body = chat_body(&[("user", "a long answer please")], json!({"stream": true, "max_tokens": 50}));
     let mut resp = client().post(format!("{}/v1/chat/completions", gw.base)).send_json(&body).await.unwrap();
     let serving = resp.headers().get("x-prefixgate-replica").unwrap().to_str().unwrap().to_string();

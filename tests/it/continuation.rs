@@ -1,0 +1,173 @@
+//! Streams that outlive their replica: a stream whose replica dies or
+//! stalls mid-answer goes on on another replica, token for token, and the
+//! client reads one whole stream; what a seam would corrupt ends broken.
+
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use prefixgate::sim::SimConfig;
+use serde_json::{json, Value};
+
+use crate::common::*;
+
+/// What a client read of a stream: its replica header and its events.
+struct Streamed {
+    replica: String,
+    raw: String,
+    events: Vec<Value>,
+    done: usize,
+}
+
+impl Streamed {
+    /// The answer's text, as the dialect carries it.
+    fn text(&self) -> String {
+        let piece = |e: &Value| {
+            let c = &e["choices"][0];
+            c["delta"]["content"].as_str().or(c["text"].as_str()).unwrap_or("").to_string()
+        };
+        self.events.iter().map(piece).collect()
+    }
+
+    fn count(&self, f: impl Fn(&Value) -> bool) -> usize {
+        self.events.iter().filter(|e| f(e)).count()
+    }
+}
+
+/// Posts a streamed request through the gateway; once its head arrived,
+/// `after_head` runs (the test steers the fleet), then the whole stream is read.
+async fn stream(url: &str, body: &Value, after_head: impl std::future::Future<Output = ()>) -> Streamed {
+    let mut resp = client().post(url).send_json(body).await.unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let replica = resp.headers().get("x-prefixgate-replica").unwrap().to_str().unwrap().to_string();
+    after_head.await;
+    let mut raw = Vec::new();
+    while let Some(chunk) = resp.next().await {
+        raw.extend_from_slice(&chunk.unwrap());
+    }
+    let raw = String::from_utf8(raw).unwrap();
+    let mut events = Vec::new();
+    let mut done = 0;
+    for event in raw.split("\n\n").filter(|e| !e.trim().is_empty()) {
+        let data = event.strip_prefix("data: ").unwrap_or_else(|| panic!("not a data event: {event}"));
+        match data {
+            "[DONE]" => done += 1,
+            _ => events.push(serde_json::from_str(data).unwrap()),
+        }
+    }
+    Streamed { replica, raw, events, done }
+}
+
+/// Replica "a" dies (or stalls, per `a`) after 150 tokens of every stream;
+/// "b" is healthy. Both decode 400 tokens a second.
+async fn fleet(a: SimConfig, failover: prefixgate::config::FailoverConfig) -> (Sim, Sim, Gw) {
+    let a = start_sim("a", a).await;
+    let b = start_sim("b", slow_decoder(400.0)).await;
+    let config = prefixgate::config::Config { failover, ..test_config(&[&a, &b]) };
+    let gw = start_gateway(config).await;
+    (a, b, gw)
+}
+
+fn dies_at_150() -> SimConfig {
+    SimConfig { die_after_tokens: Some(150), ..slow_decoder(400.0) }
+}
+
+/// Sends the request to "a": "b" is drained until the head arrived.
+async fn on_a(gw: &Gw, path: &str, body: &Value) -> Streamed {
+    let (status, _) = admin("POST", &format!("{}/admin/v1/replicas/b/drain", gw.admin), None, None).await;
+    assert_eq!(status, 200);
+    let resume = async {
+        let (status, _) = admin("POST", &format!("{}/admin/v1/replicas/b/resume", gw.admin), None, None).await;
+        assert_eq!(status, 200);
+    };
+    stream(&format!("{}{path}", gw.base), body, resume).await
+}
+
+async fn events_of(gw: &Gw, kind: &str) -> Vec<Value> {
+    let (_, events) = admin("GET", &format!("{}/admin/v1/events?kind={kind}", gw.admin), None, None).await;
+    events["items"].as_array().cloned().unwrap_or_default()
+}
+
+#[actix_web::test]
+async fn a_chat_stream_whose_replica_dies_goes_on_elsewhere_token_for_token_and_its_pin_moves() {
+    let (_a, b, gw) = fleet(dies_at_150(), Default::default()).await;
+    let messages = [("system", "You are terse."), ("user", "Tell me about caches.")];
+    let extra = json!({"stream": true, "temperature": 0, "max_tokens": 400, "stream_options": {"include_usage": true}});
+    let body = chat_body(&messages, extra);
+    let mut whole = body.clone();
+    whole["stream"] = json!(false);
+    let whole = post(&format!("{}/v1/chat/completions", b.url), &whole).await;
+    let expected = whole.body["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    let got = on_a(&gw, "/v1/chat/completions", &body).await;
+    assert_eq!(got.replica, "a");
+    assert_eq!(got.text(), expected, "the uninterrupted answer, word for word");
+    assert_eq!(got.count(|e| !e["choices"][0]["delta"]["role"].is_null()), 1, "one role");
+    assert_eq!(got.count(|e| !e["choices"][0]["finish_reason"].is_null()), 1, "one finish");
+    assert_eq!(got.done, 1, "one [DONE]");
+    let usage = got.events.iter().find(|e| !e["usage"].is_null()).expect("usage");
+    assert_eq!(usage["usage"]["completion_tokens"], 400);
+    let ids: std::collections::HashSet<&str> = got.events.iter().filter_map(|e| e["id"].as_str()).collect();
+    assert_eq!(ids.len(), 1, "the first leg's id throughout: {ids:?}");
+    assert!(!got.raw.contains("token_ids"), "the ids the gateway asked for are not the client's");
+    let continued = events_of(&gw, "stream_continued").await;
+    assert_eq!(continued.len(), 1, "{continued:?}");
+    assert_eq!((continued[0]["replica"].as_str(), continued[0]["to_replica"].as_str()), (Some("a"), Some("b")));
+    // The conversation lives where its answer was finished: its next turn goes there.
+    let next = [messages[0], messages[1], ("assistant", expected.as_str()), ("user", "And then?")];
+    let follow = post(&format!("{}/v1/chat/completions", gw.base), &chat_body(&next, json!({}))).await;
+    assert_eq!(follow.replica, "b", "the pin moved to the replica that finished the answer");
+    assert!(scrape(&gw)
+        .await
+        .contains(r#"prefixgate_streams_continued_total{dialect="chat",reason="replica_failed",exact="true"} 1"#));
+}
+
+#[actix_web::test]
+async fn a_completion_stream_whose_replica_dies_goes_on_elsewhere_token_for_token() {
+    let (_a, b, gw) = fleet(dies_at_150(), Default::default()).await;
+    let body = json!({"model": "sim-model", "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0,
+        "stream": true, "stream_options": {"include_usage": true}});
+    let mut whole = body.clone();
+    whole["stream"] = json!(false);
+    let expected = post(&format!("{}/v1/completions", b.url), &whole).await.body["choices"][0]["text"].clone();
+    let got = on_a(&gw, "/v1/completions", &body).await;
+    assert_eq!(got.replica, "a");
+    assert_eq!(json!(got.text()), expected);
+    assert_eq!(got.count(|e| !e["choices"][0]["finish_reason"].is_null()), 1);
+    assert_eq!(got.done, 1);
+    let usage = got.events.iter().find(|e| !e["usage"].is_null()).expect("usage");
+    assert_eq!(usage["usage"]["completion_tokens"], 400);
+    assert!(!got.raw.contains("token_ids"));
+    assert_eq!(events_of(&gw, "stream_continued").await.len(), 1);
+}
+
+#[actix_web::test]
+async fn a_stream_whose_replica_stalls_goes_on_after_stall_ms() {
+    let stalls = SimConfig { stall_after_tokens: Some(150), ..slow_decoder(400.0) };
+    let failover = prefixgate::config::FailoverConfig { stall_ms: 300, ..Default::default() };
+    let (_a, _b, gw) = fleet(stalls, failover).await;
+    let body = chat_body(&[("user", "Go on.")], json!({"stream": true, "max_tokens": 400, "temperature": 0}));
+    let started = std::time::Instant::now();
+    let got = on_a(&gw, "/v1/chat/completions", &body).await;
+    assert_eq!(got.replica, "a");
+    assert_eq!(got.count(|e| !e["choices"][0]["delta"]["content"].is_null()), 400, "every token, once");
+    assert_eq!(got.done, 1);
+    assert!(started.elapsed() < Duration::from_secs(10), "not the idle timeout's 30 s");
+    let continued = events_of(&gw, "stream_continued").await;
+    assert!(continued[0]["detail"].as_str().unwrap().contains("stalled"), "{continued:?}");
+}
+
+#[actix_web::test]
+async fn a_structured_output_stream_that_breaks_ends_broken_and_says_why() {
+    let (_a, _b, gw) = fleet(dies_at_150(), Default::default()).await;
+    let schema = json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}});
+    let body =
+        chat_body(&[("user", "JSON please.")], json!({"stream": true, "max_tokens": 400, "response_format": schema}));
+    let got = on_a(&gw, "/v1/chat/completions", &body).await;
+    assert_eq!(got.replica, "a");
+    assert_eq!(got.done, 0, "no [DONE]: the stream ended broken");
+    assert!(got.events.last().unwrap()["error"]["message"].is_string(), "an error event ends it");
+    assert_eq!(got.count(|e| !e["choices"][0]["delta"]["content"].is_null()), 150);
+    let refused = events_of(&gw, "stream_not_continued").await;
+    assert_eq!(refused.len(), 1);
+    assert!(refused[0]["detail"].as_str().unwrap().contains("structured_output"), "{refused:?}");
+    assert!(events_of(&gw, "stream_continued").await.is_empty());
+}
