@@ -10,6 +10,7 @@
 //! | no response head within `timeouts.response_head_ms` | no: 504 | |
 //! | a malformed response | no: 502 | |
 //! | any response byte reached the client | never | |
+//! | a stream broke after its first byte | a streamed chat or completion goes on elsewhere, token for token (`Resumer`, `resume.rs`) | |
 //!
 //! Why a close after the write is re-sent: it is what a client sees when the
 //! replica closed an idle pooled connection just as the request went out
