@@ -77,11 +77,11 @@ function sparkline(points) {
   return svg;
 }
 
-async function action(id, verb, confirmText) {
+async function action(id, verb, confirmText, query = "") {
   if (confirmText && !window.confirm(confirmText)) return;
   try {
     if (verb === "remove") await call("DELETE", `${api}/replicas/${encodeURIComponent(id)}`);
-    else await call("POST", `${api}/replicas/${encodeURIComponent(id)}/${verb}`);
+    else await call("POST", `${api}/replicas/${encodeURIComponent(id)}/${verb}${query}`);
     status(`${verb} ${id}: done`);
   } catch (e) {
     status(`${verb} ${id}: ${e.message}`, true);
@@ -103,6 +103,7 @@ function renderReplicas(replicas, capacity) {
     const actions = el("td", {});
     if (r.admin_state === "active") {
       actions.append(el("button", { type: "button", "data-action": "drain", onclick: () => action(r.id, "drain", `Drain ${r.id}? New requests stop going to it; in-flight ones finish.`) }, "Drain"));
+      actions.append(el("button", { type: "button", "data-action": "handoff", title: "Drain, and move its streams that can go on to other replicas now", onclick: () => action(r.id, "drain", `Drain ${r.id} and hand its streams over? New requests stop going to it; streams that can go on elsewhere move now, the rest finish.`, "?handoff=true") }, "Drain, hand over"));
       actions.append(el("button", { type: "button", class: "danger", "data-action": "disable", onclick: () => action(r.id, "disable", `Disable ${r.id}? It takes no traffic until enabled.`) }, "Disable"));
     } else if (r.admin_state === "draining") {
       actions.append(el("button", { type: "button", "data-action": "resume", onclick: () => action(r.id, "resume") }, "Resume"));
@@ -309,7 +310,8 @@ async function loadPins() {
 const KINDS = ["failover", "replica_down", "replica_up", "pin_moved", "drain_started", "drain_completed", "resumed", "disabled",
   "enabled", "replica_added", "replica_removed", "replica_updated", "policy_changed", "pins_deleted", "capacity_warning",
   "capacity_cleared", "store_unreachable", "store_reachable", "replica_discovered", "replica_left_source", "replica_returned",
-  "discovery_failed", "discovery_recovered", "discovery_held", "session_held", "session_over_capacity", "session_paused", "session_preempted", "kv_wall_seen", "kv_wall_forgotten"];
+  "discovery_failed", "discovery_recovered", "discovery_held", "session_held", "session_over_capacity", "session_paused", "session_preempted", "kv_wall_seen", "kv_wall_forgotten",
+  "stream_continued", "stream_not_continued"];
 
 // An event caused by a traced request or action: its trace, linked when
 // tracing.trace_url says where traces are shown.

@@ -196,10 +196,17 @@ pub struct DrainQuery {
     /// Seconds to wait with `wait=true` (default 60, at most 3600).
     #[param(minimum = 0, maximum = 3600)]
     pub timeout: Option<u64>,
+    /// Hand over: the replica's streams that may go on elsewhere (README,
+    /// "Streams that outlive their replica") move to other replicas at
+    /// their next event, so `wait=true` returns in seconds, not when the
+    /// longest stream ends. Streams on this instance only.
+    #[serde(default)]
+    pub handoff: bool,
 }
 
 #[utoipa::path(tag = "replicas", params(("id" = ReplicaId, Path, description = "replica id"), DrainQuery),
-    description = "Stops new requests (pinned conversations are re-pinned elsewhere); in-flight requests finish. \
+    description = "Stops new requests (pinned conversations are re-pinned elsewhere); in-flight requests finish \
+                   (with `handoff=true`, streams that may go on move to other replicas now). \
                    With `wait=true` answers once nothing is in flight: 504 at the timeout, 409 if resumed meanwhile.",
     responses((status = 200, body = ReplicaView), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 504, body = ErrorBody)))]
 #[post("/replicas/{id}/drain")]
@@ -214,6 +221,9 @@ async fn drain(
     }
     let id = checked_id(&id)?.to_string();
     let r = act(&s, "drain", move |op| async move { op.drain(&id).await }).await?;
+    if q.handoff {
+        r.hand_off();
+    }
     if q.wait {
         s.operator.wait_drained(&r, Duration::from_secs(timeout)).await?;
     }

@@ -406,6 +406,9 @@ pub struct Replica {
     // measured inside the noise on two cores (docs/benchmarks-log.md).
     inflight: AtomicI64,
     large_inflight: AtomicI64,
+    /// Hand-overs asked (`drain?handoff=true`): a stream that may go on
+    /// and saw fewer moves to another replica (`proxy::body`).
+    handoffs: AtomicU64,
     attempts: AtomicU64,
     /// Only `health::HealthTracker` locks this (with `health` changes under it).
     probe: Mutex<ProbeState>,
@@ -444,6 +447,7 @@ impl Replica {
             slot_tokens: AtomicU64::new(0),
             inflight: AtomicI64::new(0),
             large_inflight: AtomicI64::new(0),
+            handoffs: AtomicU64::new(0),
             attempts: AtomicU64::new(0),
             probe: Mutex::new(ProbeState::default()),
             calibration: Default::default(),
@@ -504,6 +508,17 @@ impl Replica {
 
     pub fn inflight(&self) -> i64 {
         self.inflight.load(Ordering::Acquire)
+    }
+
+    /// Asks the streams on this replica that may go on elsewhere to move
+    /// there now, at their next event (a drain with hand-over).
+    pub fn hand_off(&self) {
+        self.handoffs.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Hand-overs asked so far.
+    pub fn handoffs(&self) -> u64 {
+        self.handoffs.load(Ordering::Acquire)
     }
 
     pub fn large_inflight(&self) -> i64 {

@@ -543,7 +543,7 @@ impl Metrics {
             m.pin_read_through.get_or_create(&ResultLabels { result }).inc_by(0);
         }
         for dialect in ["chat", "completions"] {
-            for reason in ["replica_failed", "stalled"] {
+            for reason in ["replica_failed", "stalled", "drained"] {
                 m.streams_continued.get_or_create(&ContinuedLabels { dialect, reason, exact: "true" }).inc_by(0);
             }
         }

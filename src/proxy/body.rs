@@ -47,6 +47,8 @@ pub enum Break {
     Died,
     /// No byte for `failover.stall_ms`.
     Stalled,
+    /// Its replica was drained with hand-over.
+    Drained,
 }
 
 impl Break {
@@ -54,6 +56,7 @@ impl Break {
         match self {
             Break::Died => "replica_failed",
             Break::Stalled => "stalled",
+            Break::Drained => "drained",
         }
     }
 }
@@ -78,6 +81,10 @@ pub struct Continuing<S> {
     /// The replica asked for token ids, until its first event says
     /// whether it gives them (`Calibration::heard_token_ids`).
     pub learn: Option<Arc<Replica>>,
+    /// The replica the stream runs on, and the hand-overs it had asked
+    /// when the stream came to it.
+    pub on: Arc<Replica>,
+    pub handoffs_seen: u64,
     pub stall: Duration,
     pub max_legs: u32,
     pub resume: Box<dyn Resume<S>>,
@@ -109,6 +116,11 @@ impl<S> Continuing<S> {
             }
         }
         out
+    }
+
+    /// Its replica asks it to move (a drain with hand-over), and it may.
+    fn handed_off(&self) -> bool {
+        self.on.handoffs() > self.handoffs_seen && self.watches_stalls()
     }
 
     /// Stalls are watched once the stream's first event came with its ids.
@@ -225,6 +237,8 @@ impl<S, E: BodyEnd> GuardedBody<S, E> {
         let why = c.why;
         match leg {
             Ok(Leg { stream, to }) => {
+                c.handoffs_seen = to.handoffs();
+                c.on = to.clone();
                 let relay = c.relay.as_mut().expect("a relay: it resumed");
                 if let Some(end) = self.end.as_mut() {
                     end.continued(to, &relay.said, why);
@@ -237,6 +251,11 @@ impl<S, E: BodyEnd> GuardedBody<S, E> {
             Err(refused) => {
                 if let Some(end) = self.end.as_mut() {
                     end.not_continued(refused, why);
+                }
+                if why == Break::Drained {
+                    // Its replica still answers: the stream goes on there.
+                    c.handoffs_seen = c.on.handoffs();
+                    return Poll::Ready(true);
                 }
                 self.continuing = None;
                 Poll::Ready(false)
@@ -314,6 +333,14 @@ where
                     Poll::Pending => return Poll::Pending,
                     Poll::Ready(true) => {}
                     Poll::Ready(false) => return self.fail(BodyOutcome::UpstreamFailed, NOT_CONTINUED),
+                }
+            }
+            // Between two events: the relay passed every whole one.
+            if self.continuing.as_ref().is_some_and(|c| c.handed_off()) {
+                tracing::info!("a stream is handed over from its draining replica");
+                match self.broke(Break::Drained, "the replica was drained") {
+                    Some(end) => return end,
+                    None => continue, // its next leg is starting: the old one is read no more
                 }
             }
             match Pin::new(&mut self.inner).poll_next(cx) {
@@ -414,7 +441,7 @@ where
         }
         Some(match why {
             Break::Died => self.fail(BodyOutcome::UpstreamFailed, message),
-            Break::Stalled => self.fail(BodyOutcome::IdleTimeout, message),
+            Break::Stalled | Break::Drained => self.fail(BodyOutcome::IdleTimeout, message),
         })
     }
 }

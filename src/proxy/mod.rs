@@ -439,6 +439,8 @@ impl Forwarding<'_> {
             relay,
             refused,
             learn,
+            on: on.clone(),
+            handoffs_seen: on.handoffs(),
             stall: Duration::from_millis(failover.stall_ms),
             max_legs: failover.max_continuations,
             resume: Box::new(resumer),

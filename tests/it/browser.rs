@@ -349,8 +349,14 @@ async fn the_admin_ui_steers_the_fleet_in_a_real_browser() {
     page.screenshot_of("over-time", "#over-time").await;
     page.screenshot_of("sessions", "#sessions").await;
 
-    // Drain b with a click (the confirmation dialog answered yes).
-    page.eval("window.confirm = () => true; document.querySelector('tr[data-replica=\"b\"] button[data-action=\"drain\"]').click(); true").await;
+    // Drain b with a click, handing its streams over (the confirmation
+    // dialog answered yes); the plain drain is beside it.
+    page.wait_for(
+        "a plain drain button",
+        "!!document.querySelector('tr[data-replica=\"b\"] button[data-action=\"drain\"]')",
+    )
+    .await;
+    page.eval("window.confirm = () => true; document.querySelector('tr[data-replica=\"b\"] button[data-action=\"handoff\"]').click(); true").await;
     page.wait_for(
         "b draining in the page",
         "document.querySelector('tr[data-replica=\"b\"] .badge.state').textContent === 'draining'",

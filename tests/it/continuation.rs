@@ -171,3 +171,34 @@ async fn a_structured_output_stream_that_breaks_ends_broken_and_says_why() {
     assert!(refused[0]["detail"].as_str().unwrap().contains("structured_output"), "{refused:?}");
     assert!(events_of(&gw, "stream_continued").await.is_empty());
 }
+
+#[actix_web::test]
+async fn a_drain_with_hand_over_moves_a_long_stream_in_seconds_and_it_completes_whole() {
+    // "a" would take 60 s for the answer; "b" is quick.
+    let a = start_sim("a", slow_decoder(10.0)).await;
+    let b = start_sim("b", slow_decoder(1_000.0)).await;
+    let gw = start_gateway(test_config(&[&a, &b])).await;
+    let body = chat_body(&[("user", "A long one.")], json!({"stream": true, "max_tokens": 600, "temperature": 0}));
+    let mut whole = body.clone();
+    whole["stream"] = json!(false);
+    let expected = post(&format!("{}/v1/chat/completions", b.url), &whole).await.body["choices"][0]["message"]
+        ["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let drain = async {
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let started = std::time::Instant::now();
+        let url = format!("{}/admin/v1/replicas/a/drain?wait=true&handoff=true&timeout=30", gw.admin);
+        let (status, _) = admin("POST", &url, None, None).await;
+        assert_eq!(status, 200);
+        assert!(started.elapsed() < Duration::from_secs(3), "the drain returned in {:?}", started.elapsed());
+    };
+    let (got, ()) = tokio::join!(on_a(&gw, "/v1/chat/completions", &body), drain);
+    assert_eq!(got.replica, "a");
+    assert_eq!(got.text(), expected, "whole, word for word");
+    assert_eq!(got.done, 1);
+    let continued = events_of(&gw, "stream_continued").await;
+    assert!(continued[0]["detail"].as_str().unwrap().contains("drained"), "{continued:?}");
+    assert!(a.state.cancelled() >= 1, "the draining replica's stream was cut");
+}
