@@ -16,7 +16,8 @@
 #   one block more than the longest request for it: 23 + 1 of 24).
 #   INSTANCES ("1 3"): the instance counts to run kv-wall.sh with.
 # Each replica takes ~3 minutes to start (torch.compile) and ~5 GB of RAM.
-# Usage: [KV_GIB=0.1373] [INSTANCES="1 3"] [IDLE_MS=1000] bench/real-vllm.sh
+# CONTINUE=1: bench/continue.sh on the two replicas instead (its REAL=1).
+# Usage: [KV_GIB=0.1373] [INSTANCES="1 3"] [IDLE_MS=1000] [CONTINUE=1] bench/real-vllm.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KV_GIB=${KV_GIB:-0.1373}; INSTANCES=${INSTANCES:-1 3}
@@ -105,6 +106,11 @@ for i in 0 1; do
   curl -sf "${urls[$i]}/health" >/dev/null || { echo "vLLM $i never came up" >&2; tail -30 "$BENCH_TMP/vllm-$i.log" >&2; exit 1; }
 done
 curl -s "${urls[0]}/metrics" | grep -E '^vllm:cache_config_info' | head -1
+if [ "${CONTINUE:-}" = 1 ]; then
+  # bench/continue.sh REAL=1: streams that outlive their replica, on these two.
+  REPLICA_URLS="${urls[*]}" REPLICA_PIDS="${pids[*]}" MODEL_NAME=smollm2 bench/continue.sh
+  exit 0
+fi
 for n in $INSTANCES; do
   echo "=== $n instance(s)"
   REPLICA_URLS="${urls[*]}" MODEL_NAME=smollm2 INSTANCES="$n" IDLE_MS="${IDLE_MS:-1000}" \

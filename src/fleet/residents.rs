@@ -330,6 +330,12 @@ impl Residents {
         self.lock().iter().map(|(id, r)| (*id, *r)).collect()
     }
 
+    /// A session arrives with its record as it was (its stream went on
+    /// here from another replica, `SessionTurn::moved_to`).
+    pub fn carry(&self, session: PrefixKey, resident: Resident) {
+        self.lock().insert(session, Resident { ours: true, ..resident });
+    }
+
     pub fn is_empty(&self) -> bool {
         self.lock().is_empty()
     }

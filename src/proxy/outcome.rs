@@ -461,6 +461,9 @@ impl BodyEnd for Outcome {
         self.recorder.continued(&from, &to, said.seam(), why, &self.pins);
         // In flight there from now; its large-context slot and session go with the request.
         let large = self.held.guard.large();
+        if let Some(turn) = &self.held.turn {
+            turn.moved_to(&to);
+        }
         self.held.guard = to.begin(large);
     }
 

@@ -314,6 +314,20 @@ pub struct SessionTurn {
     session: PrefixKey,
 }
 
+impl SessionTurn {
+    /// Its stream went on on `to` (its replica died, stalled or was
+    /// drained): the session lives there from now, its turn still running
+    /// (ended there when this drops).
+    pub fn moved_to(&self, to: &Arc<Replica>) {
+        let mut state = self.sessions.lock();
+        let Some(resident) = state.leave(self.session) else { return };
+        state.home.insert(self.session, Arc::downgrade(to));
+        to.residents.carry(self.session, resident);
+        drop(state);
+        self.sessions.changed.notify_waiters();
+    }
+}
+
 impl Drop for SessionTurn {
     fn drop(&mut self) {
         self.sessions.end_turn(self.session, crate::clock::now_ms());
@@ -706,6 +720,25 @@ mod tests {
 
     pub(super) fn replica(id: &str) -> Arc<Replica> {
         Arc::new(Replica::new(crate::fleet::ReplicaSpec::new(id, "http://x"), crate::fleet::AdminState::Active))
+    }
+
+    #[test]
+    fn a_turn_whose_stream_went_on_elsewhere_moves_its_session_there_still_running() {
+        let s = Sessions::new(settings());
+        let fleet = crate::fleet::Fleet::default();
+        for id in ["a", "b"] {
+            let r = Replica::new(crate::fleet::ReplicaSpec::new(id, "http://x"), crate::fleet::AdminState::Active);
+            r.set_observed_kv(Some(12_000));
+            fleet.add(r);
+        }
+        let (a, b) = (fleet.get("a").unwrap(), fleet.get("b").unwrap());
+        let turn = s.begin_turn(&a, 7, None, 3_000, &Who::default(), crate::clock::now_ms());
+        turn.moved_to(&b);
+        assert!(a.residents.get(7).is_none(), "gone from the replica it left");
+        assert_eq!(b.residents.get(7).map(|r| (r.tokens, r.running)), Some((3_000, 1)), "there, its turn running");
+        assert_eq!(s.room_of(&b).taken, 3_000);
+        drop(turn);
+        assert_eq!(b.residents.get(7).map(|r| r.running), Some(0), "its turn ended there");
     }
 
     #[test]
