@@ -161,6 +161,8 @@ static TOOL_CALLS: LazyLock<Key> = LazyLock::new(|| Key::new("tool_calls"));
 static REASONING_CONTENT: LazyLock<Key> = LazyLock::new(|| Key::new("reasoning_content"));
 static REASONING: LazyLock<Key> = LazyLock::new(|| Key::new("reasoning"));
 static EVENT_END: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\n\n"));
+/// Both reasoning members' names hold it: one search rules both out.
+static REASONING_WORD: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"reasoning"));
 
 impl Key {
     fn new(name: &str) -> Key {
@@ -269,10 +271,13 @@ impl Said {
     }
 
     /// A later event of the first leg, searched (`members`), not parsed.
-    fn read_later_event(&mut self, data: &str) {
-        if let Some(ids) = member(data, &TOKEN_IDS) {
-            let ids = ids.trim_start_matches('[').trim_end_matches(']');
-            self.keep_ids(ids.split(',').filter_map(|id| id.trim().parse().ok()));
+    /// Returns where its `token_ids` member is (start, end), for the strip.
+    fn read_later_event(&mut self, data: &str) -> Option<(usize, usize)> {
+        let bytes = data.as_bytes();
+        let ids = members(bytes, &TOKEN_IDS).next().map(|(at, value)| (at, value, value_end(bytes, value)));
+        if let Some((_, value, end)) = ids {
+            let list = data[value..end].trim_start_matches('[').trim_end_matches(']');
+            self.keep_ids(list.split(',').filter_map(|id| id.trim().parse().ok()));
         }
         if member(data, &FINISH_REASON).is_some() {
             self.finished = true;
@@ -280,9 +285,11 @@ impl Said {
         if member(data, &TOOL_CALLS).is_some() {
             self.refused.get_or_insert(Refusal::ToolCall);
         }
-        if member(data, &REASONING_CONTENT).or_else(|| member(data, &REASONING)).is_some() {
+        let reasoning = || member(data, &REASONING_CONTENT).or_else(|| member(data, &REASONING)).is_some();
+        if REASONING_WORD.find(bytes).is_some() && reasoning() {
             self.refused.get_or_insert(Refusal::Reasoning);
         }
+        ids.map(|(at, _, end)| (at, end))
     }
 
     /// Why this stream may not go on now (None: it may).
@@ -400,23 +407,27 @@ impl Relay {
             // every later one searched for the few members the relay reads
             // (a `Value` per event cost the relay 2.3x the CPU per chunk of
             // a plain stream, a borrowed parse 1.9x: bench/stream-cpu.sh).
-            match self.said.id.is_none() {
+            let later_ids = match self.said.id.is_none() {
                 true => {
                     if let Ok(event) = serde_json::from_str::<FirstLeg>(data) {
                         self.said.read_first_leg(&event);
                     }
+                    None
                 }
-                false => self.said.read_later_event(data),
+                false => Some(self.said.read_later_event(data)),
+            };
+            if self.client_ids {
+                out.extend_from_slice(text.as_bytes());
+                return;
             }
-            match self.client_ids {
-                true => out.extend_from_slice(text.as_bytes()),
-                false => {
-                    let at = data.as_ptr() as usize - text.as_ptr() as usize;
-                    out.extend_from_slice(&text.as_bytes()[..at]);
-                    strip_ids_into(data, out);
-                    out.extend_from_slice(&text.as_bytes()[at + data.len()..]);
-                }
+            let at = data.as_ptr() as usize - text.as_ptr() as usize;
+            out.extend_from_slice(&text.as_bytes()[..at]);
+            match later_ids {
+                // A later event: its one `token_ids` member, found already.
+                Some(span) => strip_spans_into(data, span.into_iter().collect(), out),
+                None => strip_ids_into(data, out),
             }
+            out.extend_from_slice(&text.as_bytes()[at + data.len()..]);
             return;
         }
         let Ok(event) = serde_json::from_str::<Value>(data) else {
@@ -500,6 +511,13 @@ fn strip_ids_into(data: &str, out: &mut BytesMut) {
         }
     }
     spans.sort_unstable();
+    strip_spans_into(data, spans, out);
+}
+
+/// `data` without the members at `spans` (start, end; in order), each
+/// with one comma, to `out`.
+fn strip_spans_into(data: &str, spans: smallvec::SmallVec<[(usize, usize); 2]>, out: &mut BytesMut) {
+    let bytes = data.as_bytes();
     let mut last = 0;
     for (at, end) in spans {
         // The member and one comma: the one before it, else the one after.
