@@ -200,12 +200,8 @@ impl OutcomeRecorder {
         let (replica, t) = (r.replica, &r.turn);
         let now = t.now_ms;
         if let Some(s) = t.session {
-            let source = match s.kind {
-                KeyKind::PromptCacheKey => PinSource::PromptCacheKey,
-                KeyKind::SessionHeader => PinSource::SessionHeader,
-            };
-            let pin =
-                self.pins.next_pin(s.key, replica, None, t.est_tokens, now, PinOrigin { dialect: t.dialect, source });
+            let origin = PinOrigin { dialect: t.dialect, source: session_source(s.kind) };
+            let pin = self.pins.next_pin(s.key, replica, None, t.est_tokens, now, origin);
             self.announcer.announce((s.key, Some(pin)));
         }
         let Some(pin_at) = t.pin_at else { return };
@@ -237,17 +233,7 @@ impl OutcomeRecorder {
             return None;
         }
         let t = &r.turn;
-        let now = t.now_ms;
-        if let Some(s) = t.session {
-            // The session lives where its latest turn went.
-            let source = match s.kind {
-                KeyKind::PromptCacheKey => PinSource::PromptCacheKey,
-                KeyKind::SessionHeader => PinSource::SessionHeader,
-            };
-            self.pins.record(s.key, &r.replica.id, None, t.est_tokens, now, PinOrigin { dialect: t.dialect, source });
-        }
-        let pin_at = t.pin_at?;
-        let home = t.pinned.map(|(m, pin)| (m, &pin.replica));
+        let home = t.pin_at.and(t.pinned.map(|(m, pin)| (m, &pin.replica)));
         let predicted = match home {
             Some((m, home)) if home == &r.replica.id => Some(r.replica.calibration.estimate(m.bytes)),
             // The baselines move conversations on every turn by design;
@@ -259,16 +245,33 @@ impl OutcomeRecorder {
             }
             _ => None,
         };
-        let parent = t.pinned.map(|(m, _)| m.key);
-        let origin = PinOrigin { dialect: t.dialect, source: PinSource::Prefix };
-        let recorded = self.pins.record(pin_at, &r.replica.id, parent, t.est_tokens, now, origin);
-        if let Some(from) = &recorded.moved_from {
-            if let Some(old) = self.fleet.get(from) {
-                // It lives here now (`Sessions::begin_turn` moved it if it was resident there).
-                old.residents.forget(recorded.family);
-            }
-        }
+        self.record_pins(&r.replica.id, &TurnPins::of(t), t.now_ms);
         predicted
+    }
+
+    /// The turn's pins, recorded on `replica` (where it was answered): its
+    /// session key's (the session lives where its latest turn went) and
+    /// its prefix's; a conversation that moved is forgotten where it was
+    /// (`Sessions::begin_turn` moved it if it was resident there).
+    fn record_pins(&self, replica: &Arc<str>, pins: &TurnPins, now: u64) {
+        if let Some(s) = pins.session {
+            let origin = PinOrigin { dialect: pins.dialect, source: session_source(s.kind) };
+            self.pins.record(s.key, replica, None, pins.est_tokens, now, origin);
+        }
+        let Some(pin_at) = pins.pin_at else { return };
+        let origin = PinOrigin { dialect: pins.dialect, source: PinSource::Prefix };
+        let recorded = self.pins.record(pin_at, replica, pins.parent, pins.est_tokens, now, origin);
+        if let Some(old) = recorded.moved_from.and_then(|from| self.fleet.get(&from)) {
+            old.residents.forget(recorded.family);
+        }
+    }
+}
+
+/// Where a session key's pin came from.
+fn session_source(kind: KeyKind) -> PinSource {
+    match kind {
+        KeyKind::PromptCacheKey => PinSource::PromptCacheKey,
+        KeyKind::SessionHeader => PinSource::SessionHeader,
     }
 }
 
@@ -349,22 +352,8 @@ impl OutcomeRecorder {
         self.events.record(EventKind::StreamContinued, Some(from), Some(&to.id), detail);
         let labels = crate::metrics::ContinuedLabels { dialect, reason: why.as_str(), exact: "true" };
         self.metrics.shared().streams_continued.get_or_create(&labels).inc();
-        let now = crate::clock::now_ms();
-        if let Some(s) = pins.session {
-            let source = match s.kind {
-                KeyKind::PromptCacheKey => PinSource::PromptCacheKey,
-                KeyKind::SessionHeader => PinSource::SessionHeader,
-            };
-            let origin = PinOrigin { dialect: pins.dialect, source };
-            self.pins.record(s.key, &to.id, None, pins.est_tokens, now, origin);
-        }
-        if let Some(pin_at) = pins.pin_at {
-            let origin = PinOrigin { dialect: pins.dialect, source: PinSource::Prefix };
-            let recorded = self.pins.record(pin_at, &to.id, pins.parent, pins.est_tokens, now, origin);
-            if let Some(old) = recorded.moved_from.and_then(|from| self.fleet.get(&from)) {
-                old.residents.forget(recorded.family);
-            }
-        }
+        // The answer was finished there: its prefix lives there now.
+        self.record_pins(&to.id, pins, crate::clock::now_ms());
     }
 
     /// A stream broke (`why`) on `replica` and could not go on (`refused`).

@@ -214,8 +214,8 @@ impl<'a> Gate<'a> {
             .filter(|(_, r)| !r.preempted)
             .map(|(_, r)| room::Growing { tokens: r.next_turn_tokens(), growth: growth(r.growth()) })
             .collect();
-        let placed = sessions.placed_on(best, Counting::NextTurn);
-        residents.extend(placed.into_iter().map(|tokens| room::Growing { tokens, growth: learned }));
+        let placed = sessions.placed_on(best);
+        residents.extend(placed.iter().map(|p| room::Growing { tokens: p.next_turn, growth: learned }));
         let new = room::Growing { tokens: ask.tokens, growth: learned };
         room::admit_and_pause(capacity, &residents, new, best.residents.pace())
     }

@@ -542,7 +542,8 @@ impl Sessions {
         let slot_tokens = r.slot_tokens();
         let shape = Room { capacity: None, taken: 0, slot_tokens };
         let footprint = |tokens| shape.footprint(tokens);
-        let placed = |counting| self.placed_on(r, counting).into_iter().map(footprint).sum::<u64>();
+        let placed_on = self.placed_on(r);
+        let placed = |counting| placed_on.iter().map(|p| footprint(p.at(counting))).sum::<u64>();
         let whole = r.residents.footprint_sum(footprint) + placed(Counting::Whole);
         let taken = match counting {
             Counting::Whole => whole.max(r.residents.fleet_load()),
@@ -629,12 +630,11 @@ impl Sessions {
         self.projections().project_growth(link)
     }
 
-    /// The tokens of the new sessions placed on `replica` whose first turn
-    /// is not resident yet, as `counting` counts them.
-    pub fn placed_on(&self, replica: &Replica, counting: Counting) -> Vec<u64> {
+    /// The new sessions placed on `replica` whose first turn is not
+    /// resident yet.
+    pub fn placed_on(&self, replica: &Replica) -> Vec<Footprint> {
         let reservations = self.reservations();
-        let here = reservations.iter().filter(|r| r.on.as_ref() == Some(&replica.id));
-        here.map(|r| r.tokens.at(counting)).collect()
+        reservations.iter().filter(|r| r.on.as_ref() == Some(&replica.id)).map(|r| r.tokens).collect()
     }
 
     /// What the capacity view shows of the projections.

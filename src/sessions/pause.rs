@@ -59,7 +59,7 @@ impl Sessions {
             // and both would run over the pool.
             let unplaced = Footprint::all_at(&self.unplaced(), Counting::Whole);
             let held_above = self.next_held().filter(|(class, _)| *class > me.class).map(|(_, tokens)| tokens);
-            let placed_here = !self.placed_on(replica, Counting::Whole).is_empty();
+            let placed_here = !self.placed_on(replica).is_empty();
             if unplaced.is_empty() && held_above.is_none() && !placed_here {
                 // The room went where it was given (that session is
                 // resident now, or went elsewhere): from here this session
