@@ -103,7 +103,7 @@ pub struct ContinuedLabels {
 
 /// Why a broken stream did not go on (`proxy::resume::Refusal::as_str`,
 /// every one: a test there holds the two lists together).
-pub const NOT_CONTINUED_REASONS: [&str; 10] = [
+pub const NOT_CONTINUED_REASONS: [&str; 13] = [
     "structured_output",
     "n_greater_than_1",
     "logprobs",
@@ -114,6 +114,9 @@ pub const NOT_CONTINUED_REASONS: [&str; 10] = [
     "max_continuations",
     "no_replica",
     "too_many_resuming",
+    "no_transcript",
+    "no_tokenizer",
+    "stored_response",
 ];
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -542,9 +545,12 @@ impl Metrics {
         for result in ["found", "missed"] {
             m.pin_read_through.get_or_create(&ResultLabels { result }).inc_by(0);
         }
-        for dialect in ["chat", "completions"] {
+        // Chat and completions go on exactly or from their text; Responses
+        // and Messages from their text only (vLLM gives no ids there).
+        let ways = [("chat", "true"), ("chat", "false"), ("completions", "true"), ("completions", "false")];
+        for (dialect, exact) in ways.into_iter().chain([("responses", "false"), ("messages", "false")]) {
             for reason in ["replica_failed", "stalled", "drained"] {
-                m.streams_continued.get_or_create(&ContinuedLabels { dialect, reason, exact: "true" }).inc_by(0);
+                m.streams_continued.get_or_create(&ContinuedLabels { dialect, reason, exact }).inc_by(0);
             }
         }
         for reason in NOT_CONTINUED_REASONS {

@@ -114,8 +114,8 @@ pub struct RequestShape {
     /// Responses API: the replica will store the response (`store`, true
     /// unless the client says false).
     pub stores_response: bool,
-    /// Chat and completions: the client asked for a stream (the only
-    /// requests whose stream may go on elsewhere, `proxy::resume`).
+    /// The client asked for a stream (one that may go on elsewhere should
+    /// its replica fail, `proxy::resume`).
     pub streamed: bool,
 }
 

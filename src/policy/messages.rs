@@ -26,6 +26,8 @@ struct MessagesBody<'a> {
     messages: Vec<Json<'a>>,
     #[serde(borrow, default)]
     cache_salt: Option<Cow<'a, str>>,
+    #[serde(default)]
+    stream: Option<bool>,
 }
 
 pub(super) fn extract_messages(body: &[u8]) -> Result<RequestShape, ShapeError> {
@@ -45,5 +47,8 @@ pub(super) fn extract_messages(body: &[u8]) -> Result<RequestShape, ShapeError> 
         bytes += message_unit(&mut chain, role, m.get("content"), MESSAGES_SKIP);
         boundaries.push(Boundary { key: chain.close(), bytes });
     }
-    Ok(shape(Dialect::Messages, b.model, boundaries, bytes, None, None))
+    Ok(RequestShape {
+        streamed: b.stream == Some(true),
+        ..shape(Dialect::Messages, b.model, boundaries, bytes, None, None)
+    })
 }

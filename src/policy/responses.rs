@@ -31,6 +31,8 @@ struct ResponsesBody<'a> {
     previous_response_id: Option<Cow<'a, str>>,
     #[serde(default)]
     store: Option<bool>,
+    #[serde(default)]
+    stream: Option<bool>,
     #[serde(borrow, default)]
     prompt_cache_key: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
@@ -90,5 +92,5 @@ pub(super) fn extract_responses(body: &[u8]) -> Result<RequestShape, ShapeError>
         b.prompt_cache_key,
         b.previous_response_id,
     );
-    Ok(RequestShape { stores_response, ..shape })
+    Ok(RequestShape { stores_response, streamed: b.stream == Some(true), ..shape })
 }

@@ -10,7 +10,7 @@
 //! | no response head within `timeouts.response_head_ms` | no: 504 | |
 //! | a malformed response | no: 502 | |
 //! | any response byte reached the client | never | |
-//! | a stream broke after its first byte | a streamed chat or completion goes on elsewhere, token for token (`Resumer`, `resume.rs`) | |
+//! | a stream broke after its first byte | it goes on elsewhere: token for token where the engine gave ids, else from its text (`Resumer`, `resume/`) | |
 //!
 //! Why a close after the write is re-sent: it is what a client sees when the
 //! replica closed an idle pooled connection just as the request went out
@@ -36,7 +36,8 @@ use actix_web::web;
 use awc::error::{ConnectError, SendRequestError};
 
 use super::headers;
-use super::resume::Refusal;
+use super::resume::transcript::{tokens_of, transcript, Transcript};
+use super::resume::{resume_request, Refusal, Said, Way};
 use crate::error::ApiError;
 use crate::fleet::ReplicaSpec;
 
@@ -63,21 +64,17 @@ impl Upstream {
         Upstream { client, replicas: headers::PerReplica::default() }
     }
 
-    /// A `POST /tokenize` to the replica `spec` (`count.rs`), with the
-    /// credentials `req` carries there (`headers::replica_request`).
-    pub(super) fn tokenize_request(&self, spec: &Arc<ReplicaSpec>, caller: headers::Caller<'_>) -> awc::ClientRequest {
-        let target = self.replicas.target(spec, &actix_web::http::Uri::from_static("/tokenize"));
-        headers::replica_request(&self.client, actix_web::http::Method::POST, target, caller, spec)
-    }
-
-    /// A `POST /v1/completions` to the replica `spec` (a resumed stream's
-    /// leg, `Resumer`), with the credentials `req` carries there.
-    pub(super) fn completions_request(
+    /// A JSON `POST` to `path` on the replica `spec` (a resumed stream's
+    /// leg and the tokenize before it, `Resumer`; the engine's count,
+    /// `count.rs`), with the credentials
+    /// `req` carries there.
+    pub(super) fn post_json(
         &self,
         spec: &Arc<ReplicaSpec>,
         caller: headers::Caller<'_>,
+        path: &'static str,
     ) -> awc::ClientRequest {
-        let target = self.replicas.target(spec, &actix_web::http::Uri::from_static("/v1/completions"));
+        let target = self.replicas.target(spec, &actix_web::http::Uri::from_static(path));
         headers::replica_request(&self.client, actix_web::http::Method::POST, target, caller, spec)
             .insert_header((actix_web::http::header::CONTENT_TYPE, "application/json"))
     }
@@ -159,7 +156,9 @@ pub async fn send(request: awc::ClientRequest, body: web::Bytes) -> Result<Upstr
 
 /// The way on for a broken stream (`body::Resume`): another replica, chosen
 /// as a failover chooses (the planner, without the replicas it ran on),
-/// sent the resuming `/v1/completions` (`resume::resume_request`).
+/// sent the resuming `/v1/completions` (`resume::resume_request`), its
+/// prompt the ids the stream kept or, on the text way, the ids the replica
+/// made of the conversation and the answer so far (`tokenize`).
 pub struct Resumer {
     pub state: web::Data<crate::state::AppState>,
     pub upstream: web::Data<Upstream>,
@@ -176,24 +175,49 @@ pub struct Resumer {
 
 type LegStarted = futures_util::future::LocalBoxFuture<'static, Result<super::body::Leg<UpstreamResponse>, Refusal>>;
 
+/// What a resumed leg's prompt is made of.
+enum Prompt {
+    Ids(Vec<u32>),
+    Text(Transcript),
+}
+
 impl super::body::Resume<UpstreamResponse> for Resumer {
-    fn start(&mut self, said: &super::resume::Said) -> LegStarted {
+    fn start(&mut self, said: &Said) -> LegStarted {
         let refused = |why| -> LegStarted { Box::pin(std::future::ready(Err(why))) };
         let Ok(permit) = self.state.resuming.clone().try_acquire_owned() else { return refused(Refusal::Busy) };
-        let request = serde_json::from_slice(&self.body).ok();
-        let Some(body) = request.and_then(|r| super::resume::resume_request(&r, said)) else {
-            return refused(Refusal::NoTokenIds);
+        let Ok(request) = serde_json::from_slice::<serde_json::Value>(&self.body) else {
+            return refused(Refusal::NoTranscript);
+        };
+        let dialect = self.shape.dialect;
+        let prompt = match said.way {
+            Way::Ids => said.prompt_with_answer().map(Prompt::Ids).ok_or(Refusal::NoTokenIds),
+            Way::Text => transcript(dialect, &request, &said.text).map(Prompt::Text).ok_or(Refusal::NoTranscript),
+        };
+        let prompt = match prompt {
+            Ok(prompt) => prompt,
+            Err(why) => return refused(why),
         };
         let Some(to) = self.next_replica() else { return refused(Refusal::NoReplica) };
         self.tried.push(to.id.clone());
-        let caller = headers::Caller { req: &self.req, gateway_keys: !self.state.config.api_keys.is_empty() };
-        let mut request = self.upstream.completions_request(&to.spec(), caller);
         let (span, carried) = self.trace.attempt(&self.state, &to.id);
-        for (name, value) in carried {
-            request = request.insert_header((name, value));
-        }
+        let (upstream, req, generated) = (self.upstream.clone(), self.req.clone(), said.seam());
+        let gateway_keys = !self.state.config.api_keys.is_empty();
         Box::pin(async move {
             let _starting = permit;
+            let caller = headers::Caller { req: &req, gateway_keys };
+            let spec = to.spec();
+            let ids = match prompt {
+                Prompt::Ids(ids) => Some(ids),
+                Prompt::Text(transcript) => tokenize(&upstream, &spec, caller, &transcript).await,
+            };
+            let Some(body) = ids.and_then(|ids| resume_request(&request, dialect, &ids, generated)) else {
+                super::trace::attempt_ended(&span, Err(("the replica tokenized no conversation", false)));
+                return Err(Refusal::NoTokenizer);
+            };
+            let mut request = upstream.post_json(&spec, caller, "/v1/completions");
+            for (name, value) in carried {
+                request = request.insert_header((name, value));
+            }
             let sent = send(request, body).await;
             let status = sent.as_ref().map(|r| r.status().as_u16()).map_err(|e| (e.message.as_str(), false));
             super::trace::attempt_ended(&span, status);
@@ -203,6 +227,43 @@ impl super::body::Resume<UpstreamResponse> for Resumer {
             }
         })
     }
+}
+
+/// How long the tokenize before a resumed leg may take, each request.
+const TOKENIZE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The token ids the replica `spec` makes of `transcript`: vLLM's
+/// `/tokenize` with the answer as the open last message, else llama.cpp's
+/// `/apply-template`, the answer appended, then its `/tokenize`.
+async fn tokenize(
+    upstream: &Upstream,
+    spec: &Arc<ReplicaSpec>,
+    caller: headers::Caller<'_>,
+    transcript: &Transcript,
+) -> Option<Vec<u32>> {
+    let post = |path: &'static str, body: serde_json::Value| {
+        let request = upstream.post_json(spec, caller, path);
+        async move {
+            let answered = async {
+                let mut resp = request.send_json(&body).await.ok()?;
+                let bytes = resp.body().limit(8 << 20).await.ok()?;
+                resp.status().is_success().then_some(bytes)
+            };
+            tokio::time::timeout(TOKENIZE_TIMEOUT, answered).await.ok().flatten()
+        }
+    };
+    if let Some(ids) = post("/tokenize", transcript.vllm_tokenize()).await.and_then(|b| tokens_of(&b)) {
+        return Some(ids);
+    }
+    let rendered = match transcript.llama_template() {
+        Some(body) => {
+            let answer = post("/apply-template", body).await?;
+            let prompt = serde_json::from_slice::<serde_json::Value>(&answer).ok()?;
+            Some(prompt.get("prompt")?.as_str()?.to_string())
+        }
+        None => None,
+    };
+    post("/tokenize", transcript.llama_tokenize(rendered.as_deref())).await.and_then(|b| tokens_of(&b))
 }
 
 impl Resumer {

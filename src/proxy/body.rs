@@ -123,9 +123,10 @@ impl<S> Continuing<S> {
         self.on.handoffs() > self.handoffs_seen && self.watches_stalls()
     }
 
-    /// Stalls are watched once the stream's first event came with its ids.
+    /// Stalls are watched once the stream's first event came (with its
+    /// ids, on the ids way).
     fn watches_stalls(&self) -> bool {
-        self.relay.as_ref().is_some_and(|r| r.said.prompt_ids.is_some()) && self.refusal().is_none()
+        self.relay.as_ref().is_some_and(|r| r.said.started()) && self.refusal().is_none()
     }
 }
 
@@ -428,10 +429,11 @@ where
     /// started); else what the client reads now. A stream whose answer was
     /// whole (its finish came) and only its end was missing is ended.
     fn broke(&mut self, why: Break, message: &str) -> Option<Poll<Option<Result<Bytes, PayloadError>>>> {
-        let finished = self.continuing.as_ref().and_then(|c| c.relay.as_ref()).is_some_and(|r| r.said.finished);
-        if finished && self.expected.is_none() {
+        let relay = self.continuing.as_ref().and_then(|c| c.relay.as_ref());
+        let ending = relay.filter(|r| r.said.finished).map(Relay::ending);
+        if let Some(ending) = ending.filter(|_| self.expected.is_none()) {
             self.continuing = None;
-            let done = self.pass(Bytes::from_static(b"data: [DONE]\n\n"));
+            let done = self.pass(Bytes::from_static(ending));
             self.finish(BodyOutcome::Complete);
             self.done = true;
             return Some(Poll::Ready(Some(Ok(done))));

@@ -21,7 +21,7 @@
 
 use std::time::Duration;
 
-use actix_web::http::{header, StatusCode};
+use actix_web::http::StatusCode;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
@@ -138,8 +138,7 @@ pub async fn engine_count(
 ) -> Option<u64> {
     let (dialect, prompt_bytes) = (shape.dialect, shape.prompt_bytes);
     let tokenize = tokenize_body(dialect, body)?;
-    let request =
-        upstream.tokenize_request(&replica.spec(), caller).insert_header((header::CONTENT_TYPE, "application/json"));
+    let request = upstream.post_json(&replica.spec(), caller, "/tokenize");
     let ask = async {
         let Ok(mut resp) = request.send_body(tokenize).await else { return Answer::Failed };
         let status = resp.status();

@@ -385,7 +385,7 @@ impl Forwarding<'_> {
         let held = Holdings { guard, large, running, turn };
         let continuity = self.continuity(replica);
         let body = match continuity {
-            Some(resume::Continuity::Relay { ask_ids: true }) => {
+            Some(resume::Continuity::Relay { ask_ids: true, .. }) => {
                 resume::ask_for_ids(&self.body).unwrap_or_else(|| self.body.clone())
             }
             _ => self.body.clone(),
@@ -403,13 +403,11 @@ impl Forwarding<'_> {
     }
 
     /// Whether this request's stream may go on elsewhere should it break
-    /// (`resume.rs`; None: not a streamed chat or completion, or
-    /// `failover.continue_streams` is off).
+    /// (`resume/`; None: not a stream, or `failover.continue_streams` is off).
     fn continuity(&self, replica: &Replica) -> Option<resume::Continuity> {
         let shape = &self.lookup.shape;
-        let relayed = matches!(shape.dialect, Dialect::Chat | Dialect::Completions) && shape.streamed;
-        (relayed && self.h.state.config.failover.continue_streams)
-            .then(|| resume::continuity(&self.body, replica.calibration.asks_token_ids()))
+        (shape.streamed && self.h.state.config.failover.continue_streams)
+            .then(|| resume::continuity(&self.body, shape.dialect, replica.calibration.asks_token_ids()))
     }
 
     /// A stream's way on, should it break (`body::Continuing`).
@@ -421,8 +419,9 @@ impl Forwarding<'_> {
         let failover = &self.h.state.config.failover;
         let (relay, refused, learn) = match continuity {
             resume::Continuity::Refused(refused) => (None, Some(refused), None),
-            resume::Continuity::Relay { ask_ids } => {
-                (Some(resume::Relay::new(self.lookup.shape.dialect, !ask_ids)), None, ask_ids.then(|| on.clone()))
+            resume::Continuity::Relay { way, ask_ids } => {
+                let relay = resume::Relay::new(self.lookup.shape.dialect, way, ask_ids);
+                (Some(relay), None, ask_ids.then(|| on.clone()))
             }
         };
         let resumer = attempt::Resumer {

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use super::attempt::{AttemptError, AttemptFailure};
 use super::body::{BodyEnd, BodyOutcome};
 use super::plan::PlanError;
+use super::resume::Said;
 use super::usage::UsageTap;
 use crate::admission::Permit;
 use crate::announce::Announcer;
@@ -343,14 +344,15 @@ impl OutcomeRecorder {
         }
     }
 
-    /// A stream broke (`why`) after `seam` tokens and went on from `from`
+    /// A stream broke (`why`) after what it `said` and went on from `from`
     /// on `to`: the history says so, and the turn's pins move where the
     /// answer was finished (that replica holds its prefix now).
-    pub fn continued(&self, from: &Arc<str>, to: &Replica, seam: usize, why: super::body::Break, pins: &TurnPins) {
+    pub fn continued(&self, from: &Arc<str>, to: &Replica, said: &Said, why: super::body::Break, pins: &TurnPins) {
         let dialect = pins.dialect.as_str();
-        let detail = format!("{dialect} stream went on after {seam} tokens (exact: true; {})", why.as_str());
+        let (seam, exact) = (said.seam(), if said.exact() { "true" } else { "false" });
+        let detail = format!("{dialect} stream went on after {seam} tokens (exact: {exact}; {})", why.as_str());
         self.events.record(EventKind::StreamContinued, Some(from), Some(&to.id), detail);
-        let labels = crate::metrics::ContinuedLabels { dialect, reason: why.as_str(), exact: "true" };
+        let labels = crate::metrics::ContinuedLabels { dialect, reason: why.as_str(), exact };
         self.metrics.shared().streams_continued.get_or_create(&labels).inc();
         // The answer was finished there: its prefix lives there now.
         self.record_pins(&to.id, pins, crate::clock::now_ms());
@@ -445,9 +447,9 @@ impl Outcome {
 }
 
 impl BodyEnd for Outcome {
-    fn continued(&mut self, to: Arc<Replica>, said: &super::resume::Said, why: super::body::Break) {
+    fn continued(&mut self, to: Arc<Replica>, said: &Said, why: super::body::Break) {
         let from = self.replica().id.clone();
-        self.recorder.continued(&from, &to, said.seam(), why, &self.pins);
+        self.recorder.continued(&from, &to, said, why, &self.pins);
         // In flight there from now; its large-context slot and session go with the request.
         let large = self.held.guard.large();
         if let Some(turn) = &self.held.turn {

@@ -244,6 +244,9 @@ async fn create_response(s: web::Data<SimState>, body: web::Bytes) -> HttpRespon
                 if i > 3 {
                     super::elapse(per_token).await;
                 }
+                if s.fault(&tx, i as u64 - 3).await {
+                    return;
+                }
                 s.generated.fetch_add(1, Ordering::Relaxed);
             }
             if tx.send(Frame::Chunk(f)).await.is_err() {
@@ -379,6 +382,9 @@ async fn messages(s: web::Data<SimState>, body: web::Bytes) -> HttpResponse {
         for (i, f) in frames.into_iter().enumerate() {
             if i > 3 && i < 3 + max_tokens as usize {
                 super::elapse(per_token).await;
+            }
+            if (3..3 + max_tokens as usize).contains(&i) && s.fault(&tx, i as u64 - 3).await {
+                return;
             }
             if tx.send(Frame::Chunk(f)).await.is_err() {
                 s.cancelled.fetch_add(1, Ordering::Relaxed);

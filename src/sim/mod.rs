@@ -309,6 +309,22 @@ struct GenParams {
 }
 
 impl SimState {
+    /// The fault knobs, before a stream's token `i`: true when the stream
+    /// ends here (`--die-after-tokens`: the connection is cut without an
+    /// end; `--stall-after-tokens`: wedged, its connection open until the
+    /// client leaves).
+    pub(crate) async fn fault(&self, tx: &tokio::sync::mpsc::Sender<Frame>, i: u64) -> bool {
+        if self.cfg.die_after_tokens == Some(i) {
+            return true;
+        }
+        if self.cfg.stall_after_tokens == Some(i) {
+            tx.closed().await;
+            self.cancelled.fetch_add(1, Ordering::Relaxed);
+            return true;
+        }
+        false
+    }
+
     /// Keeps the salt a generation request carried, if any (the last 1,000).
     fn saw_salt(&self, params: &GenParams) {
         if let Some(salt) = &params.cache_salt {
@@ -439,17 +455,64 @@ async fn tokenize(s: web::Data<SimState>, body: web::Bytes) -> HttpResponse {
     if s.cfg.no_tokenize {
         return HttpResponse::NotFound().json(json!({"detail": "Not Found"}));
     }
-    let prompt = match serde_json::from_slice::<ChatPrompt>(&body) {
-        Ok(c) if !c.messages.is_empty() => Some(render_chat(&c.messages)),
-        _ => serde_json::from_slice::<CompletionPrompt>(&body).ok().and_then(|c| render_completion(&c.prompt)),
+    let prompt = match serde_json::from_slice::<ChatToTokenize>(&body) {
+        Ok(c) if c.continue_final_message && c.messages.len() > 1 => {
+            // The answer so far, left open: the words it said as their ids,
+            // so a completion of these ids goes on where the answer was.
+            let (last, before) = c.messages.split_last().expect("two or more");
+            let mut rendered = render_chat(before);
+            rendered.extend_from_slice(b"assistant\n");
+            let answer = last.get("content").and_then(Value::as_str).unwrap_or("");
+            let mut ids = prompt_ids(&rendered);
+            ids.extend(answer_ids(answer));
+            rendered.extend_from_slice(answer.as_bytes());
+            Some((prompt_tokens(&rendered), ids))
+        }
+        Ok(c) if !c.messages.is_empty() => {
+            let rendered = render_chat(&c.messages);
+            Some((prompt_tokens(&rendered), prompt_ids(&rendered)))
+        }
+        _ => serde_json::from_slice::<CompletionPrompt>(&body)
+            .ok()
+            .and_then(|c| render_completion(&c.prompt))
+            .map(|rendered| (prompt_tokens(&rendered), prompt_ids(&rendered))),
     };
     match prompt {
-        Some(prompt) => {
-            let count = prompt_tokens(&prompt);
-            HttpResponse::Ok().json(json!({"count": count, "max_model_len": s.cfg.kv_tokens, "tokens": []}))
+        Some((count, ids)) => {
+            HttpResponse::Ok().json(json!({"count": count, "max_model_len": s.cfg.kv_tokens, "tokens": ids}))
         }
         None => bad_request("expected 'messages' or a string 'prompt'"),
     }
+}
+
+#[derive(Deserialize)]
+struct ChatToTokenize {
+    messages: Vec<Value>,
+    #[serde(default)]
+    continue_final_message: bool,
+}
+
+/// The simulated tokenizer on an answer's text: its words as the answer's
+/// ids, in the answer's order; what follows no answer word, by the prompt
+/// rule.
+fn answer_ids(text: &str) -> Vec<u32> {
+    let mut ids = Vec::new();
+    let mut rest = text;
+    let mut i = 0;
+    while !rest.is_empty() {
+        match rest.strip_prefix(WORDS[i % WORDS.len()]) {
+            Some(after) => {
+                ids.push(word_id(i));
+                rest = after;
+                i += 1;
+            }
+            None => {
+                ids.extend(prompt_ids(rest.as_bytes()));
+                break;
+            }
+        }
+    }
+    ids
 }
 
 /// The tokens a rendered prompt counts for (the bytes-per-token rule the
@@ -616,7 +679,6 @@ async fn generate(s: Arc<SimState>, params: GenParams, prompt: Vec<u8>, answer: 
     let include_usage = params.stream_options.is_some_and(|o| o.include_usage);
     let with_ids = params.return_token_ids;
     let (tx, rx) = tokio::sync::mpsc::channel::<Frame>(8);
-    let (die_after, stall_after) = (s.cfg.die_after_tokens, s.cfg.stall_after_tokens);
     actix_web::rt::spawn(async move {
         let p = match prefill(&s, &prompt, max_tokens).await {
             Ok(p) => p,
@@ -653,12 +715,7 @@ async fn generate(s: Arc<SimState>, params: GenParams, prompt: Vec<u8>, answer: 
             if i > 0 {
                 elapse(per_token).await;
             }
-            if die_after == Some(i as u64) {
-                return; // the engine died: the connection is cut without an end
-            }
-            if stall_after == Some(i as u64) {
-                tx.closed().await; // wedged, its connection open until the client leaves
-                s.cancelled.fetch_add(1, Ordering::Relaxed);
+            if s.fault(&tx, i as u64).await {
                 return;
             }
             s.generated.fetch_add(1, Ordering::Relaxed);

@@ -19,13 +19,22 @@ struct Streamed {
 }
 
 impl Streamed {
-    /// The answer's text, as the dialect carries it.
+    /// The answer's text, as the dialect carries it (chat, completions,
+    /// Responses deltas, Messages text deltas).
     fn text(&self) -> String {
         let piece = |e: &Value| {
             let c = &e["choices"][0];
-            c["delta"]["content"].as_str().or(c["text"].as_str()).unwrap_or("").to_string()
+            let chat = c["delta"]["content"].as_str().or(c["text"].as_str());
+            let responses = e["delta"].as_str().filter(|_| e["type"] == "response.output_text.delta");
+            let messages = e["delta"]["text"].as_str().filter(|_| e["type"] == "content_block_delta");
+            chat.or(responses).or(messages).unwrap_or("").to_string()
         };
         self.events.iter().map(piece).collect()
+    }
+
+    /// Events of `kind` (Responses and Messages name their events).
+    fn of_type(&self, kind: &str) -> Vec<&Value> {
+        self.events.iter().filter(|e| e["type"] == kind).collect()
     }
 
     fn count(&self, f: impl Fn(&Value) -> bool) -> usize {
@@ -48,7 +57,8 @@ async fn stream(url: &str, body: &Value, after_head: impl std::future::Future<Ou
     let mut events = Vec::new();
     let mut done = 0;
     for event in raw.split("\n\n").filter(|e| !e.trim().is_empty()) {
-        let data = event.strip_prefix("data: ").unwrap_or_else(|| panic!("not a data event: {event}"));
+        let data = event.lines().find_map(|l| l.strip_prefix("data: "));
+        let data = data.unwrap_or_else(|| panic!("not a data event: {event}"));
         match data {
             "[DONE]" => done += 1,
             _ => events.push(serde_json::from_str(data).unwrap()),
@@ -201,4 +211,80 @@ async fn a_drain_with_hand_over_moves_a_long_stream_in_seconds_and_it_completes_
     let continued = events_of(&gw, "stream_continued").await;
     assert!(continued[0]["detail"].as_str().unwrap().contains("drained"), "{continued:?}");
     assert!(a.state.cancelled() >= 1, "the draining replica's stream was cut");
+}
+
+/// The continued event says a -> b, not exact; the next turn (`next`, a
+/// request of the same conversation to `path`) goes to b.
+async fn moved_from_text(gw: &Gw, dialect: &str, path: &str, next: &Value) {
+    let continued = events_of(gw, "stream_continued").await;
+    assert_eq!(continued.len(), 1, "{continued:?}");
+    assert_eq!((continued[0]["replica"].as_str(), continued[0]["to_replica"].as_str()), (Some("a"), Some("b")));
+    assert!(continued[0]["detail"].as_str().unwrap().contains("after 150 tokens (exact: false"), "{continued:?}");
+    let follow = post(&format!("{}{path}", gw.base), next).await;
+    assert_eq!(follow.replica, "b", "the pin moved to the replica that finished the answer");
+    let metric =
+        format!(r#"prefixgate_streams_continued_total{{dialect="{dialect}",reason="replica_failed",exact="false"}} 1"#);
+    assert!(scrape(gw).await.contains(&metric), "{metric}");
+}
+
+#[actix_web::test]
+async fn a_responses_stream_whose_replica_dies_goes_on_in_the_same_output_item() {
+    let (_a, b, gw) = fleet(dies_at_150(), Default::default()).await;
+    let input = json!([{"role": "user", "content": "Tell me about caches."}]);
+    let body = json!({"model": "sim-model", "instructions": "You are terse.", "input": input, "max_output_tokens": 400,
+        "temperature": 0, "stream": true, "store": false});
+    let mut whole = body.clone();
+    whole["stream"] = json!(false);
+    let expected = post(&format!("{}/v1/responses", b.url), &whole).await.body["output"][0]["content"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let got = on_a(&gw, "/v1/responses", &body).await;
+    assert_eq!(got.replica, "a");
+    assert_eq!(got.text(), expected, "the uninterrupted answer, word for word");
+    let sequence: Vec<u64> = got.events.iter().map(|e| e["sequence_number"].as_u64().unwrap()).collect();
+    assert_eq!(sequence, (0..sequence.len() as u64).collect::<Vec<_>>(), "sequence numbers go on");
+    let items: std::collections::HashSet<&str> =
+        got.of_type("response.output_text.delta").iter().map(|e| e["item_id"].as_str().unwrap()).collect();
+    assert_eq!(items.len(), 1, "one output item: {items:?}");
+    assert_eq!(got.of_type("response.output_text.done")[0]["text"], json!(expected));
+    let completed = got.of_type("response.completed");
+    assert_eq!(completed.len(), 1, "one terminal event");
+    assert_eq!(got.events.last().unwrap()["type"], "response.completed", "and it ends the stream");
+    let response = &completed[0]["response"];
+    assert_eq!(response["id"], got.of_type("response.created")[0]["response"]["id"], "the first leg's id");
+    assert_eq!(response["output"][0]["content"][0]["text"], json!(expected));
+    assert_eq!(response["usage"]["output_tokens"], 400);
+    let next = json!({"model": "sim-model", "instructions": "You are terse.", "store": false, "input": [
+        input[0], {"role": "assistant", "content": expected}, {"role": "user", "content": "And then?"}]});
+    moved_from_text(&gw, "responses", "/v1/responses", &next).await;
+}
+
+#[actix_web::test]
+async fn a_messages_stream_whose_replica_dies_goes_on_in_the_same_content_block() {
+    let (_a, b, gw) = fleet(dies_at_150(), Default::default()).await;
+    let user = json!({"role": "user", "content": "Tell me about caches."});
+    let body = json!({"model": "sim-model", "system": "You are terse.", "messages": [user], "max_tokens": 400,
+        "temperature": 0, "stream": true});
+    let mut whole = body.clone();
+    whole["stream"] = json!(false);
+    let expected =
+        post(&format!("{}/v1/messages", b.url), &whole).await.body["content"][0]["text"].as_str().unwrap().to_string();
+    let got = on_a(&gw, "/v1/messages", &body).await;
+    assert_eq!(got.replica, "a");
+    assert_eq!(got.text(), expected, "the uninterrupted answer, word for word");
+    assert!(got.of_type("content_block_delta").iter().all(|e| e["index"] == 0), "one content block");
+    assert_eq!(got.of_type("message_start").len(), 1);
+    assert_eq!(got.of_type("content_block_stop").len(), 1);
+    let delta = got.of_type("message_delta");
+    assert_eq!(delta.len(), 1);
+    assert_eq!(
+        (delta[0]["delta"]["stop_reason"].clone(), delta[0]["usage"]["output_tokens"].clone()),
+        (json!("max_tokens"), json!(400))
+    );
+    assert_eq!(got.of_type("message_stop").len(), 1, "one terminal event");
+    assert_eq!(got.events.last().unwrap()["type"], "message_stop");
+    let next = json!({"model": "sim-model", "system": "You are terse.", "max_tokens": 4, "messages": [
+        user, {"role": "assistant", "content": expected}, {"role": "user", "content": "And then?"}]});
+    moved_from_text(&gw, "messages", "/v1/messages", &next).await;
 }

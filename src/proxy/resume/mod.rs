@@ -1,32 +1,41 @@
 //! Streams that outlive their replica, the pure half (no I/O): what a
-//! streamed chat or completion has said so far, whether it may go on
-//! elsewhere, the request that resumes it, and the resumed leg's events
-//! re-framed as the first leg's. The I/O half is `body.rs` (the break and
-//! the swap) and `proxy/mod.rs` (`Resumer`: the replica and the request).
+//! stream has said so far, whether it may go on elsewhere, the request that
+//! resumes it, and the resumed leg's events re-framed as the first leg's.
+//! The I/O half is `body.rs` (the break and the swap) and `attempt.rs`
+//! (`Resumer`: the replica, the tokenize, the request).
 //!
-//! Token for token: with `failover.continue_streams` on, a chat or
-//! completion stream asks its engine for `return_token_ids` (vLLM: the
-//! prompt's ids in the first chunk, each chunk's own ids). The ids are kept
-//! (4 bytes each, at most `MAX_IDS`) and stripped from what the client
-//! reads unless it asked for them. A break resumes on another replica with
-//! `/v1/completions`: the prompt and the answer so far as token ids, the
-//! same sampling, `max_tokens` less what was generated. Its chunks reach
-//! the client as the first leg's: its id, model and created, no second
-//! role, one finish, one `[DONE]`, usage merged (the first prompt, both
-//! legs' completion tokens).
-
-use std::sync::LazyLock;
+//! Two ways on (`Way`), both through `/v1/completions` with the prompt as
+//! token ids, the same sampling, `max_tokens` less what was generated:
+//! - **Ids** (exact): a chat or completion stream asks its engine for
+//!   `return_token_ids` (vLLM: the prompt's ids in the first chunk, each
+//!   chunk's own ids). The ids are kept (4 bytes each, at most `MAX_IDS`)
+//!   and stripped from what the client reads unless it asked for them.
+//! - **Text** (not exact): where the engine or endpoint gives no ids
+//!   (llama.cpp, vLLM's Responses and Messages), the answer's text so far
+//!   is kept, and the conversation plus that text is rendered and tokenized
+//!   by the engine that resumes it (`transcript.rs`).
+//!
+//! The resumed leg's chunks reach the client as the first leg's: its id,
+//! model and created, in its dialect's events (`agents.rs` for Responses
+//! and Messages), no second role, one finish, one end, usage merged (the
+//! first prompt, every leg's completion tokens).
 
 use bytes::{Bytes, BytesMut};
-use memchr::memmem::Finder;
 use serde_json::value::RawValue;
 use serde_json::{json, Map, Value};
 
 use crate::policy::Dialect;
+use scan::*;
+
+mod agents;
+mod scan;
+pub mod transcript;
 
 /// Most token ids kept per stream (prompt and answer): 256 KiB. A stream
-/// past it is not continuable, and it is known before it breaks.
+/// past it is not continuable, and it is known before it breaks. The text
+/// kept on the text way is bounded the same: 4 bytes a token.
 pub const MAX_IDS: usize = 65_536;
+const MAX_TEXT: usize = MAX_IDS * 4;
 
 /// Why a broken stream did not go on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,7 +52,7 @@ pub enum Refusal {
     Reasoning,
     /// The engine gave no token ids for this stream.
     NoTokenIds,
-    /// More ids than `MAX_IDS`.
+    /// More ids than `MAX_IDS` (or text past `MAX_TEXT`).
     TooLong,
     /// `failover.max_continuations` legs already.
     Limit,
@@ -51,9 +60,35 @@ pub enum Refusal {
     NoReplica,
     /// `failover.max_resuming` legs were starting already.
     Busy,
+    /// The conversation cannot be rendered from the request (a stored
+    /// conversation named by `previous_response_id`, an image, a prompt
+    /// given as ids without ids back).
+    NoTranscript,
+    /// The replica renders and tokenizes no conversation (neither vLLM's
+    /// `/tokenize` nor llama.cpp's `/apply-template` answered).
+    NoTokenizer,
+    /// A Responses stream that stores its response: the resumed answer is
+    /// stored nowhere, and a follow-up naming its id would find no replica.
+    StoredResponse,
 }
 
 impl Refusal {
+    pub const ALL: [Refusal; 13] = [
+        Refusal::StructuredOutput,
+        Refusal::SeveralChoices,
+        Refusal::Logprobs,
+        Refusal::ToolCall,
+        Refusal::Reasoning,
+        Refusal::NoTokenIds,
+        Refusal::TooLong,
+        Refusal::Limit,
+        Refusal::NoReplica,
+        Refusal::Busy,
+        Refusal::NoTranscript,
+        Refusal::NoTokenizer,
+        Refusal::StoredResponse,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Refusal::StructuredOutput => "structured_output",
@@ -66,12 +101,15 @@ impl Refusal {
             Refusal::Limit => "max_continuations",
             Refusal::NoReplica => "no_replica",
             Refusal::Busy => "too_many_resuming",
+            Refusal::NoTranscript => "no_transcript",
+            Refusal::NoTokenizer => "no_tokenizer",
+            Refusal::StoredResponse => "stored_response",
         }
     }
 }
 
-/// What a streamed chat or completion asks that decides whether its
-/// stream may go on (the rest of the body is skimmed, not kept).
+/// What a streamed request asks that decides whether its stream may go on
+/// elsewhere (the rest of the body is skimmed, not kept).
 #[derive(Debug, Default, serde::Deserialize)]
 pub struct Asked {
     n: Option<u64>,
@@ -84,13 +122,19 @@ pub struct Asked {
     guided_choice: Option<Value>,
     guided_grammar: Option<Value>,
     return_token_ids: Option<Value>,
+    /// Responses: its output format (`text.format`), whether it is stored,
+    /// and the stored conversation it continues.
+    text: Option<Value>,
+    store: Option<bool>,
+    previous_response_id: Option<Value>,
 }
 
 /// Whether a request's stream could ever go on elsewhere: refused before
 /// anything is sent for what a seam would corrupt.
-pub fn refusal_of(asked: &Asked) -> Option<Refusal> {
+pub fn refusal_of(asked: &Asked, dialect: Dialect) -> Option<Refusal> {
     let set = |v: &Option<Value>| v.as_ref().is_some_and(|v| !v.is_null());
-    let schema = asked.response_format.as_ref().and_then(|f| f.get("type")).and_then(Value::as_str);
+    let format = asked.response_format.as_ref().or_else(|| asked.text.as_ref().and_then(|t| t.get("format")));
+    let schema = format.and_then(|f| f.get("type")).and_then(Value::as_str);
     let guided = [&asked.guided_json, &asked.guided_regex, &asked.guided_choice, &asked.guided_grammar];
     if matches!(schema, Some("json_schema" | "json_object" | "structural_tag"))
         || set(&asked.structured_outputs)
@@ -105,7 +149,25 @@ pub fn refusal_of(asked: &Asked) -> Option<Refusal> {
     if logprobs || set(&asked.top_logprobs) {
         return Some(Refusal::Logprobs);
     }
+    if dialect == Dialect::Responses {
+        if set(&asked.previous_response_id) {
+            return Some(Refusal::NoTranscript);
+        }
+        if asked.store != Some(false) {
+            return Some(Refusal::StoredResponse);
+        }
+    }
     None
+}
+
+/// How a broken stream is resumed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Way {
+    /// With the engine's token ids: token for token.
+    Ids,
+    /// With the answer's text, rendered and tokenized by the engine that
+    /// resumes it: the event says `exact: false`.
+    Text,
 }
 
 /// What a stream's relay does, decided before its request is sent.
@@ -113,23 +175,27 @@ pub fn refusal_of(asked: &Asked) -> Option<Refusal> {
 pub enum Continuity {
     /// Refused up front: a break says why.
     Refused(Refusal),
-    /// Ask the engine for ids (`ask_ids`: the gateway adds the field; the
-    /// client did not ask, so they are stripped) and relay its events.
-    Relay { ask_ids: bool },
+    /// Relay its events, kept for `way`; `ask_ids`: the gateway adds
+    /// `return_token_ids` (the client did not ask, so they are stripped).
+    Relay { way: Way, ask_ids: bool },
 }
 
-/// The continuity of a streamed chat or completion request (`body`), on a
+/// The continuity of a streamed request (`body`) of `dialect`, on a
 /// replica that gives token ids as far as is known (`gives_ids`).
-pub fn continuity(body: &[u8], gives_ids: bool) -> Continuity {
-    let Ok(asked) = serde_json::from_slice::<Asked>(body) else { return Continuity::Refused(Refusal::NoTokenIds) };
-    if let Some(refused) = refusal_of(&asked) {
+pub fn continuity(body: &[u8], dialect: Dialect, gives_ids: bool) -> Continuity {
+    let Ok(asked) = serde_json::from_slice::<Asked>(body) else { return Continuity::Refused(Refusal::NoTranscript) };
+    if let Some(refused) = refusal_of(&asked, dialect) {
         return Continuity::Refused(refused);
     }
-    match asked.return_token_ids {
-        None if gives_ids => Continuity::Relay { ask_ids: true },
-        None => Continuity::Refused(Refusal::NoTokenIds),
+    let text = Continuity::Relay { way: Way::Text, ask_ids: false };
+    match (dialect, asked.return_token_ids) {
+        // vLLM serves token ids on chat and completions only.
+        (Dialect::Responses | Dialect::Messages, _) => text,
+        (Dialect::Other, _) => Continuity::Refused(Refusal::NoTranscript),
+        (_, None) if gives_ids => Continuity::Relay { way: Way::Ids, ask_ids: true },
+        (_, None) => text,
         // The client's own: passed as it asked, ids kept if they come.
-        Some(_) => Continuity::Relay { ask_ids: false },
+        (_, Some(_)) => Continuity::Relay { way: Way::Ids, ask_ids: false },
     }
 }
 
@@ -147,27 +213,6 @@ pub fn ask_for_ids(body: &[u8]) -> Option<Bytes> {
     out.extend_from_slice(if empty { b"{\"return_token_ids\":true" } else { b"{\"return_token_ids\":true," });
     out.extend_from_slice(rest);
     Some(out.freeze())
-}
-
-/// The member names the relay looks for, quoted, each searched for with
-/// a finder built once (building one per search cost as much as the
-/// search: bench/stream-cpu.sh).
-struct Key(Finder<'static>);
-
-static TOKEN_IDS: LazyLock<Key> = LazyLock::new(|| Key::new("token_ids"));
-static PROMPT_TOKEN_IDS: LazyLock<Key> = LazyLock::new(|| Key::new("prompt_token_ids"));
-static FINISH_REASON: LazyLock<Key> = LazyLock::new(|| Key::new("finish_reason"));
-static TOOL_CALLS: LazyLock<Key> = LazyLock::new(|| Key::new("tool_calls"));
-static REASONING_CONTENT: LazyLock<Key> = LazyLock::new(|| Key::new("reasoning_content"));
-static REASONING: LazyLock<Key> = LazyLock::new(|| Key::new("reasoning"));
-static EVENT_END: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\n\n"));
-/// Both reasoning members' names hold it: one search rules both out.
-static REASONING_WORD: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"reasoning"));
-
-impl Key {
-    fn new(name: &str) -> Key {
-        Key(Finder::new(format!("\"{name}\"").as_bytes()).into_owned())
-    }
 }
 
 /// A first leg's chunk, as far as the relay reads it: borrowed, the rest
@@ -189,14 +234,19 @@ struct FirstLeg<'a> {
 struct FirstLegChoice<'a> {
     #[serde(borrow)]
     delta: Option<FirstLegDelta<'a>>,
+    /// A completion's text.
+    #[serde(borrow)]
+    text: Option<std::borrow::Cow<'a, str>>,
     token_ids: Option<Vec<u32>>,
     #[serde(borrow)]
     finish_reason: Option<&'a RawValue>,
 }
 
-/// Only whether these are there, and not null.
+/// Its text, and only whether the others are there, and not null.
 #[derive(serde::Deserialize)]
 struct FirstLegDelta<'a> {
+    #[serde(borrow)]
+    content: Option<std::borrow::Cow<'a, str>>,
     #[serde(borrow)]
     tool_calls: Option<&'a RawValue>,
     #[serde(borrow)]
@@ -206,23 +256,63 @@ struct FirstLegDelta<'a> {
 }
 
 /// What a stream said so far, as a resumed leg needs it.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Said {
+    pub way: Way,
     pub id: Option<Value>,
     pub model: Option<Value>,
     pub created: Option<Value>,
+    /// The ids way: the prompt's ids and the answer's so far.
     pub prompt_ids: Option<Vec<u32>>,
     pub generated: Vec<u32>,
-    /// A `finish_reason` came: the answer is whole, only its end is missing.
+    /// The text way: the answer's text so far, and its tokens as the
+    /// stream counted them (an event of text each, as engines stream).
+    pub text: String,
+    pub tokens: usize,
+    /// A finish came: the answer is whole, only its end is missing.
     pub finished: bool,
     /// Why it may not go on, once known.
     pub refused: Option<Refusal>,
+    /// Responses and Messages: what their resumed events carry on.
+    agent: agents::AgentSaid,
+}
+
+impl FirstLeg<'_> {
+    /// Its answer's text: a chat delta's content, or a completion's text.
+    fn text(&self) -> &str {
+        let Some(choice) = self.choices.first() else { return "" };
+        choice.delta.as_ref().and_then(|d| d.content.as_deref()).or(choice.text.as_deref()).unwrap_or("")
+    }
 }
 
 impl Said {
+    fn new(way: Way) -> Said {
+        Said {
+            way,
+            id: None,
+            model: None,
+            created: None,
+            prompt_ids: None,
+            generated: Vec::new(),
+            text: String::new(),
+            tokens: 0,
+            finished: false,
+            refused: None,
+            agent: agents::AgentSaid::default(),
+        }
+    }
+
     /// Tokens past the seam: what the answer had when it broke.
     pub fn seam(&self) -> usize {
-        self.generated.len()
+        match self.way {
+            Way::Ids => self.generated.len(),
+            Way::Text => self.tokens,
+        }
+    }
+
+    /// Whether it goes on token for token.
+    pub fn exact(&self) -> bool {
+        self.way == Way::Ids
     }
 
     /// Ids kept: the prompt's and the answer's so far.
@@ -240,8 +330,22 @@ impl Said {
         }
     }
 
-    /// One event of the first leg (a chat or completion chunk), read.
-    fn read_first_leg(&mut self, event: &FirstLeg<'_>) {
+    /// Text of the answer, on the text way: kept, and counted a token.
+    fn keep_text(&mut self, text: &str) {
+        if self.way != Way::Text || text.is_empty() {
+            return;
+        }
+        if self.text.len() + text.len() > MAX_TEXT {
+            self.refused.get_or_insert(Refusal::TooLong);
+            return;
+        }
+        self.text.push_str(text);
+        self.tokens += 1;
+    }
+
+    /// A chat or completion event of the first leg, read whole (its first
+    /// event, or any on the text way).
+    fn read_whole(&mut self, event: &FirstLeg<'_>) {
         let owned = |v: Option<&RawValue>| v.and_then(|v| serde_json::from_str(v.get()).ok());
         if self.id.is_none() {
             (self.id, self.model, self.created) = (owned(event.id), owned(event.model), owned(event.created));
@@ -262,6 +366,7 @@ impl Said {
                 self.refused.get_or_insert(Refusal::Reasoning);
             }
         }
+        self.keep_text(event.text());
         if let Some(ids) = &choice.token_ids {
             self.keep_ids(ids.iter().copied());
         }
@@ -270,8 +375,9 @@ impl Said {
         }
     }
 
-    /// A later event of the first leg, searched (`members`), not parsed.
-    /// Returns where its `token_ids` member is (start, end), for the strip.
+    /// A later event of the first leg on the ids way, searched (`members`),
+    /// not parsed. Returns where its `token_ids` member is (start, end),
+    /// for the strip.
     fn read_later_event(&mut self, data: &str) -> Option<(usize, usize)> {
         let bytes = data.as_bytes();
         let ids = members(bytes, &TOKEN_IDS).next().map(|(at, value)| (at, value, value_end(bytes, value)));
@@ -294,14 +400,33 @@ impl Said {
 
     /// Why this stream may not go on now (None: it may).
     pub fn refusal(&self) -> Option<Refusal> {
-        self.refused.or(self.prompt_ids.is_none().then_some(Refusal::NoTokenIds))
+        let no_ids = self.way == Way::Ids && self.prompt_ids.is_none();
+        self.refused.or(no_ids.then_some(Refusal::NoTokenIds))
+    }
+
+    /// Whether its first event came, with what a resume needs (its ids, on
+    /// the ids way): from then on its silence is watched.
+    pub fn started(&self) -> bool {
+        match self.way {
+            Way::Ids => self.prompt_ids.is_some(),
+            Way::Text => self.id.is_some(),
+        }
+    }
+
+    /// The prompt a resumed leg is sent on the ids way: the prompt's ids
+    /// and the answer's so far.
+    pub fn prompt_with_answer(&self) -> Option<Vec<u32>> {
+        let mut prompt = self.prompt_ids.clone()?;
+        prompt.extend_from_slice(&self.generated);
+        Some(prompt)
     }
 }
 
-/// The `/v1/completions` request that resumes `said` for `request` (the
-/// client's chat or completion request): the prompt and the answer so far
-/// as ids, its sampling, what is left of its `max_tokens`.
-pub fn resume_request(request: &Value, said: &Said) -> Option<Bytes> {
+/// The `/v1/completions` request that resumes the client's request
+/// (`request`, of `dialect`) with `prompt` (token ids: the conversation
+/// and the answer so far), after `generated` tokens: its sampling, what is
+/// left of its `max_tokens`.
+pub fn resume_request(request: &Value, dialect: Dialect, prompt: &[u32], generated: usize) -> Option<Bytes> {
     const CARRIED: [&str; 15] = [
         "model",
         "temperature",
@@ -325,16 +450,29 @@ pub fn resume_request(request: &Value, said: &Said) -> Option<Bytes> {
             out.insert(key.into(), v.clone());
         }
     }
-    let mut prompt = said.prompt_ids.clone()?;
-    prompt.extend_from_slice(&said.generated);
+    // Messages names its stop strings otherwise.
+    if let Some(stop) = request.get("stop_sequences").filter(|_| dialect == Dialect::Messages) {
+        out.insert("stop".into(), stop.clone());
+    }
     out.insert("prompt".into(), json!(prompt));
-    let max = request.get("max_completion_tokens").or_else(|| request.get("max_tokens")).and_then(Value::as_u64);
-    if let Some(max) = max {
-        out.insert("max_tokens".into(), json!(max.saturating_sub(said.generated.len() as u64).max(1)));
+    let max = match dialect {
+        Dialect::Responses => request.get("max_output_tokens"),
+        _ => request.get("max_completion_tokens").or_else(|| request.get("max_tokens")),
+    };
+    if let Some(max) = max.and_then(Value::as_u64) {
+        out.insert("max_tokens".into(), json!(max.saturating_sub(generated as u64).max(1)));
     }
     out.insert("stream".into(), json!(true));
-    if let Some(options) = request.get("stream_options") {
-        out.insert("stream_options".into(), options.clone());
+    match dialect {
+        // Their end carries usage: always asked for.
+        Dialect::Responses | Dialect::Messages => {
+            out.insert("stream_options".into(), json!({"include_usage": true}));
+        }
+        _ => {
+            if let Some(options) = request.get("stream_options") {
+                out.insert("stream_options".into(), options.clone());
+            }
+        }
     }
     out.insert("return_token_ids".into(), json!(true));
     serde_json::to_vec(&Value::Object(out)).ok().map(Bytes::from)
@@ -345,27 +483,51 @@ pub fn resume_request(request: &Value, said: &Said) -> Option<Bytes> {
 /// them), a resumed leg's re-framed as the first leg's.
 pub struct Relay {
     dialect: Dialect,
-    client_ids: bool,
+    /// The gateway asked for the ids: the client reads none.
+    strip_ids: bool,
     pending: BytesMut,
     pub said: Said,
     /// Completion tokens of the legs before this one.
     generated_before: u64,
     /// Legs resumed so far.
     pub legs: u32,
+    /// The resumed leg's finish and usage, for the dialects whose end
+    /// carries them (Responses, Messages).
+    finish: Option<Value>,
+    usage: Option<Value>,
 }
 
 impl Relay {
-    /// For a streamed chat or completion (`dialect`) whose client asked for
-    /// token ids itself (`client_ids`) or not.
-    pub fn new(dialect: Dialect, client_ids: bool) -> Relay {
-        Relay { dialect, client_ids, pending: BytesMut::new(), said: Said::default(), generated_before: 0, legs: 0 }
+    /// For a stream of `dialect` kept for `way`, whose ids the gateway
+    /// asked for (`strip_ids`: the client reads none) or not.
+    pub fn new(dialect: Dialect, way: Way, strip_ids: bool) -> Relay {
+        Relay {
+            dialect,
+            strip_ids,
+            pending: BytesMut::new(),
+            said: Said::new(way),
+            generated_before: 0,
+            legs: 0,
+            finish: None,
+            usage: None,
+        }
     }
 
     /// A resumed leg starts: what follows is its events.
     pub fn resumed(&mut self) {
         self.legs += 1;
-        self.generated_before = self.said.generated.len() as u64;
+        self.generated_before = self.said.seam() as u64;
         self.pending.clear();
+        (self.finish, self.usage) = (None, None);
+    }
+
+    /// What ends the client's stream when the answer was whole (its finish
+    /// came) and only its end was missing.
+    pub fn ending(&self) -> &'static [u8] {
+        match self.dialect {
+            Dialect::Messages => b"event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
+            _ => b"data: [DONE]\n\n",
+        }
     }
 
     /// Bytes from the replica in; the whole events among them out (what is
@@ -398,67 +560,126 @@ impl Relay {
             out.extend_from_slice(text.as_bytes());
             return;
         };
+        match (self.legs, self.dialect) {
+            (0, Dialect::Responses | Dialect::Messages) => {
+                agents::read(&mut self.said, self.dialect, data);
+                out.extend_from_slice(text.as_bytes());
+            }
+            (0, _) => self.first_leg(text, data, out),
+            _ if data == "[DONE]" => self.resumed_end(text, out),
+            _ => {
+                let Ok(event) = serde_json::from_str::<Value>(data) else {
+                    out.extend_from_slice(text.as_bytes());
+                    return;
+                };
+                self.resumed_event(&event, out);
+            }
+        }
+    }
+
+    /// A chat or completion event of the first leg: read, and passed on
+    /// (its ids stripped where the gateway asked for them).
+    fn first_leg(&mut self, text: &str, data: &str, out: &mut BytesMut) {
         if data == "[DONE]" {
             out.extend_from_slice(text.as_bytes());
             return;
         }
-        if self.legs == 0 {
-            // The first event parsed (its id, model, created, prompt ids);
-            // every later one searched for the few members the relay reads
-            // (a `Value` per event cost the relay 2.3x the CPU per chunk of
-            // a plain stream, a borrowed parse 1.9x: bench/stream-cpu.sh).
-            let later_ids = match self.said.id.is_none() {
-                true => {
-                    if let Ok(event) = serde_json::from_str::<FirstLeg>(data) {
-                        self.said.read_first_leg(&event);
+        // On the ids way the first event is parsed (its id, model, created,
+        // prompt ids), every later one searched for the few members the
+        // relay reads (a `Value` per event cost the relay 2.3x the CPU per
+        // chunk of a plain stream, a borrowed parse 1.9x: bench/stream-cpu.sh).
+        // The text way parses each (its text is a JSON string to unescape).
+        let later_ids = match self.said.id.is_none() || self.said.way == Way::Text {
+            true => {
+                if let Ok(event) = serde_json::from_str::<FirstLeg>(data) {
+                    let first = self.said.id.is_none();
+                    self.said.read_whole(&event);
+                    if first && self.said.way == Way::Ids && self.said.prompt_ids.is_none() {
+                        // Asked for ids and none came: the text way from here.
+                        self.said.way = Way::Text;
+                        self.said.keep_text(event.text());
                     }
-                    None
                 }
-                false => Some(self.said.read_later_event(data)),
-            };
-            if self.client_ids {
-                out.extend_from_slice(text.as_bytes());
-                return;
+                None
             }
-            let at = data.as_ptr() as usize - text.as_ptr() as usize;
-            out.extend_from_slice(&text.as_bytes()[..at]);
-            match later_ids {
-                // A later event: its one `token_ids` member, found already.
-                Some(span) => strip_spans_into(data, span.into_iter().collect(), out),
-                None => strip_ids_into(data, out),
-            }
-            out.extend_from_slice(&text.as_bytes()[at + data.len()..]);
-            return;
-        }
-        let Ok(event) = serde_json::from_str::<Value>(data) else {
+            false => Some(self.said.read_later_event(data)),
+        };
+        if !self.strip_ids {
             out.extend_from_slice(text.as_bytes());
             return;
-        };
-        if let Some(reframed) = self.reframe(&event) {
-            out.extend_from_slice(format!("data: {reframed}\n\n").as_bytes());
         }
+        let at = data.as_ptr() as usize - text.as_ptr() as usize;
+        out.extend_from_slice(&text.as_bytes()[..at]);
+        match later_ids {
+            // A later event: its one `token_ids` member, found already.
+            Some(span) => strip_spans_into(data, span.into_iter().collect(), out),
+            None => strip_ids_into(data, out),
+        }
+        out.extend_from_slice(&text.as_bytes()[at + data.len()..]);
     }
 
-    /// A resumed leg's completion chunk as the first leg's dialect frames
-    /// it; None for a chunk that says nothing (no text, no finish, no usage).
-    fn reframe(&mut self, event: &Value) -> Option<Value> {
+    /// A resumed leg's completion chunk, re-framed as the first leg's
+    /// dialect frames it (a chunk that says nothing is dropped).
+    fn resumed_event(&mut self, event: &Value, out: &mut BytesMut) {
         let choice = event.get("choices").and_then(|c| c.get(0));
         let text = choice.and_then(|c| c.get("text")).and_then(Value::as_str).unwrap_or("");
-        let finish = choice.and_then(|c| c.get("finish_reason")).filter(|f| !f.is_null()).cloned();
+        let finish = choice.and_then(|c| c.get("finish_reason")).filter(|f| !f.is_null());
         let ids: Vec<u32> = choice
             .and_then(|c| c.get("token_ids"))
             .and_then(Value::as_array)
             .map(|ids| ids.iter().filter_map(Value::as_u64).map(|id| id as u32).collect())
             .unwrap_or_default();
-        self.said.generated.extend_from_slice(&ids);
-        let head = |object: &str| json!({"id": self.said.id, "object": object, "created": self.said.created, "model": self.said.model});
-        if let Some(usage) = event.get("usage").filter(|u| !u.is_null()) {
-            if choice.is_none() {
-                let mut out = head(self.object());
-                out["choices"] = json!([]);
-                out["usage"] = self.merged_usage(usage);
-                return Some(out);
+        match self.said.way {
+            Way::Ids => self.said.keep_ids(ids.iter().copied()),
+            Way::Text => self.said.keep_text(text),
+        }
+        let usage = event.get("usage").filter(|u| !u.is_null() && choice.is_none());
+        match self.dialect {
+            Dialect::Responses | Dialect::Messages => {
+                if !text.is_empty() {
+                    out.extend_from_slice(agents::delta(&mut self.said, self.dialect, text).as_bytes());
+                }
+                if finish.is_some() {
+                    // vLLM names the stop string or token that ended it.
+                    let stop = choice.and_then(|c| c.get("stop_reason")).cloned().unwrap_or(Value::Null);
+                    self.finish = Some(json!({"finish_reason": finish, "stop_reason": stop}));
+                }
+                if let Some(usage) = usage {
+                    self.usage = Some(usage.clone());
+                }
             }
+            _ => {
+                if let Some(chunk) = self.reframed_chunk(text, finish, &ids, usage) {
+                    out.extend_from_slice(format!("data: {chunk}\n\n").as_bytes());
+                }
+            }
+        }
+    }
+
+    /// The resumed leg's `[DONE]`: passed on for chat and completions; for
+    /// Responses and Messages, their own end (the item closed, the usage).
+    fn resumed_end(&mut self, text: &str, out: &mut BytesMut) {
+        match self.dialect {
+            Dialect::Responses | Dialect::Messages => {
+                let (prompt, completion) = self.merged_usage(self.usage.as_ref().unwrap_or(&Value::Null));
+                let end = agents::ending(&mut self.said, self.dialect, self.finish.as_ref(), prompt, completion);
+                out.extend_from_slice(end.as_bytes());
+            }
+            _ => out.extend_from_slice(text.as_bytes()),
+        }
+    }
+
+    /// A resumed leg's completion chunk as a chat or completion chunk of
+    /// the first leg; None for one that says nothing (no text, no finish,
+    /// no usage).
+    fn reframed_chunk(&self, text: &str, finish: Option<&Value>, ids: &[u32], usage: Option<&Value>) -> Option<Value> {
+        let mut out = json!({"id": self.said.id, "object": self.object(), "created": self.said.created, "model": self.said.model});
+        if let Some(usage) = usage {
+            let (prompt, completion) = self.merged_usage(usage);
+            out["choices"] = json!([]);
+            out["usage"] =
+                json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion});
+            return Some(out);
         }
         if text.is_empty() && finish.is_none() {
             return None;
@@ -468,10 +689,9 @@ impl Relay {
             Dialect::Chat => json!({"index": 0, "delta": {"content": text}, "finish_reason": finish}),
             _ => json!({"index": 0, "text": text, "finish_reason": finish}),
         };
-        if self.client_ids {
+        if !self.strip_ids && self.said.way == Way::Ids {
             choice["token_ids"] = json!(ids);
         }
-        let mut out = head(self.object());
         out["choices"] = json!([choice]);
         Some(out)
     }
@@ -485,127 +705,15 @@ impl Relay {
 
     /// The resumed leg's usage as the client's: the first leg's prompt,
     /// every leg's completion tokens.
-    fn merged_usage(&self, usage: &Value) -> Value {
-        let prompt = self.said.prompt_ids.as_ref().map_or(0, Vec::len) as u64;
-        let completion = self.generated_before + usage.get("completion_tokens").and_then(Value::as_u64).unwrap_or(0);
-        json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+    fn merged_usage(&self, usage: &Value) -> (u64, u64) {
+        let count = |key: &str| usage.get(key).and_then(Value::as_u64).unwrap_or(0);
+        let prompt = match &self.said.prompt_ids {
+            Some(ids) => ids.len() as u64,
+            // The text way: the resumed prompt held the answer so far.
+            None => count("prompt_tokens").saturating_sub(self.generated_before),
+        };
+        (prompt, self.generated_before + count("completion_tokens"))
     }
-}
-
-/// `data` (one event's JSON) without the token-id members the gateway
-/// asked for (`prompt_token_ids`, `token_ids`): the rest byte for byte.
-#[cfg(test)]
-fn strip_ids(data: &str) -> String {
-    let mut out = BytesMut::with_capacity(data.len());
-    strip_ids_into(data, &mut out);
-    String::from_utf8(out.to_vec()).expect("cut at ASCII")
-}
-
-/// `strip_ids`, written to `out`.
-fn strip_ids_into(data: &str, out: &mut BytesMut) {
-    let bytes = data.as_bytes();
-    let mut spans: smallvec::SmallVec<[(usize, usize); 2]> = smallvec::SmallVec::new();
-    for key in [&*TOKEN_IDS, &*PROMPT_TOKEN_IDS] {
-        for (at, value) in members(bytes, key) {
-            spans.push((at, value_end(bytes, value)));
-        }
-    }
-    spans.sort_unstable();
-    strip_spans_into(data, spans, out);
-}
-
-/// `data` without the members at `spans` (start, end; in order), each
-/// with one comma, to `out`.
-fn strip_spans_into(data: &str, spans: smallvec::SmallVec<[(usize, usize); 2]>, out: &mut BytesMut) {
-    let bytes = data.as_bytes();
-    let mut last = 0;
-    for (at, end) in spans {
-        // The member and one comma: the one before it, else the one after.
-        let before = data[last..at].trim_end();
-        match before.strip_suffix(',') {
-            Some(kept) => {
-                out.extend_from_slice(kept.as_bytes());
-                last = end;
-            }
-            None => {
-                out.extend_from_slice(&bytes[last..at]);
-                let after = skip_ws(bytes, end);
-                last = if bytes.get(after) == Some(&b',') { skip_ws(bytes, after + 1) } else { end };
-            }
-        }
-    }
-    out.extend_from_slice(&bytes[last..]);
-}
-
-/// Where the object member named `key` (with its quotes) starts, and where
-/// its value starts, for each one in `bytes` (a JSON text). Found by a
-/// substring search, not a parse: in valid JSON a quote inside a string is
-/// escaped, so `"key"` after `{` or `,` and before `:` is a member's name.
-fn members<'a>(bytes: &'a [u8], key: &'a Key) -> impl Iterator<Item = (usize, usize)> + 'a {
-    let len = key.0.needle().len();
-    key.0.find_iter(bytes).filter_map(move |at| {
-        let before = bytes[..at].iter().rposition(|b| !b.is_ascii_whitespace())?;
-        let colon = skip_ws(bytes, at + len);
-        let named = matches!(bytes[before], b'{' | b',') && bytes.get(colon) == Some(&b':');
-        named.then(|| (at, skip_ws(bytes, colon + 1)))
-    })
-}
-
-/// The value of member `key` (quoted) in `data`, when there and not null.
-fn member<'a>(data: &'a str, key: &Key) -> Option<&'a str> {
-    let bytes = data.as_bytes();
-    let (_, value) = members(bytes, key).next()?;
-    let text = &data[value..value_end(bytes, value)];
-    (text != "null").then_some(text)
-}
-
-/// The index just past the string that opens at `start`.
-fn string_end(bytes: &[u8], start: usize) -> usize {
-    let mut i = start + 1;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'\\' => i += 2,
-            b'"' => return i + 1,
-            _ => i += 1,
-        }
-    }
-    bytes.len()
-}
-
-fn skip_ws(bytes: &[u8], mut i: usize) -> usize {
-    while bytes.get(i).is_some_and(u8::is_ascii_whitespace) {
-        i += 1;
-    }
-    i
-}
-
-/// The index just past the JSON value that starts at `start`.
-fn value_end(bytes: &[u8], start: usize) -> usize {
-    let mut depth = 0usize;
-    let mut i = start;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'"' => {
-                i = string_end(bytes, i);
-                if depth == 0 {
-                    return i;
-                }
-                continue;
-            }
-            b'[' | b'{' => depth += 1,
-            b']' | b'}' if depth == 0 => return i,
-            b']' | b'}' => {
-                depth -= 1;
-                if depth == 0 {
-                    return i + 1;
-                }
-            }
-            b',' if depth == 0 => return i,
-            _ => {}
-        }
-        i += 1;
-    }
-    bytes.len()
 }
 
 #[cfg(test)]
@@ -618,19 +726,7 @@ mod tests {
 
     #[test]
     fn every_refusal_is_a_metric_label_from_the_start() {
-        let all = [
-            Refusal::StructuredOutput,
-            Refusal::SeveralChoices,
-            Refusal::Logprobs,
-            Refusal::ToolCall,
-            Refusal::Reasoning,
-            Refusal::NoTokenIds,
-            Refusal::TooLong,
-            Refusal::Limit,
-            Refusal::NoReplica,
-            Refusal::Busy,
-        ];
-        assert_eq!(all.map(Refusal::as_str), crate::metrics::NOT_CONTINUED_REASONS);
+        assert_eq!(Refusal::ALL.map(Refusal::as_str), crate::metrics::NOT_CONTINUED_REASONS);
     }
 
     #[test]
@@ -657,7 +753,7 @@ mod tests {
 
     #[test]
     fn what_a_seam_would_corrupt_is_refused_before_anything_is_sent() {
-        let of = |v: Value| continuity(v.to_string().as_bytes(), true);
+        let of = |v: Value| continuity(v.to_string().as_bytes(), Dialect::Chat, true);
         let refused = |v: Value| of(v) == Continuity::Refused(Refusal::StructuredOutput);
         assert!(refused(json!({"response_format": {"type": "json_schema", "json_schema": {}}})));
         assert!(refused(json!({"guided_regex": "a+"})));
@@ -666,14 +762,19 @@ mod tests {
         assert_eq!(of(json!({"logprobs": 2})), Continuity::Refused(Refusal::Logprobs));
         let plain = json!({"messages": [{"role": "user", "content": "x"}], "n": 1, "logprobs": false,
             "response_format": {"type": "text"}});
-        assert_eq!(of(plain.clone()), Continuity::Relay { ask_ids: true });
-        assert_eq!(continuity(plain.to_string().as_bytes(), false), Continuity::Refused(Refusal::NoTokenIds));
-        assert_eq!(of(json!({"return_token_ids": true})), Continuity::Relay { ask_ids: false }, "the client's own");
+        assert_eq!(of(plain.clone()), Continuity::Relay { way: Way::Ids, ask_ids: true });
+        let text = Continuity::Relay { way: Way::Text, ask_ids: false };
+        assert_eq!(continuity(plain.to_string().as_bytes(), Dialect::Chat, false), text, "no ids: the text way");
+        assert_eq!(
+            of(json!({"return_token_ids": true})),
+            Continuity::Relay { way: Way::Ids, ask_ids: false },
+            "the client's own"
+        );
     }
 
     #[test]
     fn a_chat_stream_resumes_as_a_completion_and_reads_as_one_stream() {
-        let mut relay = Relay::new(Dialect::Chat, false);
+        let mut relay = Relay::new(Dialect::Chat, Way::Ids, true);
         let first = chunk(json!({"id": "c1", "object": "chat.completion.chunk", "created": 5, "model": "m",
             "prompt_token_ids": [10, 11],
             "choices": [{"index": 0, "delta": {"role": "assistant", "content": "the"}, "token_ids": [1], "finish_reason": null}]}));
@@ -686,7 +787,11 @@ mod tests {
         assert_eq!(relay.said.refusal(), None);
         let request = json!({"model": "m", "messages": [], "max_tokens": 4, "temperature": 0, "stream": true,
             "stream_options": {"include_usage": true}});
-        let resume: Value = serde_json::from_slice(&resume_request(&request, &relay.said).unwrap()).unwrap();
+        let resume: Value = serde_json::from_slice(
+            &resume_request(&request, Dialect::Chat, &relay.said.prompt_with_answer().unwrap(), relay.said.seam())
+                .unwrap(),
+        )
+        .unwrap();
         assert_eq!(resume["prompt"], json!([10, 11, 1]));
         assert_eq!(resume["max_tokens"], 3);
         assert_eq!((resume["temperature"].clone(), resume["return_token_ids"].clone()), (json!(0), json!(true)));
@@ -717,16 +822,22 @@ mod tests {
     }
 
     #[test]
-    fn a_seam_inside_a_tool_call_or_reasoning_or_without_ids_is_refused() {
-        let mut relay = Relay::new(Dialect::Chat, false);
-        relay.feed(chunk(json!({"choices": [{"delta": {"content": "hi"}}]})).as_bytes());
-        assert_eq!(relay.said.refusal(), Some(Refusal::NoTokenIds));
-        let mut relay = Relay::new(Dialect::Chat, true);
+    fn a_seam_inside_a_tool_call_or_reasoning_is_refused_and_a_stream_without_ids_keeps_its_text() {
+        let mut relay = Relay::new(Dialect::Chat, Way::Ids, true);
+        relay.feed(chunk(json!({"id": "c", "choices": [{"delta": {"content": "hi"}}]})).as_bytes());
+        relay.feed(chunk(json!({"choices": [{"delta": {"content": " there"}}]})).as_bytes());
+        assert_eq!(
+            (relay.said.way, relay.said.text.as_str(), relay.said.seam()),
+            (Way::Text, "hi there", 2),
+            "no ids came: its text is kept"
+        );
+        assert_eq!(relay.said.refusal(), None);
+        let mut relay = Relay::new(Dialect::Chat, Way::Ids, false);
         relay.feed(
             chunk(json!({"prompt_token_ids": [1], "choices": [{"delta": {"tool_calls": [{"index": 0}]}}]})).as_bytes(),
         );
         assert_eq!(relay.said.refusal(), Some(Refusal::ToolCall));
-        let mut relay = Relay::new(Dialect::Chat, true);
+        let mut relay = Relay::new(Dialect::Chat, Way::Ids, false);
         relay.feed(
             chunk(json!({"prompt_token_ids": [1], "choices": [{"delta": {"reasoning_content": "hm"}}]})).as_bytes(),
         );
@@ -735,7 +846,7 @@ mod tests {
 
     #[test]
     fn later_events_are_read_by_their_members_not_by_what_their_text_says() {
-        let mut relay = Relay::new(Dialect::Chat, false);
+        let mut relay = Relay::new(Dialect::Chat, Way::Ids, true);
         relay.feed(
             chunk(
                 json!({"id": "c", "prompt_token_ids": [5], "choices": [{"delta": {"content": "a"}, "token_ids": [1]}]}),
@@ -755,7 +866,7 @@ mod tests {
 
     #[test]
     fn the_ids_kept_are_bounded_and_past_the_bound_the_stream_is_known_not_continuable() {
-        let mut relay = Relay::new(Dialect::Completions, true);
+        let mut relay = Relay::new(Dialect::Completions, Way::Ids, false);
         let prompt: Vec<u32> = (0..MAX_IDS as u32 - 2).collect();
         relay.feed(
             chunk(json!({"prompt_token_ids": prompt, "choices": [{"text": "a", "token_ids": [1, 2]}]})).as_bytes(),

@@ -1,0 +1,256 @@
+//! Responses and Messages streams: what their first leg said that the
+//! resumed leg's events carry on (the response, the open text item or
+//! block, the sequence numbers), and those events, written as the first
+//! leg's engine wrote its own. vLLM gives no token ids on these endpoints:
+//! they go on the text way (`Way::Text`).
+//!
+//! - **Responses**: `response.output_text.delta` in the same output item,
+//!   sequence numbers that go on, then the item closed
+//!   (`output_text.done`, `content_part.done`, `output_item.done`) and one
+//!   `response.completed` (status `incomplete` when it ran out of
+//!   `max_output_tokens`, as vLLM writes it).
+//! - **Messages**: `content_block_delta` in the same content block, then
+//!   one `content_block_stop`, one `message_delta`, one `message_stop`.
+
+use serde_json::{json, Value};
+
+use super::{Refusal, Said};
+use crate::policy::Dialect;
+
+/// What a Responses or Messages stream's resumed events carry on.
+#[derive(Debug, Default)]
+pub(super) struct AgentSaid {
+    /// Responses: the response as `response.created` gave it (its end
+    /// gives it back completed).
+    response: Option<Value>,
+    /// Responses: the last sequence number sent.
+    sequence: Option<u64>,
+    /// The first text delta event: the resumed leg's are written as it was
+    /// (its fields as its engine wrote them), with their own text.
+    delta: Option<Value>,
+    /// Responses: the open message item's id, output and content index;
+    /// Messages: the open text block's index (`block`).
+    item: Option<Value>,
+    output_index: u64,
+    content_index: u64,
+    block: Option<u64>,
+}
+
+/// One event of the first leg (`data`, its JSON), read.
+pub(super) fn read(said: &mut Said, dialect: Dialect, data: &str) {
+    let Ok(event) = serde_json::from_str::<Value>(data) else { return };
+    let kind = event.get("type").and_then(Value::as_str).unwrap_or("");
+    match dialect {
+        Dialect::Responses => read_responses(said, kind, &event),
+        _ => read_messages(said, kind, &event),
+    }
+}
+
+fn read_responses(said: &mut Said, kind: &str, event: &Value) {
+    if let Some(n) = event.get("sequence_number").and_then(Value::as_u64) {
+        said.agent.sequence = Some(n);
+    }
+    let index = |key: &str| event.get(key).and_then(Value::as_u64).unwrap_or(0);
+    match kind {
+        "response.created" => {
+            let response = &event["response"];
+            said.id = response.get("id").cloned();
+            said.model = response.get("model").cloned();
+            said.created = response.get("created_at").cloned();
+            said.agent.response = Some(response.clone());
+        }
+        "response.output_item.added" => match event["item"].get("type").and_then(Value::as_str) {
+            // A second message would be rendered as one: not continued.
+            Some("message") if said.agent.item.is_some() => {
+                said.refused.get_or_insert(Refusal::NoTranscript);
+            }
+            Some("message") => {
+                said.agent.item = event["item"].get("id").cloned();
+                said.agent.output_index = index("output_index");
+            }
+            Some("reasoning") => {
+                said.refused.get_or_insert(Refusal::Reasoning);
+            }
+            _ => {
+                said.refused.get_or_insert(Refusal::ToolCall);
+            }
+        },
+        "response.content_part.added" => said.agent.content_index = index("content_index"),
+        "response.output_text.delta" => {
+            said.keep_text(event.get("delta").and_then(Value::as_str).unwrap_or(""));
+            if said.agent.delta.is_none() {
+                said.agent.delta = Some(event.clone());
+            }
+        }
+        "response.completed" | "response.incomplete" | "response.failed" => said.finished = true,
+        _ => {}
+    }
+}
+
+fn read_messages(said: &mut Said, kind: &str, event: &Value) {
+    match kind {
+        "message_start" => {
+            let message = &event["message"];
+            said.id = message.get("id").cloned();
+            said.model = message.get("model").cloned();
+        }
+        "content_block_start" => match event["content_block"].get("type").and_then(Value::as_str) {
+            Some("text") => said.agent.block = event.get("index").and_then(Value::as_u64),
+            Some("thinking" | "redacted_thinking") => {
+                said.refused.get_or_insert(Refusal::Reasoning);
+            }
+            _ => {
+                said.refused.get_or_insert(Refusal::ToolCall);
+            }
+        },
+        "content_block_delta" => {
+            let delta = &event["delta"];
+            if delta.get("type").and_then(Value::as_str) == Some("text_delta") {
+                said.keep_text(delta.get("text").and_then(Value::as_str).unwrap_or(""));
+                if said.agent.delta.is_none() {
+                    said.agent.delta = Some(event.clone());
+                }
+            }
+        }
+        "content_block_stop" => said.agent.block = None,
+        "message_delta" => said.finished = true,
+        _ => {}
+    }
+}
+
+fn sse(kind: &str, data: &Value) -> String {
+    format!("event: {kind}\ndata: {data}\n\n")
+}
+
+/// Responses: the next event's sequence number.
+fn next_sequence(said: &mut Said) -> u64 {
+    let n = said.agent.sequence.map_or(0, |n| n + 1);
+    said.agent.sequence = Some(n);
+    n
+}
+
+/// The events that open a text item (Responses) or block (Messages) where
+/// the first leg broke before opening one (during its prefill).
+fn open(said: &mut Said, dialect: Dialect) -> String {
+    match dialect {
+        Dialect::Responses => {
+            let id = json!(format!("msg_{}", uuid::Uuid::new_v4().simple()));
+            said.agent.item = Some(id.clone());
+            let item =
+                json!({"id": id, "type": "message", "status": "in_progress", "role": "assistant", "content": []});
+            let (oi, added) = (said.agent.output_index, next_sequence(said));
+            let mut out = sse(
+                "response.output_item.added",
+                &json!({"type": "response.output_item.added", "sequence_number": added, "output_index": oi, "item": item}),
+            );
+            let part = json!({"type": "output_text", "text": "", "annotations": []});
+            let n = next_sequence(said);
+            out.push_str(&sse(
+                "response.content_part.added",
+                &json!({"type": "response.content_part.added", "sequence_number": n, "item_id": id,
+                        "output_index": oi, "content_index": 0, "part": part}),
+            ));
+            out
+        }
+        _ => {
+            said.agent.block = Some(0);
+            let start =
+                json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}});
+            sse("content_block_start", &start)
+        }
+    }
+}
+
+/// A resumed leg's text as the first leg's next delta event.
+pub(super) fn delta(said: &mut Said, dialect: Dialect, text: &str) -> String {
+    let open = match dialect {
+        Dialect::Responses if said.agent.item.is_none() => open(said, dialect),
+        Dialect::Messages if said.agent.block.is_none() => open(said, dialect),
+        _ => String::new(),
+    };
+    let agent = &said.agent;
+    let mut event = match dialect {
+        Dialect::Responses => agent.delta.clone().unwrap_or_else(|| {
+            json!({"type": "response.output_text.delta", "item_id": agent.item,
+                   "output_index": agent.output_index, "content_index": agent.content_index})
+        }),
+        _ => agent.delta.clone().unwrap_or_else(
+            || json!({"type": "content_block_delta", "index": agent.block, "delta": {"type": "text_delta"}}),
+        ),
+    };
+    match dialect {
+        Dialect::Responses => {
+            event["delta"] = json!(text);
+            event["sequence_number"] = json!(next_sequence(said));
+            open + &sse("response.output_text.delta", &event)
+        }
+        _ => {
+            event["delta"]["text"] = json!(text);
+            open + &sse("content_block_delta", &event)
+        }
+    }
+}
+
+/// The end of the client's stream once the resumed leg ended: the text
+/// item or block closed, the finish (`finish`: the completion's
+/// `finish_reason` and `stop_reason`), usage merged (`prompt`, `completion`).
+pub(super) fn ending(
+    said: &mut Said,
+    dialect: Dialect,
+    finish: Option<&Value>,
+    prompt: u64,
+    completion: u64,
+) -> String {
+    let reason = finish.and_then(|f| f["finish_reason"].as_str()).unwrap_or("stop");
+    match dialect {
+        Dialect::Responses => responses_ending(said, reason, prompt, completion),
+        _ => {
+            let stop = finish.map(|f| &f["stop_reason"]).filter(|s| s.is_string());
+            let (stop_reason, sequence) = match (reason, stop) {
+                ("length", _) => ("max_tokens", Value::Null),
+                (_, Some(stop)) => ("stop_sequence", stop.clone()),
+                _ => ("end_turn", Value::Null),
+            };
+            let mut out = String::new();
+            if let Some(index) = said.agent.block.take() {
+                out.push_str(&sse("content_block_stop", &json!({"type": "content_block_stop", "index": index})));
+            }
+            let delta = json!({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": sequence},
+                               "usage": {"output_tokens": completion}});
+            out.push_str(&sse("message_delta", &delta));
+            out.push_str(&sse("message_stop", &json!({"type": "message_stop"})));
+            out
+        }
+    }
+}
+
+fn responses_ending(said: &mut Said, reason: &str, prompt: u64, completion: u64) -> String {
+    let (id, oi, ci) = (said.agent.item.clone(), said.agent.output_index, said.agent.content_index);
+    let text = said.text.clone();
+    let part = json!({"type": "output_text", "text": text, "annotations": []});
+    let item = json!({"id": id, "type": "message", "status": "completed", "role": "assistant", "content": [part]});
+    let mut out = String::new();
+    let mut push = |said: &mut Said, kind: &str, mut data: Value| {
+        data["type"] = json!(kind);
+        data["sequence_number"] = json!(next_sequence(said));
+        out.push_str(&sse(kind, &data));
+    };
+    let at = json!({"item_id": id, "output_index": oi, "content_index": ci});
+    let mut done = at.clone();
+    done["text"] = json!(text);
+    push(said, "response.output_text.done", done);
+    let mut part_done = at;
+    part_done["part"] = part;
+    push(said, "response.content_part.done", part_done);
+    push(said, "response.output_item.done", json!({"output_index": oi, "item": item}));
+    let mut response = said.agent.response.clone().unwrap_or_else(|| json!({"id": said.id, "object": "response"}));
+    let incomplete = reason == "length";
+    response["status"] = json!(if incomplete { "incomplete" } else { "completed" });
+    response["incomplete_details"] = if incomplete { json!({"reason": "max_output_tokens"}) } else { Value::Null };
+    response["output"] = json!([item]);
+    response["usage"] = json!({"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion});
+    push(said, "response.completed", json!({"response": response}));
+    out
+}
