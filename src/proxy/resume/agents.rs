@@ -254,3 +254,182 @@ fn responses_ending(said: &mut Said, reason: &str, prompt: u64, completion: u64)
     push(said, "response.completed", json!({"response": response}));
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Relay, Way};
+    use super::*;
+
+    fn event(kind: &str, data: Value) -> String {
+        sse(kind, &data)
+    }
+
+    fn feed(relay: &mut Relay, events: &[String]) -> Vec<Value> {
+        let out: String =
+            events.iter().map(|e| String::from_utf8(relay.feed(e.as_bytes()).to_vec()).unwrap()).collect();
+        out.split("\n\n")
+            .filter(|e| !e.is_empty())
+            .map(|e| serde_json::from_str(e.lines().find_map(|l| l.strip_prefix("data: ")).unwrap()).unwrap())
+            .collect()
+    }
+
+    fn completion(text: &str, finish: Option<&str>) -> String {
+        format!(
+            "data: {}\n\n",
+            json!({"id": "cmpl-2", "choices": [{"index": 0, "text": text, "finish_reason": finish}]})
+        )
+    }
+
+    fn responses_first_leg() -> Vec<String> {
+        vec![
+            event(
+                "response.created",
+                json!({"type": "response.created", "sequence_number": 0,
+                "response": {"id": "resp_1", "object": "response", "created_at": 7, "model": "m", "status": "in_progress", "output": []}}),
+            ),
+            event(
+                "response.output_item.added",
+                json!({"type": "response.output_item.added", "sequence_number": 1,
+                "output_index": 0, "item": {"id": "msg_1", "type": "message", "role": "assistant", "content": []}}),
+            ),
+            event(
+                "response.content_part.added",
+                json!({"type": "response.content_part.added", "sequence_number": 2,
+                "item_id": "msg_1", "output_index": 0, "content_index": 0, "part": {"type": "output_text", "text": ""}}),
+            ),
+            event(
+                "response.output_text.delta",
+                json!({"type": "response.output_text.delta", "sequence_number": 3,
+                "item_id": "msg_1", "output_index": 0, "content_index": 0, "delta": "the", "logprobs": []}),
+            ),
+        ]
+    }
+
+    #[test]
+    fn a_responses_stream_goes_on_in_its_item_with_its_sequence_and_one_completed_response() {
+        let mut relay = Relay::new(Dialect::Responses, Way::Text, false);
+        let passed = feed(&mut relay, &responses_first_leg());
+        assert_eq!(passed.len(), 4, "the first leg passes as it came");
+        assert_eq!((relay.said.refusal(), relay.said.text.as_str(), relay.said.seam()), (None, "the", 1));
+        relay.resumed();
+        let usage = json!({"id": "cmpl-2", "choices": [], "usage": {"prompt_tokens": 31, "completion_tokens": 2}});
+        let resumed = feed(
+            &mut relay,
+            &[
+                completion(" cache", None),
+                completion(" is", Some("length")),
+                format!("data: {usage}\n\n"),
+                "data: [DONE]\n\n".into(),
+            ],
+        );
+        let kinds: Vec<&str> = resumed.iter().map(|e| e["type"].as_str().unwrap()).collect();
+        assert_eq!(
+            kinds,
+            [
+                "response.output_text.delta",
+                "response.output_text.delta",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.completed"
+            ]
+        );
+        let sequence: Vec<u64> = resumed.iter().map(|e| e["sequence_number"].as_u64().unwrap()).collect();
+        assert_eq!(sequence, [4, 5, 6, 7, 8, 9], "the first leg's sequence goes on");
+        assert_eq!(
+            resumed[0],
+            json!({"type": "response.output_text.delta", "sequence_number": 4, "item_id": "msg_1",
+            "output_index": 0, "content_index": 0, "delta": " cache", "logprobs": []}),
+            "written as the engine wrote its own"
+        );
+        let response = &resumed[5]["response"];
+        assert_eq!((response["id"].clone(), response["created_at"].clone()), (json!("resp_1"), json!(7)));
+        assert_eq!(response["status"], "incomplete", "it ran out of max_output_tokens, as vLLM says it");
+        assert_eq!(response["output"][0]["content"][0]["text"], "the cache is");
+        // The first prompt: the resumed prompt held the one token said before.
+        assert_eq!(response["usage"]["input_tokens"], 30);
+        assert_eq!(response["usage"]["output_tokens"], 3);
+    }
+
+    #[test]
+    fn a_responses_seam_in_a_function_call_or_reasoning_item_is_refused() {
+        for (item, refused) in [("function_call", Refusal::ToolCall), ("reasoning", Refusal::Reasoning)] {
+            let mut relay = Relay::new(Dialect::Responses, Way::Text, false);
+            let mut first = responses_first_leg();
+            first[1] = event(
+                "response.output_item.added",
+                json!({"type": "response.output_item.added",
+                "sequence_number": 1, "output_index": 0, "item": {"id": "x", "type": item}}),
+            );
+            feed(&mut relay, &first[..2]);
+            assert_eq!(relay.said.refusal(), Some(refused), "{item}");
+        }
+    }
+
+    fn messages_first_leg(block: Value, delta: Value) -> Vec<String> {
+        vec![
+            event(
+                "message_start",
+                json!({"type": "message_start", "message": {"id": "msg_a", "model": "m",
+                "usage": {"input_tokens": 12, "output_tokens": 1}}}),
+            ),
+            event("content_block_start", json!({"type": "content_block_start", "index": 0, "content_block": block})),
+            event("content_block_delta", json!({"type": "content_block_delta", "index": 0, "delta": delta})),
+        ]
+    }
+
+    #[test]
+    fn a_messages_stream_goes_on_in_its_block_with_one_message_delta_and_one_stop() {
+        let mut relay = Relay::new(Dialect::Messages, Way::Text, false);
+        let first =
+            messages_first_leg(json!({"type": "text", "text": ""}), json!({"type": "text_delta", "text": "the"}));
+        feed(&mut relay, &first);
+        assert_eq!(relay.said.refusal(), None);
+        assert!(!relay.said.finished, "no message_delta yet");
+        relay.resumed();
+        let finish = format!(
+            "data: {}\n\n",
+            json!({"choices": [{"index": 0, "text": "", "finish_reason": "stop", "stop_reason": "END"}]})
+        );
+        let usage =
+            format!("data: {}\n\n", json!({"choices": [], "usage": {"prompt_tokens": 20, "completion_tokens": 1}}));
+        let resumed = feed(&mut relay, &[completion(" cache", None), finish, usage, "data: [DONE]\n\n".into()]);
+        let kinds: Vec<&str> = resumed.iter().map(|e| e["type"].as_str().unwrap()).collect();
+        assert_eq!(kinds, ["content_block_delta", "content_block_stop", "message_delta", "message_stop"]);
+        assert_eq!(
+            resumed[0],
+            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": " cache"}})
+        );
+        assert_eq!(
+            resumed[2]["delta"],
+            json!({"stop_reason": "stop_sequence", "stop_sequence": "END"}),
+            "vLLM named the stop string"
+        );
+        assert_eq!(resumed[2]["usage"]["output_tokens"], 2, "both legs' tokens");
+    }
+
+    #[test]
+    fn a_messages_seam_in_a_tool_use_or_thinking_block_is_refused_and_a_finished_answer_only_needs_its_stop() {
+        let tool = messages_first_leg(
+            json!({"type": "tool_use", "id": "t", "name": "ls", "input": {}}),
+            json!({"type": "input_json_delta", "partial_json": "{\"pa"}),
+        );
+        let mut relay = Relay::new(Dialect::Messages, Way::Text, false);
+        feed(&mut relay, &tool);
+        assert_eq!(relay.said.refusal(), Some(Refusal::ToolCall));
+        let thinking = messages_first_leg(
+            json!({"type": "thinking", "thinking": ""}),
+            json!({"type": "thinking_delta", "thinking": "hm"}),
+        );
+        let mut relay = Relay::new(Dialect::Messages, Way::Text, false);
+        feed(&mut relay, &thinking);
+        assert_eq!(relay.said.refusal(), Some(Refusal::Reasoning));
+        let mut relay = Relay::new(Dialect::Messages, Way::Text, false);
+        let mut whole =
+            messages_first_leg(json!({"type": "text", "text": ""}), json!({"type": "text_delta", "text": "x"}));
+        whole.push(event("message_delta", json!({"type": "message_delta", "delta": {"stop_reason": "end_turn"}})));
+        feed(&mut relay, &whole);
+        assert!(relay.said.finished);
+        assert_eq!(relay.ending(), b"event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n");
+    }
+}
