@@ -202,8 +202,13 @@ impl super::body::Resume<UpstreamResponse> for Resumer {
         let (span, carried) = self.trace.attempt(&self.state, &to.id);
         let (upstream, req, generated) = (self.upstream.clone(), self.req.clone(), said.seam());
         let gateway_keys = !self.state.config.api_keys.is_empty();
+        let (state, model) = (self.state.clone(), self.shape.model.clone().unwrap_or_default());
         Box::pin(async move {
             let _starting = permit;
+            let Ok(_fleet_wide) = fleet_wide_start(&state, &model).await else {
+                super::trace::attempt_ended(&span, Err(("too many resumed legs starting across the fleet", false)));
+                return Err(Refusal::Busy);
+            };
             let caller = headers::Caller { req: &req, gateway_keys };
             let spec = to.spec();
             let ids = match prompt {
@@ -227,6 +232,23 @@ impl super::body::Resume<UpstreamResponse> for Resumer {
             }
         })
     }
+}
+
+/// A resumed leg's start counted fleet-wide for its model: at most
+/// `failover.max_resuming` legs of one model start at once across the
+/// instances sharing a store (a lease in the store, as `leases.rs` holds
+/// the large-context slots; held until the leg's head arrived: its prefill
+/// is what a burst of deaths would pile on the survivors). Without a
+/// shared store, or with one that does not answer in time, the instance's
+/// own bound (`AppState::resuming`) is the bound. Err: every start is taken.
+async fn fleet_wide_start(
+    state: &crate::state::AppState,
+    model: &str,
+) -> Result<Option<crate::leases::FleetLease>, crate::domain_error::DomainError> {
+    let limit = u32::try_from(state.config.failover.max_resuming).unwrap_or(u32::MAX);
+    let key = format!("resume:{model}");
+    let (lease, _) = state.leases.acquire(&state.store, &key, limit, Duration::ZERO).await?;
+    Ok(lease)
 }
 
 /// How long the tokenize before a resumed leg may take, each request.

@@ -288,3 +288,27 @@ async fn a_messages_stream_whose_replica_dies_goes_on_in_the_same_content_block(
         user, {"role": "assistant", "content": expected}, {"role": "user", "content": "And then?"}]});
     moved_from_text(&gw, "messages", "/v1/messages", &next).await;
 }
+
+#[actix_web::test]
+async fn across_instances_sharing_a_store_the_resumed_legs_starting_at_once_are_bounded_per_model() {
+    let Some(redis) = crate::shared::Redis::start() else { return };
+    let a = start_sim("a", dies_at_150()).await;
+    let b = start_sim("b", slow_decoder(400.0)).await;
+    let mut config = crate::shared::on_redis(test_config(&[&a, &b]), &redis, "gw0");
+    config.failover.max_resuming = 1;
+    let gw = start_gateway(config).await;
+    // Another instance's resumed leg of this model is starting: it holds the fleet's one start.
+    use prefixgate::store::Store;
+    let other = prefixgate::store::RedisStore::open(&redis.url, "gw1").await.unwrap();
+    assert!(other.try_lease("resume:sim-model", "gw1:0", 1, 60_000).await.unwrap());
+    let body = chat_body(&[("user", "Go on.")], json!({"stream": true, "max_tokens": 400, "temperature": 0}));
+    let got = on_a(&gw, "/v1/chat/completions", &body).await;
+    assert_eq!(got.done, 0, "not continued: the stream ended broken");
+    let refused = events_of(&gw, "stream_not_continued").await;
+    assert!(refused[0]["detail"].as_str().unwrap().contains("too_many_resuming"), "{refused:?}");
+    // Its start given back, the next break goes on.
+    other.release_lease("resume:sim-model", "gw1:0").await.unwrap();
+    let got = on_a(&gw, "/v1/chat/completions", &body).await;
+    assert_eq!((got.done, got.count(|e| !e["choices"][0]["delta"]["content"].is_null())), (1, 400));
+    assert_eq!(events_of(&gw, "stream_continued").await.len(), 1);
+}
