@@ -48,6 +48,16 @@ impl Drop for RunningTicket {
     }
 }
 
+impl RunningTicket {
+    /// The request runs on `replica` from now (a stream that went on
+    /// elsewhere, `proxy::resume`).
+    pub fn move_to(&self, replica: &Arc<str>) {
+        if let Some((on, _)) = self.shard.map.lock().expect("lock").running.get_mut(&self.id) {
+            *on = replica.clone();
+        }
+    }
+}
+
 impl RunningWorker {
     pub fn begin(&self, replica: &Arc<str>, family: Option<PrefixKey>, tokens: u64) -> RunningTicket {
         let id = {
@@ -115,6 +125,18 @@ mod tests {
         let _w3 = running.worker();
         assert_eq!(running.shards.lock().unwrap().len(), 2, "w1's shard and w3's");
         drop((t1, w1));
+        assert!(running.totals().is_empty());
+    }
+
+    #[test]
+    fn a_ticket_moved_counts_on_its_new_replica_and_ends_there() {
+        let running = RunningRequests::default();
+        let (a, b): (Arc<str>, Arc<str>) = (Arc::from("a"), Arc::from("b"));
+        let worker = running.worker();
+        let ticket = worker.begin(&a, None, 100);
+        ticket.move_to(&b);
+        assert_eq!((running.totals().get("a"), running.totals().get("b")), (None, Some(&(1, 100))));
+        drop(ticket);
         assert!(running.totals().is_empty());
     }
 }

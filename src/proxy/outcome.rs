@@ -450,7 +450,9 @@ impl BodyEnd for Outcome {
     fn continued(&mut self, to: Arc<Replica>, said: &Said, why: super::body::Break) {
         let from = self.replica().id.clone();
         self.recorder.continued(&from, &to, said, why, &self.pins);
-        // In flight there from now; its large-context slot and session go with the request.
+        // In flight and running there from now; its large-context slot and
+        // session go with the request.
+        self.held.running.move_to(&to.id);
         let large = self.held.guard.large();
         if let Some(turn) = &self.held.turn {
             turn.moved_to(&to);
