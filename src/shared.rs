@@ -64,6 +64,12 @@ impl Follower {
                 observe_propagation(&metrics, sent_us);
                 Ok(())
             }
+            Change::HandOff { replica } => {
+                if let Some(r) = operator.fleet.get(&replica) {
+                    r.hand_off();
+                }
+                Ok(())
+            }
             Change::Lost => {
                 self.resync.store(true, Ordering::Release);
                 return true;

@@ -199,7 +199,8 @@ pub struct DrainQuery {
     /// Hand over: the replica's streams that may go on elsewhere (README,
     /// "Streams that outlive their replica") move to other replicas at
     /// their next event, so `wait=true` returns in seconds, not when the
-    /// longest stream ends. Streams on this instance only.
+    /// longest stream ends. Every instance sharing the store hands its
+    /// streams over; `wait` waits for this instance's.
     #[serde(default)]
     pub handoff: bool,
 }
@@ -223,6 +224,10 @@ async fn drain(
     let r = act(&s, "drain", move |op| async move { op.drain(&id).await }).await?;
     if q.handoff {
         r.hand_off();
+        // Other instances' streams on it move too (a shared store tells them).
+        if let Err(e) = s.store.announce_handoff(&r.id).await {
+            tracing::warn!(replica = %r.id, "the hand-over could not be announced to other instances: {e}");
+        }
     }
     if q.wait {
         s.operator.wait_drained(&r, Duration::from_secs(timeout)).await?;

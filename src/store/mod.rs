@@ -91,6 +91,9 @@ pub enum Change {
         #[serde(default)]
         sent_us: u64,
     },
+    /// A replica was drained with hand-over: the streams on it that may go
+    /// on elsewhere move now, on every instance (`proxy::resume`).
+    HandOff { replica: String },
     /// Never sent: the listener lost its connection and may have missed changes.
     Lost,
     /// Never sent: the listener is idle (a chance to notice nobody listens).
@@ -174,6 +177,11 @@ pub trait Store: Send + Sync {
     /// Every instance's last heartbeat (shared stores only).
     async fn instances(&self) -> Result<Vec<InstanceBeat>, StoreError> {
         Ok(Vec::new())
+    }
+    /// Asks every instance to hand over the streams on `replica` (a drain
+    /// with hand-over); an embedded store has one instance, which did.
+    async fn announce_handoff(&self, _replica: &str) -> Result<(), StoreError> {
+        Ok(())
     }
     /// Takes one of `limit` fleet-wide large-context slots on `replica` as
     /// `lease` for `ttl_ms` (shared stores; an embedded store has one

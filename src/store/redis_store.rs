@@ -485,6 +485,10 @@ impl Store for RedisStore {
         Ok(all.iter().filter_map(|(_, v)| serde_json::from_str(v).ok()).collect())
     }
 
+    async fn announce_handoff(&self, replica: &str) -> Result<(), StoreError> {
+        self.announce(Change::HandOff { replica: replica.to_string() }).await
+    }
+
     async fn try_lease(&self, replica: &str, lease: &str, limit: u32, ttl_ms: u64) -> Result<bool, StoreError> {
         let now = crate::clock::now_ms();
         let (leases, lease) = (key(&format!("leases:{replica}")), lease.to_string());

@@ -312,3 +312,26 @@ async fn across_instances_sharing_a_store_the_resumed_legs_starting_at_once_are_
     assert_eq!((got.done, got.count(|e| !e["choices"][0]["delta"]["content"].is_null())), (1, 400));
     assert_eq!(events_of(&gw, "stream_continued").await.len(), 1);
 }
+
+#[actix_web::test]
+async fn a_drain_with_hand_over_on_one_instance_moves_the_streams_of_every_instance() {
+    let Some(redis) = crate::shared::Redis::start() else { return };
+    // "a" would take 60 s for the answer; "b" is quick.
+    let a = start_sim("a", slow_decoder(10.0)).await;
+    let b = start_sim("b", slow_decoder(1_000.0)).await;
+    let gw0 = start_gateway(crate::shared::on_redis(test_config(&[&a, &b]), &redis, "gw0")).await;
+    let gw1 = start_gateway(crate::shared::on_redis(test_config(&[&a, &b]), &redis, "gw1")).await;
+    let body = chat_body(&[("user", "A long one.")], json!({"stream": true, "max_tokens": 600, "temperature": 0}));
+    let drain_on_gw0 = async {
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let url = format!("{}/admin/v1/replicas/a/drain?handoff=true", gw0.admin);
+        assert_eq!(admin("POST", &url, None, None).await.0, 200);
+    };
+    let started = std::time::Instant::now();
+    let (got, ()) = tokio::join!(on_a(&gw1, "/v1/chat/completions", &body), drain_on_gw0);
+    assert_eq!(got.replica, "a");
+    assert!(started.elapsed() < Duration::from_secs(20), "moved, not finished on a: {:?}", started.elapsed());
+    assert_eq!((got.done, got.count(|e| !e["choices"][0]["delta"]["content"].is_null())), (1, 600), "whole");
+    let continued = events_of(&gw1, "stream_continued").await;
+    assert!(continued[0]["detail"].as_str().unwrap().contains("drained"), "{continued:?}");
+}
