@@ -176,19 +176,20 @@ pub struct Timeouts {
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct FailoverConfig {
-    /// A streamed chat or completion whose replica dies, stalls or is
-    /// drained with hand-over after its first byte goes on on another
-    /// replica, token for token (the engine is asked for
-    /// `return_token_ids`). False: such a stream breaks.
+    /// A stream whose replica dies, stalls or is drained with hand-over
+    /// after its first byte goes on on another replica: token for token
+    /// where the engine gives ids (a chat or completion asks for
+    /// `return_token_ids`), else from its text. False: such a stream breaks.
     pub continue_streams: bool,
     /// A stream that could go on and sent nothing for this long (after its
     /// first event) is taken as stalled and goes on elsewhere.
     pub stall_ms: u64,
     /// Most resumed legs per request.
     pub max_continuations: u32,
-    /// Most resumed legs starting at once on this instance: deaths come in
-    /// bursts, and each resume is a full prefill elsewhere. Past it a
-    /// broken stream ends broken.
+    /// Most resumed legs starting at once on this instance, and of one
+    /// model across the instances sharing a store: deaths come in bursts,
+    /// and each resume is a full prefill elsewhere. Past it a broken stream
+    /// ends broken.
     pub max_resuming: usize,
 }
 

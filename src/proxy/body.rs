@@ -208,21 +208,26 @@ impl<S, E: BodyEnd> GuardedBody<S, E> {
         self.timer.get_or_insert_with(|| Box::pin(tokio::time::sleep(silence))).as_mut()
     }
 
-    /// The stream broke (`why`): its next leg starts, if it may go on
-    /// (true); else the end hears why not (false).
-    fn go_on(&mut self, why: Break) -> bool {
-        let Some(c) = self.continuing.as_mut() else { return false };
+    /// The stream broke (`why`): its next leg starts, if it may go on;
+    /// else the end hears why not.
+    fn go_on(&mut self, why: Break) -> Next {
+        let Some(c) = self.continuing.as_mut() else { return Next::Ends };
         if let Some(refused) = c.refusal() {
             if let Some(end) = self.end.as_mut() {
                 end.not_continued(refused, why);
             }
+            if why == Break::Drained {
+                // Its replica still answers: the stream stays there.
+                c.handoffs_seen = c.on.handoffs();
+                return Next::Stays;
+            }
             self.continuing = None;
-            return false;
+            return Next::Ends;
         }
         let said = &c.relay.as_ref().expect("a relay: not refused").said;
         c.resuming = Some(c.resume.start(said));
         c.why = why;
-        true
+        Next::Resuming
     }
 
     /// A leg being resumed, polled: Ready(true) once it runs (the body
@@ -426,26 +431,45 @@ where
     }
 
     /// The stream broke: None when it goes on (its next leg is being
-    /// started); else what the client reads now. A stream whose answer was
-    /// whole (its finish came) and only its end was missing is ended.
+    /// started, or a drained replica keeps a stream that may not move);
+    /// else what the client reads now. A stream whose answer was whole (its
+    /// finish came) and only its end was missing is ended.
     fn broke(&mut self, why: Break, message: &str) -> Option<Poll<Option<Result<Bytes, PayloadError>>>> {
-        let relay = self.continuing.as_ref().and_then(|c| c.relay.as_ref());
-        let ending = relay.filter(|r| r.said.finished).map(Relay::ending);
-        if let Some(ending) = ending.filter(|_| self.expected.is_none()) {
-            self.continuing = None;
-            let done = self.pass(Bytes::from_static(ending));
-            self.finish(BodyOutcome::Complete);
-            self.done = true;
-            return Some(Poll::Ready(Some(Ok(done))));
+        let relay = self.continuing.as_mut().and_then(|c| c.relay.as_mut());
+        let ending = relay.and_then(|r| {
+            r.at_break();
+            r.said.finished.then(|| r.ending())
+        });
+        match ending.filter(|_| self.expected.is_none()) {
+            // A drained replica finishes it: its usage and end are coming.
+            Some(_) if why == Break::Drained => return None,
+            Some(ending) => {
+                self.continuing = None;
+                let done = self.pass(Bytes::from_static(ending));
+                self.finish(BodyOutcome::Complete);
+                self.done = true;
+                return Some(Poll::Ready(Some(Ok(done))));
+            }
+            None => {}
         }
-        if self.go_on(why) {
-            return None;
+        match self.go_on(why) {
+            Next::Resuming | Next::Stays => None,
+            Next::Ends => Some(match why {
+                Break::Died => self.fail(BodyOutcome::UpstreamFailed, message),
+                Break::Stalled | Break::Drained => self.fail(BodyOutcome::IdleTimeout, message),
+            }),
         }
-        Some(match why {
-            Break::Died => self.fail(BodyOutcome::UpstreamFailed, message),
-            Break::Stalled | Break::Drained => self.fail(BodyOutcome::IdleTimeout, message),
-        })
     }
+}
+
+/// What a broken stream does next.
+enum Next {
+    /// Its next leg is starting.
+    Resuming,
+    /// It stays on its replica (a drain's hand-over it may not take).
+    Stays,
+    /// It ends broken.
+    Ends,
 }
 
 impl<S, E: BodyEnd> Drop for GuardedBody<S, E> {

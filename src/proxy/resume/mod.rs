@@ -228,6 +228,8 @@ struct FirstLeg<'a> {
     prompt_token_ids: Option<Vec<u32>>,
     #[serde(borrow, default)]
     choices: Vec<FirstLegChoice<'a>>,
+    #[serde(borrow)]
+    usage: Option<&'a RawValue>,
 }
 
 #[derive(serde::Deserialize)]
@@ -273,6 +275,9 @@ pub struct Said {
     pub finished: bool,
     /// Why it may not go on, once known.
     pub refused: Option<Refusal>,
+    /// Chat and completions: the answer's last event was inside a tool
+    /// call or reasoning (a seam there is refused; after it, not).
+    open: Option<Refusal>,
     /// Responses and Messages: what their resumed events carry on.
     agent: agents::AgentSaid,
 }
@@ -298,6 +303,7 @@ impl Said {
             tokens: 0,
             finished: false,
             refused: None,
+            open: None,
             agent: agents::AgentSaid::default(),
         }
     }
@@ -357,51 +363,49 @@ impl Said {
                 self.prompt_ids = Some(ids.clone());
             }
         }
-        let Some(choice) = event.choices.first() else { return };
+        self.read_seam(event);
+        self.keep_text(event.text());
+        if let Some(ids) = event.choices.first().and_then(|c| c.token_ids.as_ref()) {
+            self.keep_ids(ids.iter().copied());
+        }
+    }
+
+    /// What an event says of a seam after it: the answer finished (a
+    /// finish, or the usage that follows one), or is inside a tool call or
+    /// reasoning, or in its text.
+    fn read_seam(&mut self, event: &FirstLeg<'_>) {
+        let Some(choice) = event.choices.first() else {
+            self.finished |= event.usage.is_some();
+            return;
+        };
         if let Some(delta) = &choice.delta {
             if delta.tool_calls.is_some() {
-                self.refused.get_or_insert(Refusal::ToolCall);
+                self.open = Some(Refusal::ToolCall);
+            } else if delta.reasoning_content.is_some() || delta.reasoning.is_some() {
+                self.open = Some(Refusal::Reasoning);
+            } else if delta.content.as_deref().is_some_and(|c| !c.is_empty()) {
+                self.open = None;
             }
-            if delta.reasoning_content.is_some() || delta.reasoning.is_some() {
-                self.refused.get_or_insert(Refusal::Reasoning);
-            }
-        }
-        self.keep_text(event.text());
-        if let Some(ids) = &choice.token_ids {
-            self.keep_ids(ids.iter().copied());
         }
         if choice.finish_reason.is_some() {
             self.finished = true;
         }
     }
 
-    /// A later event of the first leg on the ids way, searched (`members`),
-    /// not parsed. Returns where its `token_ids` member is (start, end),
-    /// for the strip.
-    fn read_later_event(&mut self, data: &str) -> Option<(usize, usize)> {
-        let bytes = data.as_bytes();
-        let ids = members(bytes, &TOKEN_IDS).next().map(|(at, value)| (at, value, value_end(bytes, value)));
-        if let Some((_, value, end)) = ids {
-            let list = data[value..end].trim_start_matches('[').trim_end_matches(']');
-            self.keep_ids(list.split(',').filter_map(|id| id.trim().parse().ok()));
-        }
-        if member(data, &FINISH_REASON).is_some() {
-            self.finished = true;
-        }
-        if member(data, &TOOL_CALLS).is_some() {
-            self.refused.get_or_insert(Refusal::ToolCall);
-        }
-        let reasoning = || member(data, &REASONING_CONTENT).or_else(|| member(data, &REASONING)).is_some();
-        if REASONING_WORD.find(bytes).is_some() && reasoning() {
-            self.refused.get_or_insert(Refusal::Reasoning);
-        }
-        ids.map(|(at, _, end)| (at, end))
+    /// A later event of the first leg on the ids way (`data`, its JSON):
+    /// its ids kept, and where they are (start, end), for the strip. Only
+    /// its ids are read as it passes; the last event is read whole at a
+    /// break (`Relay::at_break`).
+    fn read_later_event(&mut self, data: &[u8]) -> Option<(usize, usize)> {
+        let found = token_ids(data)?;
+        self.keep_ids(ids_in(&data[found.value..found.end]));
+        Some((found.at, found.end))
     }
 
     /// Why this stream may not go on now (None: it may).
     pub fn refusal(&self) -> Option<Refusal> {
         let no_ids = self.way == Way::Ids && self.prompt_ids.is_none();
-        self.refused.or(no_ids.then_some(Refusal::NoTokenIds))
+        self.refused.or(self.open).or(no_ids.then_some(Refusal::NoTokenIds))
     }
 
     /// Whether its first event came, with what a resume needs (its ids, on
@@ -420,6 +424,13 @@ impl Said {
         prompt.extend_from_slice(&self.generated);
         Some(prompt)
     }
+}
+
+/// The JSON of an event that is one `data:` line (as engines write their
+/// events), without its line ends; None for any other event.
+fn single_data_line(event: &[u8]) -> Option<&[u8]> {
+    let data = event.strip_prefix(b"data:")?.trim_ascii();
+    (!data.contains(&b'\n')).then_some(data)
 }
 
 /// The `/v1/completions` request that resumes the client's request
@@ -495,6 +506,9 @@ pub struct Relay {
     /// carries them (Responses, Messages).
     finish: Option<Value>,
     usage: Option<Value>,
+    /// The ids way: the first leg's last event (its JSON), read whole at a
+    /// break (`at_break`); its buffer is reused.
+    last: Vec<u8>,
 }
 
 impl Relay {
@@ -510,7 +524,20 @@ impl Relay {
             legs: 0,
             finish: None,
             usage: None,
+            last: Vec::new(),
         }
+    }
+
+    /// At a break: what the first leg's last event says of the seam (the
+    /// ids way read only the ids of its later events as they passed).
+    pub fn at_break(&mut self) {
+        if self.last.is_empty() {
+            return;
+        }
+        if let Ok(event) = serde_json::from_slice::<FirstLeg>(&self.last) {
+            self.said.read_seam(&event);
+        }
+        self.last.clear();
     }
 
     /// A resumed leg starts: what follows is its events.
@@ -544,26 +571,43 @@ impl Relay {
         };
         let mut at = 0;
         while let Some(end) = EVENT_END.find(&whole[at..]) {
-            let event = &whole[at..at + end + 2];
-            match std::str::from_utf8(event) {
-                Ok(text) => self.event(text, &mut out),
-                Err(_) => out.extend_from_slice(event),
-            }
+            self.event(&whole[at..at + end + 2], &mut out);
             at += end + 2;
         }
         self.pending.extend_from_slice(&whole[at..]);
         out.freeze()
     }
 
-    fn event(&mut self, text: &str, out: &mut BytesMut) {
+    fn event(&mut self, event: &[u8], out: &mut BytesMut) {
+        // The ids way's later events are most of a stream: read as bytes,
+        // only their ids searched for and cut out (bench/stream-cpu.sh).
+        let later = self.legs == 0 && self.said.way == Way::Ids && self.said.id.is_some();
+        if let Some(data) = single_data_line(event).filter(|d| later && *d != b"[DONE]") {
+            self.last.clear();
+            self.last.extend_from_slice(data);
+            let ids = self.said.read_later_event(data).filter(|_| self.strip_ids);
+            let Some(ids) = ids else {
+                out.extend_from_slice(event);
+                return;
+            };
+            let at = data.as_ptr() as usize - event.as_ptr() as usize;
+            out.extend_from_slice(&event[..at]);
+            strip_spans_into(data, smallvec::smallvec![ids], out);
+            out.extend_from_slice(&event[at + data.len()..]);
+            return;
+        }
+        let Ok(text) = std::str::from_utf8(event) else {
+            out.extend_from_slice(event);
+            return;
+        };
         let Some(data) = text.lines().find_map(|l| l.strip_prefix("data:")).map(str::trim_start) else {
-            out.extend_from_slice(text.as_bytes());
+            out.extend_from_slice(event);
             return;
         };
         match (self.legs, self.dialect) {
             (0, Dialect::Responses | Dialect::Messages) => {
                 agents::read(&mut self.said, self.dialect, data);
-                out.extend_from_slice(text.as_bytes());
+                out.extend_from_slice(event);
             }
             (0, _) => self.first_leg(text, data, out),
             _ if data == "[DONE]" => self.resumed_end(text, out),
@@ -577,44 +621,34 @@ impl Relay {
         }
     }
 
-    /// A chat or completion event of the first leg: read, and passed on
-    /// (its ids stripped where the gateway asked for them).
+    /// A chat or completion event of the first leg read whole (its first,
+    /// or any on the text way), and passed on (its ids stripped where the
+    /// gateway asked for them).
     fn first_leg(&mut self, text: &str, data: &str, out: &mut BytesMut) {
         if data == "[DONE]" {
             out.extend_from_slice(text.as_bytes());
             return;
         }
-        // On the ids way the first event is parsed (its id, model, created,
-        // prompt ids), every later one searched for the few members the
-        // relay reads (a `Value` per event cost the relay 2.3x the CPU per
-        // chunk of a plain stream, a borrowed parse 1.9x: bench/stream-cpu.sh).
-        // The text way parses each (its text is a JSON string to unescape).
-        let later_ids = match self.said.id.is_none() || self.said.way == Way::Text {
-            true => {
-                if let Ok(event) = serde_json::from_str::<FirstLeg>(data) {
-                    let first = self.said.id.is_none();
-                    self.said.read_whole(&event);
-                    if first && self.said.way == Way::Ids && self.said.prompt_ids.is_none() {
-                        // Asked for ids and none came: the text way from here.
-                        self.said.way = Way::Text;
-                        self.said.keep_text(event.text());
-                    }
-                }
-                None
+        // A `Value` per event cost the relay 2.3x the CPU per chunk of a
+        // plain stream, a borrowed parse 1.9x (bench/stream-cpu.sh): only
+        // the first event of the ids way is parsed, and every event of the
+        // text way (its text is a JSON string to unescape).
+        if let Ok(event) = serde_json::from_str::<FirstLeg>(data) {
+            let first = self.said.id.is_none();
+            self.said.read_whole(&event);
+            if first && self.said.way == Way::Ids && self.said.prompt_ids.is_none() {
+                // Asked for ids and none came: the text way, from here.
+                self.said.way = Way::Text;
+                self.said.keep_text(event.text());
             }
-            false => Some(self.said.read_later_event(data)),
-        };
+        }
         if !self.strip_ids {
             out.extend_from_slice(text.as_bytes());
             return;
         }
         let at = data.as_ptr() as usize - text.as_ptr() as usize;
         out.extend_from_slice(&text.as_bytes()[..at]);
-        match later_ids {
-            // A later event: its one `token_ids` member, found already.
-            Some(span) => strip_spans_into(data, span.into_iter().collect(), out),
-            None => strip_ids_into(data, out),
-        }
+        strip_ids_into(data.as_bytes(), out);
         out.extend_from_slice(&text.as_bytes()[at + data.len()..]);
     }
 
@@ -856,12 +890,21 @@ mod tests {
         let tricky = r#"data: {"choices":[{"delta":{"content":"\"token_ids\":[9], \"tool_calls\":[1]"},"token_ids":[2],"finish_reason":null}]}"#;
         let out = relay.feed(format!("{tricky}\n\n").as_bytes());
         assert_eq!(relay.said.generated, vec![1, 2], "the member, not the text");
-        assert_eq!((relay.said.finished, relay.said.refusal()), (false, None));
+        relay.at_break();
+        assert_eq!((relay.said.finished, relay.said.refusal()), (false, None), "the text says it, not the event");
         assert!(std::str::from_utf8(&out).unwrap().contains(r#"\"token_ids\":[9]"#), "the text is left alone");
+        // A seam inside a tool call is refused; once its text goes on, not.
         relay.feed(chunk(json!({"choices": [{"delta": {"tool_calls": [{"index": 0}]}, "token_ids": [3]}]})).as_bytes());
+        relay.at_break();
         assert_eq!(relay.said.refusal(), Some(Refusal::ToolCall));
+        relay.feed(chunk(json!({"choices": [{"delta": {"content": "done."}, "token_ids": [4]}]})).as_bytes());
+        relay.at_break();
+        assert_eq!(relay.said.refusal(), None, "after the tool call, the seam resumes at the boundary");
         relay.feed(chunk(json!({"choices": [{"delta": {}, "token_ids": [], "finish_reason": "stop"}]})).as_bytes());
+        assert!(!relay.said.finished, "read at the break only");
+        relay.at_break();
         assert!(relay.said.finished);
+        assert_eq!(relay.said.generated, vec![1, 2, 3, 4]);
     }
 
     #[test]
