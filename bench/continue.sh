@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Streams that outlive their replica (issue 42), end to end with real
-# processes: two replicas behind one gateway, and for chat and completions
-# a streamed 400-token answer at temperature 0 whose replica is killed
+# processes: two replicas behind one gateway, and for each dialect
+# (chat, completions, Responses, Messages; DIALECTS picks some) a
+# streamed 400-token answer at temperature 0 whose replica is killed
 # with SIGKILL after ~150 tokens reached the client; then a long answer
 # (2,400 tokens) whose replica is drained with hand-over
 # (`drain?wait=true&handoff=true`). Prints, per arm: whether the client's
@@ -11,11 +12,12 @@
 # time the drain took to return; then the gateway's stream_continued events.
 # Simulated replicas by default (`prefixgate sim-replica`, the seed's card:
 # decode 40 tokens/s, time scale 1). REAL=1: on two real vLLM replicas
-# (the drain arm, then one kill arm: chat)
+# (the drain arm, then one kill arm: the first of DIALECTS, chat unless
+# set; a killed vLLM replica is not restarted here)
 # (bench/real-vllm.sh installs and starts them, then runs this with
 # REPLICA_URLS, REPLICA_PIDS and MODEL_NAME set).
 # BIN=path/to/prefixgate runs that build instead of building this tree.
-# Never run in CI. Usage: [REAL=1] [BIN=...] bench/continue.sh
+# Never run in CI. Usage: [REAL=1] [DIALECTS="chat messages"] [BIN=...] bench/continue.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${REAL:-}" = 1 ] && [ -z "${REPLICA_URLS:-}" ]; then
@@ -70,16 +72,23 @@ for line in resp:
         done += 1
         continue
     e = json.loads(data)
-    if "error" in e:
+    kind = e.get("type")
+    if "error" in e or kind == "error":
         text.append("<error>")
         continue
-    for c in e.get("choices", []):
-        piece = (c.get("delta") or {}).get("content") or c.get("text") or ""
+    # chat and completions; Responses and Messages (their end is their [DONE])
+    pieces = [(c.get("delta") or {}).get("content") or c.get("text") or "" for c in e.get("choices", [])]
+    if kind == "response.output_text.delta":
+        pieces.append(e["delta"])
+    if kind == "content_block_delta":
+        pieces.append(e["delta"].get("text", ""))
+    for piece in pieces:
         if piece:
             tokens += 1
             text.append(piece)
-        if c.get("finish_reason"):
-            finishes += 1
+    finishes += sum(1 for c in e.get("choices", []) if c.get("finish_reason"))
+    finishes += kind in ("response.completed", "message_delta")
+    done += kind in ("response.completed", "message_stop")
     if kill_at and killed is None and tokens >= kill_at:
         os.kill(int(pids[replica]), signal.SIGKILL)
         killed = tokens
@@ -94,6 +103,15 @@ chat_body() { # stream? max_tokens
 }
 completion_body() {
   printf '{"model":"%s","prompt":"Once upon a time, in a cache (%s),","stream":%s,"max_tokens":%s,"temperature":0}' \
+    "$model" "$RANDOM" "$1" "$2"
+}
+
+responses_body() {
+  printf '{"model":"%s","input":"Tell me about caches, at length (%s).","stream":%s,"max_output_tokens":%s,"temperature":0,"store":false}' \
+    "$model" "$RANDOM" "$1" "$2"
+}
+messages_body() {
+  printf '{"model":"%s","messages":[{"role":"user","content":"Tell me about caches, at length (%s)."}],"stream":%s,"max_tokens":%s,"temperature":0}' \
     "$model" "$RANDOM" "$1" "$2"
 }
 
@@ -134,11 +152,15 @@ events
 curl -s -o /dev/null -X POST "${GW_ADMIN[gw]}/admin/v1/replicas/$home/resume"
 
 # Real vLLM: one kill (a killed replica is not restarted here).
-dialects="chat completions"
-[ -n "${REPLICA_URLS:-}" ] && dialects=chat
+dialects=${DIALECTS:-chat completions responses messages}
+[ -n "${REPLICA_URLS:-}" ] && dialects=${DIALECTS:-chat}
 for dialect in $dialects; do
-  path=/v1/chat/completions; make=chat_body
-  [ "$dialect" = completions ] && { path=/v1/completions; make=completion_body; }
+  case $dialect in
+    chat) path=/v1/chat/completions; make=chat_body ;;
+    completions) path=/v1/completions; make=completion_body ;;
+    responses) path=/v1/responses; make=responses_body ;;
+    messages) path=/v1/messages; make=messages_body ;;
+  esac
   body=$($make true 400)
   whole=$(read_stream "${GW_URL[gw]}$path" "$body" 0)
   got=$(read_stream "${GW_URL[gw]}$path" "$body" 150)

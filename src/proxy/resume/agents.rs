@@ -266,7 +266,7 @@ mod tests {
 
     fn feed(relay: &mut Relay, events: &[String]) -> Vec<Value> {
         let out: String =
-            events.iter().map(|e| String::from_utf8(relay.feed(e.as_bytes()).to_vec()).unwrap()).collect();
+            events.iter().map(|e| String::from_utf8(relay.feed_slice(e.as_bytes()).to_vec()).unwrap()).collect();
         out.split("\n\n")
             .filter(|e| !e.is_empty())
             .map(|e| serde_json::from_str(e.lines().find_map(|l| l.strip_prefix("data: ")).unwrap()).unwrap())

@@ -26,6 +26,7 @@ use serde_json::{json, Map, Value};
 
 use crate::policy::Dialect;
 use scan::*;
+use smallvec::SmallVec;
 
 mod agents;
 mod scan;
@@ -327,12 +328,12 @@ impl Said {
     }
 
     fn keep_ids(&mut self, ids: impl Iterator<Item = u32>) {
-        for id in ids {
-            if self.kept() >= MAX_IDS {
-                self.refused.get_or_insert(Refusal::TooLong);
-                return;
-            }
-            self.generated.push(id);
+        let room = MAX_IDS.saturating_sub(self.kept());
+        let before = self.generated.len();
+        self.generated.extend(ids.take(room + 1));
+        if self.generated.len() - before > room {
+            self.generated.truncate(before + room);
+            self.refused.get_or_insert(Refusal::TooLong);
         }
     }
 
@@ -392,16 +393,6 @@ impl Said {
         }
     }
 
-    /// A later event of the first leg on the ids way (`data`, its JSON):
-    /// its ids kept, and where they are (start, end), for the strip. Only
-    /// its ids are read as it passes; the last event is read whole at a
-    /// break (`Relay::at_break`).
-    fn read_later_event(&mut self, data: &[u8]) -> Option<(usize, usize)> {
-        let found = token_ids(data)?;
-        self.keep_ids(ids_in(&data[found.value..found.end]));
-        Some((found.at, found.end))
-    }
-
     /// Why this stream may not go on now (None: it may).
     pub fn refusal(&self) -> Option<Refusal> {
         let no_ids = self.way == Way::Ids && self.prompt_ids.is_none();
@@ -424,13 +415,6 @@ impl Said {
         prompt.extend_from_slice(&self.generated);
         Some(prompt)
     }
-}
-
-/// The JSON of an event that is one `data:` line (as engines write their
-/// events), without its line ends; None for any other event.
-fn single_data_line(event: &[u8]) -> Option<&[u8]> {
-    let data = event.strip_prefix(b"data:")?.trim_ascii();
-    (!data.contains(&b'\n')).then_some(data)
 }
 
 /// The `/v1/completions` request that resumes the client's request
@@ -506,9 +490,11 @@ pub struct Relay {
     /// carries them (Responses, Messages).
     finish: Option<Value>,
     usage: Option<Value>,
-    /// The ids way: the first leg's last event (its JSON), read whole at a
-    /// break (`at_break`); its buffer is reused.
-    last: Vec<u8>,
+    /// The ids way: the first leg's last events, read whole at a break
+    /// (`at_break`).
+    last: Bytes,
+    /// Where the client's chunks are written.
+    out: BytesMut,
 }
 
 impl Relay {
@@ -524,20 +510,23 @@ impl Relay {
             legs: 0,
             finish: None,
             usage: None,
-            last: Vec::new(),
+            last: Bytes::new(),
+            out: BytesMut::new(),
         }
     }
 
     /// At a break: what the first leg's last event says of the seam (the
     /// ids way read only the ids of its later events as they passed).
     pub fn at_break(&mut self) {
-        if self.last.is_empty() {
-            return;
-        }
-        if let Ok(event) = serde_json::from_slice::<FirstLeg>(&self.last) {
+        let last = std::mem::take(&mut self.last);
+        let text = String::from_utf8_lossy(&last);
+        let data = text
+            .rsplit("\n\n")
+            .filter_map(|e| e.lines().find_map(|l| l.strip_prefix("data:")).map(str::trim))
+            .find(|d| *d != "[DONE]");
+        if let Some(event) = data.and_then(|d| serde_json::from_str::<FirstLeg>(d).ok()) {
             self.said.read_seam(&event);
         }
-        self.last.clear();
     }
 
     /// A resumed leg starts: what follows is its events.
@@ -559,11 +548,16 @@ impl Relay {
 
     /// Bytes from the replica in; the whole events among them out (what is
     /// left of the last waits for its end).
-    pub fn feed(&mut self, chunk: &[u8]) -> Bytes {
-        let mut out = BytesMut::with_capacity(chunk.len() + self.pending.len());
-        // Most chunks are whole events, and nothing waits: read in place.
+    pub fn feed(&mut self, chunk: &Bytes) -> Bytes {
+        // Most chunks are whole events and nothing waits: on the ids way,
+        // read as one (`later_events`).
+        if self.pending.is_empty() && self.reads_ids_only() && chunk.ends_with(b"\n\n") {
+            return self.later_events(chunk);
+        }
+        let mut out = std::mem::take(&mut self.out);
+        out.reserve(chunk.len() + self.pending.len());
         let whole = match self.pending.is_empty() {
-            true => chunk,
+            true => &chunk[..],
             false => {
                 self.pending.extend_from_slice(chunk);
                 &std::mem::take(&mut self.pending)[..]
@@ -575,25 +569,64 @@ impl Relay {
             at += end + 2;
         }
         self.pending.extend_from_slice(&whole[at..]);
-        out.freeze()
+        let passed = out.split().freeze();
+        self.out = out;
+        passed
+    }
+
+    #[cfg(test)]
+    fn feed_slice(&mut self, chunk: &[u8]) -> Bytes {
+        self.feed(&Bytes::copy_from_slice(chunk))
+    }
+
+    /// Whether the events now are the ids way's later ones: only their ids
+    /// are read as they pass.
+    fn reads_ids_only(&self) -> bool {
+        self.legs == 0 && self.said.way == Way::Ids && self.said.id.is_some()
+    }
+
+    /// Whole later events of the ids way (`chunk`), read as one: their ids
+    /// kept and cut out, the rest passed byte for byte (and without a copy
+    /// when there is nothing to cut). Per event, with the event's other
+    /// members searched as well, the relay cost 1.36x a plain stream's CPU
+    /// per chunk (bench/stream-cpu.sh, docs/benchmarks.md).
+    fn later_events(&mut self, chunk: &Bytes) -> Bytes {
+        self.last = chunk.clone();
+        // One event (no line end before its last two): its ids found from
+        // its end; else every member searched for.
+        let one_event = memchr::memchr(b'\n', &chunk[..chunk.len() - 2]).is_none();
+        if let Some(found) = one_event.then(|| last_array_token_ids(chunk)).flatten() {
+            self.said.keep_ids(ids_in(&chunk[found.value..found.end]));
+            if !self.strip_ids {
+                return chunk.clone();
+            }
+            return self.written(chunk.len(), |out| without_member(chunk, found.at, found.end, out));
+        }
+        let found: SmallVec<[scan::Found; 2]> = token_ids(chunk).collect();
+        let mut spans: SmallVec<[(usize, usize); 2]> = SmallVec::new();
+        for found in found {
+            self.said.keep_ids(ids_in(&chunk[found.value..found.end]));
+            spans.push((found.at, found.end));
+        }
+        if spans.is_empty() || !self.strip_ids {
+            return chunk.clone();
+        }
+        self.written(chunk.len(), |out| strip_spans_into(chunk, spans, out))
+    }
+
+    /// What `write` writes (about `len` bytes), as a chunk for the client.
+    /// One buffer, taken back once the chunks before were written and
+    /// dropped (an allocation per chunk otherwise).
+    fn written(&mut self, len: usize, write: impl FnOnce(&mut BytesMut)) -> Bytes {
+        self.out.reserve(len);
+        write(&mut self.out);
+        self.out.split().freeze()
     }
 
     fn event(&mut self, event: &[u8], out: &mut BytesMut) {
-        // The ids way's later events are most of a stream: read as bytes,
-        // only their ids searched for and cut out (bench/stream-cpu.sh).
-        let later = self.legs == 0 && self.said.way == Way::Ids && self.said.id.is_some();
-        if let Some(data) = single_data_line(event).filter(|d| later && *d != b"[DONE]") {
-            self.last.clear();
-            self.last.extend_from_slice(data);
-            let ids = self.said.read_later_event(data).filter(|_| self.strip_ids);
-            let Some(ids) = ids else {
-                out.extend_from_slice(event);
-                return;
-            };
-            let at = data.as_ptr() as usize - event.as_ptr() as usize;
-            out.extend_from_slice(&event[..at]);
-            strip_spans_into(data, smallvec::smallvec![ids], out);
-            out.extend_from_slice(&event[at + data.len()..]);
+        if self.reads_ids_only() {
+            let passed = self.later_events(&Bytes::copy_from_slice(event));
+            out.extend_from_slice(&passed);
             return;
         }
         let Ok(text) = std::str::from_utf8(event) else {
@@ -814,8 +847,8 @@ mod tests {
             "choices": [{"index": 0, "delta": {"role": "assistant", "content": "the"}, "token_ids": [1], "finish_reason": null}]}));
         // Split mid-event: nothing passes until the event is whole.
         let (a, b) = first.split_at(30);
-        assert!(relay.feed(a.as_bytes()).is_empty());
-        let out = relay.feed(b.as_bytes());
+        assert!(relay.feed_slice(a.as_bytes()).is_empty());
+        let out = relay.feed_slice(b.as_bytes());
         let text = std::str::from_utf8(&out).unwrap();
         assert!(text.starts_with("data: ") && !text.contains("token_ids"), "{text}");
         assert_eq!(relay.said.refusal(), None);
@@ -839,9 +872,9 @@ mod tests {
         ];
         let mut body = String::new();
         for e in &second {
-            body.push_str(std::str::from_utf8(&relay.feed(chunk(e.clone()).as_bytes())).unwrap());
+            body.push_str(std::str::from_utf8(&relay.feed_slice(chunk(e.clone()).as_bytes())).unwrap());
         }
-        body.push_str(std::str::from_utf8(&relay.feed(b"data: [DONE]\n\n")).unwrap());
+        body.push_str(std::str::from_utf8(&relay.feed_slice(b"data: [DONE]\n\n")).unwrap());
         let events: Vec<&str> = body.split("\n\n").filter(|e| !e.is_empty()).collect();
         assert_eq!(events.len(), 4, "{body}");
         let parsed: Vec<Value> = events[..3].iter().map(|e| serde_json::from_str(&e[6..]).unwrap()).collect();
@@ -858,8 +891,8 @@ mod tests {
     #[test]
     fn a_seam_inside_a_tool_call_or_reasoning_is_refused_and_a_stream_without_ids_keeps_its_text() {
         let mut relay = Relay::new(Dialect::Chat, Way::Ids, true);
-        relay.feed(chunk(json!({"id": "c", "choices": [{"delta": {"content": "hi"}}]})).as_bytes());
-        relay.feed(chunk(json!({"choices": [{"delta": {"content": " there"}}]})).as_bytes());
+        relay.feed_slice(chunk(json!({"id": "c", "choices": [{"delta": {"content": "hi"}}]})).as_bytes());
+        relay.feed_slice(chunk(json!({"choices": [{"delta": {"content": " there"}}]})).as_bytes());
         assert_eq!(
             (relay.said.way, relay.said.text.as_str(), relay.said.seam()),
             (Way::Text, "hi there", 2),
@@ -867,12 +900,12 @@ mod tests {
         );
         assert_eq!(relay.said.refusal(), None);
         let mut relay = Relay::new(Dialect::Chat, Way::Ids, false);
-        relay.feed(
+        relay.feed_slice(
             chunk(json!({"prompt_token_ids": [1], "choices": [{"delta": {"tool_calls": [{"index": 0}]}}]})).as_bytes(),
         );
         assert_eq!(relay.said.refusal(), Some(Refusal::ToolCall));
         let mut relay = Relay::new(Dialect::Chat, Way::Ids, false);
-        relay.feed(
+        relay.feed_slice(
             chunk(json!({"prompt_token_ids": [1], "choices": [{"delta": {"reasoning_content": "hm"}}]})).as_bytes(),
         );
         assert_eq!(relay.said.refusal(), Some(Refusal::Reasoning));
@@ -881,26 +914,30 @@ mod tests {
     #[test]
     fn later_events_are_read_by_their_members_not_by_what_their_text_says() {
         let mut relay = Relay::new(Dialect::Chat, Way::Ids, true);
-        relay.feed(
+        relay.feed_slice(
             chunk(
                 json!({"id": "c", "prompt_token_ids": [5], "choices": [{"delta": {"content": "a"}, "token_ids": [1]}]}),
             )
             .as_bytes(),
         );
         let tricky = r#"data: {"choices":[{"delta":{"content":"\"token_ids\":[9], \"tool_calls\":[1]"},"token_ids":[2],"finish_reason":null}]}"#;
-        let out = relay.feed(format!("{tricky}\n\n").as_bytes());
+        let out = relay.feed_slice(format!("{tricky}\n\n").as_bytes());
         assert_eq!(relay.said.generated, vec![1, 2], "the member, not the text");
         relay.at_break();
         assert_eq!((relay.said.finished, relay.said.refusal()), (false, None), "the text says it, not the event");
         assert!(std::str::from_utf8(&out).unwrap().contains(r#"\"token_ids\":[9]"#), "the text is left alone");
         // A seam inside a tool call is refused; once its text goes on, not.
-        relay.feed(chunk(json!({"choices": [{"delta": {"tool_calls": [{"index": 0}]}, "token_ids": [3]}]})).as_bytes());
+        relay.feed_slice(
+            chunk(json!({"choices": [{"delta": {"tool_calls": [{"index": 0}]}, "token_ids": [3]}]})).as_bytes(),
+        );
         relay.at_break();
         assert_eq!(relay.said.refusal(), Some(Refusal::ToolCall));
-        relay.feed(chunk(json!({"choices": [{"delta": {"content": "done."}, "token_ids": [4]}]})).as_bytes());
+        relay.feed_slice(chunk(json!({"choices": [{"delta": {"content": "done."}, "token_ids": [4]}]})).as_bytes());
         relay.at_break();
         assert_eq!(relay.said.refusal(), None, "after the tool call, the seam resumes at the boundary");
-        relay.feed(chunk(json!({"choices": [{"delta": {}, "token_ids": [], "finish_reason": "stop"}]})).as_bytes());
+        relay.feed_slice(
+            chunk(json!({"choices": [{"delta": {}, "token_ids": [], "finish_reason": "stop"}]})).as_bytes(),
+        );
         assert!(!relay.said.finished, "read at the break only");
         relay.at_break();
         assert!(relay.said.finished);
@@ -911,11 +948,11 @@ mod tests {
     fn the_ids_kept_are_bounded_and_past_the_bound_the_stream_is_known_not_continuable() {
         let mut relay = Relay::new(Dialect::Completions, Way::Ids, false);
         let prompt: Vec<u32> = (0..MAX_IDS as u32 - 2).collect();
-        relay.feed(
+        relay.feed_slice(
             chunk(json!({"prompt_token_ids": prompt, "choices": [{"text": "a", "token_ids": [1, 2]}]})).as_bytes(),
         );
         assert_eq!(relay.said.refusal(), None);
-        relay.feed(chunk(json!({"choices": [{"text": "b", "token_ids": [3]}]})).as_bytes());
+        relay.feed_slice(chunk(json!({"choices": [{"text": "b", "token_ids": [3]}]})).as_bytes());
         assert_eq!(relay.said.refusal(), Some(Refusal::TooLong));
         assert!(relay.said.prompt_ids.as_ref().unwrap().len() + relay.said.generated.len() <= MAX_IDS);
     }

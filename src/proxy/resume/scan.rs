@@ -8,7 +8,7 @@
 use std::sync::LazyLock;
 
 use bytes::BytesMut;
-use memchr::memmem::{Finder, FinderRev};
+use memchr::memmem::Finder;
 use smallvec::SmallVec;
 
 pub(super) static EVENT_END: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\n\n"));
@@ -17,12 +17,6 @@ pub(super) static EVENT_END: LazyLock<Finder<'static>> = LazyLock::new(|| Finder
 /// once (building one per search cost as much as the search).
 static TOKEN_IDS: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"token_ids\""));
 static PROMPT_TOKEN_IDS: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"prompt_token_ids\""));
-/// Engines write a chunk's `token_ids` last in its choice, near the end
-/// of the event: searched for from the end (from the start, and with the
-/// event's other members searched too, the relay cost 1.36x a plain
-/// stream's CPU per chunk: bench/stream-cpu.sh).
-static TOKEN_IDS_FROM_END: LazyLock<FinderRev<'static>> = LazyLock::new(|| FinderRev::new(b"\"token_ids\""));
-
 /// A member found: where its name starts, where its value starts and ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Found {
@@ -43,10 +37,40 @@ fn member_at(data: &[u8], at: usize, len: usize) -> Option<Found> {
     named.then(|| Found { at, value, end: value_end(data, value) })
 }
 
-/// The last `token_ids` member of `data` (one event's JSON).
-pub(super) fn token_ids(data: &[u8]) -> Option<Found> {
-    let len = TOKEN_IDS_FROM_END.needle().len();
-    TOKEN_IDS_FROM_END.rfind_iter(data).find_map(|at| member_at(data, at, len))
+/// The `token_ids` members of `data` (events' JSON).
+pub(super) fn token_ids(data: &[u8]) -> impl Iterator<Item = Found> + '_ {
+    members(data, &TOKEN_IDS)
+}
+
+/// The `token_ids` member of one event (`data`) where it is the event's
+/// last array, as engines write it (vLLM last in its choice; the
+/// simulator's keys sorted, no array after it): found from the end in a
+/// few bytes. None otherwise (the caller searches the whole event).
+pub(super) fn last_array_token_ids(data: &[u8]) -> Option<Found> {
+    const NAME: &[u8] = b"\"token_ids\"";
+    let value = memchr::memrchr(b'[', data)?;
+    let name = data[..value].trim_ascii_end().strip_suffix(b":")?.trim_ascii_end();
+    let at = name.len().checked_sub(NAME.len())?;
+    let before = name[..at].trim_ascii_end().last()?;
+    let named = &name[at..] == NAME && matches!(before, b'{' | b',');
+    // An array of numbers: it ends at its first `]`.
+    let end = value + memchr::memchr(b']', &data[value..])? + 1;
+    named.then_some(Found { at, value, end })
+}
+
+/// `data` without the one member at `at..end` and one comma, to `out`
+/// (`strip_spans_into` for one member, without its bookkeeping).
+pub(super) fn without_member(data: &[u8], at: usize, end: usize, out: &mut BytesMut) {
+    let before = data[..at].trim_ascii_end();
+    let (cut, resume) = match before.strip_suffix(b",") {
+        Some(kept) => (kept.len(), end),
+        None => {
+            let after = skip_ws(data, end);
+            (at, if data.get(after) == Some(&b',') { skip_ws(data, after + 1) } else { end })
+        }
+    };
+    out.extend_from_slice(&data[..cut]);
+    out.extend_from_slice(&data[resume..]);
 }
 
 /// Every member named by `finder` in `data`.
@@ -57,10 +81,17 @@ fn members<'a>(data: &'a [u8], finder: &'a Finder<'static>) -> impl Iterator<Ite
 
 /// The ids in a JSON array of numbers.
 pub(super) fn ids_in(list: &[u8]) -> impl Iterator<Item = u32> + '_ {
-    list.split(|b| matches!(b, b',' | b'[' | b']')).filter_map(|n| {
-        let n = n.trim_ascii();
-        let digits = !n.is_empty() && n.iter().all(u8::is_ascii_digit);
-        digits.then(|| n.iter().fold(0u32, |v, d| v.wrapping_mul(10).wrapping_add(u32::from(d - b'0'))))
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        while list.get(i).is_some_and(|b| !b.is_ascii_digit()) {
+            i += 1;
+        }
+        let mut id: Option<u32> = None;
+        while let Some(d) = list.get(i).filter(|b| b.is_ascii_digit()) {
+            id = Some(id.unwrap_or(0).wrapping_mul(10).wrapping_add(u32::from(d - b'0')));
+            i += 1;
+        }
+        id
     })
 }
 
@@ -157,12 +188,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_last_token_ids_member_is_found_from_the_end_and_never_in_text() {
+    fn token_ids_members_are_found_and_never_in_text() {
         let data = br#"{"token_ids":[4],"text":"\"token_ids\":[9]", "choices":[{"token_ids" : [1, 22,333]}],"x":"\"token_ids\""}"#;
-        let found = token_ids(data).unwrap();
-        assert_eq!(&data[found.value..found.end], b"[1, 22,333]");
-        assert_eq!(ids_in(&data[found.value..found.end]).collect::<Vec<_>>(), [1, 22, 333]);
+        let found: Vec<&[u8]> = token_ids(data).map(|f| &data[f.value..f.end]).collect();
+        assert_eq!(found, [&b"[4]"[..], &b"[1, 22,333]"[..]], "the members, not the text");
+        assert_eq!(ids_in(found[1]).collect::<Vec<_>>(), [1, 22, 333]);
         assert_eq!(ids_in(b"[]").count(), 0);
-        assert_eq!(token_ids(br#"{"text":"\"token_ids\":[9]"}"#), None);
+        let event = br#"data: {"choices":[{"delta":{"content":"a["},"token_ids":[7]}],"id":"x"}"#;
+        let last = last_array_token_ids(event).unwrap();
+        assert_eq!(&event[last.value..last.end], b"[7]");
+        let cut = |data: &[u8], f: Found| {
+            let mut out = BytesMut::new();
+            without_member(data, f.at, f.end, &mut out);
+            out
+        };
+        assert_eq!(&cut(event, last)[..], br#"data: {"choices":[{"delta":{"content":"a["}}],"id":"x"}"#);
+        let first = br#"{ "token_ids" : [1] , "x":1}"#;
+        assert_eq!(&cut(first, last_array_token_ids(first).unwrap())[..], br#"{ "x":1}"#);
+        assert_eq!(last_array_token_ids(br#"{"token_ids":[1],"x":["a"]}"#), None, "another array after it");
+        assert_eq!(last_array_token_ids(br#"{"text":"\"token_ids\":[9]"}"#), None, "text that says it");
+        assert_eq!(token_ids(br#"{"text":"\"token_ids\":[9]"}"#).count(), 0);
     }
 }
