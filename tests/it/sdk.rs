@@ -33,3 +33,25 @@ async fn the_official_openai_and_anthropic_sdks_see_warm_pinned_turns_and_spread
         .any(|l| l.starts_with("prefixgate_cached_tokens_total{") && l.contains("route=\"response\"")));
     gw.stop().await;
 }
+
+#[actix_web::test]
+async fn the_official_sdks_read_a_stream_finished_on_three_replicas_as_one_answer_in_every_dialect() {
+    let Some(python) = runnable("SDK_PYTHON", "python3", &["-c", "import openai, anthropic"]) else {
+        require("the openai and anthropic SDKs", false, "pip install openai anthropic; set SDK_PYTHON");
+        return;
+    };
+    // Every replica dies after 150 tokens of any stream: 400 tokens take three legs.
+    let dies = || prefixgate::sim::SimConfig { die_after_tokens: Some(150), ..fast_sim() };
+    let (a, b, c) = (start_sim("a", dies()).await, start_sim("b", dies()).await, start_sim("c", dies()).await);
+    let mut config = test_config(&[&a, &b, &c]);
+    config.failover.max_continuations = 2;
+    let gw = start_gateway(config).await;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/sdk/continued.py");
+    let out =
+        tokio::process::Command::new(python).arg(script).env("BASE_URL", &gw.base).output().await.expect("python runs");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "SDK checks failed:\n{stdout}\n{stderr}");
+    assert!(stdout.contains("all SDK checks passed"), "{stdout}");
+    let (_, events) = admin("GET", &format!("{}/admin/v1/events?kind=stream_continued", gw.admin), None, None).await;
+    assert_eq!(events["items"].as_array().unwrap().len(), 8, "two legs resumed for each of four streams: {events}");
+}
