@@ -37,7 +37,7 @@ use awc::error::{ConnectError, SendRequestError};
 
 use super::headers;
 use super::resume::transcript::{tokens_of, transcript, Transcript};
-use super::resume::{resume_request, Refusal, Said, Way};
+use super::resume::{chat_resume_request, offers_tools, resume_request, Refusal, Said, Way};
 use crate::error::ApiError;
 use crate::fleet::ReplicaSpec;
 
@@ -175,10 +175,62 @@ pub struct Resumer {
 
 type LegStarted = futures_util::future::LocalBoxFuture<'static, Result<super::body::Leg<UpstreamResponse>, Refusal>>;
 
-/// What a resumed leg's prompt is made of.
+/// What a resumed leg is made of: its prompt, the client's request.
+struct LegPlan {
+    prompt: Prompt,
+    request: serde_json::Value,
+    dialect: crate::policy::Dialect,
+    generated: usize,
+}
+
+/// How a resumed leg's prompt is had.
 enum Prompt {
+    /// `/v1/completions` with these ids.
     Ids(Vec<u32>),
+    /// `/v1/completions` with the transcript as the replica tokenizes it.
     Text(Transcript),
+    /// The chat endpoint, the answer so far as the open last message (a
+    /// chat that offers tools: the engine's tool parser sees what follows
+    /// the seam): its text, or its ids to detokenize.
+    Chat { text: Option<String>, ids: Vec<u32> },
+}
+
+impl LegPlan {
+    /// From what the stream said, for `request` (None: refused, why).
+    fn of(said: &Said, request: serde_json::Value, dialect: crate::policy::Dialect) -> Result<LegPlan, Refusal> {
+        let via_chat = dialect == crate::policy::Dialect::Chat && offers_tools(&request);
+        let prompt = match (said.way, via_chat) {
+            (Way::Text, true) => Prompt::Chat { text: Some(said.text.clone()), ids: Vec::new() },
+            (Way::Ids, true) => Prompt::Chat { text: None, ids: said.generated.clone() },
+            (Way::Ids, false) => Prompt::Ids(said.prompt_with_answer().ok_or(Refusal::NoTokenIds)?),
+            (Way::Text, false) => Prompt::Text(transcript(dialect, &request, &said.text).ok_or(Refusal::NoTranscript)?),
+        };
+        Ok(LegPlan { prompt, request, dialect, generated: said.seam() })
+    }
+
+    /// The path and body the leg is sent on the replica `spec`, and the
+    /// answer's text when it goes through the chat endpoint.
+    async fn sent_as(
+        self,
+        upstream: &Upstream,
+        spec: &Arc<ReplicaSpec>,
+        caller: headers::Caller<'_>,
+    ) -> Option<(&'static str, web::Bytes, Option<String>)> {
+        let (request, dialect, generated) = (&self.request, self.dialect, self.generated);
+        let ids = match self.prompt {
+            Prompt::Ids(ids) => ids,
+            Prompt::Text(transcript) => tokenize(upstream, spec, caller, &transcript).await?,
+            Prompt::Chat { text, ids } => {
+                let answer = match text {
+                    Some(text) => text,
+                    None => detokenize(upstream, spec, caller, request, ids).await?,
+                };
+                let body = chat_resume_request(request, &answer, generated)?;
+                return Some(("/v1/chat/completions", body, Some(answer)));
+            }
+        };
+        Some(("/v1/completions", resume_request(request, dialect, &ids, generated)?, None))
+    }
 }
 
 impl super::body::Resume<UpstreamResponse> for Resumer {
@@ -188,19 +240,14 @@ impl super::body::Resume<UpstreamResponse> for Resumer {
         let Ok(request) = serde_json::from_slice::<serde_json::Value>(&self.body) else {
             return refused(Refusal::NoTranscript);
         };
-        let dialect = self.shape.dialect;
-        let prompt = match said.way {
-            Way::Ids => said.prompt_with_answer().map(Prompt::Ids).ok_or(Refusal::NoTokenIds),
-            Way::Text => transcript(dialect, &request, &said.text).map(Prompt::Text).ok_or(Refusal::NoTranscript),
-        };
-        let prompt = match prompt {
-            Ok(prompt) => prompt,
+        let plan = match LegPlan::of(said, request, self.shape.dialect) {
+            Ok(plan) => plan,
             Err(why) => return refused(why),
         };
         let Some(to) = self.next_replica() else { return refused(Refusal::NoReplica) };
         self.tried.push(to.id.clone());
         let (span, carried) = self.trace.attempt(&self.state, &to.id);
-        let (upstream, req, generated) = (self.upstream.clone(), self.req.clone(), said.seam());
+        let (upstream, req) = (self.upstream.clone(), self.req.clone());
         let gateway_keys = !self.state.config.api_keys.is_empty();
         let (state, model) = (self.state.clone(), self.shape.model.clone().unwrap_or_default());
         Box::pin(async move {
@@ -211,15 +258,11 @@ impl super::body::Resume<UpstreamResponse> for Resumer {
             };
             let caller = headers::Caller { req: &req, gateway_keys };
             let spec = to.spec();
-            let ids = match prompt {
-                Prompt::Ids(ids) => Some(ids),
-                Prompt::Text(transcript) => tokenize(&upstream, &spec, caller, &transcript).await,
-            };
-            let Some(body) = ids.and_then(|ids| resume_request(&request, dialect, &ids, generated)) else {
+            let Some((path, body, via_chat)) = plan.sent_as(&upstream, &spec, caller).await else {
                 super::trace::attempt_ended(&span, Err(("the replica tokenized no conversation", false)));
                 return Err(Refusal::NoTokenizer);
             };
-            let mut request = upstream.post_json(&spec, caller, "/v1/completions");
+            let mut request = upstream.post_json(&spec, caller, path);
             for (name, value) in carried {
                 request = request.insert_header((name, value));
             }
@@ -227,7 +270,7 @@ impl super::body::Resume<UpstreamResponse> for Resumer {
             let status = sent.as_ref().map(|r| r.status().as_u16()).map_err(|e| (e.message.as_str(), false));
             super::trace::attempt_ended(&span, status);
             match sent {
-                Ok(resp) if resp.status().is_success() => Ok(super::body::Leg { stream: resp, to }),
+                Ok(resp) if resp.status().is_success() => Ok(super::body::Leg { stream: resp, to, via_chat }),
                 _ => Err(Refusal::NoReplica),
             }
         })
@@ -286,6 +329,27 @@ async fn tokenize(
         None => None,
     };
     post("/tokenize", transcript.llama_tokenize(rendered.as_deref())).await.and_then(|b| tokens_of(&b))
+}
+
+/// The text of `ids` as the replica `spec` decodes them (vLLM's
+/// `/detokenize`; llama.cpp's takes the same `tokens` and answers
+/// `content`).
+async fn detokenize(
+    upstream: &Upstream,
+    spec: &Arc<ReplicaSpec>,
+    caller: headers::Caller<'_>,
+    request: &serde_json::Value,
+    ids: Vec<u32>,
+) -> Option<String> {
+    let body = serde_json::json!({"model": request.get("model"), "tokens": ids});
+    let answered = async {
+        let mut resp = upstream.post_json(spec, caller, "/detokenize").send_json(&body).await.ok()?;
+        let bytes = resp.body().limit(8 << 20).await.ok()?;
+        let decoded =
+            serde_json::from_slice::<serde_json::Value>(&bytes).ok().filter(|_| resp.status().is_success())?;
+        decoded.get("prompt").or_else(|| decoded.get("content"))?.as_str().map(str::to_string)
+    };
+    tokio::time::timeout(TOKENIZE_TIMEOUT, answered).await.ok().flatten()
 }
 
 impl Resumer {

@@ -65,6 +65,10 @@ impl Break {
 pub struct Leg<S> {
     pub stream: S,
     pub to: Arc<Replica>,
+    /// Resumed through the chat endpoint (a chat that offers tools, so the
+    /// engine parses a tool call after the seam): the answer's text it was
+    /// resumed from. None: through `/v1/completions`.
+    pub via_chat: Option<String>,
 }
 
 /// Starts the next leg of a broken stream (`proxy::Resumer`).
@@ -242,14 +246,14 @@ impl<S, E: BodyEnd> GuardedBody<S, E> {
         c.resuming = None;
         let why = c.why;
         match leg {
-            Ok(Leg { stream, to }) => {
+            Ok(Leg { stream, to, via_chat }) => {
                 c.handoffs_seen = to.handoffs();
                 c.on = to.clone();
                 let relay = c.relay.as_mut().expect("a relay: it resumed");
+                relay.resumed(via_chat);
                 if let Some(end) = self.end.as_mut() {
                     end.continued(to, &relay.said, why);
                 }
-                relay.resumed();
                 self.inner = stream;
                 self.timer = None;
                 Poll::Ready(true)

@@ -229,6 +229,7 @@ pub fn serve(listener: std::net::TcpListener, state: Arc<SimState>) -> std::io::
             .route("/v1/chat/completions", web::post().to(chat))
             .route("/v1/completions", web::post().to(completions))
             .route("/tokenize", web::post().to(tokenize))
+            .route("/detokenize", web::post().to(detokenize))
             .configure(agents::routes)
     })
     .workers(1)
@@ -346,6 +347,20 @@ struct StreamOptions {
 #[derive(Deserialize)]
 struct ChatPrompt {
     messages: Vec<Value>,
+    /// vLLM's: the last (assistant) message is left open and goes on.
+    #[serde(default)]
+    continue_final_message: bool,
+}
+
+impl ChatPrompt {
+    /// Where the answer's words start: after an open last answer's words.
+    fn first_word(&self) -> usize {
+        let last = self.messages.last().and_then(|m| m.get("content")).and_then(Value::as_str);
+        match last.filter(|_| self.continue_final_message).map(answer_ids) {
+            Some(ids) => first_word(&json!(ids)),
+            None => 0,
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -417,14 +432,14 @@ fn word_id(word: usize) -> u32 {
 
 async fn chat(s: web::Data<SimState>, body: web::Bytes) -> HttpResponse {
     s.received.fetch_add(1, Ordering::Relaxed);
-    let (params, prompt) =
+    let (params, prompt, first_word) =
         match (serde_json::from_slice::<GenParams>(&body), serde_json::from_slice::<ChatPrompt>(&body)) {
-            (Ok(p), Ok(c)) if !c.messages.is_empty() => (p, render_chat(&c.messages)),
+            (Ok(p), Ok(c)) if !c.messages.is_empty() => (p, render_chat(&c.messages), c.first_word()),
             _ => return bad_request("expected a chat completion request with a non-empty 'messages' array"),
         };
     s.saw_salt(&params);
     let ids = prompt_ids(&prompt);
-    generate(s.into_inner(), params, prompt, Answer { chat: true, first_word: 0, prompt_ids: ids }).await
+    generate(s.into_inner(), params, prompt, Answer { chat: true, first_word, prompt_ids: ids }).await
 }
 
 async fn completions(s: web::Data<SimState>, body: web::Bytes) -> HttpResponse {
@@ -482,6 +497,21 @@ async fn tokenize(s: web::Data<SimState>, body: web::Bytes) -> HttpResponse {
             HttpResponse::Ok().json(json!({"count": count, "max_model_len": s.cfg.kv_tokens, "tokens": ids}))
         }
         None => bad_request("expected 'messages' or a string 'prompt'"),
+    }
+}
+
+/// vLLM's `POST /detokenize`: ids to text (an answer's ids to its words).
+async fn detokenize(body: web::Bytes) -> HttpResponse {
+    #[derive(Deserialize)]
+    struct Ids {
+        tokens: Vec<u32>,
+    }
+    match serde_json::from_slice::<Ids>(&body) {
+        Ok(ids) => {
+            let words = ids.tokens.iter().filter_map(|&id| WORDS.get((id as usize).checked_sub(1)?));
+            HttpResponse::Ok().json(json!({"prompt": words.copied().collect::<String>()}))
+        }
+        Err(_) => bad_request("expected 'tokens'"),
     }
 }
 

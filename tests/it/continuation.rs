@@ -335,3 +335,30 @@ async fn a_drain_with_hand_over_on_one_instance_moves_the_streams_of_every_insta
     let continued = events_of(&gw1, "stream_continued").await;
     assert!(continued[0]["detail"].as_str().unwrap().contains("drained"), "{continued:?}");
 }
+
+#[actix_web::test]
+async fn a_chat_stream_that_offers_tools_goes_on_through_the_chat_endpoint_so_a_tool_call_after_the_seam_is_parsed() {
+    let (_a, b, gw) = fleet(dies_at_150(), Default::default()).await;
+    let tools = json!([{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]);
+    let extra = json!({"stream": true, "temperature": 0, "max_tokens": 400, "tools": tools,
+        "stream_options": {"include_usage": true}});
+    let body = chat_body(&[("user", "Look around.")], extra);
+    let mut whole = body.clone();
+    whole["stream"] = json!(false);
+    let whole = post(&format!("{}/v1/chat/completions", b.url), &whole).await;
+    let expected = whole.body["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    let got = on_a(&gw, "/v1/chat/completions", &body).await;
+    assert_eq!(got.replica, "a");
+    assert_eq!(got.text(), expected, "the answer goes on where it was, word for word");
+    assert_eq!(got.count(|e| !e["choices"][0]["delta"]["role"].is_null()), 1, "one role");
+    assert_eq!(got.count(|e| !e["choices"][0]["finish_reason"].is_null()), 1, "one finish");
+    assert_eq!(got.done, 1);
+    let usage = got.events.iter().find(|e| !e["usage"].is_null()).expect("usage");
+    assert_eq!(usage["usage"]["completion_tokens"], 400);
+    let ids: std::collections::HashSet<&str> = got.events.iter().filter_map(|e| e["id"].as_str()).collect();
+    assert_eq!(ids.len(), 1, "the first leg's id throughout: {ids:?}");
+    assert!(!got.raw.contains("token_ids"));
+    let continued = events_of(&gw, "stream_continued").await;
+    let detail = continued[0]["detail"].as_str().unwrap();
+    assert!(detail.contains("after 150 tokens (exact: false"), "resumed from its text, through chat: {detail}");
+}

@@ -311,7 +311,7 @@ mod tests {
         let passed = feed(&mut relay, &responses_first_leg());
         assert_eq!(passed.len(), 4, "the first leg passes as it came");
         assert_eq!((relay.said.refusal(), relay.said.text.as_str(), relay.said.seam()), (None, "the", 1));
-        relay.resumed();
+        relay.resumed(None);
         let usage = json!({"id": "cmpl-2", "choices": [], "usage": {"prompt_tokens": 31, "completion_tokens": 2}});
         let resumed = feed(
             &mut relay,
@@ -386,7 +386,7 @@ mod tests {
         feed(&mut relay, &first);
         assert_eq!(relay.said.refusal(), None);
         assert!(!relay.said.finished, "no message_delta yet");
-        relay.resumed();
+        relay.resumed(None);
         let finish = format!(
             "data: {}\n\n",
             json!({"choices": [{"index": 0, "text": "", "finish_reason": "stop", "stop_reason": "END"}]})

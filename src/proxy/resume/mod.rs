@@ -473,6 +473,35 @@ pub fn resume_request(request: &Value, dialect: Dialect, prompt: &[u32], generat
     serde_json::to_vec(&Value::Object(out)).ok().map(Bytes::from)
 }
 
+/// Whether a chat request offers tools the model may call: its stream is
+/// then resumed through the chat endpoint, whose tool parser turns a call
+/// after the seam into `tool_calls` (`/v1/completions` would pass its
+/// markup as text).
+pub fn offers_tools(request: &Value) -> bool {
+    let tools = request.get("tools").and_then(Value::as_array).is_some_and(|t| !t.is_empty());
+    tools && request.get("tool_choice").and_then(Value::as_str) != Some("none")
+}
+
+/// The chat request that resumes the client's chat `request` after
+/// `generated` tokens whose text is `answer`: its own request with the
+/// answer as the open last message (`continue_final_message`, vLLM's),
+/// what is left of its `max_tokens`.
+pub fn chat_resume_request(request: &Value, answer: &str, generated: usize) -> Option<Bytes> {
+    let mut out = request.as_object()?.clone();
+    let mut messages = out.get("messages")?.as_array()?.clone();
+    messages.push(json!({"role": "assistant", "content": answer}));
+    out.insert("messages".into(), json!(messages));
+    out.insert("continue_final_message".into(), json!(true));
+    out.insert("add_generation_prompt".into(), json!(false));
+    for key in ["max_completion_tokens", "max_tokens"] {
+        if let Some(max) = out.get(key).and_then(Value::as_u64) {
+            out.insert(key.into(), json!(max.saturating_sub(generated as u64).max(1)));
+        }
+    }
+    out.insert("stream".into(), json!(true));
+    serde_json::to_vec(&Value::Object(out)).ok().map(Bytes::from)
+}
+
 /// The client's stream, one whole SSE event at a time: the first leg's
 /// events read and passed on (ids stripped unless the client asked for
 /// them), a resumed leg's re-framed as the first leg's.
@@ -495,6 +524,8 @@ pub struct Relay {
     last: Bytes,
     /// Where the client's chunks are written.
     out: BytesMut,
+    /// The resumed leg runs on the chat endpoint (`resumed`).
+    chat_leg: bool,
 }
 
 impl Relay {
@@ -512,6 +543,7 @@ impl Relay {
             usage: None,
             last: Bytes::new(),
             out: BytesMut::new(),
+            chat_leg: false,
         }
     }
 
@@ -530,9 +562,16 @@ impl Relay {
     }
 
     /// A resumed leg starts: what follows is its events.
-    pub fn resumed(&mut self) {
+    /// A resumed leg starts: what follows is its events. `via_chat`: it
+    /// runs on the chat endpoint, resumed from this text of the answer
+    /// (from then on the answer is kept as text).
+    pub fn resumed(&mut self, via_chat: Option<String>) {
         self.legs += 1;
         self.generated_before = self.said.seam() as u64;
+        if let Some(text) = via_chat {
+            (self.said.way, self.said.text, self.said.tokens) = (Way::Text, text, self.said.seam());
+            self.chat_leg = true;
+        }
         self.pending.clear();
         (self.finish, self.usage) = (None, None);
     }
@@ -689,6 +728,9 @@ impl Relay {
     /// dialect frames it (a chunk that says nothing is dropped).
     fn resumed_event(&mut self, event: &Value, out: &mut BytesMut) {
         let choice = event.get("choices").and_then(|c| c.get(0));
+        if self.chat_leg {
+            return self.resumed_chat_event(event, choice, out);
+        }
         let text = choice.and_then(|c| c.get("text")).and_then(Value::as_str).unwrap_or("");
         let finish = choice.and_then(|c| c.get("finish_reason")).filter(|f| !f.is_null());
         let ids: Vec<u32> = choice
@@ -721,6 +763,31 @@ impl Relay {
                 }
             }
         }
+    }
+
+    /// A resumed chat leg's chunk (a chat that offers tools): its delta as
+    /// the engine parsed it (text or a tool call), with the first leg's
+    /// id, model and created, no role; usage merged.
+    fn resumed_chat_event(&mut self, event: &Value, choice: Option<&Value>, out: &mut BytesMut) {
+        let mut delta = choice.and_then(|c| c.get("delta")).cloned().unwrap_or_else(|| json!({}));
+        if let Some(delta) = delta.as_object_mut() {
+            delta.remove("role");
+        }
+        self.said.keep_text(delta.get("content").and_then(Value::as_str).unwrap_or(""));
+        let finish = choice.and_then(|c| c.get("finish_reason")).filter(|f| !f.is_null());
+        let usage = event.get("usage").filter(|u| !u.is_null() && choice.is_none());
+        let mut chunk = json!({"id": self.said.id, "object": "chat.completion.chunk", "created": self.said.created, "model": self.said.model});
+        if let Some(usage) = usage {
+            let (prompt, completion) = self.merged_usage(usage);
+            chunk["choices"] = json!([]);
+            chunk["usage"] =
+                json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion});
+        } else if delta.as_object().is_some_and(|d| !d.is_empty()) || finish.is_some() {
+            chunk["choices"] = json!([{"index": 0, "delta": delta, "finish_reason": finish}]);
+        } else {
+            return;
+        }
+        out.extend_from_slice(format!("data: {chunk}\n\n").as_bytes());
     }
 
     /// The resumed leg's `[DONE]`: passed on for chat and completions; for
@@ -863,7 +930,7 @@ mod tests {
         assert_eq!(resume["max_tokens"], 3);
         assert_eq!((resume["temperature"].clone(), resume["return_token_ids"].clone()), (json!(0), json!(true)));
         assert!(resume.get("messages").is_none());
-        relay.resumed();
+        relay.resumed(None);
         let second = [
             json!({"id": "cmpl-x", "object": "text_completion", "created": 9, "model": "m", "prompt_token_ids": [10, 11, 1],
                 "choices": [{"index": 0, "text": " cache", "token_ids": [2], "finish_reason": null}]}),
@@ -955,5 +1022,57 @@ mod tests {
         relay.feed_slice(chunk(json!({"choices": [{"text": "b", "token_ids": [3]}]})).as_bytes());
         assert_eq!(relay.said.refusal(), Some(Refusal::TooLong));
         assert!(relay.said.prompt_ids.as_ref().unwrap().len() + relay.said.generated.len() <= MAX_IDS);
+    }
+
+    #[test]
+    fn a_chat_that_offers_tools_goes_on_through_chat_and_a_tool_call_after_the_seam_arrives_parsed() {
+        let request = json!({"model": "m", "messages": [{"role": "user", "content": "q"}], "max_tokens": 10, "stream": true,
+            "tools": [{"type": "function", "function": {"name": "ls"}}]});
+        assert!(offers_tools(&request));
+        let mut none = request.clone();
+        none["tool_choice"] = json!("none");
+        assert!(!offers_tools(&none));
+        let resume: Value = serde_json::from_slice(&chat_resume_request(&request, "I will", 2).unwrap()).unwrap();
+        assert_eq!(resume["messages"][1], json!({"role": "assistant", "content": "I will"}));
+        assert_eq!(
+            (resume["continue_final_message"].clone(), resume["add_generation_prompt"].clone()),
+            (json!(true), json!(false))
+        );
+        assert_eq!((resume["max_tokens"].clone(), resume["tools"].clone()), (json!(8), request["tools"].clone()));
+
+        let mut relay = Relay::new(Dialect::Chat, Way::Ids, true);
+        relay.feed_slice(
+            chunk(json!({"id": "c1", "created": 5, "model": "m", "prompt_token_ids": [10],
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": "I"}, "token_ids": [1]}]}))
+            .as_bytes(),
+        );
+        relay.feed_slice(
+            chunk(json!({"id": "c1", "choices": [{"index": 0, "delta": {"content": " will"}, "token_ids": [2]}]}))
+                .as_bytes(),
+        );
+        relay.resumed(Some("I will".into()));
+        assert_eq!((relay.said.way, relay.said.seam()), (Way::Text, 2), "kept as text from here");
+        let call = json!([{"index": 0, "id": "t1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]);
+        let legs = [
+            json!({"id": "chatcmpl-2", "created": 9, "model": "m", "choices": [{"index": 0, "delta": {"role": "assistant", "content": " look"}, "finish_reason": null}]}),
+            json!({"id": "chatcmpl-2", "choices": [{"index": 0, "delta": {"tool_calls": call}, "finish_reason": null}]}),
+            json!({"id": "chatcmpl-2", "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}),
+            json!({"id": "chatcmpl-2", "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}}),
+        ];
+        let out: String = legs
+            .iter()
+            .map(|e| String::from_utf8(relay.feed_slice(chunk(e.clone()).as_bytes()).to_vec()).unwrap())
+            .collect();
+        let events: Vec<Value> =
+            out.split("\n\n").filter(|e| !e.is_empty()).map(|e| serde_json::from_str(&e[6..]).unwrap()).collect();
+        assert!(events.iter().all(|e| e["id"] == "c1" && e["created"] == 5), "the first leg's id and created");
+        assert_eq!(events[0]["choices"][0]["delta"], json!({"content": " look"}), "no second role");
+        assert_eq!(events[1]["choices"][0]["delta"]["tool_calls"], call, "the engine's parsed call, as it sent it");
+        assert_eq!(events[2]["choices"][0]["finish_reason"], "tool_calls");
+        assert_eq!(
+            events[3]["usage"],
+            json!({"prompt_tokens": 1, "completion_tokens": 5, "total_tokens": 6}),
+            "the first prompt"
+        );
     }
 }
