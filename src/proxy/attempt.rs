@@ -306,29 +306,19 @@ async fn tokenize(
     caller: headers::Caller<'_>,
     transcript: &Transcript,
 ) -> Option<Vec<u32>> {
-    let post = |path: &'static str, body: serde_json::Value| {
-        let request = upstream.post_json(spec, caller, path);
-        async move {
-            let answered = async {
-                let mut resp = request.send_json(&body).await.ok()?;
-                let bytes = resp.body().limit(8 << 20).await.ok()?;
-                resp.status().is_success().then_some(bytes)
-            };
-            tokio::time::timeout(TOKENIZE_TIMEOUT, answered).await.ok().flatten()
-        }
-    };
-    if let Some(ids) = post("/tokenize", transcript.vllm_tokenize()).await.and_then(|b| tokens_of(&b)) {
+    let ask = |path, body| ask_replica(upstream, spec, caller, path, body);
+    if let Some(ids) = ask("/tokenize", transcript.vllm_tokenize()).await.and_then(|b| tokens_of(&b)) {
         return Some(ids);
     }
     let rendered = match transcript.llama_template() {
         Some(body) => {
-            let answer = post("/apply-template", body).await?;
+            let answer = ask("/apply-template", body).await?;
             let prompt = serde_json::from_slice::<serde_json::Value>(&answer).ok()?;
             Some(prompt.get("prompt")?.as_str()?.to_string())
         }
         None => None,
     };
-    post("/tokenize", transcript.llama_tokenize(rendered.as_deref())).await.and_then(|b| tokens_of(&b))
+    ask("/tokenize", transcript.llama_tokenize(rendered.as_deref())).await.and_then(|b| tokens_of(&b))
 }
 
 /// The text of `ids` as the replica `spec` decodes them (vLLM's
@@ -342,12 +332,25 @@ async fn detokenize(
     ids: Vec<u32>,
 ) -> Option<String> {
     let body = serde_json::json!({"model": request.get("model"), "tokens": ids});
+    let answer = ask_replica(upstream, spec, caller, "/detokenize", body).await?;
+    let decoded = serde_json::from_slice::<serde_json::Value>(&answer).ok()?;
+    decoded.get("prompt").or_else(|| decoded.get("content"))?.as_str().map(str::to_string)
+}
+
+/// A successful answer's body to a JSON `POST` of `body` to `path` on the
+/// replica `spec`, within `TOKENIZE_TIMEOUT` (the tokenizer's endpoints a
+/// resumed leg asks before it starts).
+async fn ask_replica(
+    upstream: &Upstream,
+    spec: &Arc<ReplicaSpec>,
+    caller: headers::Caller<'_>,
+    path: &'static str,
+    body: serde_json::Value,
+) -> Option<web::Bytes> {
     let answered = async {
-        let mut resp = upstream.post_json(spec, caller, "/detokenize").send_json(&body).await.ok()?;
+        let mut resp = upstream.post_json(spec, caller, path).send_json(&body).await.ok()?;
         let bytes = resp.body().limit(8 << 20).await.ok()?;
-        let decoded =
-            serde_json::from_slice::<serde_json::Value>(&bytes).ok().filter(|_| resp.status().is_success())?;
-        decoded.get("prompt").or_else(|| decoded.get("content"))?.as_str().map(str::to_string)
+        resp.status().is_success().then_some(bytes)
     };
     tokio::time::timeout(TOKENIZE_TIMEOUT, answered).await.ok().flatten()
 }

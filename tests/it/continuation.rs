@@ -92,6 +92,30 @@ async fn on_a(gw: &Gw, path: &str, body: &Value) -> Streamed {
     stream(&format!("{}{path}", gw.base), body, resume).await
 }
 
+/// The unstreamed answer to a streamed chat `body`, asked of `replica` directly.
+async fn chat_answer(replica: &Sim, body: &Value) -> String {
+    let mut whole = body.clone();
+    whole["stream"] = json!(false);
+    let whole = post(&format!("{}/v1/chat/completions", replica.url), &whole).await;
+    whole.body["choices"][0]["message"]["content"].as_str().unwrap().to_string()
+}
+
+/// A chat stream read as one answer: begun on "a", the `expected` text word
+/// for word, one role, one finish, one `[DONE]`, usage of 400 tokens, the
+/// first leg's id throughout and none of the ids the gateway asked for.
+fn assert_one_chat_answer(got: &Streamed, expected: &str) {
+    assert_eq!(got.replica, "a");
+    assert_eq!(got.text(), expected, "the uninterrupted answer, word for word");
+    assert_eq!(got.count(|e| !e["choices"][0]["delta"]["role"].is_null()), 1, "one role");
+    assert_eq!(got.count(|e| !e["choices"][0]["finish_reason"].is_null()), 1, "one finish");
+    assert_eq!(got.done, 1, "one [DONE]");
+    let usage = got.events.iter().find(|e| !e["usage"].is_null()).expect("usage");
+    assert_eq!(usage["usage"]["completion_tokens"], 400);
+    let ids: std::collections::HashSet<&str> = got.events.iter().filter_map(|e| e["id"].as_str()).collect();
+    assert_eq!(ids.len(), 1, "the first leg's id throughout: {ids:?}");
+    assert!(!got.raw.contains("token_ids"), "the ids the gateway asked for are not the client's");
+}
+
 async fn events_of(gw: &Gw, kind: &str) -> Vec<Value> {
     let (_, events) = admin("GET", &format!("{}/admin/v1/events?kind={kind}", gw.admin), None, None).await;
     events["items"].as_array().cloned().unwrap_or_default()
@@ -103,21 +127,9 @@ async fn a_chat_stream_whose_replica_dies_goes_on_elsewhere_token_for_token_and_
     let messages = [("system", "You are terse."), ("user", "Tell me about caches.")];
     let extra = json!({"stream": true, "temperature": 0, "max_tokens": 400, "stream_options": {"include_usage": true}});
     let body = chat_body(&messages, extra);
-    let mut whole = body.clone();
-    whole["stream"] = json!(false);
-    let whole = post(&format!("{}/v1/chat/completions", b.url), &whole).await;
-    let expected = whole.body["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    let expected = chat_answer(&b, &body).await;
     let got = on_a(&gw, "/v1/chat/completions", &body).await;
-    assert_eq!(got.replica, "a");
-    assert_eq!(got.text(), expected, "the uninterrupted answer, word for word");
-    assert_eq!(got.count(|e| !e["choices"][0]["delta"]["role"].is_null()), 1, "one role");
-    assert_eq!(got.count(|e| !e["choices"][0]["finish_reason"].is_null()), 1, "one finish");
-    assert_eq!(got.done, 1, "one [DONE]");
-    let usage = got.events.iter().find(|e| !e["usage"].is_null()).expect("usage");
-    assert_eq!(usage["usage"]["completion_tokens"], 400);
-    let ids: std::collections::HashSet<&str> = got.events.iter().filter_map(|e| e["id"].as_str()).collect();
-    assert_eq!(ids.len(), 1, "the first leg's id throughout: {ids:?}");
-    assert!(!got.raw.contains("token_ids"), "the ids the gateway asked for are not the client's");
+    assert_one_chat_answer(&got, &expected);
     let continued = events_of(&gw, "stream_continued").await;
     assert_eq!(continued.len(), 1, "{continued:?}");
     assert_eq!((continued[0]["replica"].as_str(), continued[0]["to_replica"].as_str()), (Some("a"), Some("b")));
@@ -189,13 +201,7 @@ async fn a_drain_with_hand_over_moves_a_long_stream_in_seconds_and_it_completes_
     let b = start_sim("b", slow_decoder(1_000.0)).await;
     let gw = start_gateway(test_config(&[&a, &b])).await;
     let body = chat_body(&[("user", "A long one.")], json!({"stream": true, "max_tokens": 600, "temperature": 0}));
-    let mut whole = body.clone();
-    whole["stream"] = json!(false);
-    let expected = post(&format!("{}/v1/chat/completions", b.url), &whole).await.body["choices"][0]["message"]
-        ["content"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let expected = chat_answer(&b, &body).await;
     let drain = async {
         tokio::time::sleep(Duration::from_millis(800)).await;
         let started = std::time::Instant::now();
@@ -343,21 +349,9 @@ async fn a_chat_stream_that_offers_tools_goes_on_through_the_chat_endpoint_so_a_
     let extra = json!({"stream": true, "temperature": 0, "max_tokens": 400, "tools": tools,
         "stream_options": {"include_usage": true}});
     let body = chat_body(&[("user", "Look around.")], extra);
-    let mut whole = body.clone();
-    whole["stream"] = json!(false);
-    let whole = post(&format!("{}/v1/chat/completions", b.url), &whole).await;
-    let expected = whole.body["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    let expected = chat_answer(&b, &body).await;
     let got = on_a(&gw, "/v1/chat/completions", &body).await;
-    assert_eq!(got.replica, "a");
-    assert_eq!(got.text(), expected, "the answer goes on where it was, word for word");
-    assert_eq!(got.count(|e| !e["choices"][0]["delta"]["role"].is_null()), 1, "one role");
-    assert_eq!(got.count(|e| !e["choices"][0]["finish_reason"].is_null()), 1, "one finish");
-    assert_eq!(got.done, 1);
-    let usage = got.events.iter().find(|e| !e["usage"].is_null()).expect("usage");
-    assert_eq!(usage["usage"]["completion_tokens"], 400);
-    let ids: std::collections::HashSet<&str> = got.events.iter().filter_map(|e| e["id"].as_str()).collect();
-    assert_eq!(ids.len(), 1, "the first leg's id throughout: {ids:?}");
-    assert!(!got.raw.contains("token_ids"));
+    assert_one_chat_answer(&got, &expected);
     let continued = events_of(&gw, "stream_continued").await;
     let detail = continued[0]["detail"].as_str().unwrap();
     assert!(detail.contains("after 150 tokens (exact: false"), "resumed from its text, through chat: {detail}");

@@ -456,7 +456,7 @@ pub fn resume_request(request: &Value, dialect: Dialect, prompt: &[u32], generat
         _ => request.get("max_completion_tokens").or_else(|| request.get("max_tokens")),
     };
     if let Some(max) = max.and_then(Value::as_u64) {
-        out.insert("max_tokens".into(), json!(max.saturating_sub(generated as u64).max(1)));
+        out.insert("max_tokens".into(), json!(left_of(max, generated)));
     }
     out.insert("stream".into(), json!(true));
     match dialect {
@@ -472,6 +472,12 @@ pub fn resume_request(request: &Value, dialect: Dialect, prompt: &[u32], generat
     }
     out.insert("return_token_ids".into(), json!(true));
     serde_json::to_vec(&Value::Object(out)).ok().map(Bytes::from)
+}
+
+/// What is left of a request's `max` tokens after `generated` (at least
+/// one: a resumed leg asks for something).
+fn left_of(max: u64, generated: usize) -> u64 {
+    max.saturating_sub(generated as u64).max(1)
 }
 
 /// Whether a chat request offers tools the model may call: its stream is
@@ -496,7 +502,7 @@ pub fn chat_resume_request(request: &Value, answer: &str, generated: usize) -> O
     out.insert("add_generation_prompt".into(), json!(false));
     for key in ["max_completion_tokens", "max_tokens"] {
         if let Some(max) = out.get(key).and_then(Value::as_u64) {
-            out.insert(key.into(), json!(max.saturating_sub(generated as u64).max(1)));
+            out.insert(key.into(), json!(left_of(max, generated)));
         }
     }
     out.insert("stream".into(), json!(true));

@@ -141,22 +141,17 @@ impl Relay {
         // One event (no line end before its last two): its ids found from
         // its end; else every member searched for.
         let one_event = memchr::memchr(b'\n', &chunk[..chunk.len() - 2]).is_none();
-        if let Some(found) = one_event.then(|| last_array_token_ids(chunk)).flatten() {
+        let found: SmallVec<[Found; 2]> = match one_event.then(|| last_array_token_ids(chunk)).flatten() {
+            Some(found) => smallvec::smallvec![found],
+            None => token_ids(chunk).collect(),
+        };
+        for found in &found {
             self.said.keep_ids(ids_in(&chunk[found.value..found.end]));
-            if !self.strip_ids {
-                return chunk.clone();
-            }
-            return self.written(chunk.len(), |out| without_member(chunk, found.at, found.end, out));
         }
-        let found: SmallVec<[Found; 2]> = token_ids(chunk).collect();
-        let mut spans: SmallVec<[(usize, usize); 2]> = SmallVec::new();
-        for found in found {
-            self.said.keep_ids(ids_in(&chunk[found.value..found.end]));
-            spans.push((found.at, found.end));
-        }
-        if spans.is_empty() || !self.strip_ids {
+        if found.is_empty() || !self.strip_ids {
             return chunk.clone();
         }
+        let spans = found.iter().map(|f| (f.at, f.end)).collect();
         self.written(chunk.len(), |out| strip_spans_into(chunk, spans, out))
     }
 

@@ -58,21 +58,6 @@ pub(super) fn last_array_token_ids(data: &[u8]) -> Option<Found> {
     named.then_some(Found { at, value, end })
 }
 
-/// `data` without the one member at `at..end` and one comma, to `out`
-/// (`strip_spans_into` for one member, without its bookkeeping).
-pub(super) fn without_member(data: &[u8], at: usize, end: usize, out: &mut BytesMut) {
-    let before = data[..at].trim_ascii_end();
-    let (cut, resume) = match before.strip_suffix(b",") {
-        Some(kept) => (kept.len(), end),
-        None => {
-            let after = skip_ws(data, end);
-            (at, if data.get(after) == Some(&b',') { skip_ws(data, after + 1) } else { end })
-        }
-    };
-    out.extend_from_slice(&data[..cut]);
-    out.extend_from_slice(&data[resume..]);
-}
-
 /// Every member named by `finder` in `data`.
 fn members<'a>(data: &'a [u8], finder: &'a Finder<'static>) -> impl Iterator<Item = Found> + 'a {
     let len = finder.needle().len();
@@ -199,7 +184,7 @@ mod tests {
         assert_eq!(&event[last.value..last.end], b"[7]");
         let cut = |data: &[u8], f: Found| {
             let mut out = BytesMut::new();
-            without_member(data, f.at, f.end, &mut out);
+            strip_spans_into(data, smallvec::smallvec![(f.at, f.end)], &mut out);
             out
         };
         assert_eq!(&cut(event, last)[..], br#"data: {"choices":[{"delta":{"content":"a["}}],"id":"x"}"#);
