@@ -419,8 +419,8 @@ impl Forwarding<'_> {
         let failover = &self.h.state.config.failover;
         let (relay, refused, learn) = match continuity {
             resume::Continuity::Refused(refused) => (None, Some(refused), None),
-            resume::Continuity::Relay { way, ask_ids } => {
-                let relay = resume::Relay::new(self.lookup.shape.dialect, way, ask_ids);
+            resume::Continuity::Relay { way, ask_ids, usage } => {
+                let relay = resume::Relay::new(self.lookup.shape.dialect, way, ask_ids).with_client_usage(usage);
                 (Some(relay), None, ask_ids.then(|| on.clone()))
             }
         };

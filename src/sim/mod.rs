@@ -72,6 +72,14 @@ pub struct SimConfig {
     /// keeps its connection open (a wedged engine).
     #[arg(long)]
     pub stall_after_tokens: Option<u64>,
+    /// Give no token ids, whatever `return_token_ids` asks (llama-server).
+    #[arg(long)]
+    pub no_token_ids: bool,
+    /// Put a completion stream's usage in its finish chunk, asked for or
+    /// not, as llama-server does (a chat stream's still comes in a chunk of
+    /// its own, only when asked).
+    #[arg(long)]
+    pub usage_in_finish_chunk: bool,
 }
 
 impl Default for SimConfig {
@@ -88,6 +96,8 @@ impl Default for SimConfig {
             slots: None,
             die_after_tokens: None,
             stall_after_tokens: None,
+            no_token_ids: false,
+            usage_in_finish_chunk: false,
         }
     }
 }
@@ -475,8 +485,9 @@ async fn tokenize(s: web::Data<SimState>, body: web::Bytes) -> HttpResponse {
             // The answer so far, left open: the words it said as their ids,
             // so a completion of these ids goes on where the answer was.
             let (last, before) = c.messages.split_last().expect("two or more");
+            // No generation prompt: a chat's own prompt counts none either,
+            // so the resumed prompt is the first one and the answer's ids.
             let mut rendered = render_chat(before);
-            rendered.extend_from_slice(b"assistant\n");
             let answer = last.get("content").and_then(Value::as_str).unwrap_or("");
             let mut ids = prompt_ids(&rendered);
             ids.extend(answer_ids(answer));
@@ -707,7 +718,8 @@ async fn generate(s: Arc<SimState>, params: GenParams, prompt: Vec<u8>, answer: 
     // Streaming: headers go out at once (as real SSE servers do); the first
     // data chunk waits for the prefill.
     let include_usage = params.stream_options.is_some_and(|o| o.include_usage);
-    let with_ids = params.return_token_ids;
+    let with_ids = params.return_token_ids && !s.cfg.no_token_ids;
+    let usage_in_finish = s.cfg.usage_in_finish_chunk && !chat;
     let (tx, rx) = tokio::sync::mpsc::channel::<Frame>(8);
     actix_web::rt::spawn(async move {
         let p = match prefill(&s, &prompt, max_tokens).await {
@@ -754,8 +766,14 @@ async fn generate(s: Arc<SimState>, params: GenParams, prompt: Vec<u8>, answer: 
                 return; // the client went away: stop generating, free the KV
             }
         }
-        let mut tail = vec![chunk(None, Some("length"))];
-        if include_usage {
+        let mut finish = chunk(None, Some("length"));
+        if usage_in_finish {
+            let mut event: Value = serde_json::from_slice(&finish[6..finish.len() - 2]).expect("our own chunk");
+            event["usage"] = usage(&p, max_tokens);
+            finish = sse(&event);
+        }
+        let mut tail = vec![finish];
+        if include_usage && !usage_in_finish {
             tail.push(sse(&json!({"id": id, "object": object, "created": created, "model": model, "choices": [], "usage": usage(&p, max_tokens)})));
         }
         tail.push(web::Bytes::from_static(b"data: [DONE]\n\n"));

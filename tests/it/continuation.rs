@@ -295,6 +295,60 @@ async fn a_messages_stream_whose_replica_dies_goes_on_in_the_same_content_block(
     moved_from_text(&gw, "messages", "/v1/messages", &next).await;
 }
 
+/// llama-server's way: no token ids, a completion stream's usage in its
+/// finish chunk, a chat stream's only when asked.
+fn like_llama_server(sim: SimConfig) -> SimConfig {
+    SimConfig { no_token_ids: true, usage_in_finish_chunk: true, ..sim }
+}
+
+#[actix_web::test]
+async fn on_an_engine_without_ids_that_puts_usage_in_its_finish_chunk_a_broken_stream_reports_the_whole_answers_usage()
+{
+    let a = start_sim("a", like_llama_server(dies_at_150())).await;
+    let b = start_sim("b", like_llama_server(slow_decoder(400.0))).await;
+    let gw = start_gateway(test_config(&[&a, &b])).await;
+    let whole = |body: &Value| {
+        let mut whole = body.clone();
+        whole["stream"] = json!(false);
+        whole
+    };
+
+    let chat = chat_body(
+        &[("system", "You are terse."), ("user", "Tell me about caches.")],
+        json!({"stream": true, "max_tokens": 400, "temperature": 0, "stream_options": {"include_usage": true}}),
+    );
+    let expected = post(&format!("{}/v1/chat/completions", b.url), &whole(&chat)).await.body["usage"].clone();
+    let got = on_a(&gw, "/v1/chat/completions", &chat).await;
+    assert_eq!(got.replica, "a");
+    let usage: Vec<&Value> = got.events.iter().filter(|e| !e["usage"].is_null()).collect();
+    assert_eq!(usage.len(), 1, "the usage chunk the client asked for: {}", got.raw);
+    assert_eq!(usage[0]["choices"], json!([]), "a chunk of its own");
+    for key in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+        assert_eq!(usage[0]["usage"][key], expected[key], "{key}: {}", usage[0]);
+    }
+
+    let responses = json!({"model": "sim-model", "instructions": "You are terse.", "max_output_tokens": 400,
+        "input": [{"role": "user", "content": "Tell me about caches."}], "temperature": 0, "stream": true, "store": false});
+    let expected = post(&format!("{}/v1/responses", b.url), &whole(&responses)).await.body["usage"].clone();
+    let got = on_a(&gw, "/v1/responses", &responses).await;
+    let completed = got.of_type("response.completed");
+    assert_eq!(completed.len(), 1, "{}", got.raw);
+    let usage = &completed[0]["response"]["usage"];
+    for key in ["input_tokens", "output_tokens", "total_tokens"] {
+        assert_eq!(usage[key], expected[key], "{key}: {usage}");
+    }
+
+    let messages = json!({"model": "sim-model", "system": "You are terse.", "max_tokens": 400, "temperature": 0,
+        "messages": [{"role": "user", "content": "Tell me about caches."}], "stream": true});
+    let expected = post(&format!("{}/v1/messages", b.url), &whole(&messages)).await.body["usage"].clone();
+    let got = on_a(&gw, "/v1/messages", &messages).await;
+    let delta = got.of_type("message_delta");
+    assert_eq!(delta.len(), 1, "{}", got.raw);
+    assert_eq!(delta[0]["usage"]["output_tokens"], expected["output_tokens"]);
+    let continued = events_of(&gw, "stream_continued").await;
+    assert_eq!(continued.len(), 3, "every stream went on: {continued:?}");
+}
+
 #[actix_web::test]
 async fn across_instances_sharing_a_store_the_resumed_legs_starting_at_once_are_bounded_per_model() {
     let Some(redis) = crate::shared::Redis::start() else { return };

@@ -124,6 +124,7 @@ pub struct Asked {
     guided_choice: Option<Value>,
     guided_grammar: Option<Value>,
     return_token_ids: Option<Value>,
+    stream_options: Option<Value>,
     /// Responses: its output format (`text.format`), whether it is stored,
     /// and the stored conversation it continues.
     text: Option<Value>,
@@ -178,8 +179,9 @@ pub enum Continuity {
     /// Refused up front: a break says why.
     Refused(Refusal),
     /// Relay its events, kept for `way`; `ask_ids`: the gateway adds
-    /// `return_token_ids` (the client did not ask, so they are stripped).
-    Relay { way: Way, ask_ids: bool },
+    /// `return_token_ids` (the client did not ask, so they are stripped);
+    /// `usage`: the client asked for a usage chunk.
+    Relay { way: Way, ask_ids: bool, usage: bool },
 }
 
 /// The continuity of a streamed request (`body`) of `dialect`, on a
@@ -189,15 +191,17 @@ pub fn continuity(body: &[u8], dialect: Dialect, gives_ids: bool) -> Continuity 
     if let Some(refused) = refusal_of(&asked, dialect) {
         return Continuity::Refused(refused);
     }
-    let text = Continuity::Relay { way: Way::Text, ask_ids: false };
+    let usage = asked.stream_options.as_ref().and_then(|o| o.get("include_usage")).and_then(Value::as_bool);
+    let usage = usage == Some(true);
+    let text = Continuity::Relay { way: Way::Text, ask_ids: false, usage };
     match (dialect, asked.return_token_ids) {
         // vLLM serves token ids on chat and completions only.
         (Dialect::Responses | Dialect::Messages, _) => text,
         (Dialect::Other, _) => Continuity::Refused(Refusal::NoTranscript),
-        (_, None) if gives_ids => Continuity::Relay { way: Way::Ids, ask_ids: true },
+        (_, None) if gives_ids => Continuity::Relay { way: Way::Ids, ask_ids: true, usage },
         (_, None) => text,
         // The client's own: passed as it asked, ids kept if they come.
-        (_, Some(_)) => Continuity::Relay { way: Way::Ids, ask_ids: false },
+        (_, Some(_)) => Continuity::Relay { way: Way::Ids, ask_ids: false, usage },
     }
 }
 
@@ -459,17 +463,9 @@ pub fn resume_request(request: &Value, dialect: Dialect, prompt: &[u32], generat
         out.insert("max_tokens".into(), json!(left_of(max, generated)));
     }
     out.insert("stream".into(), json!(true));
-    match dialect {
-        // Their end carries usage: always asked for.
-        Dialect::Responses | Dialect::Messages => {
-            out.insert("stream_options".into(), json!({"include_usage": true}));
-        }
-        _ => {
-            if let Some(options) = request.get("stream_options") {
-                out.insert("stream_options".into(), options.clone());
-            }
-        }
-    }
+    // Always asked: the merged count needs the leg's usage (the relay
+    // passes it on only to a client that asked for it).
+    out.insert("stream_options".into(), json!({"include_usage": true}));
     out.insert("return_token_ids".into(), json!(true));
     serde_json::to_vec(&Value::Object(out)).ok().map(Bytes::from)
 }
@@ -500,6 +496,7 @@ pub fn chat_resume_request(request: &Value, answer: &str, generated: usize) -> O
     out.insert("messages".into(), json!(messages));
     out.insert("continue_final_message".into(), json!(true));
     out.insert("add_generation_prompt".into(), json!(false));
+    out.insert("stream_options".into(), json!({"include_usage": true}));
     for key in ["max_completion_tokens", "max_tokens"] {
         if let Some(max) = out.get(key).and_then(Value::as_u64) {
             out.insert(key.into(), json!(left_of(max, generated)));
@@ -552,12 +549,12 @@ mod tests {
         assert_eq!(of(json!({"logprobs": 2})), Continuity::Refused(Refusal::Logprobs));
         let plain = json!({"messages": [{"role": "user", "content": "x"}], "n": 1, "logprobs": false,
             "response_format": {"type": "text"}});
-        assert_eq!(of(plain.clone()), Continuity::Relay { way: Way::Ids, ask_ids: true });
-        let text = Continuity::Relay { way: Way::Text, ask_ids: false };
+        assert_eq!(of(plain.clone()), Continuity::Relay { way: Way::Ids, ask_ids: true, usage: false });
+        let text = Continuity::Relay { way: Way::Text, ask_ids: false, usage: false };
         assert_eq!(continuity(plain.to_string().as_bytes(), Dialect::Chat, false), text, "no ids: the text way");
         assert_eq!(
             of(json!({"return_token_ids": true})),
-            Continuity::Relay { way: Way::Ids, ask_ids: false },
+            Continuity::Relay { way: Way::Ids, ask_ids: false, usage: false },
             "the client's own"
         );
     }

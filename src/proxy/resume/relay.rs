@@ -33,6 +33,10 @@ pub struct Relay {
     out: BytesMut,
     /// The resumed leg runs on the chat endpoint (`resumed`).
     chat_leg: bool,
+    /// Chat and completions: the client asked for usage
+    /// (`stream_options.include_usage`). A resumed leg always asks for it
+    /// (the merged count needs it); the client reads it only if it asked.
+    client_usage: bool,
 }
 
 impl Relay {
@@ -51,7 +55,14 @@ impl Relay {
             last: Bytes::new(),
             out: BytesMut::new(),
             chat_leg: false,
+            client_usage: false,
         }
+    }
+
+    /// The client asked for a usage chunk (chat and completions).
+    pub fn with_client_usage(mut self, asked: bool) -> Relay {
+        self.client_usage = asked;
+        self
     }
 
     /// At a break: what the first leg's last event says of the seam (the
@@ -244,7 +255,9 @@ impl Relay {
             Way::Ids => self.said.keep_ids(ids.iter().copied()),
             Way::Text => self.said.keep_text(text),
         }
-        let usage = event.get("usage").filter(|u| !u.is_null() && choice.is_none());
+        // Wherever the engine puts it: vLLM in a chunk of its own,
+        // llama-server in its finish chunk.
+        let usage = event.get("usage").filter(|u| !u.is_null());
         match self.dialect {
             Dialect::Responses | Dialect::Messages => {
                 if !text.is_empty() {
@@ -260,11 +273,23 @@ impl Relay {
                 }
             }
             _ => {
-                if let Some(chunk) = self.reframed_chunk(text, finish, &ids, usage) {
+                if let Some(chunk) = self.reframed_chunk(text, finish, &ids) {
                     out.extend_from_slice(format!("data: {chunk}\n\n").as_bytes());
                 }
+                self.usage_chunk(usage, out);
             }
         }
+    }
+
+    /// The merged usage as a chunk of its own (`choices: []`, as OpenAI
+    /// writes it), when the client asked for usage.
+    fn usage_chunk(&self, usage: Option<&Value>, out: &mut BytesMut) {
+        let Some(usage) = usage.filter(|_| self.client_usage) else { return };
+        let (prompt, completion) = self.merged_usage(usage);
+        let chunk = json!({"id": self.said.id, "object": self.object(), "created": self.said.created,
+            "model": self.said.model, "choices": [],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}});
+        out.extend_from_slice(format!("data: {chunk}\n\n").as_bytes());
     }
 
     /// A resumed chat leg's chunk (a chat that offers tools): its delta as
@@ -277,19 +302,12 @@ impl Relay {
         }
         self.said.keep_text(delta.get("content").and_then(Value::as_str).unwrap_or(""));
         let finish = choice.and_then(|c| c.get("finish_reason")).filter(|f| !f.is_null());
-        let usage = event.get("usage").filter(|u| !u.is_null() && choice.is_none());
-        let mut chunk = json!({"id": self.said.id, "object": "chat.completion.chunk", "created": self.said.created, "model": self.said.model});
-        if let Some(usage) = usage {
-            let (prompt, completion) = self.merged_usage(usage);
-            chunk["choices"] = json!([]);
-            chunk["usage"] =
-                json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion});
-        } else if delta.as_object().is_some_and(|d| !d.is_empty()) || finish.is_some() {
-            chunk["choices"] = json!([{"index": 0, "delta": delta, "finish_reason": finish}]);
-        } else {
-            return;
+        if delta.as_object().is_some_and(|d| !d.is_empty()) || finish.is_some() {
+            let chunk = json!({"id": self.said.id, "object": "chat.completion.chunk", "created": self.said.created,
+                "model": self.said.model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]});
+            out.extend_from_slice(format!("data: {chunk}\n\n").as_bytes());
         }
-        out.extend_from_slice(format!("data: {chunk}\n\n").as_bytes());
+        self.usage_chunk(event.get("usage").filter(|u| !u.is_null()), out);
     }
 
     /// The resumed leg's `[DONE]`: passed on for chat and completions; for
@@ -306,17 +324,8 @@ impl Relay {
     }
 
     /// A resumed leg's completion chunk as a chat or completion chunk of
-    /// the first leg; None for one that says nothing (no text, no finish,
-    /// no usage).
-    fn reframed_chunk(&self, text: &str, finish: Option<&Value>, ids: &[u32], usage: Option<&Value>) -> Option<Value> {
-        let mut out = json!({"id": self.said.id, "object": self.object(), "created": self.said.created, "model": self.said.model});
-        if let Some(usage) = usage {
-            let (prompt, completion) = self.merged_usage(usage);
-            out["choices"] = json!([]);
-            out["usage"] =
-                json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion});
-            return Some(out);
-        }
+    /// the first leg; None for one that says nothing (no text, no finish).
+    fn reframed_chunk(&self, text: &str, finish: Option<&Value>, ids: &[u32]) -> Option<Value> {
         if text.is_empty() && finish.is_none() {
             return None;
         }
@@ -328,8 +337,8 @@ impl Relay {
         if !self.strip_ids && self.said.way == Way::Ids {
             choice["token_ids"] = json!(ids);
         }
-        out["choices"] = json!([choice]);
-        Some(out)
+        Some(json!({"id": self.said.id, "object": self.object(), "created": self.said.created,
+            "model": self.said.model, "choices": [choice]}))
     }
 
     fn object(&self) -> &'static str {
@@ -363,7 +372,7 @@ mod tests {
 
     #[test]
     fn a_chat_stream_resumes_as_a_completion_and_reads_as_one_stream() {
-        let mut relay = Relay::new(Dialect::Chat, Way::Ids, true);
+        let mut relay = Relay::new(Dialect::Chat, Way::Ids, true).with_client_usage(true);
         let first = chunk(json!({"id": "c1", "object": "chat.completion.chunk", "created": 5, "model": "m",
             "prompt_token_ids": [10, 11],
             "choices": [{"index": 0, "delta": {"role": "assistant", "content": "the"}, "token_ids": [1], "finish_reason": null}]}));
@@ -495,7 +504,7 @@ mod tests {
         );
         assert_eq!((resume["max_tokens"].clone(), resume["tools"].clone()), (json!(8), request["tools"].clone()));
 
-        let mut relay = Relay::new(Dialect::Chat, Way::Ids, true);
+        let mut relay = Relay::new(Dialect::Chat, Way::Ids, true).with_client_usage(true);
         relay.feed_slice(
             chunk(json!({"id": "c1", "created": 5, "model": "m", "prompt_token_ids": [10],
             "choices": [{"index": 0, "delta": {"role": "assistant", "content": "I"}, "token_ids": [1]}]}))
@@ -529,5 +538,40 @@ mod tests {
             json!({"prompt_tokens": 1, "completion_tokens": 5, "total_tokens": 6}),
             "the first prompt"
         );
+    }
+
+    #[test]
+    fn usage_in_a_finish_chunk_is_merged_and_the_client_reads_it_only_if_it_asked() {
+        // llama-server's completion stream: no ids, usage in its finish chunk.
+        let leg = |relay: &mut Relay| -> Vec<Value> {
+            relay.feed_slice(
+                chunk(json!({"id": "c", "created": 1, "model": "m",
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": "a"}}]}))
+                .as_bytes(),
+            );
+            relay.feed_slice(chunk(json!({"choices": [{"index": 0, "delta": {"content": " b"}}]})).as_bytes());
+            relay.resumed(None);
+            let finish = json!({"id": "x", "choices": [{"index": 0, "text": " c", "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 12, "completion_tokens": 1, "total_tokens": 13}});
+            let mut out = relay.feed_slice(chunk(finish).as_bytes()).to_vec();
+            out.extend_from_slice(&relay.feed_slice(b"data: [DONE]\n\n"));
+            let out = String::from_utf8(out).unwrap();
+            out.split("\n\n")
+                .filter(|e| e.starts_with("data: {"))
+                .map(|e| serde_json::from_str(&e[6..]).unwrap())
+                .collect()
+        };
+        let mut asked = Relay::new(Dialect::Chat, Way::Text, false).with_client_usage(true);
+        let events = leg(&mut asked);
+        assert_eq!(events.len(), 2, "{events:?}");
+        assert_eq!(events[0]["choices"][0]["delta"], json!({"content": " c"}));
+        assert_eq!(events[1]["choices"], json!([]), "a usage chunk of its own, as OpenAI writes it");
+        assert_eq!(
+            events[1]["usage"],
+            json!({"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}),
+            "the first prompt (the resumed one held the answer so far), every leg's completion"
+        );
+        let mut not_asked = Relay::new(Dialect::Chat, Way::Text, false);
+        assert!(leg(&mut not_asked).iter().all(|e| e["usage"].is_null()), "not asked, not read");
     }
 }
