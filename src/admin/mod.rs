@@ -263,7 +263,7 @@ async fn metrics(s: web::Data<AppState>) -> HttpResponse {
     let replicas: Vec<crate::metrics::ReplicaGauges> = fleet
         .iter()
         // Counters a dashboard divides by: present from the start, at zero.
-        .inspect(|r| r.series.admission(&s.metrics, 0, 0))
+        .inspect(|r| r.series.from_zero(&s.metrics))
         .map(|r| {
             let resident = crate::sessions::Sessions::resident(r);
             crate::metrics::ReplicaGauges {

@@ -189,6 +189,26 @@ impl ReplicaSeries {
         });
     }
 
+    /// The counters a dashboard or an alert divides by or rates, at zero
+    /// from the replica's first scrape: a rate over a quiet replica is 0,
+    /// not absent (a failover to nowhere, admission waits and rejections).
+    /// The shape rule's two routes (pinned, spread) have their request,
+    /// token and first-token series from the start; rarer routes appear
+    /// with their first request (a series each per replica would multiply
+    /// the histograms for nothing).
+    pub fn from_zero(&self, metrics: &Arc<Metrics>) {
+        self.admission(metrics, 0, 0);
+        for reason in [RouteReason::Pinned, RouteReason::Spread] {
+            let route = self.route(metrics, reason);
+            route.requests[0].get_or_init(|| self.request_counter(metrics, reason, Cow::Borrowed(STATUSES[0])));
+        }
+        let labels = FailoverLabels { from: self.name.clone(), to: "none".into() };
+        self.create(metrics, |listed, m| {
+            push_once(&mut listed.failovers, &labels);
+            m.failovers.get_or_create(&labels).inc_by(0);
+        });
+    }
+
     /// Counts a failover from this replica to `to` (None: nowhere left).
     /// Listed on both, so either one's leaving takes it out.
     pub fn failover(&self, metrics: &Arc<Metrics>, to: Option<&ReplicaSeries>) {

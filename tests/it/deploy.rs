@@ -257,6 +257,9 @@ async fn every_metric_the_dashboard_and_the_alert_rules_name_is_exposed_after_tr
         "PrefixgateHoldQueueGrowing",
         "PrefixgateSharedStoreUnreachable",
         "PrefixgateDiscoverySourceFailing",
+        "PrefixgateErrorRatioHigh",
+        "PrefixgateMetricsAbsent",
+        "PrefixgateStreamsNotContinued",
     ] {
         assert!(alerts.contains(wanted), "alert {wanted} is in deploy/prometheus/alerts.yml");
     }
@@ -302,6 +305,34 @@ async fn every_metric_the_dashboard_and_the_alert_rules_name_is_exposed_after_tr
     gw.stop().await;
 }
 
+/// Metrics that appear only with their feature, as docs/observability.md says.
+const WITH_THEIR_FEATURE: [&str; 2] = ["prefixgate_discovery_stale", "prefixgate_discovery_changes_total"];
+
+#[actix_web::test]
+async fn every_metric_the_dashboard_and_the_alert_rules_name_is_in_a_fresh_gateways_metrics_before_any_traffic() {
+    let (a, b) = (start_sim("a", fast_sim()).await, start_sim("b", fast_sim()).await);
+    let gw = start_gateway(test_config(&[&a, &b])).await;
+    let metrics = scrape(&gw).await;
+    let exposed: BTreeSet<&str> =
+        metrics.lines().filter(|l| !l.starts_with('#')).filter_map(|l| l.split(['{', ' ']).next()).collect();
+    let observability = std::fs::read_to_string(deploy().join("../docs/observability.md")).unwrap();
+    let mut missing = Vec::new();
+    for (from, expr) in promql() {
+        for name in metric_names(&expr) {
+            if WITH_THEIR_FEATURE.contains(&name.as_str()) {
+                let family = name.trim_end_matches("_total");
+                assert!(observability.contains(family), "docs/observability.md says when {name} appears");
+                continue;
+            }
+            if !exposed.contains(name.as_str()) {
+                missing.push(format!("{from}: {name}"));
+            }
+        }
+    }
+    assert!(missing.is_empty(), "not in a fresh gateway's /metrics: {missing:#?}");
+    gw.stop().await;
+}
+
 #[test]
 fn the_compose_example_brings_prometheus_and_grafana_up_with_the_dashboard_and_rules_provisioned() {
     let compose = read("compose.yaml");
@@ -332,12 +363,17 @@ fn the_compose_example_brings_prometheus_and_grafana_up_with_the_dashboard_and_r
 }
 
 #[test]
-fn the_alert_rules_and_the_prometheus_config_pass_promtool() {
+fn the_alert_rules_their_unit_tests_and_the_prometheus_config_pass_promtool() {
     let found = std::process::Command::new("promtool").arg("--version").output().is_ok_and(|o| o.status.success());
     if !require("promtool", found, "apt-get install -y prometheus") {
         return;
     }
-    for args in [["check", "rules", "prometheus/alerts.yml"], ["check", "config", "prometheus/prometheus.yml"]] {
+    for args in [
+        ["check", "rules", "prometheus/alerts.yml"],
+        ["check", "config", "prometheus/prometheus.yml"],
+        // The rules' unit tests: silent at 0/0, the absent() guard, the ratios.
+        ["test", "rules", "prometheus/alerts_test.yml"],
+    ] {
         let out = std::process::Command::new("promtool").args(args).current_dir(deploy()).output().unwrap();
         let said = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "promtool {args:?}: {said}");
