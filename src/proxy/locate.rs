@@ -37,17 +37,22 @@ use actix_web::HttpRequest;
 use futures_util::future::{select_ok, FutureExt};
 
 use super::attempt::Upstream;
-use super::lookup::Hop;
+use super::outcome::OutcomeRecorder;
 use crate::metrics::ResultLabels;
 use crate::policy::conversation::response_key;
 use crate::policy::PrefixKey;
 use crate::state::AppState;
 
 /// The replica holding the stored response `id`, if anyone does.
-/// Its pin is the request's tenant's (`hop.scope`): a client scoped apart
-/// never finds another's in the store.
-pub async fn stored_response(hop: Hop<'_>, req: &HttpRequest, id: &str, model: Option<&str>) -> Option<Arc<str>> {
-    let Hop { state, upstream, recorder, scope, .. } = hop;
+/// Its pin is the request's tenant's (`scope`): a client scoped apart
+/// never finds another's in the store. Found, it is recorded (`recorder`).
+pub async fn stored_response(
+    (state, upstream, recorder): (&AppState, &Upstream, &OutcomeRecorder),
+    scope: crate::policy::tenancy::Scope,
+    req: &HttpRequest,
+    id: &str,
+    model: Option<&str>,
+) -> Option<Arc<str>> {
     let key = scope.key(response_key(id));
     let found = match in_shared_store(state, key).await {
         Some(home) => Some(("store", home)),

@@ -135,7 +135,8 @@ async fn stored_response(
         Some(home) => Some(home),
         None => {
             let _looking = hop.trace.child(state, "prefixgate.locate");
-            locate::stored_response(hop, req, id, shape.model.as_deref()).await
+            let reaches = (state, hop.upstream, hop.recorder);
+            locate::stored_response(reaches, scope, req, id, shape.model.as_deref()).await
         }
     };
     Ok(home.map(|home| (id.to_string(), home)))

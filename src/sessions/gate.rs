@@ -97,10 +97,6 @@ pub struct Pause<'g> {
     came_ms: u64,
 }
 
-/// Longest a placement waits on a shared store (reading the fleet's loads,
-/// admitting a session); past it, this instance's own view decides.
-pub const STORE_BUDGET: Duration = Duration::from_millis(250);
-
 /// Where a new session may go, and any request: a routable replica that
 /// serves its model (`serves_model`) and that this request has not failed
 /// on. The one rule the planner, placement in a shared store and
@@ -341,7 +337,7 @@ impl<'a> Gate<'a> {
         let ttl = self.sessions.settings().idle_ms + super::STORE_SLACK_MS;
         let session = format!("{:032x}", ask.session);
         let asked = store.place_session(&candidates, &session, footprint, ttl, enforce);
-        match tokio::time::timeout(STORE_BUDGET, asked).await {
+        match tokio::time::timeout(super::STORE_BUDGET, asked).await {
             Ok(Ok(placed)) => placed.map(|i| choices[i].0.clone()),
             _ => Some(target.clone()),
         }

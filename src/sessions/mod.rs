@@ -107,6 +107,10 @@ impl Default for SessionConfig {
     }
 }
 
+/// Longest a placement waits on a shared store (reading the fleet's loads,
+/// admitting a session); past it, this instance's own view decides.
+pub const STORE_BUDGET: Duration = Duration::from_millis(250);
+
 /// How often held sessions look at the room again without being told
 /// (capacity read by the prober, a replica added, another instance's pins).
 pub const RECHECK: Duration = Duration::from_millis(200);

@@ -96,10 +96,10 @@ pub fn store_key(session: PrefixKey) -> String {
 }
 
 /// Reads every instance's session loads on `fleet` from the shared store
-/// into the sessions' view, waiting at most `gate::STORE_BUDGET`: a slow
+/// into the sessions' view, waiting at most `STORE_BUDGET`: a slow
 /// or dead store leaves the last read, and the request goes on.
 pub async fn read_loads(sessions: &Sessions, store: &dyn Store, fleet: &[Arc<Replica>]) {
-    let _ = tokio::time::timeout(super::gate::STORE_BUDGET, sessions.read_fleet_loads(store, fleet)).await;
+    let _ = tokio::time::timeout(super::STORE_BUDGET, sessions.read_fleet_loads(store, fleet)).await;
 }
 
 /// A stopping instance's word on its sessions: those whose last turn it
