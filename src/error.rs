@@ -193,3 +193,22 @@ impl From<actix_web::error::PayloadError> for ApiError {
         ApiError::BadRequest(format!("could not read the request body: {e}"))
     }
 }
+
+/// A stream's error event as each API writes it (a stream that broke
+/// after its first byte ends with it: the SDKs raise it).
+pub fn stream_error_event(dialect: crate::policy::Dialect, message: &str) -> String {
+    match dialect {
+        crate::policy::Dialect::Messages => {
+            let e = serde_json::json!({"type": "error", "error": {"type": "api_error", "message": message}});
+            format!("event: error\ndata: {e}\n\n")
+        }
+        crate::policy::Dialect::Responses => {
+            let e = serde_json::json!({"type": "error", "code": "upstream_stream_failed", "message": message, "param": null});
+            format!("event: error\ndata: {e}\n\n")
+        }
+        _ => {
+            let e = serde_json::json!({"error": {"message": message, "type": "upstream_error", "code": "upstream_stream_failed"}});
+            format!("data: {e}\n\n")
+        }
+    }
+}

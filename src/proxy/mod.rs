@@ -338,7 +338,7 @@ impl Forwarding<'_> {
         tokens: u64,
         pass: Option<&mut Pass<'_, RouteReason>>,
         waited: &mut Waited,
-    ) -> Result<Result<Sent<'_>, attempt::AttemptError>, ApiError> {
+    ) -> Result<Result<Sent, attempt::AttemptError>, ApiError> {
         let (state, recorder, shape) = (self.h.state, self.h.recorder, &self.lookup.shape);
         let started = Instant::now();
         let large = match self.lookup.large {
@@ -368,13 +368,13 @@ impl Forwarding<'_> {
         let pinned = self.lookup.pinned.as_ref();
         let pin_turn = Turn {
             pin_at: shape.pin_at,
-            pinned,
+            parent: pinned.map(|(m, _)| m.key),
             session: self.lookup.session,
             dialect: shape.dialect,
             est_tokens: tokens,
             now_ms,
         };
-        recorder.routed(&Routed { replica: &replica.id, turn: pin_turn });
+        recorder.routed(&Routed { replica: &replica.id, turn: pin_turn, pinned });
         let mut request = self.h.upstream.request(&replica.spec(), self.caller());
         // The engine continues the trace under this attempt's span (the
         // client's own traceparent names the gateway's server span's parent).
@@ -383,9 +383,9 @@ impl Forwarding<'_> {
             request = request.insert_header((name, value));
         }
         let held = Holdings { guard, large, running, turn };
-        let continuity = self.continuity(replica);
-        let body = match continuity {
-            Some(resume::Continuity::Relay { ask_ids: true, .. }) => {
+        let continuable = self.continuable(replica);
+        let body = match continuable {
+            Some(resume::Continuable::Yes { ask_ids: true, .. }) => {
                 resume::ask_for_ids(&self.body).unwrap_or_else(|| self.body.clone())
             }
             _ => self.body.clone(),
@@ -393,7 +393,7 @@ impl Forwarding<'_> {
         Ok(match attempt::send(request, body).await {
             Ok(resp) => {
                 trace::attempt_ended(&span, Ok(resp.status().as_u16()));
-                Ok(Sent { resp, held, started, turn: pin_turn, continuity })
+                Ok(Sent { resp, held, started, turn: pin_turn, continuable })
             }
             Err(e) => {
                 trace::attempt_ended(&span, Err((&e.message, e.retry_safe())));
@@ -402,56 +402,41 @@ impl Forwarding<'_> {
         })
     }
 
-    /// Whether this request's stream may go on elsewhere should it break
-    /// (`resume/`; None: not a stream, or `failover.continue_streams` is off).
-    fn continuity(&self, replica: &Replica) -> Option<resume::Continuity> {
+    /// Whether this request's stream may be continued elsewhere should it
+    /// break (`resume/`; None: not a stream, or `failover.continue_streams`
+    /// is off).
+    fn continuable(&self, replica: &Replica) -> Option<resume::Continuable> {
         let shape = &self.lookup.shape;
         (shape.streamed && self.h.state.config.failover.continue_streams)
-            .then(|| resume::continuity(&self.body, shape.dialect, replica.calibration.asks_token_ids()))
+            .then(|| resume::continuable(&self.body, shape.dialect, replica.calibration.asks_token_ids()))
     }
 
-    /// A stream's way on, should it break (`body::Continuing`).
-    fn continuing(
-        &self,
-        continuity: resume::Continuity,
-        on: &Arc<Replica>,
-    ) -> body::Continuing<attempt::UpstreamResponse> {
+    /// A stream's continuation, should it break (`resume/continuation.rs`):
+    /// its relay, or why it is refused; what its next leg is made from is
+    /// kept, not built (`resume::Seed`).
+    fn continuation(&self, continuable: resume::Continuable, on: &Arc<Replica>) -> resume::Continuation {
         let failover = &self.h.state.config.failover;
-        let (relay, refused, learn) = match continuity {
-            resume::Continuity::Refused(refused) => (None, Some(refused), None),
-            resume::Continuity::Relay { way, ask_ids, usage } => {
-                let relay = resume::Relay::new(self.lookup.shape.dialect, way, ask_ids).with_client_usage(usage);
-                (Some(relay), None, ask_ids.then(|| on.clone()))
+        let limits =
+            resume::Limits { stall: Duration::from_millis(failover.stall_ms), max_legs: failover.max_continuations };
+        let (relay, asked_ids) = match continuable {
+            resume::Continuable::No(refused) => (Err(refused), false),
+            resume::Continuable::Yes { way, ask_ids, usage } => {
+                (Ok(resume::Relay::new(self.lookup.shape.dialect, way, ask_ids).with_client_usage(usage)), ask_ids)
             }
         };
-        let resumer = attempt::Resumer {
-            state: self.req.app_data::<web::Data<AppState>>().expect("app state").clone(),
-            upstream: self.h.upstream.clone(),
+        let seed = resume::Seed {
             req: self.req.clone(),
             body: self.body.clone(),
-            shape: self.lookup.shape.clone(),
             mode: self.settings.mode,
-            tried: vec![on.id.clone()],
             trace: self.h.trace.clone(),
         };
-        body::Continuing {
-            relay,
-            refused,
-            learn,
-            on: on.clone(),
-            handoffs_seen: on.handoffs(),
-            stall: Duration::from_millis(failover.stall_ms),
-            max_legs: failover.max_continuations,
-            resume: Box::new(resumer),
-            resuming: None,
-            why: body::Break::Died,
-        }
+        resume::Continuation::new(relay, on, asked_ids, limits, seed)
     }
 
     /// The response head arrived: recorded, and streamed back to the client.
     fn answer(&self, sent: Sent, reason: RouteReason, retries: &Retries, waited: Option<Duration>) -> HttpResponse {
-        let Sent { resp, held, started, turn, continuity } = sent;
-        let continuing = continuity.map(|c| self.continuing(c, &held.guard.replica));
+        let Sent { resp, held, started, turn, continuable } = sent;
+        let continuation = continuable.map(|c| self.continuation(c, &held.guard.replica));
         let recorder = self.h.recorder;
         let replica = &held.guard.replica;
         let predicted_cached = recorder.responded(&Responded {
@@ -462,6 +447,7 @@ impl Forwarding<'_> {
             tried: &retries.tried,
             failed_from: retries.failed_from.as_ref(),
             turn,
+            pinned: self.lookup.pinned.as_ref(),
         });
         self.h.trace.set(|| {
             let predicted = predicted_cached.map(|p| KeyValue::new("prefixgate.predicted_cached_tokens", p as i64));
@@ -480,10 +466,10 @@ impl Forwarding<'_> {
             trace: self.h.trace.clone(),
             scope: self.scope,
             first_event: None,
-            pins: outcome::TurnPins::of(&turn),
+            turn,
         };
         let idle = Duration::from_millis(self.h.state.config.timeouts.idle_stream_ms);
-        let mut out = respond(resp, outcome, idle, self.lookup.shape.dialect, continuing);
+        let mut out = respond(resp, outcome, idle, self.lookup.shape.dialect, continuation);
         if let Some(waited) = waited {
             out.headers_mut().insert(HEADER_HELD_MS, HeaderValue::from(waited.as_millis() as u64));
         }
@@ -492,13 +478,13 @@ impl Forwarding<'_> {
 }
 
 /// An attempt whose response head arrived, with what it holds until its body ends.
-struct Sent<'a> {
+struct Sent {
     resp: attempt::UpstreamResponse,
     held: Holdings,
     started: Instant,
-    turn: Turn<'a>,
-    /// Whether its stream may go on elsewhere should it break.
-    continuity: Option<resume::Continuity>,
+    turn: Turn,
+    /// Whether its stream may be continued elsewhere should it break.
+    continuable: Option<resume::Continuable>,
 }
 
 /// The body as forwarded: with `identity.cache_salt = "client"`, a request
@@ -603,7 +589,7 @@ fn respond(
     outcome: Outcome,
     idle: Duration,
     dialect: Dialect,
-    continuing: Option<body::Continuing<attempt::UpstreamResponse>>,
+    continuation: Option<resume::Continuation>,
 ) -> HttpResponse {
     let predicted_cached = outcome.predicted_cached;
     let status = resp.status();
@@ -624,10 +610,8 @@ fn respond(
     let tap = status.is_success().then(|| UsageTap::new(dialect, sse, expected));
     // An SSE error reply (non-2xx) carries no [DONE]: only check successful streams.
     let sse_checked = sse && status.is_success();
-    let mut body = GuardedBody::new(resp, idle, body::Framing { sse: sse_checked, expected }, tap, outcome);
-    if let Some(continuing) = continuing.filter(|_| sse_checked) {
-        body = body.continuing(continuing);
-    }
+    let framing = (idle, sse_checked, expected);
+    let body = GuardedBody::new(resp, framing, tap, outcome, continuation.filter(|_| sse_checked));
     // The body's own size frames the reply: with a length, the HTTP encoder
     // writes Content-Length itself and never chunks, so a client sees a body
     // cut short as short, whatever its HTTP library does with chunked

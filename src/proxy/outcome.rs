@@ -40,14 +40,15 @@ pub struct OutcomeRecorder {
     announcer: Arc<Announcer>,
 }
 
-/// A turn as its pins see it: shared by the routing decision (`Routed`)
-/// and the response head (`Responded`).
+/// A turn as its pins see it: the routing decision (`Routed`), the
+/// response head (`Responded`) and a stream continued elsewhere
+/// (`OutcomeRecorder::continued`) record its pins alike.
 #[derive(Clone, Copy)]
-pub struct Turn<'a> {
+pub struct Turn {
     /// Where the request's own pin goes (None: never pinned).
     pub pin_at: Option<PrefixKey>,
     /// The longest pinned prefix the request carried.
-    pub pinned: Option<&'a (PrefixMatch, Pin)>,
+    pub parent: Option<PrefixKey>,
     /// The conversation's explicit name, if it has one.
     pub session: Option<SessionKey>,
     pub dialect: Dialect,
@@ -69,13 +70,16 @@ pub struct Responded<'a> {
     pub tried: &'a [Arc<str>],
     /// The first replica failed over from, and whether this request took it down.
     pub failed_from: Option<&'a (Arc<str>, bool)>,
-    pub turn: Turn<'a>,
+    pub turn: Turn,
+    /// The longest pinned prefix the request carried, and its pin.
+    pub pinned: Option<&'a (PrefixMatch, Pin)>,
 }
 
 /// A routing decision, before the request is sent.
 pub struct Routed<'a> {
     pub replica: &'a Arc<str>,
-    pub turn: Turn<'a>,
+    pub turn: Turn,
+    pub pinned: Option<&'a (PrefixMatch, Pin)>,
 }
 
 fn result(r: &'static str) -> ResultLabels {
@@ -206,11 +210,11 @@ impl OutcomeRecorder {
             self.announcer.announce((s.key, Some(pin)));
         }
         let Some(pin_at) = t.pin_at else { return };
-        let parent = t.pinned.map(|(_, p)| p);
+        let parent = r.pinned.map(|(_, p)| p);
         let origin = PinOrigin { dialect: t.dialect, source: PinSource::Prefix };
         let pin = self.pins.next_pin(pin_at, replica, parent, t.est_tokens, now, origin);
         self.announcer.announce((pin_at, Some(pin)));
-        if let Some((m, p)) = t.pinned.filter(|(_, p)| p.replica != *replica) {
+        if let Some((m, p)) = r.pinned.filter(|(_, p)| p.replica != *replica) {
             // The conversation moves: its parent prefix lives where it goes.
             self.announcer.announce((m.key, Some(Pin { replica: replica.clone(), last_used_ms: now, ..p.clone() })));
         }
@@ -234,7 +238,7 @@ impl OutcomeRecorder {
             return None;
         }
         let t = &r.turn;
-        let home = t.pin_at.and(t.pinned.map(|(m, pin)| (m, &pin.replica)));
+        let home = t.pin_at.and(r.pinned.map(|(m, pin)| (m, &pin.replica)));
         let predicted = match home {
             Some((m, home)) if home == &r.replica.id => Some(r.replica.calibration.estimate(m.bytes)),
             // The baselines move conversations on every turn by design;
@@ -246,7 +250,7 @@ impl OutcomeRecorder {
             }
             _ => None,
         };
-        self.record_pins(&r.replica.id, &TurnPins::of(t), t.now_ms);
+        self.record_pins(&r.replica.id, t, t.now_ms);
         predicted
     }
 
@@ -254,7 +258,7 @@ impl OutcomeRecorder {
     /// session key's (the session lives where its latest turn went) and
     /// its prefix's; a conversation that moved is forgotten where it was
     /// (`Sessions::begin_turn` moved it if it was resident there).
-    fn record_pins(&self, replica: &Arc<str>, pins: &TurnPins, now: u64) {
+    fn record_pins(&self, replica: &Arc<str>, pins: &Turn, now: u64) {
         if let Some(s) = pins.session {
             let origin = PinOrigin { dialect: pins.dialect, source: session_source(s.kind) };
             self.pins.record(s.key, replica, None, pins.est_tokens, now, origin);
@@ -347,7 +351,7 @@ impl OutcomeRecorder {
     /// A stream broke (`why`) after what it `said` and went on from `from`
     /// on `to`: the history says so, and the turn's pins move where the
     /// answer was finished (that replica holds its prefix now).
-    pub fn continued(&self, from: &Arc<str>, to: &Replica, said: &Said, why: super::body::Break, pins: &TurnPins) {
+    pub fn continued(&self, from: &Arc<str>, to: &Replica, said: &Said, why: super::resume::Break, pins: &Turn) {
         let dialect = pins.dialect.as_str();
         let (seam, exact) = (said.seam(), if said.exact() { "true" } else { "false" });
         let detail = format!("{dialect} stream went on after {seam} tokens (exact: {exact}; {})", why.as_str());
@@ -359,7 +363,7 @@ impl OutcomeRecorder {
     }
 
     /// A stream broke (`why`) on `replica` and could not go on (`refused`).
-    pub fn not_continued(&self, replica: &Arc<str>, refused: super::resume::Refusal, why: super::body::Break) {
+    pub fn not_continued(&self, replica: &Arc<str>, refused: super::resume::Refusal, why: super::resume::Break) {
         let detail = format!("stream broke ({}) and did not go on: {}", why.as_str(), refused.as_str());
         self.events.record(EventKind::StreamNotContinued, Some(replica), None, detail);
         let labels = crate::metrics::ReasonLabels { reason: refused.as_str() };
@@ -412,31 +416,8 @@ pub struct Outcome {
     pub scope: crate::policy::tenancy::Scope,
     /// When a stream's first event came, after `started`.
     pub first_event: Option<Duration>,
-    /// Where the turn's pins go, should its stream go on elsewhere.
-    pub pins: TurnPins,
-}
-
-/// A turn's pins, owned: what moves when its stream goes on on another
-/// replica (`OutcomeRecorder::continued`).
-#[derive(Clone, Copy)]
-pub struct TurnPins {
-    pub pin_at: Option<PrefixKey>,
-    pub parent: Option<PrefixKey>,
-    pub session: Option<SessionKey>,
-    pub dialect: Dialect,
-    pub est_tokens: u64,
-}
-
-impl TurnPins {
-    pub fn of(turn: &Turn<'_>) -> TurnPins {
-        TurnPins {
-            pin_at: turn.pin_at,
-            parent: turn.pinned.map(|(m, _)| m.key),
-            session: turn.session,
-            dialect: turn.dialect,
-            est_tokens: turn.est_tokens,
-        }
-    }
+    /// Its turn: its pins move with a stream continued elsewhere.
+    pub turn: Turn,
 }
 
 impl Outcome {
@@ -447,9 +428,9 @@ impl Outcome {
 }
 
 impl BodyEnd for Outcome {
-    fn continued(&mut self, to: Arc<Replica>, said: &Said, why: super::body::Break) {
+    fn continued(&mut self, to: Arc<Replica>, said: &Said, why: super::resume::Break) {
         let from = self.replica().id.clone();
-        self.recorder.continued(&from, &to, said, why, &self.pins);
+        self.recorder.continued(&from, &to, said, why, &self.turn);
         // In flight and running there from now; its large-context slot and
         // session go with the request.
         self.held.running.move_to(&to.id);
@@ -460,7 +441,7 @@ impl BodyEnd for Outcome {
         self.held.guard = to.begin(large);
     }
 
-    fn not_continued(&mut self, refused: super::resume::Refusal, why: super::body::Break) {
+    fn not_continued(&mut self, refused: super::resume::Refusal, why: super::resume::Break) {
         self.recorder.not_continued(&self.replica().id, refused, why);
     }
 

@@ -27,10 +27,14 @@ use serde_json::{json, Map, Value};
 use crate::policy::Dialect;
 
 mod agents;
+mod continuation;
+mod leg;
 mod relay;
 mod scan;
-pub mod transcript;
+mod transcript;
 
+pub use continuation::{Break, Continuation, Limits, Next};
+pub use leg::Seed;
 pub use relay::Relay;
 
 /// Most token ids kept per stream (prompt and answer): 256 KiB. A stream
@@ -173,35 +177,35 @@ pub enum Way {
     Text,
 }
 
-/// What a stream's relay does, decided before its request is sent.
+/// Whether a stream may be continued, decided before its request is sent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Continuity {
+pub enum Continuable {
     /// Refused up front: a break says why.
-    Refused(Refusal),
+    No(Refusal),
     /// Relay its events, kept for `way`; `ask_ids`: the gateway adds
     /// `return_token_ids` (the client did not ask, so they are stripped);
     /// `usage`: the client asked for a usage chunk.
-    Relay { way: Way, ask_ids: bool, usage: bool },
+    Yes { way: Way, ask_ids: bool, usage: bool },
 }
 
-/// The continuity of a streamed request (`body`) of `dialect`, on a
+/// Whether a streamed request's stream may be continued (`body`) of `dialect`, on a
 /// replica that gives token ids as far as is known (`gives_ids`).
-pub fn continuity(body: &[u8], dialect: Dialect, gives_ids: bool) -> Continuity {
-    let Ok(asked) = serde_json::from_slice::<Asked>(body) else { return Continuity::Refused(Refusal::NoTranscript) };
+pub fn continuable(body: &[u8], dialect: Dialect, gives_ids: bool) -> Continuable {
+    let Ok(asked) = serde_json::from_slice::<Asked>(body) else { return Continuable::No(Refusal::NoTranscript) };
     if let Some(refused) = refusal_of(&asked, dialect) {
-        return Continuity::Refused(refused);
+        return Continuable::No(refused);
     }
     let usage = asked.stream_options.as_ref().and_then(|o| o.get("include_usage")).and_then(Value::as_bool);
     let usage = usage == Some(true);
-    let text = Continuity::Relay { way: Way::Text, ask_ids: false, usage };
+    let text = Continuable::Yes { way: Way::Text, ask_ids: false, usage };
     match (dialect, asked.return_token_ids) {
         // vLLM serves token ids on chat and completions only.
         (Dialect::Responses | Dialect::Messages, _) => text,
-        (Dialect::Other, _) => Continuity::Refused(Refusal::NoTranscript),
-        (_, None) if gives_ids => Continuity::Relay { way: Way::Ids, ask_ids: true, usage },
+        (Dialect::Other, _) => Continuable::No(Refusal::NoTranscript),
+        (_, None) if gives_ids => Continuable::Yes { way: Way::Ids, ask_ids: true, usage },
         (_, None) => text,
         // The client's own: passed as it asked, ids kept if they come.
-        (_, Some(_)) => Continuity::Relay { way: Way::Ids, ask_ids: false, usage },
+        (_, Some(_)) => Continuable::Yes { way: Way::Ids, ask_ids: false, usage },
     }
 }
 
@@ -540,21 +544,21 @@ mod tests {
 
     #[test]
     fn what_a_seam_would_corrupt_is_refused_before_anything_is_sent() {
-        let of = |v: Value| continuity(v.to_string().as_bytes(), Dialect::Chat, true);
-        let refused = |v: Value| of(v) == Continuity::Refused(Refusal::StructuredOutput);
+        let of = |v: Value| continuable(v.to_string().as_bytes(), Dialect::Chat, true);
+        let refused = |v: Value| of(v) == Continuable::No(Refusal::StructuredOutput);
         assert!(refused(json!({"response_format": {"type": "json_schema", "json_schema": {}}})));
         assert!(refused(json!({"guided_regex": "a+"})));
-        assert_eq!(of(json!({"n": 2})), Continuity::Refused(Refusal::SeveralChoices));
-        assert_eq!(of(json!({"logprobs": true})), Continuity::Refused(Refusal::Logprobs));
-        assert_eq!(of(json!({"logprobs": 2})), Continuity::Refused(Refusal::Logprobs));
+        assert_eq!(of(json!({"n": 2})), Continuable::No(Refusal::SeveralChoices));
+        assert_eq!(of(json!({"logprobs": true})), Continuable::No(Refusal::Logprobs));
+        assert_eq!(of(json!({"logprobs": 2})), Continuable::No(Refusal::Logprobs));
         let plain = json!({"messages": [{"role": "user", "content": "x"}], "n": 1, "logprobs": false,
             "response_format": {"type": "text"}});
-        assert_eq!(of(plain.clone()), Continuity::Relay { way: Way::Ids, ask_ids: true, usage: false });
-        let text = Continuity::Relay { way: Way::Text, ask_ids: false, usage: false };
-        assert_eq!(continuity(plain.to_string().as_bytes(), Dialect::Chat, false), text, "no ids: the text way");
+        assert_eq!(of(plain.clone()), Continuable::Yes { way: Way::Ids, ask_ids: true, usage: false });
+        let text = Continuable::Yes { way: Way::Text, ask_ids: false, usage: false };
+        assert_eq!(continuable(plain.to_string().as_bytes(), Dialect::Chat, false), text, "no ids: the text way");
         assert_eq!(
             of(json!({"return_token_ids": true})),
-            Continuity::Relay { way: Way::Ids, ask_ids: false, usage: false },
+            Continuable::Yes { way: Way::Ids, ask_ids: false, usage: false },
             "the client's own"
         );
     }
