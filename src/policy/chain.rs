@@ -114,9 +114,11 @@ pub struct RequestShape {
     /// Responses API: the replica will store the response (`store`, true
     /// unless the client says false).
     pub stores_response: bool,
-    /// The client asked for a stream (one that may go on elsewhere should
-    /// its replica fail, `proxy::resume`).
+    /// The client asked for a stream (one that may be continued elsewhere
+    /// should its replica fail, `proxy::resume`).
     pub streamed: bool,
+    /// What it asks that decides whether its stream may be continued.
+    pub stream: super::stream::StreamAsks,
 }
 
 /// Input the router cannot route; becomes a 400 with this message.
@@ -213,6 +215,7 @@ pub(super) fn shape(
         previous_response: previous_response.map(Cow::into_owned),
         stores_response: false,
         streamed: false,
+        stream: Default::default(),
     }
 }
 

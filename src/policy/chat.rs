@@ -3,8 +3,10 @@
 use std::borrow::Cow;
 
 use serde::Deserialize;
+use serde_json::value::RawValue;
 
 use super::chain::*;
+use super::stream::{some_tools, Asked};
 
 #[derive(Deserialize)]
 struct ChatBody<'a> {
@@ -18,6 +20,33 @@ struct ChatBody<'a> {
     cache_salt: Option<Cow<'a, str>>,
     #[serde(default)]
     stream: bool,
+    // What continuation reads (`stream.rs`), borrowed raw.
+    #[serde(borrow, default)]
+    n: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    logprobs: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    top_logprobs: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    response_format: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    structured_outputs: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    guided_json: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    guided_regex: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    guided_choice: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    guided_grammar: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    return_token_ids: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    stream_options: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    tools: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    tool_choice: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize)]
@@ -40,6 +69,25 @@ pub(super) fn extract_chat(body: &[u8]) -> Result<RequestShape, ShapeError> {
     if parsed.messages.is_empty() {
         return Err(ShapeError("'messages' must contain at least one message".into()));
     }
+    let stream = (Asked {
+        n: parsed.n,
+        logprobs: parsed.logprobs,
+        top_logprobs: parsed.top_logprobs,
+        response_format: parsed.response_format,
+        guided: [
+            parsed.structured_outputs,
+            parsed.guided_json,
+            parsed.guided_regex,
+            parsed.guided_choice,
+            parsed.guided_grammar,
+        ],
+        return_token_ids: parsed.return_token_ids,
+        stream_options: parsed.stream_options,
+        tools: some_tools(parsed.tools),
+        tool_choice: parsed.tool_choice,
+        ..Default::default()
+    })
+    .read(Dialect::Chat);
     let mut chain = Chain::first_link(parsed.model.as_deref(), parsed.cache_salt.as_deref(), &[]);
     let mut boundaries = Vec::with_capacity(parsed.messages.len());
     let mut bytes = 0usize;
@@ -82,5 +130,6 @@ pub(super) fn extract_chat(body: &[u8]) -> Result<RequestShape, ShapeError> {
         previous_response: None,
         stores_response: false,
         streamed: parsed.stream,
+        stream,
     })
 }

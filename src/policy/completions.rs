@@ -6,8 +6,10 @@ use std::fmt;
 
 use serde::de::{self, Deserializer, IgnoredAny, SeqAccess, Visitor};
 use serde::Deserialize;
+use serde_json::value::RawValue;
 
 use super::chain::*;
+use super::stream::Asked;
 
 #[derive(Deserialize)]
 struct CompletionBody<'a> {
@@ -21,6 +23,29 @@ struct CompletionBody<'a> {
     cache_salt: Option<Cow<'a, str>>,
     #[serde(default)]
     stream: bool,
+    // What continuation reads (`stream.rs`), borrowed raw.
+    #[serde(borrow, default)]
+    n: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    logprobs: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    top_logprobs: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    response_format: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    structured_outputs: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    guided_json: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    guided_regex: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    guided_choice: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    guided_grammar: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    return_token_ids: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    stream_options: Option<&'a RawValue>,
 }
 
 /// A completions prompt: one string, one token array, or a batch (several
@@ -98,6 +123,23 @@ impl<'de> Deserialize<'de> for PromptItem {
 
 pub(super) fn extract_completion(body: &[u8], blocks: IdentityBlocks) -> Result<RequestShape, ShapeError> {
     let parsed: CompletionBody = parse_body(body)?;
+    let stream = (Asked {
+        n: parsed.n,
+        logprobs: parsed.logprobs,
+        top_logprobs: parsed.top_logprobs,
+        response_format: parsed.response_format,
+        guided: [
+            parsed.structured_outputs,
+            parsed.guided_json,
+            parsed.guided_regex,
+            parsed.guided_choice,
+            parsed.guided_grammar,
+        ],
+        return_token_ids: parsed.return_token_ids,
+        stream_options: parsed.stream_options,
+        ..Default::default()
+    })
+    .read(Dialect::Completions);
     let mut chain = Chain::first_link(parsed.model.as_deref(), parsed.cache_salt.as_deref(), &[]);
     let mut boundaries = Vec::new();
     let (prompt_bytes, full_blocks) = match &parsed.prompt {
@@ -144,5 +186,6 @@ pub(super) fn extract_completion(body: &[u8], blocks: IdentityBlocks) -> Result<
         previous_response: None,
         stores_response: false,
         streamed: parsed.stream,
+        stream,
     })
 }

@@ -9,8 +9,10 @@
 use std::borrow::Cow;
 
 use serde::Deserialize;
+use serde_json::value::RawValue;
 
 use super::chain::*;
+use super::stream::Asked;
 
 const MESSAGES_SKIP: &[&str] = &["cache_control"];
 
@@ -28,6 +30,9 @@ struct MessagesBody<'a> {
     cache_salt: Option<Cow<'a, str>>,
     #[serde(default)]
     stream: Option<bool>,
+    /// What continuation reads (`stream.rs`), borrowed raw.
+    #[serde(borrow, default)]
+    tool_choice: Option<&'a RawValue>,
 }
 
 pub(super) fn extract_messages(body: &[u8]) -> Result<RequestShape, ShapeError> {
@@ -47,8 +52,11 @@ pub(super) fn extract_messages(body: &[u8]) -> Result<RequestShape, ShapeError> 
         bytes += message_unit(&mut chain, role, m.get("content"), MESSAGES_SKIP);
         boundaries.push(Boundary { key: chain.close(), bytes });
     }
+    let tools = matches!(&b.tools, Some(Json::Array(tools)) if !tools.is_empty());
+    let stream = Asked { tools, tool_choice: b.tool_choice, ..Default::default() }.read(Dialect::Messages);
     Ok(RequestShape {
         streamed: b.stream == Some(true),
+        stream,
         ..shape(Dialect::Messages, b.model, boundaries, bytes, None, None)
     })
 }

@@ -16,12 +16,14 @@ pub mod identity;
 mod json;
 mod messages;
 mod responses;
+mod stream;
 pub mod tenancy;
 
 use arc_swap::ArcSwap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use identity::{Boundary, Dialect, Endpoint, IdentityBlocks, PrefixKey, RequestShape, ShapeError};
+pub use stream::{SeamRisk, StreamAsks};
 use xxhash_rust::xxh3::xxh3_128;
 
 /// Routing mode. `roundrobin` and `affinity` are the comparison baselines.

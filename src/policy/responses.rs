@@ -12,8 +12,10 @@
 use std::borrow::Cow;
 
 use serde::Deserialize;
+use serde_json::value::RawValue;
 
 use super::chain::*;
+use super::stream::Asked;
 
 const RESPONSES_SKIP: &[&str] = &["id", "status"];
 
@@ -37,10 +39,27 @@ struct ResponsesBody<'a> {
     prompt_cache_key: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
     cache_salt: Option<Cow<'a, str>>,
+    // What continuation reads (`stream.rs`), borrowed raw.
+    #[serde(borrow, default)]
+    text: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    top_logprobs: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    tool_choice: Option<&'a RawValue>,
 }
 
 pub(super) fn extract_responses(body: &[u8]) -> Result<RequestShape, ShapeError> {
     let b: ResponsesBody = parse_body(body)?;
+    let stream = Asked {
+        text: b.text,
+        top_logprobs: b.top_logprobs,
+        tools: matches!(&b.tools, Some(Json::Array(tools)) if !tools.is_empty()),
+        tool_choice: b.tool_choice,
+        store: b.store,
+        previous_response: b.previous_response_id.is_some(),
+        ..Default::default()
+    }
+    .read(Dialect::Responses);
     let extra = present(&[(b'i', &b.instructions), (b't', &b.tools)], RESPONSES_SKIP);
     let mut chain = Chain::first_link(b.model.as_deref(), b.cache_salt.as_deref(), &extra);
     let mut boundaries = Vec::new();
@@ -92,5 +111,5 @@ pub(super) fn extract_responses(body: &[u8]) -> Result<RequestShape, ShapeError>
         b.prompt_cache_key,
         b.previous_response_id,
     );
-    Ok(RequestShape { stores_response, streamed: b.stream == Some(true), ..shape })
+    Ok(RequestShape { stores_response, streamed: b.stream == Some(true), stream, ..shape })
 }

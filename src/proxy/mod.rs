@@ -408,7 +408,7 @@ impl Forwarding<'_> {
     fn continuable(&self, replica: &Replica) -> Option<resume::Continuable> {
         let shape = &self.lookup.shape;
         (shape.streamed && self.h.state.config.failover.continue_streams)
-            .then(|| resume::continuable(&self.body, shape.dialect, replica.calibration.asks_token_ids()))
+            .then(|| resume::continuable(&shape.stream, shape.dialect, replica.calibration.asks_token_ids()))
     }
 
     /// A stream's continuation, should it break (`resume/continuation.rs`):

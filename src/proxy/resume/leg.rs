@@ -16,7 +16,7 @@ use futures_util::future::LocalBoxFuture;
 use super::transcript::{tokens_of, transcript, Transcript};
 use super::{chat_resume_request, resume_request, Refusal, Said, Way};
 use crate::fleet::{Replica, ReplicaSpec};
-use crate::policy::{Dialect, Mode};
+use crate::policy::{Dialect, Mode, RequestShape};
 use crate::proxy::attempt::{send, Upstream, UpstreamResponse};
 use crate::proxy::{headers, plan, trace};
 use crate::state::AppState;
@@ -56,7 +56,7 @@ pub fn start(seed: &Seed, said: &Said, tried: &mut Vec<Arc<str>>) -> Starting {
     let Ok(request) = serde_json::from_slice::<serde_json::Value>(&seed.body) else {
         return refused(Refusal::NoTranscript);
     };
-    let plan = match LegPlan::of(said, request, shape.dialect) {
+    let plan = match LegPlan::of(said, request, &shape) {
         Ok(plan) => plan,
         Err(why) => return refused(why),
     };
@@ -93,12 +93,7 @@ pub fn start(seed: &Seed, said: &Said, tried: &mut Vec<Arc<str>>) -> Starting {
 
 /// Where the next leg goes: planned as a failover, without the replicas
 /// its legs ran on.
-fn next_replica(
-    state: &AppState,
-    mode: Mode,
-    shape: &crate::policy::RequestShape,
-    tried: &[Arc<str>],
-) -> Option<Arc<Replica>> {
+fn next_replica(state: &AppState, mode: Mode, shape: &RequestShape, tried: &[Arc<str>]) -> Option<Arc<Replica>> {
     let fleet = state.fleet.snapshot();
     let input =
         plan::PlanInput { mode, shape, pinned: None, named: None, stored: None, tried, large: false, room: None };
@@ -128,8 +123,9 @@ enum Prompt {
 
 impl LegPlan {
     /// From what the stream said, for `request` (Err: refused, why).
-    fn of(said: &Said, request: serde_json::Value, dialect: Dialect) -> Result<LegPlan, Refusal> {
-        let via_chat = dialect == Dialect::Chat && super::offers_tools(&request);
+    fn of(said: &Said, request: serde_json::Value, shape: &RequestShape) -> Result<LegPlan, Refusal> {
+        let dialect = shape.dialect;
+        let via_chat = dialect == Dialect::Chat && shape.stream.tools;
         let prompt = match (said.way, via_chat) {
             (Way::Text, true) => Prompt::Chat { text: Some(said.text.clone()), ids: Vec::new() },
             (Way::Ids, true) => Prompt::Chat { text: None, ids: said.generated.clone() },

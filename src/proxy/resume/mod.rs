@@ -24,7 +24,7 @@ use bytes::{Bytes, BytesMut};
 use serde_json::value::RawValue;
 use serde_json::{json, Map, Value};
 
-use crate::policy::Dialect;
+use crate::policy::{Dialect, SeamRisk, StreamAsks};
 
 mod agents;
 mod continuation;
@@ -114,57 +114,16 @@ impl Refusal {
     }
 }
 
-/// What a streamed request asks that decides whether its stream may go on
-/// elsewhere (the rest of the body is skimmed, not kept).
-#[derive(Debug, Default, serde::Deserialize)]
-pub struct Asked {
-    n: Option<u64>,
-    logprobs: Option<Value>,
-    top_logprobs: Option<Value>,
-    response_format: Option<Value>,
-    structured_outputs: Option<Value>,
-    guided_json: Option<Value>,
-    guided_regex: Option<Value>,
-    guided_choice: Option<Value>,
-    guided_grammar: Option<Value>,
-    return_token_ids: Option<Value>,
-    stream_options: Option<Value>,
-    /// Responses: its output format (`text.format`), whether it is stored,
-    /// and the stored conversation it continues.
-    text: Option<Value>,
-    store: Option<bool>,
-    previous_response_id: Option<Value>,
-}
-
-/// Whether a request's stream could ever go on elsewhere: refused before
-/// anything is sent for what a seam would corrupt.
-pub fn refusal_of(asked: &Asked, dialect: Dialect) -> Option<Refusal> {
-    let set = |v: &Option<Value>| v.as_ref().is_some_and(|v| !v.is_null());
-    let format = asked.response_format.as_ref().or_else(|| asked.text.as_ref().and_then(|t| t.get("format")));
-    let schema = format.and_then(|f| f.get("type")).and_then(Value::as_str);
-    let guided = [&asked.guided_json, &asked.guided_regex, &asked.guided_choice, &asked.guided_grammar];
-    if matches!(schema, Some("json_schema" | "json_object" | "structural_tag"))
-        || set(&asked.structured_outputs)
-        || guided.into_iter().any(set)
-    {
-        return Some(Refusal::StructuredOutput);
-    }
-    if asked.n.is_some_and(|n| n > 1) {
-        return Some(Refusal::SeveralChoices);
-    }
-    let logprobs = asked.logprobs.as_ref().is_some_and(|v| !v.is_null() && v.as_bool() != Some(false));
-    if logprobs || set(&asked.top_logprobs) {
-        return Some(Refusal::Logprobs);
-    }
-    if dialect == Dialect::Responses {
-        if set(&asked.previous_response_id) {
-            return Some(Refusal::NoTranscript);
-        }
-        if asked.store != Some(false) {
-            return Some(Refusal::StoredResponse);
+impl From<SeamRisk> for Refusal {
+    fn from(risk: SeamRisk) -> Refusal {
+        match risk {
+            SeamRisk::StructuredOutput => Refusal::StructuredOutput,
+            SeamRisk::SeveralChoices => Refusal::SeveralChoices,
+            SeamRisk::Logprobs => Refusal::Logprobs,
+            SeamRisk::StoredConversation => Refusal::NoTranscript,
+            SeamRisk::StoredResponse => Refusal::StoredResponse,
         }
     }
-    None
 }
 
 /// How a broken stream is resumed.
@@ -188,24 +147,23 @@ pub enum Continuable {
     Yes { way: Way, ask_ids: bool, usage: bool },
 }
 
-/// Whether a streamed request's stream may be continued (`body`) of `dialect`, on a
-/// replica that gives token ids as far as is known (`gives_ids`).
-pub fn continuable(body: &[u8], dialect: Dialect, gives_ids: bool) -> Continuable {
-    let Ok(asked) = serde_json::from_slice::<Asked>(body) else { return Continuable::No(Refusal::NoTranscript) };
-    if let Some(refused) = refusal_of(&asked, dialect) {
-        return Continuable::No(refused);
+/// Whether a streamed request of `dialect` that asks `asks` (read in the
+/// shape's parse) may be continued, on a replica that gives token ids as
+/// far as is known (`gives_ids`).
+pub fn continuable(asks: &StreamAsks, dialect: Dialect, gives_ids: bool) -> Continuable {
+    if let Some(risk) = asks.risk {
+        return Continuable::No(risk.into());
     }
-    let usage = asked.stream_options.as_ref().and_then(|o| o.get("include_usage")).and_then(Value::as_bool);
-    let usage = usage == Some(true);
+    let usage = asks.usage;
     let text = Continuable::Yes { way: Way::Text, ask_ids: false, usage };
-    match (dialect, asked.return_token_ids) {
+    match (dialect, asks.token_ids) {
         // vLLM serves token ids on chat and completions only.
         (Dialect::Responses | Dialect::Messages, _) => text,
         (Dialect::Other, _) => Continuable::No(Refusal::NoTranscript),
-        (_, None) if gives_ids => Continuable::Yes { way: Way::Ids, ask_ids: true, usage },
-        (_, None) => text,
+        (_, false) if gives_ids => Continuable::Yes { way: Way::Ids, ask_ids: true, usage },
+        (_, false) => text,
         // The client's own: passed as it asked, ids kept if they come.
-        (_, Some(_)) => Continuable::Yes { way: Way::Ids, ask_ids: false, usage },
+        (_, true) => Continuable::Yes { way: Way::Ids, ask_ids: false, usage },
     }
 }
 
@@ -480,15 +438,6 @@ fn left_of(max: u64, generated: usize) -> u64 {
     max.saturating_sub(generated as u64).max(1)
 }
 
-/// Whether a chat request offers tools the model may call: its stream is
-/// then resumed through the chat endpoint, whose tool parser turns a call
-/// after the seam into `tool_calls` (`/v1/completions` would pass its
-/// markup as text).
-pub fn offers_tools(request: &Value) -> bool {
-    let tools = request.get("tools").and_then(Value::as_array).is_some_and(|t| !t.is_empty());
-    tools && request.get("tool_choice").and_then(Value::as_str) != Some("none")
-}
-
 /// The chat request that resumes the client's chat `request` after
 /// `generated` tokens whose text is `answer`: its own request with the
 /// answer as the open last message (`continue_final_message`, vLLM's),
@@ -543,23 +492,18 @@ mod tests {
     }
 
     #[test]
-    fn what_a_seam_would_corrupt_is_refused_before_anything_is_sent() {
-        let of = |v: Value| continuable(v.to_string().as_bytes(), Dialect::Chat, true);
-        let refused = |v: Value| of(v) == Continuable::No(Refusal::StructuredOutput);
-        assert!(refused(json!({"response_format": {"type": "json_schema", "json_schema": {}}})));
-        assert!(refused(json!({"guided_regex": "a+"})));
-        assert_eq!(of(json!({"n": 2})), Continuable::No(Refusal::SeveralChoices));
-        assert_eq!(of(json!({"logprobs": true})), Continuable::No(Refusal::Logprobs));
-        assert_eq!(of(json!({"logprobs": 2})), Continuable::No(Refusal::Logprobs));
-        let plain = json!({"messages": [{"role": "user", "content": "x"}], "n": 1, "logprobs": false,
-            "response_format": {"type": "text"}});
-        assert_eq!(of(plain.clone()), Continuable::Yes { way: Way::Ids, ask_ids: true, usage: false });
+    fn what_a_seam_would_corrupt_is_refused_before_anything_is_sent_and_the_rest_goes_the_way_it_can() {
+        let of = |asks: StreamAsks, gives_ids| continuable(&asks, Dialect::Chat, gives_ids);
+        let structured = StreamAsks { risk: Some(SeamRisk::StructuredOutput), ..Default::default() };
+        assert_eq!(of(structured, true), Continuable::No(Refusal::StructuredOutput));
+        let stored = StreamAsks { risk: Some(SeamRisk::StoredConversation), ..Default::default() };
+        assert_eq!(continuable(&stored, Dialect::Responses, true), Continuable::No(Refusal::NoTranscript));
+        let plain = StreamAsks::default();
+        assert_eq!(of(plain, true), Continuable::Yes { way: Way::Ids, ask_ids: true, usage: false });
         let text = Continuable::Yes { way: Way::Text, ask_ids: false, usage: false };
-        assert_eq!(continuable(plain.to_string().as_bytes(), Dialect::Chat, false), text, "no ids: the text way");
-        assert_eq!(
-            of(json!({"return_token_ids": true})),
-            Continuable::Yes { way: Way::Ids, ask_ids: false, usage: false },
-            "the client's own"
-        );
+        assert_eq!(of(plain, false), text, "no ids: the text way");
+        assert_eq!(continuable(&plain, Dialect::Messages, true), text, "no ids on Messages");
+        let own = StreamAsks { token_ids: true, usage: true, ..Default::default() };
+        assert_eq!(of(own, false), Continuable::Yes { way: Way::Ids, ask_ids: false, usage: true }, "the client's own");
     }
 }
