@@ -14,6 +14,7 @@ pub mod announce;
 pub mod bench;
 pub mod by_arc;
 pub mod capacity;
+pub mod client_ids;
 pub mod clock;
 pub mod config;
 pub mod config_flags;

@@ -110,8 +110,12 @@ pub struct UnknownClass(pub String);
 
 /// Resolves a request's class and client from its headers (`header(name)`:
 /// the value of a header, lowercase name) and the config.
-pub fn resolve<'a>(config: &PriorityConfig, header: impl Fn(&str) -> Option<&'a str>) -> Result<Who, UnknownClass> {
-    let client = client_id(config, &header);
+pub fn resolve<'a>(
+    config: &PriorityConfig,
+    ids: &crate::client_ids::ClientIds,
+    header: impl Fn(&str) -> Option<&'a str>,
+) -> Result<Who, UnknownClass> {
+    let client = client_id(config, ids, &header);
     let own = header(PRIORITY_HEADER).map(|v| own_class(v.trim()).ok_or(PRIORITY_HEADER));
     let smg = || header(SMG_HEADER).map(|v| smg_class(v.trim()).ok_or(SMG_HEADER));
     let stated = match own.or_else(smg) {
@@ -147,7 +151,11 @@ fn smg_class(v: &str) -> Option<Class> {
 /// The client: `x-prefixgate-client` where allowed, else the API key's
 /// hash (`Authorization: Bearer`, or Anthropic's `x-api-key`), else
 /// `anonymous`.
-fn client_id<'a>(config: &PriorityConfig, header: &impl Fn(&str) -> Option<&'a str>) -> Arc<str> {
+fn client_id<'a>(
+    config: &PriorityConfig,
+    ids: &crate::client_ids::ClientIds,
+    header: &impl Fn(&str) -> Option<&'a str>,
+) -> Arc<str> {
     if config.client_header {
         if let Some(name) = header(CLIENT_HEADER).map(str::trim).filter(|n| !n.is_empty() && n.len() <= 128) {
             return Arc::from(name);
@@ -159,7 +167,7 @@ fn client_id<'a>(config: &PriorityConfig, header: &impl Fn(&str) -> Option<&'a s
         .map(str::trim)
         .filter(|k| !k.is_empty())
     {
-        Some(key) => Arc::from(key_id(key)),
+        Some(key) => ids.of_key(key),
         None => anonymous(),
     }
 }
@@ -311,7 +319,7 @@ mod tests {
 
     fn resolve_with(config: &PriorityConfig, headers: &[(&str, &str)]) -> Result<Who, UnknownClass> {
         let map: HashMap<String, String> = headers.iter().map(|(k, v)| (k.to_lowercase(), v.to_string())).collect();
-        resolve(config, |name| map.get(name).map(String::as_str))
+        resolve(config, &Default::default(), |name| map.get(name).map(String::as_str))
     }
 
     #[test]

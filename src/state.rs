@@ -34,7 +34,9 @@ pub struct AppState {
     pub health: Arc<HealthTracker>,
     pub policy: Arc<CurrentPolicy>,
     pub spread: Arc<SpreadCounter>,
-    /// Resumed stream legs starting now (`failover.max_resuming`).
+    /// Client ids and cache salts, computed once per API key.
+    pub client_ids: crate::client_ids::ClientIds,
+    /// Continued streams' next legs starting now (`failover.max_resuming`).
     pub resuming: Arc<tokio::sync::Semaphore>,
     pub operator: Arc<Operator>,
     /// Fleet-wide large-context leases this instance holds (a shared store).
@@ -150,6 +152,7 @@ impl AppState {
             access: Arc::new(Access::new(&config)),
             health: Arc::new(HealthTracker::new(config.health.rise, config.health.fall, events.clone())),
             resuming: Arc::new(tokio::sync::Semaphore::new(config.failover.max_resuming)),
+            client_ids: Default::default(),
             spread: Arc::new(SpreadCounter::starting_at(
                 store.instance().map_or(0, |name| xxhash_rust::xxh3::xxh3_64(name.as_bytes())),
             )),

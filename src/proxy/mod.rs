@@ -193,12 +193,14 @@ async fn forward_request(
     // Who waits at the wall (`priority.rs`): an unknown class is refused
     // before anything is read or queued.
     let header = |name: &str| priority_header(req, name);
-    let who = crate::priority::resolve(&config.priority, header).map_err(|e| ApiError::BadRequest(e.0))?;
+    let who = crate::priority::resolve(&config.priority, &h.state.client_ids, header)
+        .map_err(|e| ApiError::BadRequest(e.0))?;
     h.trace.set(|| {
         let client = opentelemetry::StringValue::from(who.client.clone());
         [KeyValue::new("prefixgate.priority", who.class.as_str()), KeyValue::new("prefixgate.client", client)]
     });
-    let body = salted(read_body(payload, config.limits.max_body_bytes).await?, endpoint, &config.identity, &who);
+    let body = read_body(payload, config.limits.max_body_bytes).await?;
+    let body = salted(body, endpoint, &config.identity, || h.state.client_ids.salt_of(&who.client));
     let settings = h.state.policy.get();
     let scope = crate::policy::tenancy::Scope::of(config.identity.scope, &who.client);
     let hop = Hop { state: h.state, upstream: h.upstream, recorder: h.recorder, trace: h.trace, scope };
@@ -495,13 +497,13 @@ fn salted(
     body: web::Bytes,
     endpoint: Endpoint,
     identity: &crate::config::IdentityConfig,
-    who: &crate::priority::Who,
+    salt: impl FnOnce() -> Arc<str>,
 ) -> web::Bytes {
-    use crate::policy::tenancy::{cache_salt_for, with_cache_salt, CacheSalt};
+    use crate::policy::tenancy::{with_cache_salt, CacheSalt};
     if identity.cache_salt == CacheSalt::None || endpoint == Endpoint::Other {
         return body;
     }
-    match with_cache_salt(&body, &cache_salt_for(&who.client)) {
+    match with_cache_salt(&body, &salt()) {
         Some(edited) => web::Bytes::from(edited),
         None => body,
     }

@@ -76,8 +76,13 @@ impl Sessions {
         if !self.settings.pause {
             return false;
         }
-        let client_sessions =
-            |class: Class, client: u64| on.iter().filter(|(_, r)| r.class == class && r.client == client).count();
+        // Each class's sessions per client, counted in one pass (a count
+        // per resident, rescanning them all, was O(n²) per turn).
+        let mut per_client = std::collections::HashMap::<(Class, u64), usize>::with_capacity(on.len());
+        for (_, r) in on.iter() {
+            *per_client.entry((r.class, r.client)).or_default() += 1;
+        }
+        let client_sessions = |class: Class, client: u64| per_client.get(&(class, client)).copied().unwrap_or(0);
         let occupant = |id: PrefixKey, r: &Resident, tokens: u64, continued_ms: u64| room::Occupant {
             arrived_ms: r.arrived_ms,
             continued_ms,

@@ -12,6 +12,9 @@
 //! - **Messages**: `content_block_delta` in the same content block, then
 //!   one `content_block_stop`, one `message_delta`, one `message_stop`.
 
+use std::borrow::Cow;
+
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
 
 use super::{Refusal, Said};
@@ -36,37 +39,97 @@ pub(super) struct AgentSaid {
     block: Option<u64>,
 }
 
+/// A first leg's Responses or Messages event, as far as continuation
+/// reads it: borrowed, the rest skipped. A `Value` per event cost every
+/// stream an allocation per member; only the events kept whole (the
+/// response as created, the first text delta) are parsed into one.
+#[derive(serde::Deserialize)]
+struct Event<'a> {
+    #[serde(borrow, rename = "type")]
+    kind: Cow<'a, str>,
+    sequence_number: Option<u64>,
+    /// Responses: the output item added; Messages: the block started.
+    #[serde(borrow)]
+    item: Option<Typed<'a>>,
+    #[serde(borrow)]
+    content_block: Option<Typed<'a>>,
+    output_index: Option<u64>,
+    content_index: Option<u64>,
+    /// Messages: the block's index.
+    index: Option<u64>,
+    /// Responses: the text; Messages: `{type, text}`.
+    #[serde(borrow)]
+    delta: Option<&'a RawValue>,
+    /// Messages' `message_start`: its id and model.
+    #[serde(borrow)]
+    message: Option<Named<'a>>,
+}
+
+#[derive(serde::Deserialize)]
+struct Typed<'a> {
+    #[serde(borrow, rename = "type")]
+    kind: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    id: Option<&'a RawValue>,
+}
+
+#[derive(serde::Deserialize)]
+struct Named<'a> {
+    #[serde(borrow)]
+    id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    model: Option<&'a RawValue>,
+}
+
+#[derive(serde::Deserialize)]
+struct TextDelta<'a> {
+    #[serde(borrow, rename = "type")]
+    kind: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    text: Option<Cow<'a, str>>,
+}
+
+fn owned(raw: Option<&RawValue>) -> Option<Value> {
+    raw.and_then(|r| serde_json::from_str(r.get()).ok())
+}
+
 /// One event of the first leg (`data`, its JSON), read.
 pub(super) fn read(said: &mut Said, dialect: Dialect, data: &str) {
-    let Ok(event) = serde_json::from_str::<Value>(data) else { return };
-    let kind = event.get("type").and_then(Value::as_str).unwrap_or("");
+    let Ok(event) = serde_json::from_str::<Event>(data) else { return };
     match dialect {
-        Dialect::Responses => read_responses(said, kind, &event),
-        _ => read_messages(said, kind, &event),
+        Dialect::Responses => read_responses(said, &event, data),
+        _ => read_messages(said, &event, data),
     }
 }
 
-fn read_responses(said: &mut Said, kind: &str, event: &Value) {
-    if let Some(n) = event.get("sequence_number").and_then(Value::as_u64) {
+/// The first text delta, kept whole: the resumed leg's are written as it was.
+fn keep_delta(said: &mut Said, data: &str) {
+    if said.agent.delta.is_none() {
+        said.agent.delta = serde_json::from_str(data).ok();
+    }
+}
+
+fn read_responses(said: &mut Said, event: &Event<'_>, data: &str) {
+    if let Some(n) = event.sequence_number {
         said.agent.sequence = Some(n);
     }
-    let index = |key: &str| event.get(key).and_then(Value::as_u64).unwrap_or(0);
-    match kind {
+    match &*event.kind {
         "response.created" => {
-            let response = &event["response"];
+            let created: Option<Value> = serde_json::from_str::<Value>(data).ok().map(|mut e| e["response"].take());
+            let response = created.unwrap_or(Value::Null);
             said.id = response.get("id").cloned();
             said.model = response.get("model").cloned();
             said.created = response.get("created_at").cloned();
-            said.agent.response = Some(response.clone());
+            said.agent.response = Some(response);
         }
-        "response.output_item.added" => match event["item"].get("type").and_then(Value::as_str) {
+        "response.output_item.added" => match event.item.as_ref().and_then(|i| i.kind.as_deref()) {
             // A second message would be rendered as one: not continued.
             Some("message") if said.agent.item.is_some() => {
                 said.refused.get_or_insert(Refusal::NoTranscript);
             }
             Some("message") => {
-                said.agent.item = event["item"].get("id").cloned();
-                said.agent.output_index = index("output_index");
+                said.agent.item = owned(event.item.as_ref().and_then(|i| i.id));
+                said.agent.output_index = event.output_index.unwrap_or(0);
             }
             Some("reasoning") => {
                 said.refused.get_or_insert(Refusal::Reasoning);
@@ -75,27 +138,25 @@ fn read_responses(said: &mut Said, kind: &str, event: &Value) {
                 said.refused.get_or_insert(Refusal::ToolCall);
             }
         },
-        "response.content_part.added" => said.agent.content_index = index("content_index"),
+        "response.content_part.added" => said.agent.content_index = event.content_index.unwrap_or(0),
         "response.output_text.delta" => {
-            said.keep_text(event.get("delta").and_then(Value::as_str).unwrap_or(""));
-            if said.agent.delta.is_none() {
-                said.agent.delta = Some(event.clone());
-            }
+            let text: Option<Cow<str>> = event.delta.and_then(|d| serde_json::from_str(d.get()).ok());
+            said.keep_text(text.as_deref().unwrap_or(""));
+            keep_delta(said, data);
         }
         "response.completed" | "response.incomplete" | "response.failed" => said.finished = true,
         _ => {}
     }
 }
 
-fn read_messages(said: &mut Said, kind: &str, event: &Value) {
-    match kind {
+fn read_messages(said: &mut Said, event: &Event<'_>, data: &str) {
+    match &*event.kind {
         "message_start" => {
-            let message = &event["message"];
-            said.id = message.get("id").cloned();
-            said.model = message.get("model").cloned();
+            said.id = owned(event.message.as_ref().and_then(|m| m.id));
+            said.model = owned(event.message.as_ref().and_then(|m| m.model));
         }
-        "content_block_start" => match event["content_block"].get("type").and_then(Value::as_str) {
-            Some("text") => said.agent.block = event.get("index").and_then(Value::as_u64),
+        "content_block_start" => match event.content_block.as_ref().and_then(|b| b.kind.as_deref()) {
+            Some("text") => said.agent.block = event.index,
             Some("thinking" | "redacted_thinking") => {
                 said.refused.get_or_insert(Refusal::Reasoning);
             }
@@ -104,12 +165,10 @@ fn read_messages(said: &mut Said, kind: &str, event: &Value) {
             }
         },
         "content_block_delta" => {
-            let delta = &event["delta"];
-            if delta.get("type").and_then(Value::as_str) == Some("text_delta") {
-                said.keep_text(delta.get("text").and_then(Value::as_str).unwrap_or(""));
-                if said.agent.delta.is_none() {
-                    said.agent.delta = Some(event.clone());
-                }
+            let delta: Option<TextDelta> = event.delta.and_then(|d| serde_json::from_str(d.get()).ok());
+            if let Some(delta) = delta.filter(|d| d.kind.as_deref() == Some("text_delta")) {
+                said.keep_text(delta.text.as_deref().unwrap_or(""));
+                keep_delta(said, data);
             }
         }
         "content_block_stop" => said.agent.block = None,
