@@ -43,16 +43,28 @@ impl Streamed {
 }
 
 /// Posts a streamed request through the gateway; once its head arrived,
-/// `after_head` runs (the test steers the fleet), then the whole stream is read.
-async fn stream(url: &str, body: &Value, after_head: impl std::future::Future<Output = ()>) -> Streamed {
+/// `after_head` runs (the test steers the fleet), then the stream is read
+/// whole, `after_first` running beside it from its first chunk on (the
+/// stream is mid-answer then: its first event passed the gateway).
+async fn stream(
+    url: &str,
+    body: &Value,
+    after_head: impl std::future::Future<Output = ()>,
+    after_first: impl std::future::Future<Output = ()>,
+) -> Streamed {
     let mut resp = client().post(url).send_json(body).await.unwrap();
     assert_eq!(resp.status().as_u16(), 200);
     let replica = resp.headers().get("x-prefixgate-replica").unwrap().to_str().unwrap().to_string();
     after_head.await;
-    let mut raw = Vec::new();
-    while let Some(chunk) = resp.next().await {
-        raw.extend_from_slice(&chunk.unwrap());
-    }
+    let first = resp.next().await.expect("a first chunk").unwrap();
+    let rest = async {
+        let mut raw = first.to_vec();
+        while let Some(chunk) = resp.next().await {
+            raw.extend_from_slice(&chunk.unwrap());
+        }
+        raw
+    };
+    let (raw, ()) = tokio::join!(rest, after_first);
     let raw = String::from_utf8(raw).unwrap();
     let mut events = Vec::new();
     let mut done = 0;
@@ -83,13 +95,18 @@ fn dies_at_150() -> SimConfig {
 
 /// Sends the request to "a": "b" is drained until the head arrived.
 async fn on_a(gw: &Gw, path: &str, body: &Value) -> Streamed {
+    on_a_then(gw, path, body, std::future::ready(())).await
+}
+
+/// As `on_a`, with `after_first` running from the stream's first chunk on.
+async fn on_a_then(gw: &Gw, path: &str, body: &Value, after_first: impl std::future::Future<Output = ()>) -> Streamed {
     let (status, _) = admin("POST", &format!("{}/admin/v1/replicas/b/drain", gw.admin), None, None).await;
     assert_eq!(status, 200);
     let resume = async {
         let (status, _) = admin("POST", &format!("{}/admin/v1/replicas/b/resume", gw.admin), None, None).await;
         assert_eq!(status, 200);
     };
-    stream(&format!("{}{path}", gw.base), body, resume).await
+    stream(&format!("{}{path}", gw.base), body, resume, after_first).await
 }
 
 /// The unstreamed answer to a streamed chat `body`, asked of `replica` directly.
@@ -203,14 +220,13 @@ async fn a_drain_with_hand_over_moves_a_long_stream_in_seconds_and_it_completes_
     let body = chat_body(&[("user", "A long one.")], json!({"stream": true, "max_tokens": 600, "temperature": 0}));
     let expected = chat_answer(&b, &body).await;
     let drain = async {
-        tokio::time::sleep(Duration::from_millis(800)).await;
         let started = std::time::Instant::now();
         let url = format!("{}/admin/v1/replicas/a/drain?wait=true&handoff=true&timeout=30", gw.admin);
         let (status, _) = admin("POST", &url, None, None).await;
         assert_eq!(status, 200);
         assert!(started.elapsed() < Duration::from_secs(3), "the drain returned in {:?}", started.elapsed());
     };
-    let (got, ()) = tokio::join!(on_a(&gw, "/v1/chat/completions", &body), drain);
+    let got = on_a_then(&gw, "/v1/chat/completions", &body, drain).await;
     assert_eq!(got.replica, "a");
     assert_eq!(got.text(), expected, "whole, word for word");
     assert_eq!(got.done, 1);
@@ -383,12 +399,11 @@ async fn a_drain_with_hand_over_on_one_instance_moves_the_streams_of_every_insta
     let gw1 = start_gateway(crate::shared::on_redis(test_config(&[&a, &b]), &redis, "gw1")).await;
     let body = chat_body(&[("user", "A long one.")], json!({"stream": true, "max_tokens": 600, "temperature": 0}));
     let drain_on_gw0 = async {
-        tokio::time::sleep(Duration::from_millis(800)).await;
         let url = format!("{}/admin/v1/replicas/a/drain?handoff=true", gw0.admin);
         assert_eq!(admin("POST", &url, None, None).await.0, 200);
     };
     let started = std::time::Instant::now();
-    let (got, ()) = tokio::join!(on_a(&gw1, "/v1/chat/completions", &body), drain_on_gw0);
+    let got = on_a_then(&gw1, "/v1/chat/completions", &body, drain_on_gw0).await;
     assert_eq!(got.replica, "a");
     assert!(started.elapsed() < Duration::from_secs(20), "moved, not finished on a: {:?}", started.elapsed());
     assert_eq!((got.done, got.count(|e| !e["choices"][0]["delta"]["content"].is_null())), (1, 600), "whole");
