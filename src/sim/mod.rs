@@ -80,6 +80,11 @@ pub struct SimConfig {
     /// its own, only when asked).
     #[arg(long)]
     pub usage_in_finish_chunk: bool,
+    /// A chat stream that offers tools calls the first of them after this
+    /// many tokens of its own (arguments `{}`), and finishes with
+    /// `tool_calls`: as an engine's tool parser hands a call over.
+    #[arg(long)]
+    pub tool_call_after_tokens: Option<u64>,
 }
 
 impl Default for SimConfig {
@@ -98,6 +103,7 @@ impl Default for SimConfig {
             stall_after_tokens: None,
             no_token_ids: false,
             usage_in_finish_chunk: false,
+            tool_call_after_tokens: None,
         }
     }
 }
@@ -317,6 +323,9 @@ struct GenParams {
     /// chunk's own in `choices[0].token_ids`.
     #[serde(default)]
     return_token_ids: bool,
+    /// Chat's tools: the first one's name is what `--tool-call-after-tokens` calls.
+    #[serde(default)]
+    tools: Vec<Value>,
 }
 
 impl SimState {
@@ -665,7 +674,8 @@ pub(crate) fn sse_response(rx: tokio::sync::mpsc::Receiver<Frame>) -> HttpRespon
         .streaming(tokio_stream_from(rx))
 }
 
-pub(crate) const WORDS: &[&str] = &["the", " cache", " is", " warm", " and", " the", " prefix", " holds", ","];
+/// The words every answer cycles through (tests read answers against them).
+pub const WORDS: &[&str] = &["the", " cache", " is", " warm", " and", " the", " prefix", " holds", ","];
 
 fn usage(p: &Prefilled, completion: u64) -> Value {
     json!({
@@ -719,6 +729,8 @@ async fn generate(s: Arc<SimState>, params: GenParams, prompt: Vec<u8>, answer: 
     // data chunk waits for the prefill.
     let include_usage = params.stream_options.is_some_and(|o| o.include_usage);
     let with_ids = params.return_token_ids && !s.cfg.no_token_ids;
+    let tool = params.tools.first().and_then(|t| t["function"]["name"].as_str()).map(str::to_string);
+    let calls_after = s.cfg.tool_call_after_tokens.filter(|_| chat && tool.is_some());
     let usage_in_finish = s.cfg.usage_in_finish_chunk && !chat;
     let (tx, rx) = tokio::sync::mpsc::channel::<Frame>(8);
     actix_web::rt::spawn(async move {
@@ -753,9 +765,22 @@ async fn generate(s: Arc<SimState>, params: GenParams, prompt: Vec<u8>, answer: 
             event["choices"] = json!([choice]);
             sse(&event)
         };
+        let (mut finish_reason, mut said) = ("length", max_tokens);
         for i in 0..max_tokens as usize {
             if i > 0 {
                 elapse(per_token).await;
+            }
+            if calls_after == Some(i as u64) {
+                let call = json!([{"index": 0, "id": random_id("call"), "type": "function",
+                    "function": {"name": tool, "arguments": "{}"}}]);
+                let event = json!({"id": id, "object": object, "created": created, "model": model,
+                    "choices": [{"index": 0, "delta": {"tool_calls": call}, "finish_reason": null}]});
+                if tx.send(Frame::Chunk(sse(&event))).await.is_err() {
+                    return;
+                }
+                // The call's own tokens counted as one.
+                (finish_reason, said) = ("tool_calls", i as u64 + 1);
+                break;
             }
             if s.fault(&tx, i as u64).await {
                 return;
@@ -766,15 +791,15 @@ async fn generate(s: Arc<SimState>, params: GenParams, prompt: Vec<u8>, answer: 
                 return; // the client went away: stop generating, free the KV
             }
         }
-        let mut finish = chunk(None, Some("length"));
+        let mut finish = chunk(None, Some(finish_reason));
         if usage_in_finish {
             let mut event: Value = serde_json::from_slice(&finish[6..finish.len() - 2]).expect("our own chunk");
-            event["usage"] = usage(&p, max_tokens);
+            event["usage"] = usage(&p, said);
             finish = sse(&event);
         }
         let mut tail = vec![finish];
         if include_usage && !usage_in_finish {
-            tail.push(sse(&json!({"id": id, "object": object, "created": created, "model": model, "choices": [], "usage": usage(&p, max_tokens)})));
+            tail.push(sse(&json!({"id": id, "object": object, "created": created, "model": model, "choices": [], "usage": usage(&p, said)})));
         }
         tail.push(web::Bytes::from_static(b"data: [DONE]\n\n"));
         for t in tail {

@@ -365,6 +365,82 @@ async fn on_an_engine_without_ids_that_puts_usage_in_its_finish_chunk_a_broken_s
     assert_eq!(continued.len(), 3, "every stream went on: {continued:?}");
 }
 
+/// "a" dies after 150 tokens; "b" calls the request's first tool after 20
+/// tokens of the next leg, as an engine's tool parser hands a call over.
+async fn calls_after_the_seam() -> (Sim, Sim, Gw) {
+    let a = start_sim("a", dies_at_150()).await;
+    let b = start_sim("b", SimConfig { tool_call_after_tokens: Some(20), ..slow_decoder(400.0) }).await;
+    let gw = start_gateway(test_config(&[&a, &b])).await;
+    (a, b, gw)
+}
+
+#[actix_web::test]
+async fn a_responses_stream_whose_model_calls_a_tool_after_the_seam_delivers_a_function_call_item() {
+    let (_a, b, gw) = calls_after_the_seam().await;
+    let body = json!({"model": "sim-model", "instructions": "Use tools.", "max_output_tokens": 400, "temperature": 0,
+        "input": [{"role": "user", "content": "List the files."}], "stream": true, "store": false,
+        "tools": [{"type": "function", "name": "ls", "description": "list", "parameters": {"type": "object"}}]});
+    let got = on_a(&gw, "/v1/responses", &body).await;
+    assert_eq!(got.replica, "a");
+    assert_eq!(b.state.received(), 1, "the next leg went to b's chat endpoint");
+    let words: String = prefixgate::sim::WORDS.iter().cycle().take(170).copied().collect();
+    assert_eq!(got.text(), words, "150 words before the seam, 20 after it, then the call");
+    let sequence: Vec<u64> = got.events.iter().map(|e| e["sequence_number"].as_u64().unwrap()).collect();
+    assert_eq!(sequence, (0..sequence.len() as u64).collect::<Vec<_>>(), "sequence numbers go on");
+    let added: Vec<&Value> = got
+        .of_type("response.output_item.added")
+        .into_iter()
+        .filter(|e| e["item"]["type"] == "function_call")
+        .collect();
+    assert_eq!(added.len(), 1, "{}", got.raw);
+    assert_eq!((added[0]["item"]["name"].as_str(), added[0]["output_index"].as_u64()), (Some("ls"), Some(1)));
+    let args = got.of_type("response.function_call_arguments.done");
+    assert_eq!(args.len(), 1);
+    assert_eq!(args[0]["arguments"], "{}");
+    let completed = got.of_type("response.completed");
+    assert_eq!(completed.len(), 1, "one terminal event");
+    assert_eq!(got.events.last().unwrap()["type"], "response.completed");
+    let output = completed[0]["response"]["output"].as_array().unwrap();
+    let kinds: Vec<&str> = output.iter().map(|i| i["type"].as_str().unwrap()).collect();
+    assert_eq!(kinds, ["message", "function_call"]);
+    assert_eq!(output[0]["content"][0]["text"], json!(words));
+    assert_eq!((output[1]["name"].as_str(), output[1]["arguments"].as_str()), (Some("ls"), Some("{}")));
+    assert_eq!(output[1]["call_id"], added[0]["item"]["call_id"]);
+}
+
+#[actix_web::test]
+async fn a_messages_stream_whose_model_calls_a_tool_after_the_seam_delivers_a_tool_use_block() {
+    let (_a, b, gw) = calls_after_the_seam().await;
+    let body = json!({"model": "sim-model", "system": "Use tools.", "max_tokens": 400, "temperature": 0, "stream": true,
+        "messages": [{"role": "user", "content": "List the files."}],
+        "tools": [{"name": "ls", "description": "list", "input_schema": {"type": "object"}}]});
+    let got = on_a(&gw, "/v1/messages", &body).await;
+    assert_eq!(b.state.received(), 1, "the next leg went to b's chat endpoint");
+    let words: String = prefixgate::sim::WORDS.iter().cycle().take(170).copied().collect();
+    assert_eq!(got.text(), words);
+    let starts = got.of_type("content_block_start");
+    let kinds: Vec<(&str, u64)> =
+        starts.iter().map(|e| (e["content_block"]["type"].as_str().unwrap(), e["index"].as_u64().unwrap())).collect();
+    assert_eq!(kinds, [("text", 0), ("tool_use", 1)], "{}", got.raw);
+    assert_eq!(starts[1]["content_block"]["name"], "ls");
+    let json: String = got
+        .of_type("content_block_delta")
+        .iter()
+        .filter(|e| e["delta"]["type"] == "input_json_delta")
+        .map(|e| e["delta"]["partial_json"].as_str().unwrap())
+        .collect();
+    assert_eq!(json, "{}");
+    let stops: Vec<u64> = got.of_type("content_block_stop").iter().map(|e| e["index"].as_u64().unwrap()).collect();
+    assert_eq!(stops, [0, 1], "each block closed once, in order");
+    let delta = got.of_type("message_delta");
+    assert_eq!(delta.len(), 1);
+    assert_eq!(
+        (delta[0]["delta"]["stop_reason"].as_str(), delta[0]["usage"]["output_tokens"].as_u64()),
+        (Some("tool_use"), Some(171))
+    );
+    assert_eq!(got.events.last().unwrap()["type"], "message_stop");
+}
+
 #[actix_web::test]
 async fn across_instances_sharing_a_store_the_resumed_legs_starting_at_once_are_bounded_per_model() {
     let Some(redis) = crate::shared::Redis::start() else { return };

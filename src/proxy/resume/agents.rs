@@ -37,6 +37,18 @@ pub(super) struct AgentSaid {
     output_index: u64,
     content_index: u64,
     block: Option<u64>,
+    /// Output items (Responses) or content blocks (Messages) the stream
+    /// opened so far: the next one's index.
+    pub(super) opened: u64,
+    /// Tool calls the first leg finished before the seam, as chat writes
+    /// them: the next leg's open answer carries them.
+    pub(super) calls: Vec<Value>,
+    /// The tool call the first leg is writing (Messages: its id, name and
+    /// arguments so far), or the next leg (`calls.rs`).
+    pub(super) call: Option<super::calls::OpenCall>,
+    /// Responses: the output items closed so far (the message, the calls
+    /// of the next leg), for the completed response.
+    pub(super) output: Vec<Value>,
 }
 
 /// A first leg's Responses or Messages event, as far as continuation
@@ -71,6 +83,13 @@ struct Typed<'a> {
     kind: Option<Cow<'a, str>>,
     #[serde(borrow)]
     id: Option<&'a RawValue>,
+    /// A function call item's or a tool_use block's.
+    #[serde(borrow)]
+    call_id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    name: Option<&'a RawValue>,
+    #[serde(borrow)]
+    arguments: Option<Cow<'a, str>>,
 }
 
 #[derive(serde::Deserialize)]
@@ -87,6 +106,8 @@ struct TextDelta<'a> {
     kind: Option<Cow<'a, str>>,
     #[serde(borrow)]
     text: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    partial_json: Option<Cow<'a, str>>,
 }
 
 fn owned(raw: Option<&RawValue>) -> Option<Value> {
@@ -122,22 +143,40 @@ fn read_responses(said: &mut Said, event: &Event<'_>, data: &str) {
             said.created = response.get("created_at").cloned();
             said.agent.response = Some(response);
         }
-        "response.output_item.added" => match event.item.as_ref().and_then(|i| i.kind.as_deref()) {
-            // A second message would be rendered as one: not continued.
-            Some("message") if said.agent.item.is_some() => {
-                said.refused.get_or_insert(Refusal::NoTranscript);
+        "response.output_item.added" => {
+            said.agent.opened = said.agent.opened.max(event.output_index.unwrap_or(0) + 1);
+            match event.item.as_ref().and_then(|i| i.kind.as_deref()) {
+                // A second message would be rendered as one: not continued.
+                Some("message") if said.agent.item.is_some() => {
+                    said.refused.get_or_insert(Refusal::NoTranscript);
+                }
+                Some("message") => {
+                    said.agent.item = owned(event.item.as_ref().and_then(|i| i.id));
+                    said.agent.output_index = event.output_index.unwrap_or(0);
+                }
+                // A seam inside either is refused; after it, the answer
+                // goes on at the boundary (`Said::open`).
+                Some("reasoning") => said.open = Some(Refusal::Reasoning),
+                Some("function_call") => said.open = Some(Refusal::ToolCall),
+                // A built-in tool no chat template renders.
+                _ => {
+                    said.refused.get_or_insert(Refusal::ToolCall);
+                }
             }
-            Some("message") => {
-                said.agent.item = owned(event.item.as_ref().and_then(|i| i.id));
-                said.agent.output_index = event.output_index.unwrap_or(0);
+        }
+        "response.output_item.done" => {
+            // Closed before the seam: the completed response lists it.
+            if let Ok(mut done) = serde_json::from_str::<Value>(data) {
+                said.agent.output.push(done["item"].take());
             }
-            Some("reasoning") => {
-                said.refused.get_or_insert(Refusal::Reasoning);
+            let item = event.item.as_ref();
+            if item.and_then(|i| i.kind.as_deref()) == Some("function_call") {
+                let item = item.expect("matched");
+                let arguments = item.arguments.as_deref().unwrap_or("{}").to_string();
+                said.agent.calls.push(super::calls::chat_call(owned(item.call_id), owned(item.name), arguments));
             }
-            _ => {
-                said.refused.get_or_insert(Refusal::ToolCall);
-            }
-        },
+            said.open = None;
+        }
         "response.content_part.added" => said.agent.content_index = event.content_index.unwrap_or(0),
         "response.output_text.delta" => {
             let text: Option<Cow<str>> = event.delta.and_then(|d| serde_json::from_str(d.get()).ok());
@@ -155,72 +194,101 @@ fn read_messages(said: &mut Said, event: &Event<'_>, data: &str) {
             said.id = owned(event.message.as_ref().and_then(|m| m.id));
             said.model = owned(event.message.as_ref().and_then(|m| m.model));
         }
-        "content_block_start" => match event.content_block.as_ref().and_then(|b| b.kind.as_deref()) {
-            Some("text") => said.agent.block = event.index,
-            Some("thinking" | "redacted_thinking") => {
-                said.refused.get_or_insert(Refusal::Reasoning);
-            }
-            _ => {
-                said.refused.get_or_insert(Refusal::ToolCall);
-            }
-        },
-        "content_block_delta" => {
-            let delta: Option<TextDelta> = event.delta.and_then(|d| serde_json::from_str(d.get()).ok());
-            if let Some(delta) = delta.filter(|d| d.kind.as_deref() == Some("text_delta")) {
-                said.keep_text(delta.text.as_deref().unwrap_or(""));
-                keep_delta(said, data);
+        "content_block_start" => {
+            said.agent.opened = said.agent.opened.max(event.index.unwrap_or(0) + 1);
+            let block = event.content_block.as_ref();
+            match block.and_then(|b| b.kind.as_deref()) {
+                Some("text") => said.agent.block = event.index,
+                Some("thinking" | "redacted_thinking") => said.open = Some(Refusal::Reasoning),
+                Some("tool_use") => {
+                    let block = block.expect("matched");
+                    said.open = Some(Refusal::ToolCall);
+                    said.agent.call = Some(super::calls::OpenCall::first_leg(owned(block.id), owned(block.name)));
+                }
+                // A server tool no chat template renders.
+                _ => {
+                    said.refused.get_or_insert(Refusal::ToolCall);
+                }
             }
         }
-        "content_block_stop" => said.agent.block = None,
+        "content_block_delta" => {
+            let delta: Option<TextDelta> = event.delta.and_then(|d| serde_json::from_str(d.get()).ok());
+            match delta.as_ref().and_then(|d| d.kind.as_deref()) {
+                Some("text_delta") => {
+                    said.keep_text(delta.as_ref().and_then(|d| d.text.as_deref()).unwrap_or(""));
+                    keep_delta(said, data);
+                }
+                Some("input_json_delta") => {
+                    let json = delta.as_ref().and_then(|d| d.partial_json.as_deref()).unwrap_or("");
+                    if let Some(call) = said.agent.call.as_mut() {
+                        call.arguments.push_str(json);
+                    }
+                }
+                _ => {}
+            }
+        }
+        "content_block_stop" => {
+            if let Some(call) = said.agent.call.take() {
+                said.agent.calls.push(call.into_chat());
+            }
+            if said.agent.block == event.index {
+                said.agent.block = None;
+            }
+            said.open = None;
+        }
         "message_delta" => said.finished = true,
         _ => {}
     }
 }
 
-fn sse(kind: &str, data: &Value) -> String {
+pub(super) fn sse(kind: &str, data: &Value) -> String {
     format!("event: {kind}\ndata: {data}\n\n")
 }
 
 /// Responses: the next event's sequence number.
-fn next_sequence(said: &mut Said) -> u64 {
+pub(super) fn next_sequence(said: &mut Said) -> u64 {
     let n = said.agent.sequence.map_or(0, |n| n + 1);
     said.agent.sequence = Some(n);
     n
 }
 
+/// A Responses event of `kind` (`data` without its type and sequence
+/// number), numbered as the stream goes on.
+pub(super) fn responses_event(said: &mut Said, kind: &str, mut data: Value) -> String {
+    data["type"] = json!(kind);
+    data["sequence_number"] = json!(next_sequence(said));
+    sse(kind, &data)
+}
+
 /// The events that open a text item (Responses) or block (Messages) where
-/// the first leg broke before opening one (during its prefill).
+/// the first leg broke before opening one (during its prefill), after the
+/// items or blocks it had opened.
 fn open(said: &mut Said, dialect: Dialect) -> String {
+    let index = said.agent.opened;
+    said.agent.opened += 1;
     match dialect {
         Dialect::Responses => {
             let id = json!(format!("msg_{}", uuid::Uuid::new_v4().simple()));
-            said.agent.item = Some(id.clone());
+            (said.agent.item, said.agent.output_index, said.agent.content_index) = (Some(id.clone()), index, 0);
             let item =
                 json!({"id": id, "type": "message", "status": "in_progress", "role": "assistant", "content": []});
-            let (oi, added) = (said.agent.output_index, next_sequence(said));
-            let mut out = sse(
-                "response.output_item.added",
-                &json!({"type": "response.output_item.added", "sequence_number": added, "output_index": oi, "item": item}),
-            );
+            let mut out =
+                responses_event(said, "response.output_item.added", json!({"output_index": index, "item": item}));
             let part = json!({"type": "output_text", "text": "", "annotations": []});
-            let n = next_sequence(said);
-            out.push_str(&sse(
-                "response.content_part.added",
-                &json!({"type": "response.content_part.added", "sequence_number": n, "item_id": id,
-                        "output_index": oi, "content_index": 0, "part": part}),
-            ));
+            let added = json!({"item_id": id, "output_index": index, "content_index": 0, "part": part});
+            out.push_str(&responses_event(said, "response.content_part.added", added));
             out
         }
         _ => {
-            said.agent.block = Some(0);
+            said.agent.block = Some(index);
             let start =
-                json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}});
+                json!({"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}});
             sse("content_block_start", &start)
         }
     }
 }
 
-/// A resumed leg's text as the first leg's next delta event.
+/// A next leg's text as the first leg's next delta event.
 pub(super) fn delta(said: &mut Said, dialect: Dialect, text: &str) -> String {
     let open = match dialect {
         Dialect::Responses if said.agent.item.is_none() => open(said, dialect),
@@ -250,9 +318,32 @@ pub(super) fn delta(said: &mut Said, dialect: Dialect, text: &str) -> String {
     }
 }
 
-/// The end of the client's stream once the resumed leg ended: the text
-/// item or block closed, the finish (`finish`: the completion's
-/// `finish_reason` and `stop_reason`), usage merged (`prompt`, `completion`).
+/// The open text item (Responses) or block (Messages) closed, if one is.
+pub(super) fn close_text(said: &mut Said, dialect: Dialect) -> String {
+    if dialect == Dialect::Messages {
+        let Some(index) = said.agent.block.take() else { return String::new() };
+        return sse("content_block_stop", &json!({"type": "content_block_stop", "index": index}));
+    }
+    let Some(id) = said.agent.item.take() else { return String::new() };
+    let (oi, ci, text) = (said.agent.output_index, said.agent.content_index, said.text.clone());
+    let part = json!({"type": "output_text", "text": text, "annotations": []});
+    let item = json!({"id": id, "type": "message", "status": "completed", "role": "assistant", "content": [part]});
+    let at = json!({"item_id": id, "output_index": oi, "content_index": ci});
+    let mut done = at.clone();
+    done["text"] = json!(text);
+    let mut out = responses_event(said, "response.output_text.done", done);
+    let mut part_done = at;
+    part_done["part"] = part;
+    out.push_str(&responses_event(said, "response.content_part.done", part_done));
+    out.push_str(&responses_event(said, "response.output_item.done", json!({"output_index": oi, "item": item})));
+    said.agent.output.push(item);
+    out
+}
+
+/// The end of the client's stream once the next leg ended: what is open
+/// closed (its tool call, its text), the finish (`finish`: the
+/// completion's `finish_reason` and `stop_reason`), usage merged
+/// (`prompt`, `completion`).
 pub(super) fn ending(
     said: &mut Said,
     dialect: Dialect,
@@ -261,57 +352,38 @@ pub(super) fn ending(
     completion: u64,
 ) -> String {
     let reason = finish.and_then(|f| f["finish_reason"].as_str()).unwrap_or("stop");
+    let mut out = super::calls::close_call(said, dialect);
+    out.push_str(&close_text(said, dialect));
     match dialect {
-        Dialect::Responses => responses_ending(said, reason, prompt, completion),
+        Dialect::Responses => out.push_str(&responses_completed(said, reason, prompt, completion)),
         _ => {
             let stop = finish.map(|f| &f["stop_reason"]).filter(|s| s.is_string());
             let (stop_reason, sequence) = match (reason, stop) {
                 ("length", _) => ("max_tokens", Value::Null),
+                ("tool_calls", _) => ("tool_use", Value::Null),
                 (_, Some(stop)) => ("stop_sequence", stop.clone()),
                 _ => ("end_turn", Value::Null),
             };
-            let mut out = String::new();
-            if let Some(index) = said.agent.block.take() {
-                out.push_str(&sse("content_block_stop", &json!({"type": "content_block_stop", "index": index})));
-            }
             let delta = json!({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": sequence},
                                "usage": {"output_tokens": completion}});
             out.push_str(&sse("message_delta", &delta));
             out.push_str(&sse("message_stop", &json!({"type": "message_stop"})));
-            out
         }
     }
+    out
 }
 
-fn responses_ending(said: &mut Said, reason: &str, prompt: u64, completion: u64) -> String {
-    let (id, oi, ci) = (said.agent.item.clone(), said.agent.output_index, said.agent.content_index);
-    let text = said.text.clone();
-    let part = json!({"type": "output_text", "text": text, "annotations": []});
-    let item = json!({"id": id, "type": "message", "status": "completed", "role": "assistant", "content": [part]});
-    let mut out = String::new();
-    let mut push = |said: &mut Said, kind: &str, mut data: Value| {
-        data["type"] = json!(kind);
-        data["sequence_number"] = json!(next_sequence(said));
-        out.push_str(&sse(kind, &data));
-    };
-    let at = json!({"item_id": id, "output_index": oi, "content_index": ci});
-    let mut done = at.clone();
-    done["text"] = json!(text);
-    push(said, "response.output_text.done", done);
-    let mut part_done = at;
-    part_done["part"] = part;
-    push(said, "response.content_part.done", part_done);
-    push(said, "response.output_item.done", json!({"output_index": oi, "item": item}));
+/// Responses: the one `response.completed`, its output every item closed.
+fn responses_completed(said: &mut Said, reason: &str, prompt: u64, completion: u64) -> String {
     let mut response = said.agent.response.clone().unwrap_or_else(|| json!({"id": said.id, "object": "response"}));
     let incomplete = reason == "length";
     response["status"] = json!(if incomplete { "incomplete" } else { "completed" });
     response["incomplete_details"] = if incomplete { json!({"reason": "max_output_tokens"}) } else { Value::Null };
-    response["output"] = json!([item]);
+    response["output"] = json!(std::mem::take(&mut said.agent.output));
     response["usage"] = json!({"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
         "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + completion});
-    push(said, "response.completed", json!({"response": response}));
-    out
+    responses_event(said, "response.completed", json!({"response": response}))
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@ use actix_web::web;
 use futures_util::future::LocalBoxFuture;
 
 use super::transcript::{tokens_of, transcript, Transcript};
-use super::{chat_resume_request, resume_request, Refusal, Said, Way};
+use super::{chat_resume_request, resume_request, transcript_chat_request, Refusal, Said, Way};
 use crate::fleet::{Replica, ReplicaSpec};
 use crate::policy::{Dialect, Mode, RequestShape};
 use crate::proxy::attempt::{send, Upstream, UpstreamResponse};
@@ -116,21 +116,27 @@ enum Prompt {
     /// `/v1/completions` with the transcript as the replica tokenizes it.
     Text(Transcript),
     /// The chat endpoint, the answer so far as the open last message (a
-    /// chat that offers tools: the engine's tool parser sees what follows
-    /// the seam): its text, or its ids to detokenize.
-    Chat { text: Option<String>, ids: Vec<u32> },
+    /// request that offers tools: the engine's tool parser sees what
+    /// follows the seam). A chat's own request, with the answer's text or
+    /// its ids to detokenize; a Responses or Messages request's transcript.
+    Chat {
+        text: Option<String>,
+        ids: Vec<u32>,
+    },
+    AgentChat(Transcript),
 }
 
 impl LegPlan {
     /// From what the stream said, for `request` (Err: refused, why).
     fn of(said: &Said, request: serde_json::Value, shape: &RequestShape) -> Result<LegPlan, Refusal> {
         let dialect = shape.dialect;
-        let via_chat = dialect == Dialect::Chat && shape.stream.tools;
-        let prompt = match (said.way, via_chat) {
-            (Way::Text, true) => Prompt::Chat { text: Some(said.text.clone()), ids: Vec::new() },
-            (Way::Ids, true) => Prompt::Chat { text: None, ids: said.generated.clone() },
-            (Way::Ids, false) => Prompt::Ids(said.prompt_with_answer().ok_or(Refusal::NoTokenIds)?),
-            (Way::Text, false) => Prompt::Text(transcript(dialect, &request, &said.text).ok_or(Refusal::NoTranscript)?),
+        let transcribed = || transcript(dialect, &request, &said.text, said.calls()).ok_or(Refusal::NoTranscript);
+        let prompt = match (said.way, shape.stream.tools, dialect) {
+            (_, true, Dialect::Responses | Dialect::Messages) => Prompt::AgentChat(transcribed()?),
+            (Way::Text, true, _) => Prompt::Chat { text: Some(said.text.clone()), ids: Vec::new() },
+            (Way::Ids, true, _) => Prompt::Chat { text: None, ids: said.generated.clone() },
+            (Way::Ids, false, _) => Prompt::Ids(said.prompt_with_answer().ok_or(Refusal::NoTokenIds)?),
+            (Way::Text, false, _) => Prompt::Text(transcribed()?),
         };
         Ok(LegPlan { prompt, request, dialect, generated: said.seam() })
     }
@@ -153,6 +159,11 @@ impl LegPlan {
                     None => detokenize(upstream, spec, caller, request, ids).await?,
                 };
                 let body = chat_resume_request(request, &answer, generated)?;
+                return Some(("/v1/chat/completions", body, Some(answer)));
+            }
+            Prompt::AgentChat(transcript) => {
+                let body = transcript_chat_request(request, dialect, &transcript, generated)?;
+                let Transcript::Chat { answer, .. } = transcript else { return None };
                 return Some(("/v1/chat/completions", body, Some(answer)));
             }
         };

@@ -27,6 +27,7 @@ use serde_json::{json, Map, Value};
 use crate::policy::{Dialect, SeamRisk, StreamAsks};
 
 mod agents;
+mod calls;
 mod continuation;
 mod leg;
 mod relay;
@@ -366,6 +367,12 @@ impl Said {
         self.refused.or(self.open).or(no_ids.then_some(Refusal::NoTokenIds))
     }
 
+    /// The tool calls the answer finished before the seam (Responses and
+    /// Messages), as chat writes them.
+    pub fn calls(&self) -> &[Value] {
+        &self.agent.calls
+    }
+
     /// Whether its first event came, with what a resume needs (its ids, on
     /// the ids way): from then on its silence is watched.
     pub fn started(&self) -> bool {
@@ -384,11 +391,11 @@ impl Said {
     }
 }
 
-/// The `/v1/completions` request that resumes the client's request
-/// (`request`, of `dialect`) with `prompt` (token ids: the conversation
-/// and the answer so far), after `generated` tokens: its sampling, what is
-/// left of its `max_tokens`.
-pub fn resume_request(request: &Value, dialect: Dialect, prompt: &[u32], generated: usize) -> Option<Bytes> {
+/// The sampling a next leg carries from the client's request (`request`,
+/// of `dialect`), `max_tokens` as what is left after `generated`, streamed
+/// with usage (always asked: the merged count needs it; the relay passes
+/// it on only to a client that asked for it).
+fn carried(request: &Value, dialect: Dialect, generated: usize) -> Map<String, Value> {
     const CARRIED: [&str; 15] = [
         "model",
         "temperature",
@@ -416,7 +423,6 @@ pub fn resume_request(request: &Value, dialect: Dialect, prompt: &[u32], generat
     if let Some(stop) = request.get("stop_sequences").filter(|_| dialect == Dialect::Messages) {
         out.insert("stop".into(), stop.clone());
     }
-    out.insert("prompt".into(), json!(prompt));
     let max = match dialect {
         Dialect::Responses => request.get("max_output_tokens"),
         _ => request.get("max_completion_tokens").or_else(|| request.get("max_tokens")),
@@ -425,10 +431,44 @@ pub fn resume_request(request: &Value, dialect: Dialect, prompt: &[u32], generat
         out.insert("max_tokens".into(), json!(left_of(max, generated)));
     }
     out.insert("stream".into(), json!(true));
-    // Always asked: the merged count needs the leg's usage (the relay
-    // passes it on only to a client that asked for it).
     out.insert("stream_options".into(), json!({"include_usage": true}));
+    out
+}
+
+/// The `/v1/completions` request that continues the client's request
+/// (`request`, of `dialect`) with `prompt` (token ids: the conversation
+/// and the answer so far), after `generated` tokens.
+pub fn resume_request(request: &Value, dialect: Dialect, prompt: &[u32], generated: usize) -> Option<Bytes> {
+    let mut out = carried(request, dialect, generated);
+    out.insert("prompt".into(), json!(prompt));
     out.insert("return_token_ids".into(), json!(true));
+    serde_json::to_vec(&Value::Object(out)).ok().map(Bytes::from)
+}
+
+/// The chat request that continues a Responses or Messages `request` that
+/// offers tools, after `generated` tokens: its `transcript` (the
+/// conversation as chat messages, its tools as chat tools) with the answer
+/// so far as the open last message (`continue_final_message`), so the
+/// engine's tool parser sees a call the model starts after the seam.
+pub fn transcript_chat_request(
+    request: &Value,
+    dialect: Dialect,
+    transcript: &transcript::Transcript,
+    generated: usize,
+) -> Option<Bytes> {
+    let transcript::Transcript::Chat { messages, tools, kwargs, .. } = transcript else { return None };
+    let mut out = carried(request, dialect, generated);
+    let mut all = messages.clone();
+    all.push(transcript.open_answer()?);
+    out.insert("messages".into(), json!(all));
+    if let Some(tools) = tools {
+        out.insert("tools".into(), tools.clone());
+    }
+    if let Some(kwargs) = kwargs {
+        out.insert("chat_template_kwargs".into(), kwargs.clone());
+    }
+    out.insert("continue_final_message".into(), json!(true));
+    out.insert("add_generation_prompt".into(), json!(false));
     serde_json::to_vec(&Value::Object(out)).ok().map(Bytes::from)
 }
 

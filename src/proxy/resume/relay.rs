@@ -296,6 +296,9 @@ impl Relay {
     /// the engine parsed it (text or a tool call), with the first leg's
     /// id, model and created, no role; usage merged.
     fn resumed_chat_event(&mut self, event: &Value, choice: Option<&Value>, out: &mut BytesMut) {
+        if matches!(self.dialect, Dialect::Responses | Dialect::Messages) {
+            return self.resumed_agent_chat_event(event, choice, out);
+        }
         let mut delta = choice.and_then(|c| c.get("delta")).cloned().unwrap_or_else(|| json!({}));
         if let Some(delta) = delta.as_object_mut() {
             delta.remove("role");
@@ -308,6 +311,28 @@ impl Relay {
             out.extend_from_slice(format!("data: {chunk}\n\n").as_bytes());
         }
         self.usage_chunk(event.get("usage").filter(|u| !u.is_null()), out);
+    }
+
+    /// A Responses or Messages stream's next leg on the chat endpoint (it
+    /// offers tools): its text as the first leg's deltas, its tool calls as
+    /// the dialect's own items or blocks (`calls.rs`); its finish and usage
+    /// kept for the end.
+    fn resumed_agent_chat_event(&mut self, event: &Value, choice: Option<&Value>, out: &mut BytesMut) {
+        let delta = choice.and_then(|c| c.get("delta"));
+        let text = delta.and_then(|d| d.get("content")).and_then(Value::as_str).unwrap_or("");
+        if !text.is_empty() {
+            self.said.keep_text(text);
+            out.extend_from_slice(agents::delta(&mut self.said, self.dialect, text).as_bytes());
+        }
+        for call in delta.and_then(|d| d.get("tool_calls")).and_then(Value::as_array).into_iter().flatten() {
+            out.extend_from_slice(super::calls::tool_call_delta(&mut self.said, self.dialect, call).as_bytes());
+        }
+        if let Some(finish) = choice.and_then(|c| c.get("finish_reason")).filter(|f| !f.is_null()) {
+            self.finish = Some(json!({"finish_reason": finish, "stop_reason": Value::Null}));
+        }
+        if let Some(usage) = event.get("usage").filter(|u| !u.is_null()) {
+            self.usage = Some(usage.clone());
+        }
     }
 
     /// The resumed leg's `[DONE]`: passed on for chat and completions; for

@@ -17,13 +17,22 @@ use crate::policy::Dialect;
 pub enum Transcript {
     /// Chat messages (the answer so far is not among them), the tools
     /// offered and the template's arguments.
-    Chat { model: Option<Value>, messages: Vec<Value>, tools: Option<Value>, kwargs: Option<Value>, answer: String },
+    /// `calls`: the tool calls the answer finished before the seam.
+    Chat {
+        model: Option<Value>,
+        messages: Vec<Value>,
+        tools: Option<Value>,
+        kwargs: Option<Value>,
+        answer: String,
+        calls: Vec<Value>,
+    },
     /// A completion's prompt, the answer so far appended.
     Prompt { model: Option<Value>, text: String },
 }
 
-/// The transcript of `request` (of `dialect`) with `answer` so far.
-pub fn transcript(dialect: Dialect, request: &Value, answer: &str) -> Option<Transcript> {
+/// The transcript of `request` (of `dialect`) with `answer` so far, and
+/// the tool `calls` it finished.
+pub fn transcript(dialect: Dialect, request: &Value, answer: &str, calls: &[Value]) -> Option<Transcript> {
     let model = request.get("model").cloned();
     let answer = answer.to_string();
     let (messages, tools) = match dialect {
@@ -38,7 +47,7 @@ pub fn transcript(dialect: Dialect, request: &Value, answer: &str) -> Option<Tra
     };
     let kwargs = request.get("chat_template_kwargs").cloned();
     let tools = tools.filter(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty()));
-    Some(Transcript::Chat { model, messages, tools, kwargs, answer })
+    Some(Transcript::Chat { model, messages, tools, kwargs, answer, calls: calls.to_vec() })
 }
 
 impl Transcript {
@@ -46,9 +55,9 @@ impl Transcript {
     /// answer as the open last message (no generation prompt after it).
     pub fn vllm_tokenize(&self) -> Value {
         match self {
-            Transcript::Chat { model, messages, tools, kwargs, answer } => {
+            Transcript::Chat { model, messages, tools, kwargs, .. } => {
                 let mut all = messages.clone();
-                all.push(json!({"role": "assistant", "content": answer}));
+                all.push(self.open_answer().expect("a chat transcript"));
                 let mut body = json!({"model": model, "messages": all,
                                       "add_generation_prompt": false, "continue_final_message": true});
                 if let Some(tools) = tools {
@@ -65,6 +74,17 @@ impl Transcript {
 
     /// llama.cpp's `/apply-template` request (the conversation, the
     /// generation prompt after it); None for a completion's prompt.
+    /// The answer so far as the open last message: its text, and the tool
+    /// calls it finished (None for a completion's prompt).
+    pub fn open_answer(&self) -> Option<Value> {
+        let Transcript::Chat { answer, calls, .. } = self else { return None };
+        let mut open = json!({"role": "assistant", "content": answer});
+        if !calls.is_empty() {
+            open["tool_calls"] = json!(calls);
+        }
+        Some(open)
+    }
+
     pub fn llama_template(&self) -> Option<Value> {
         match self {
             Transcript::Chat { messages, tools, .. } => {
@@ -246,7 +266,7 @@ mod tests {
                 {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm"}, {"type": "text", "text": "looking"},
                     {"type": "tool_use", "id": "t1", "name": "ls", "input": {"path": "/"}}]},
                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "a b"}, {"type": "text", "text": "and?"}]}]});
-        let t = transcript(Dialect::Messages, &request, "the answer").unwrap();
+        let t = transcript(Dialect::Messages, &request, "the answer", &[]).unwrap();
         let (messages, tools) = chat(&t);
         assert_eq!(messages[0], json!({"role": "system", "content": "be brief"}));
         assert_eq!(messages[2]["content"], "looking");
@@ -261,7 +281,7 @@ mod tests {
             (json!(true), json!(false))
         );
         let image = json!({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]});
-        assert_eq!(transcript(Dialect::Messages, &image, ""), None, "an image cannot be rendered from text");
+        assert_eq!(transcript(Dialect::Messages, &image, "", &[]), None, "an image cannot be rendered from text");
     }
 
     #[test]
@@ -273,27 +293,28 @@ mod tests {
                       {"type": "reasoning", "summary": []},
                       {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
                       {"type": "function_call_output", "call_id": "c1", "output": "42"}]});
-        let t = transcript(Dialect::Responses, &request, "so").unwrap();
+        let t = transcript(Dialect::Responses, &request, "so", &[]).unwrap();
         let (messages, _) = chat(&t);
         let roles: Vec<&str> = messages.iter().map(|m| m["role"].as_str().unwrap()).collect();
         assert_eq!(roles, ["system", "system", "user", "assistant", "tool"]);
         assert_eq!(messages[3]["tool_calls"][0]["id"], "c1");
         let builtin = json!({"input": "q", "tools": [{"type": "web_search"}]});
-        assert_eq!(transcript(Dialect::Responses, &builtin, ""), None);
+        assert_eq!(transcript(Dialect::Responses, &builtin, "", &[]), None);
     }
 
     #[test]
     fn llama_cpp_gets_the_template_then_the_rendered_text_with_the_answer_and_no_second_bos() {
-        let t = transcript(Dialect::Chat, &json!({"messages": [{"role": "user", "content": "q"}]}), " so far").unwrap();
+        let t = transcript(Dialect::Chat, &json!({"messages": [{"role": "user", "content": "q"}]}), " so far", &[])
+            .unwrap();
         assert_eq!(t.llama_template().unwrap(), json!({"messages": [{"role": "user", "content": "q"}]}));
         assert_eq!(
             t.llama_tokenize(Some("<s>user q</s><s>assistant")),
             json!({"content": "<s>user q</s><s>assistant so far", "add_special": false})
         );
-        let p = transcript(Dialect::Completions, &json!({"prompt": "Once"}), " upon").unwrap();
+        let p = transcript(Dialect::Completions, &json!({"prompt": "Once"}), " upon", &[]).unwrap();
         assert_eq!(p.vllm_tokenize()["prompt"], "Once upon");
         assert_eq!(p.llama_tokenize(None), json!({"content": "Once upon", "add_special": true}));
-        assert_eq!(transcript(Dialect::Completions, &json!({"prompt": [1, 2]}), ""), None, "ids without ids back");
+        assert_eq!(transcript(Dialect::Completions, &json!({"prompt": [1, 2]}), "", &[]), None, "ids without ids back");
         assert_eq!(tokens_of(br#"{"tokens":[],"count":0}"#), None);
         assert_eq!(tokens_of(br#"{"tokens":[5,6],"count":2}"#), Some(vec![5, 6]));
     }
