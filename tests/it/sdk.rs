@@ -55,3 +55,25 @@ async fn the_official_sdks_read_a_stream_finished_on_three_replicas_as_one_answe
     let (_, events) = admin("GET", &format!("{}/admin/v1/events?kind=stream_continued", gw.admin), None, None).await;
     assert_eq!(events["items"].as_array().unwrap().len(), 8, "two legs resumed for each of four streams: {events}");
 }
+
+#[actix_web::test]
+async fn the_official_sdks_parse_a_tool_call_made_after_the_seam_as_a_function_call_item_and_a_tool_use_block() {
+    let Some(python) = runnable("SDK_PYTHON", "python3", &["-c", "import openai, anthropic"]) else {
+        require("the openai and anthropic SDKs", false, "pip install openai anthropic; set SDK_PYTHON");
+        return;
+    };
+    // Each replica dies after 150 tokens of a stream, and its chat endpoint
+    // calls the request's tool after 20: the next leg's call.
+    let replica =
+        || prefixgate::sim::SimConfig { die_after_tokens: Some(150), tool_call_after_tokens: Some(20), ..fast_sim() };
+    let (a, b) = (start_sim("a", replica()).await, start_sim("b", replica()).await);
+    let gw = start_gateway(test_config(&[&a, &b])).await;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/sdk/tool_after_seam.py");
+    let out =
+        tokio::process::Command::new(python).arg(script).env("BASE_URL", &gw.base).output().await.expect("python runs");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "SDK checks failed:\n{stdout}\n{stderr}");
+    assert!(stdout.contains("all SDK checks passed"), "{stdout}");
+    let (_, events) = admin("GET", &format!("{}/admin/v1/events?kind=stream_continued", gw.admin), None, None).await;
+    assert_eq!(events["items"].as_array().unwrap().len(), 2, "each stream went on once: {events}");
+}
