@@ -23,9 +23,10 @@ use crate::policy::Dialect;
 /// What a Responses or Messages stream's resumed events carry on.
 #[derive(Debug, Default)]
 pub(super) struct AgentSaid {
-    /// Responses: the response as `response.created` gave it (its end
-    /// gives it back completed).
-    response: Option<Value>,
+    /// Responses: the `response.created` event's JSON, as it came (its
+    /// response, which echoes the whole request, is parsed only when the
+    /// stream's end gives it back completed).
+    created: Option<String>,
     /// Responses: the last sequence number sent.
     sequence: Option<u64>,
     /// The first text delta event: the resumed leg's are written as it was
@@ -72,9 +73,12 @@ struct Event<'a> {
     /// Responses: the text; Messages: `{type, text}`.
     #[serde(borrow)]
     delta: Option<&'a RawValue>,
-    /// Messages' `message_start`: its id and model.
+    /// Messages' `message_start`: its id and model; Responses'
+    /// `response.created`: its response's id, model and creation time.
     #[serde(borrow)]
     message: Option<Named<'a>>,
+    #[serde(borrow)]
+    response: Option<Named<'a>>,
 }
 
 #[derive(serde::Deserialize)]
@@ -98,6 +102,8 @@ struct Named<'a> {
     id: Option<&'a RawValue>,
     #[serde(borrow)]
     model: Option<&'a RawValue>,
+    #[serde(borrow)]
+    created_at: Option<&'a RawValue>,
 }
 
 #[derive(serde::Deserialize)]
@@ -136,12 +142,11 @@ fn read_responses(said: &mut Said, event: &Event<'_>, data: &str) {
     }
     match &*event.kind {
         "response.created" => {
-            let created: Option<Value> = serde_json::from_str::<Value>(data).ok().map(|mut e| e["response"].take());
-            let response = created.unwrap_or(Value::Null);
-            said.id = response.get("id").cloned();
-            said.model = response.get("model").cloned();
-            said.created = response.get("created_at").cloned();
-            said.agent.response = Some(response);
+            let response = event.response.as_ref();
+            said.id = owned(response.and_then(|r| r.id));
+            said.model = owned(response.and_then(|r| r.model));
+            said.created = owned(response.and_then(|r| r.created_at));
+            said.agent.created = Some(data.to_string());
         }
         "response.output_item.added" => {
             said.agent.opened = said.agent.opened.max(event.output_index.unwrap_or(0) + 1);
@@ -375,7 +380,11 @@ pub(super) fn ending(
 
 /// Responses: the one `response.completed`, its output every item closed.
 fn responses_completed(said: &mut Said, reason: &str, prompt: u64, completion: u64) -> String {
-    let mut response = said.agent.response.clone().unwrap_or_else(|| json!({"id": said.id, "object": "response"}));
+    let created = said.agent.created.as_deref().and_then(|e| serde_json::from_str::<Value>(e).ok());
+    let mut response = match created {
+        Some(mut event) => event["response"].take(),
+        None => json!({"id": said.id, "object": "response"}),
+    };
     let incomplete = reason == "length";
     response["status"] = json!(if incomplete { "incomplete" } else { "completed" });
     response["incomplete_details"] = if incomplete { json!({"reason": "max_output_tokens"}) } else { Value::Null };

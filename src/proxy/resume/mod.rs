@@ -194,7 +194,6 @@ struct FirstLeg<'a> {
     model: Option<&'a RawValue>,
     #[serde(borrow)]
     created: Option<&'a RawValue>,
-    prompt_token_ids: Option<Vec<u32>>,
     #[serde(borrow, default)]
     choices: Vec<FirstLegChoice<'a>>,
     #[serde(borrow)]
@@ -226,6 +225,26 @@ struct FirstLegDelta<'a> {
     reasoning: Option<&'a RawValue>,
 }
 
+/// The prompt's token ids as the engine gave them (its first event's
+/// `prompt_token_ids`): the JSON array's bytes, read into ids only if the
+/// stream breaks. A long prompt's ids are most of that event: parsed on
+/// every stream, they were most of what continuation cost a stream that
+/// never broke (bench/stream-cpu.sh, docs/benchmarks.md).
+#[derive(Debug)]
+pub struct PromptIds {
+    raw: Bytes,
+    pub len: usize,
+}
+
+impl PromptIds {
+    /// The array `raw` (`[1,2,...]`), its ids counted by their commas.
+    fn of(raw: &[u8]) -> PromptIds {
+        let empty = raw.iter().all(|b| matches!(b, b'[' | b']') || b.is_ascii_whitespace());
+        let len = if empty { 0 } else { memchr::memchr_iter(b',', raw).count() + 1 };
+        PromptIds { raw: Bytes::copy_from_slice(raw), len }
+    }
+}
+
 /// What a stream said so far, as a resumed leg needs it.
 #[derive(Debug)]
 pub struct Said {
@@ -234,7 +253,7 @@ pub struct Said {
     pub model: Option<Value>,
     pub created: Option<Value>,
     /// The ids way: the prompt's ids and the answer's so far.
-    pub prompt_ids: Option<Vec<u32>>,
+    pub prompt_ids: Option<PromptIds>,
     pub generated: Vec<u32>,
     /// The text way: the answer's text so far, and its tokens as the
     /// stream counted them (an event of text each, as engines stream).
@@ -292,7 +311,7 @@ impl Said {
 
     /// Ids kept: the prompt's and the answer's so far.
     fn kept(&self) -> usize {
-        self.prompt_ids.as_ref().map_or(0, Vec::len) + self.generated.len()
+        self.prompt_ids.as_ref().map_or(0, |p| p.len) + self.generated.len()
     }
 
     fn keep_ids(&mut self, ids: impl Iterator<Item = u32>) {
@@ -324,13 +343,6 @@ impl Said {
         let owned = |v: Option<&RawValue>| v.and_then(|v| serde_json::from_str(v.get()).ok());
         if self.id.is_none() {
             (self.id, self.model, self.created) = (owned(event.id), owned(event.model), owned(event.created));
-        }
-        if let Some(ids) = &event.prompt_token_ids {
-            if ids.len() > MAX_IDS {
-                self.refused.get_or_insert(Refusal::TooLong);
-            } else {
-                self.prompt_ids = Some(ids.clone());
-            }
         }
         self.read_seam(event);
         self.keep_text(event.text());
@@ -385,7 +397,7 @@ impl Said {
     /// The prompt a resumed leg is sent on the ids way: the prompt's ids
     /// and the answer's so far.
     pub fn prompt_with_answer(&self) -> Option<Vec<u32>> {
-        let mut prompt = self.prompt_ids.clone()?;
+        let mut prompt: Vec<u32> = scan::ids_in(&self.prompt_ids.as_ref()?.raw).collect();
         prompt.extend_from_slice(&self.generated);
         Some(prompt)
     }

@@ -6,7 +6,7 @@ use serde_json::{json, Value};
 use smallvec::SmallVec;
 
 use super::scan::*;
-use super::{agents, FirstLeg, Said, Way};
+use super::{agents, FirstLeg, PromptIds, Said, Way, MAX_IDS};
 use crate::policy::Dialect;
 
 /// The client's stream, one whole SSE event at a time: the first leg's
@@ -218,7 +218,24 @@ impl Relay {
         // plain stream, a borrowed parse 1.9x (bench/stream-cpu.sh): only
         // the first event of the ids way is parsed, and every event of the
         // text way (its text is a JSON string to unescape).
-        if let Ok(event) = serde_json::from_str::<FirstLeg>(data) {
+        // The prompt's ids are kept as their bytes and cut out before the
+        // rest of the event is parsed (`PromptIds`).
+        let prompt = prompt_token_ids(data.as_bytes());
+        let mut cut = BytesMut::new();
+        let rest = match prompt {
+            Some(f) => {
+                strip_spans_into(data.as_bytes(), smallvec::smallvec![(f.at, f.end)], &mut cut);
+                std::str::from_utf8(&cut).unwrap_or(data)
+            }
+            None => data,
+        };
+        if let Some(f) = prompt {
+            match PromptIds::of(&data.as_bytes()[f.value..f.end]) {
+                ids if ids.len > MAX_IDS => self.said.refused = self.said.refused.or(Some(super::Refusal::TooLong)),
+                ids => self.said.prompt_ids = Some(ids),
+            }
+        }
+        if let Ok(event) = serde_json::from_str::<FirstLeg>(rest) {
             let first = self.said.id.is_none();
             self.said.read_whole(&event);
             if first && self.said.way == Way::Ids && self.said.prompt_ids.is_none() {
@@ -233,7 +250,7 @@ impl Relay {
         }
         let at = data.as_ptr() as usize - text.as_ptr() as usize;
         out.extend_from_slice(&text.as_bytes()[..at]);
-        strip_ids_into(data.as_bytes(), out);
+        strip_ids_into(rest.as_bytes(), out);
         out.extend_from_slice(&text.as_bytes()[at + data.len()..]);
     }
 
@@ -378,7 +395,7 @@ impl Relay {
     fn merged_usage(&self, usage: &Value) -> (u64, u64) {
         let count = |key: &str| usage.get(key).and_then(Value::as_u64).unwrap_or(0);
         let prompt = match &self.said.prompt_ids {
-            Some(ids) => ids.len() as u64,
+            Some(ids) => ids.len as u64,
             // The text way: the resumed prompt held the answer so far.
             None => count("prompt_tokens").saturating_sub(self.generated_before),
         };
@@ -510,7 +527,7 @@ mod tests {
         assert_eq!(relay.said.refusal(), None);
         relay.feed_slice(chunk(json!({"choices": [{"text": "b", "token_ids": [3]}]})).as_bytes());
         assert_eq!(relay.said.refusal(), Some(Refusal::TooLong));
-        assert!(relay.said.prompt_ids.as_ref().unwrap().len() + relay.said.generated.len() <= MAX_IDS);
+        assert!(relay.said.prompt_ids.as_ref().unwrap().len + relay.said.generated.len() <= MAX_IDS);
     }
 
     #[test]

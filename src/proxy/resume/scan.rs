@@ -64,6 +64,11 @@ fn members<'a>(data: &'a [u8], finder: &'a Finder<'static>) -> impl Iterator<Ite
     finder.find_iter(data).filter_map(move |at| member_at(data, at, len))
 }
 
+/// The `prompt_token_ids` member of one event (`data`), if it has one.
+pub(super) fn prompt_token_ids(data: &[u8]) -> Option<Found> {
+    members(data, &PROMPT_TOKEN_IDS).next()
+}
+
 /// The ids in a JSON array of numbers.
 pub(super) fn ids_in(list: &[u8]) -> impl Iterator<Item = u32> + '_ {
     let mut i = 0;
