@@ -10,14 +10,20 @@
 # same request's uninterrupted answer, the seam (tokens before the kill),
 # the stream's time against the uninterrupted one's, and for the drain the
 # time the drain took to return; then the gateway's stream_continued events.
+# Each kill arm also compares the usage the client read (chat and
+# completions ask for it with stream_options.include_usage) with the
+# uninterrupted answer's.
 # Simulated replicas by default (`prefixgate sim-replica`, the seed's card:
-# decode 40 tokens/s, time scale 1). REAL=1: on two real vLLM replicas
+# decode 40 tokens/s, time scale 1). REAL=llama: on two real llama-server
+# replicas (LLAMA_SERVER=path MODEL=path.gguf, as bench/kv-wall.sh builds
+# them; one slot each, one core each), every dialect killed in turn and the
+# killed replica restarted. REAL=1: on two real vLLM replicas
 # (the drain arm, then one kill arm: the first of DIALECTS, chat unless
 # set; a killed vLLM replica is not restarted here)
 # (bench/real-vllm.sh installs and starts them, then runs this with
 # REPLICA_URLS, REPLICA_PIDS and MODEL_NAME set).
 # BIN=path/to/prefixgate runs that build instead of building this tree.
-# Never run in CI. Usage: [REAL=1] [DIALECTS="chat messages"] [BIN=...] bench/continue.sh
+# Never run in CI. Usage: [REAL=1|llama] [DIALECTS="chat messages"] [BIN=...] bench/continue.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${REAL:-}" = 1 ] && [ -z "${REPLICA_URLS:-}" ]; then
@@ -34,6 +40,19 @@ declare -A URL PID
 if [ -n "${REPLICA_URLS:-}" ]; then
   read -r -a urls <<<"$REPLICA_URLS"; read -r -a pids <<<"$REPLICA_PIDS"
   URL[r0]=${urls[0]}; URL[r1]=${urls[1]}; PID[r0]=${pids[0]}; PID[r1]=${pids[1]}
+elif [ "${REAL:-}" = llama ]; then
+  : "${LLAMA_SERVER:?set LLAMA_SERVER (bench/kv-wall.sh builds it)}" "${MODEL:?set MODEL to the SmolLM2 GGUF}"
+  model=smollm2
+  declare -A PORT
+  start_replica() { # NAME CORE: llama-server as shipped, one slot, on its port (kept across restarts)
+    PORT[$1]=${PORT[$1]:-$(free_port)}
+    taskset -c "$2" "$LLAMA_SERVER" -m "$MODEL" --host 127.0.0.1 --port "${PORT[$1]}" -t 1 -c 16384 -np 1 \
+      --jinja -a smollm2 >"$BENCH_TMP/llama-$1.log" 2>&1 &
+    PID[$1]=$!; URL[$1]=http://127.0.0.1:${PORT[$1]}
+    until curl -sf "${URL[$1]}/health" >/dev/null; do sleep 0.2; done
+  }
+  start_replica r0 0; start_replica r1 1
+  restart() { if [ "$1" = r0 ]; then start_replica r0 0; else start_replica r1 1; fi; }
 else
   start_replica() {
     start_sim "$1" --decode-tps 40 --time-scale 1
@@ -63,6 +82,7 @@ req = urllib.request.Request(url, data=body.encode(), headers={"content-type": "
 resp = urllib.request.urlopen(req, timeout=600)
 replica = resp.headers.get("x-prefixgate-replica")
 text, tokens, done, finishes, killed, buf = [], 0, 0, 0, None, b""
+usage = {}
 for line in resp:
     line = line.strip()
     if not line.startswith(b"data: "):
@@ -86,23 +106,31 @@ for line in resp:
         if piece:
             tokens += 1
             text.append(piece)
+    # The usage the client reads: chat's and completions' chunk, the
+    # completed response's, the message's (input in message_start).
+    u = e.get("usage") or (e.get("response") or {}).get("usage") or (e.get("message") or {}).get("usage")
+    if u and kind != "response.created":
+        for key, out in (("prompt_tokens", "in"), ("input_tokens", "in"), ("completion_tokens", "out"),
+                         ("output_tokens", "out")):
+            if u.get(key) is not None and (key not in ("input_tokens",) or kind != "message_delta"):
+                usage[out] = u[key]
     finishes += sum(1 for c in e.get("choices", []) if c.get("finish_reason"))
     finishes += kind in ("response.completed", "message_delta")
     done += kind in ("response.completed", "message_stop")
     if kill_at and killed is None and tokens >= kill_at:
         os.kill(int(pids[replica]), signal.SIGKILL)
         killed = tokens
-print(json.dumps({"replica": replica, "tokens": tokens, "text": "".join(text), "done": done,
+print(json.dumps({"replica": replica, "tokens": tokens, "text": "".join(text), "done": done, "usage": usage,
                   "finishes": finishes, "seam": killed, "secs": round(time.time() - start, 2)}))
 PY
 }
 
 chat_body() { # stream? max_tokens
-  printf '{"model":"%s","messages":[{"role":"user","content":"Tell me about caches, at length (%s)."}],"stream":%s,"max_tokens":%s,"temperature":0}' \
+  printf '{"model":"%s","messages":[{"role":"user","content":"Tell me about caches, at length (%s)."}],"stream":%s,"max_tokens":%s,"temperature":0,"stream_options":{"include_usage":true}}' \
     "$model" "$RANDOM" "$1" "$2"
 }
 completion_body() {
-  printf '{"model":"%s","prompt":"Once upon a time, in a cache (%s),","stream":%s,"max_tokens":%s,"temperature":0}' \
+  printf '{"model":"%s","prompt":"Once upon a time, in a cache (%s),","stream":%s,"max_tokens":%s,"temperature":0,"stream_options":{"include_usage":true}}' \
     "$model" "$RANDOM" "$1" "$2"
 }
 
@@ -120,8 +148,10 @@ report() { # arm uninterrupted.json broken.json
 import json, sys
 arm, whole, got = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 same = whole["text"] == got["text"]
+usage = "equals" if whole["usage"] == got["usage"] else "DIFFERS from"
 print(f"{arm}: replica {got['replica']}, killed at {got['seam']} tokens; {got['tokens']} tokens; "
       f"[DONE] x{got['done']}, finish x{got['finishes']}; text {'equals' if same else 'DIFFERS from'} the uninterrupted answer; "
+      f"usage {got['usage']} {usage} the uninterrupted {whole['usage']}; "
       f"{got['secs']} s against {whole['secs']} s uninterrupted")
 PY
 }

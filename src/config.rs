@@ -103,7 +103,7 @@ pub struct IdentityConfig {
     pub scope: IdentityScope,
     /// `client`: set vLLM's `cache_salt` on bodies that carry none, derived
     /// from the client, so the engine keeps tenants' prefix caches apart
-    /// (the one edit the gateway makes to a body). `none`: bodies as sent.
+    /// (one of the two body edits the README lists). `none`: bodies as sent.
     #[schema(inline)]
     pub cache_salt: CacheSalt,
 }

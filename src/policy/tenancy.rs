@@ -18,7 +18,7 @@
 //!   tenant is unchanged.
 //! - **`cache_salt = "client"`** also sets vLLM's `cache_salt` on bodies
 //!   that carry none, so the engine keeps the tenants' prefix caches apart
-//!   too: the one edit the gateway makes to a body. The salt is in the body
+//!   too: one of the two edits the gateway makes to a body (README). The salt is in the body
 //!   before the shape is read, so it is in the identity as well.
 //!
 //! Pure: no I/O, no clock.

@@ -491,8 +491,9 @@ struct Sent {
 
 /// The body as forwarded: with `identity.cache_salt = "client"`, a request
 /// to a dialect the engines salt (chat, completions, Responses, Messages)
-/// that carries no `cache_salt` gets its client's (`tenancy.rs`). The one
-/// edit the gateway makes to a body; every other body goes byte for byte.
+/// that carries no `cache_salt` gets its client's (`tenancy.rs`): one
+/// of the two edits the gateway makes to a body (the README lists both; the
+/// other is continuation's `return_token_ids`).
 fn salted(
     body: web::Bytes,
     endpoint: Endpoint,

@@ -26,7 +26,7 @@ pub(super) struct AgentSaid {
     /// Responses: the `response.created` event's JSON, as it came (its
     /// response, which echoes the whole request, is parsed only when the
     /// stream's end gives it back completed).
-    created: Option<String>,
+    pub(super) created: Option<String>,
     /// Responses: the last sequence number sent.
     sequence: Option<u64>,
     /// The first text delta event: the resumed leg's are written as it was
@@ -121,12 +121,43 @@ fn owned(raw: Option<&RawValue>) -> Option<Value> {
 }
 
 /// One event of the first leg (`data`, its JSON), read.
-pub(super) fn read(said: &mut Said, dialect: Dialect, data: &str) {
+/// `name`: its `event:` line. The events that echo the whole request (a
+/// Responses response as created, in progress and completed: a long
+/// prompt's size each) are known by it and not parsed as they pass; the
+/// created one is kept as it came (`settle` reads it at a break).
+pub(super) fn read(said: &mut Said, dialect: Dialect, name: Option<&str>, data: &str) {
+    let numbered = |said: &mut Said| said.agent.sequence = Some(said.agent.sequence.map_or(0, |n| n + 1));
+    match name.filter(|_| dialect == Dialect::Responses) {
+        Some("response.created") => {
+            numbered(said);
+            said.agent.created = Some(data.to_string());
+            return;
+        }
+        Some("response.in_progress") => return numbered(said),
+        Some("response.completed" | "response.incomplete" | "response.failed") => {
+            numbered(said);
+            said.finished = true;
+            return;
+        }
+        _ => {}
+    }
     let Ok(event) = serde_json::from_str::<Event>(data) else { return };
     match dialect {
         Dialect::Responses => read_responses(said, &event, data),
         _ => read_messages(said, &event, data),
     }
+}
+
+/// A Responses stream's created response read, if it was kept unread:
+/// its id, model and creation time (at a break, before they are needed).
+pub(super) fn settle(said: &mut Said) {
+    if said.id.is_some() {
+        return;
+    }
+    let Some(created) = said.agent.created.take() else { return };
+    let sequence = said.agent.sequence;
+    read(said, Dialect::Responses, None, &created);
+    said.agent.sequence = sequence;
 }
 
 /// The first text delta, kept whole: the resumed leg's are written as it was.

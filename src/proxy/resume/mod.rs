@@ -1,11 +1,14 @@
-//! Streams that outlive their replica, the pure half (no I/O): what a
-//! stream has said so far, whether it may go on elsewhere, the request that
-//! resumes it, and the resumed leg's events re-framed as the first leg's.
-//! The I/O half is `body.rs` (the break and the swap) and `attempt.rs`
-//! (`Resumer`: the replica, the tokenize, the request).
+//! Continuation: streams that outlive their replica (docs/streams.md). This
+//! module is its one owner: what a stream has said so far and whether it
+//! may be continued (here), its events read and re-framed (`relay.rs`,
+//! `agents.rs`, `calls.rs`, `scan.rs`), the conversation written for the
+//! next leg (`transcript.rs`), the break-and-swap state machine the body
+//! calls (`continuation.rs`) and the next leg's I/O (`leg.rs`).
 //!
 //! Two ways on (`Way`), both through `/v1/completions` with the prompt as
-//! token ids, the same sampling, `max_tokens` less what was generated:
+//! token ids, the same sampling, `max_tokens` less what was generated (a
+//! request that offers tools goes through the chat endpoint instead, so the
+//! engine parses a tool call after the seam):
 //! - **Ids** (exact): a chat or completion stream asks its engine for
 //!   `return_token_ids` (vLLM: the prompt's ids in the first chunk, each
 //!   chunk's own ids). The ids are kept (4 bytes each, at most `MAX_IDS`)
@@ -15,10 +18,10 @@
 //!   is kept, and the conversation plus that text is rendered and tokenized
 //!   by the engine that resumes it (`transcript.rs`).
 //!
-//! The resumed leg's chunks reach the client as the first leg's (`relay.rs`):
-//! its id, model and created, in its dialect's events (`agents.rs` for
-//! Responses and Messages), no second role, one finish, one end, usage merged (the
-//! first prompt, every leg's completion tokens).
+//! The next leg's chunks reach the client as the first leg's (`relay.rs`):
+//! its id, model and created, in its dialect's events (`agents.rs` and
+//! `calls.rs` for Responses and Messages), no second role, one finish, one
+//! end, usage merged (the first prompt, every leg's completion tokens).
 
 use bytes::{Bytes, BytesMut};
 use serde_json::value::RawValue;
@@ -169,8 +172,8 @@ pub fn continuable(asks: &StreamAsks, dialect: Dialect, gives_ids: bool) -> Cont
 }
 
 /// The field the gateway adds to a request to get token ids, before the
-/// body's other fields (the one edit, README "Streams that outlive their
-/// replica"). None when the body is no JSON object.
+/// body's other fields (one of the two body edits the README lists). None
+/// when the body is no JSON object.
 pub fn ask_for_ids(body: &[u8]) -> Option<Bytes> {
     let start = body.iter().position(|b| !b.is_ascii_whitespace())?;
     if body[start] != b'{' {
@@ -390,7 +393,7 @@ impl Said {
     pub fn started(&self) -> bool {
         match self.way {
             Way::Ids => self.prompt_ids.is_some(),
-            Way::Text => self.id.is_some(),
+            Way::Text => self.id.is_some() || self.agent.created.is_some(),
         }
     }
 

@@ -68,6 +68,7 @@ impl Relay {
     /// At a break: what the first leg's last event says of the seam (the
     /// ids way read only the ids of its later events as they passed).
     pub fn at_break(&mut self) {
+        agents::settle(&mut self.said);
         let last = std::mem::take(&mut self.last);
         let text = String::from_utf8_lossy(&last);
         let data = text
@@ -111,15 +112,24 @@ impl Relay {
         if self.pending.is_empty() && self.reads_ids_only() && chunk.ends_with(b"\n\n") {
             return self.later_events(chunk);
         }
-        let mut out = std::mem::take(&mut self.out);
-        out.reserve(chunk.len() + self.pending.len());
         let whole = match self.pending.is_empty() {
-            true => &chunk[..],
+            true => chunk.clone(),
             false => {
+                // An event that came in many reads (a long prompt's ids:
+                // 150 KB for a 100 KB prompt): only the new bytes are
+                // searched for its end, and it is taken whole once it came
+                // (searched and copied again at every read, it was
+                // quadratic in the event's size).
+                let searched = self.pending.len().saturating_sub(1);
                 self.pending.extend_from_slice(chunk);
-                &std::mem::take(&mut self.pending)[..]
+                if EVENT_END.find(&self.pending[searched..]).is_none() {
+                    return Bytes::new();
+                }
+                std::mem::take(&mut self.pending).freeze()
             }
         };
+        let mut out = std::mem::take(&mut self.out);
+        out.reserve(whole.len());
         let mut at = 0;
         while let Some(end) = EVENT_END.find(&whole[at..]) {
             self.event(&whole[at..at + end + 2], &mut out);
@@ -191,7 +201,8 @@ impl Relay {
         };
         match (self.legs, self.dialect) {
             (0, Dialect::Responses | Dialect::Messages) => {
-                agents::read(&mut self.said, self.dialect, data);
+                let name = text.lines().find_map(|l| l.strip_prefix("event:")).map(str::trim);
+                agents::read(&mut self.said, self.dialect, name, data);
                 out.extend_from_slice(event);
             }
             (0, _) => self.first_leg(text, data, out),
@@ -611,5 +622,23 @@ mod tests {
         );
         let mut not_asked = Relay::new(Dialect::Chat, Way::Text, false);
         assert!(leg(&mut not_asked).iter().all(|e| e["usage"].is_null()), "not asked, not read");
+    }
+
+    #[test]
+    fn a_long_prompts_first_event_in_many_reads_passes_once_whole_with_its_ids_kept_as_bytes() {
+        let mut relay = Relay::new(Dialect::Chat, Way::Ids, true);
+        let prompt: Vec<u32> = (0..5_000).collect();
+        let first = chunk(json!({"id": "c", "prompt_token_ids": prompt,
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": "a"}, "token_ids": [7]}]}));
+        let mut out = Vec::new();
+        for piece in first.as_bytes().chunks(100) {
+            let passed = relay.feed_slice(piece);
+            assert!(passed.is_empty() || out.is_empty(), "passed once");
+            out.extend_from_slice(&passed);
+        }
+        let out = String::from_utf8(out).unwrap();
+        assert!(out.ends_with("\n\n") && !out.contains("token_ids"), "whole, the ids stripped: {out}");
+        assert_eq!(relay.said.prompt_ids.as_ref().map(|p| p.len), Some(5_000));
+        assert_eq!(relay.said.prompt_with_answer().unwrap(), (0..5_000).chain([7]).collect::<Vec<u32>>());
     }
 }

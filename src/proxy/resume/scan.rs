@@ -64,9 +64,23 @@ fn members<'a>(data: &'a [u8], finder: &'a Finder<'static>) -> impl Iterator<Ite
     finder.find_iter(data).filter_map(move |at| member_at(data, at, len))
 }
 
-/// The `prompt_token_ids` member of one event (`data`), if it has one.
+/// The `prompt_token_ids` member of one event (`data`), if it has one: an
+/// array of numbers, so it ends at its first `]` (found with memchr: a
+/// long prompt's ids are most of the event, and a value walked byte by
+/// byte cost more than the rest of the event).
 pub(super) fn prompt_token_ids(data: &[u8]) -> Option<Found> {
-    members(data, &PROMPT_TOKEN_IDS).next()
+    let len = PROMPT_TOKEN_IDS.needle().len();
+    PROMPT_TOKEN_IDS.find_iter(data).find_map(|at| {
+        let before = data[..at].iter().rposition(|b| !b.is_ascii_whitespace())?;
+        let colon = skip_ws(data, at + len);
+        let named = matches!(data[before], b'{' | b',') && data.get(colon) == Some(&b':');
+        let value = skip_ws(data, colon + 1);
+        let end = match data.get(value) {
+            Some(b'[') => value + memchr::memchr(b']', &data[value..])? + 1,
+            _ => value_end(data, value),
+        };
+        named.then_some(Found { at, value, end })
+    })
 }
 
 /// The ids in a JSON array of numbers.
