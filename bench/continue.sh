@@ -43,6 +43,10 @@ if [ -n "${REPLICA_URLS:-}" ]; then
 elif [ "${REAL:-}" = llama ]; then
   : "${LLAMA_SERVER:?set LLAMA_SERVER (bench/kv-wall.sh builds it)}" "${MODEL:?set MODEL to the SmolLM2 GGUF}"
   model=smollm2
+  # Repeatable answers: with its prompt cache on, llama-server's answer to
+  # a prompt it has cached can part from its cold answer within a few
+  # tokens (its prefill batches differ), before any seam.
+  EXTRA=',"cache_prompt":false'
   declare -A PORT
   start_replica() { # NAME CORE: llama-server as shipped, one slot, on its port (kept across restarts)
     PORT[$1]=${PORT[$1]:-$(free_port)}
@@ -81,7 +85,7 @@ start = time.time()
 req = urllib.request.Request(url, data=body.encode(), headers={"content-type": "application/json"})
 resp = urllib.request.urlopen(req, timeout=600)
 replica = resp.headers.get("x-prefixgate-replica")
-text, tokens, done, finishes, killed, buf = [], 0, 0, 0, None, b""
+text, tokens, done, finishes, killed, buf, seam_chars = [], 0, 0, 0, None, b"", None
 usage = {}
 for line in resp:
     line = line.strip()
@@ -109,6 +113,9 @@ for line in resp:
     # The usage the client reads: chat's and completions' chunk, the
     # completed response's, the message's (input in message_start).
     u = e.get("usage") or (e.get("response") or {}).get("usage") or (e.get("message") or {}).get("usage")
+    if u and u.get("cache_read_input_tokens"):
+        # Messages counts cached input apart: the prompt is both.
+        u = dict(u, input_tokens=u.get("input_tokens", 0) + u["cache_read_input_tokens"])
     if u and kind != "response.created":
         for key, out in (("prompt_tokens", "in"), ("input_tokens", "in"), ("completion_tokens", "out"),
                          ("output_tokens", "out")):
@@ -119,28 +126,28 @@ for line in resp:
     done += kind in ("response.completed", "message_stop")
     if kill_at and killed is None and tokens >= kill_at:
         os.kill(int(pids[replica]), signal.SIGKILL)
-        killed = tokens
+        killed, seam_chars = tokens, len("".join(text))
 print(json.dumps({"replica": replica, "tokens": tokens, "text": "".join(text), "done": done, "usage": usage,
-                  "finishes": finishes, "seam": killed, "secs": round(time.time() - start, 2)}))
+                  "finishes": finishes, "seam": killed, "seam_chars": seam_chars, "secs": round(time.time() - start, 2)}))
 PY
 }
 
 chat_body() { # stream? max_tokens
-  printf '{"model":"%s","messages":[{"role":"user","content":"Tell me about caches, at length (%s)."}],"stream":%s,"max_tokens":%s,"temperature":0,"stream_options":{"include_usage":true}}' \
-    "$model" "$RANDOM" "$1" "$2"
+  printf '{"model":"%s","messages":[{"role":"user","content":"Tell me about caches, at length (%s)."}],"stream":%s,"max_tokens":%s,"temperature":0,"stream_options":{"include_usage":true}%s}' \
+    "$model" "$RANDOM" "$1" "$2" "${EXTRA:-}"
 }
 completion_body() {
-  printf '{"model":"%s","prompt":"Once upon a time, in a cache (%s),","stream":%s,"max_tokens":%s,"temperature":0,"stream_options":{"include_usage":true}}' \
-    "$model" "$RANDOM" "$1" "$2"
+  printf '{"model":"%s","prompt":"Once upon a time, in a cache (%s),","stream":%s,"max_tokens":%s,"temperature":0,"stream_options":{"include_usage":true}%s}' \
+    "$model" "$RANDOM" "$1" "$2" "${EXTRA:-}"
 }
 
 responses_body() {
-  printf '{"model":"%s","input":"Tell me about caches, at length (%s).","stream":%s,"max_output_tokens":%s,"temperature":0,"store":false}' \
-    "$model" "$RANDOM" "$1" "$2"
+  printf '{"model":"%s","input":"Tell me about caches, at length (%s).","stream":%s,"max_output_tokens":%s,"temperature":0,"store":false%s}' \
+    "$model" "$RANDOM" "$1" "$2" "${EXTRA:-}"
 }
 messages_body() {
-  printf '{"model":"%s","messages":[{"role":"user","content":"Tell me about caches, at length (%s)."}],"stream":%s,"max_tokens":%s,"temperature":0}' \
-    "$model" "$RANDOM" "$1" "$2"
+  printf '{"model":"%s","messages":[{"role":"user","content":"Tell me about caches, at length (%s)."}],"stream":%s,"max_tokens":%s,"temperature":0%s}' \
+    "$model" "$RANDOM" "$1" "$2" "${EXTRA:-}"
 }
 
 report() { # arm uninterrupted.json broken.json
@@ -149,6 +156,11 @@ import json, sys
 arm, whole, got = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 same = whole["text"] == got["text"]
 usage = "equals" if whole["usage"] == got["usage"] else "DIFFERS from"
+if not same:
+    at = next((i for i, (a, b) in enumerate(zip(whole["text"], got["text"])) if a != b), min(len(whole["text"]), len(got["text"])))
+    where = "before" if got["seam_chars"] and at < got["seam_chars"] else "after"
+    print(f"  the texts part at character {at}, {where} the seam (character {got['seam_chars']}): "
+          f"{whole['text'][max(0, at - 40):at + 40]!r} against {got['text'][max(0, at - 40):at + 40]!r}")
 print(f"{arm}: replica {got['replica']}, killed at {got['seam']} tokens; {got['tokens']} tokens; "
       f"[DONE] x{got['done']}, finish x{got['finishes']}; text {'equals' if same else 'DIFFERS from'} the uninterrupted answer; "
       f"usage {got['usage']} {usage} the uninterrupted {whole['usage']}; "
@@ -192,6 +204,11 @@ for dialect in $dialects; do
     messages) path=/v1/messages; make=messages_body ;;
   esac
   body=$($make true 400)
+  # The uninterrupted answer, asked twice (once on each replica: one-shots
+  # spread): llama.cpp's answer to a prompt it has cached can part from
+  # its first, cold one within a few tokens (its prefill batches differ),
+  # so the reference is taken where the prompt is cached, as the kill's is.
+  read_stream "${GW_URL[gw]}$path" "$body" 0 >/dev/null
   whole=$(read_stream "${GW_URL[gw]}$path" "$body" 0)
   got=$(read_stream "${GW_URL[gw]}$path" "$body" 150)
   report "kill -9 mid-stream, $dialect" "$whole" "$got"

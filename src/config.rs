@@ -177,19 +177,19 @@ pub struct Timeouts {
 #[serde(deny_unknown_fields, default)]
 pub struct FailoverConfig {
     /// A stream whose replica dies, stalls or is drained with hand-over
-    /// after its first byte goes on on another replica: token for token
+    /// after its first byte is continued on another replica: token for token
     /// where the engine gives ids (a chat or completion asks for
     /// `return_token_ids`), else from its text. False: such a stream breaks.
     pub continue_streams: bool,
-    /// A stream that could go on and sent nothing for this long (after its
-    /// first event) is taken as stalled and goes on elsewhere.
+    /// A stream that could be continued and sent nothing for this long
+    /// (after its first event) is taken as stalled and continued elsewhere.
     pub stall_ms: u64,
-    /// Most resumed legs per request.
+    /// Most next legs per request.
     pub max_continuations: u32,
-    /// Most resumed legs starting at once on this instance, and of one
+    /// Most next legs starting at once on this instance, and of one
     /// model across the instances sharing a store: deaths come in bursts,
-    /// and each resume is a full prefill elsewhere. Past it a broken stream
-    /// ends broken.
+    /// and each next leg is a full prefill elsewhere. Past it a broken
+    /// stream ends broken.
     pub max_resuming: usize,
 }
 

@@ -64,7 +64,7 @@ pub struct GuardedBody<E: BodyEnd> {
     /// The upstream's Content-Length, and the bytes seen so far.
     expected: Option<u64>,
     seen: u64,
-    /// Boxed: only a stream that may go on carries it.
+    /// Boxed: only a stream that may be continued carries it.
     continuation: Option<Box<Continuation>>,
 }
 

@@ -1,5 +1,5 @@
 //! Responses and Messages streams: what their first leg said that the
-//! resumed leg's events carry on (the response, the open text item or
+//! next leg's events carry on (the response, the open text item or
 //! block, the sequence numbers), and those events, written as the first
 //! leg's engine wrote its own. vLLM gives no token ids on these endpoints:
 //! they go on the text way (`Way::Text`).
@@ -29,7 +29,7 @@ pub(super) struct AgentSaid {
     pub(super) created: Option<String>,
     /// Responses: the last sequence number sent.
     sequence: Option<u64>,
-    /// The first text delta event: the resumed leg's are written as it was
+    /// The first text delta event: the next leg's are written as it was
     /// (its fields as its engine wrote them), with their own text.
     delta: Option<Value>,
     /// Responses: the open message item's id, output and content index;
@@ -160,7 +160,7 @@ pub(super) fn settle(said: &mut Said) {
     said.agent.sequence = sequence;
 }
 
-/// The first text delta, kept whole: the resumed leg's are written as it was.
+/// The first text delta, kept whole: the next leg's are written as it was.
 fn keep_delta(said: &mut Said, data: &str) {
     if said.agent.delta.is_none() {
         said.agent.delta = serde_json::from_str(data).ok();

@@ -54,7 +54,7 @@ pub enum Refusal {
     StructuredOutput,
     /// `n > 1`: several answers in one stream.
     SeveralChoices,
-    /// Log probabilities: the resumed leg's would be of another prompt.
+    /// Log probabilities: the next leg's would be of another prompt.
     Logprobs,
     /// The seam fell inside a tool call's arguments.
     ToolCall,
@@ -66,7 +66,7 @@ pub enum Refusal {
     TooLong,
     /// `failover.max_continuations` legs already.
     Limit,
-    /// No other replica could take it, or it refused the resumed leg.
+    /// No other replica could take it, or it refused the next leg.
     NoReplica,
     /// `failover.max_resuming` legs were starting already.
     Busy,
@@ -248,7 +248,7 @@ impl PromptIds {
     }
 }
 
-/// What a stream said so far, as a resumed leg needs it.
+/// What a stream said so far, as a next leg needs it.
 #[derive(Debug)]
 pub struct Said {
     pub way: Way,
@@ -397,7 +397,7 @@ impl Said {
         }
     }
 
-    /// The prompt a resumed leg is sent on the ids way: the prompt's ids
+    /// The prompt a next leg is sent on the ids way: the prompt's ids
     /// and the answer's so far.
     pub fn prompt_with_answer(&self) -> Option<Vec<u32>> {
         let mut prompt: Vec<u32> = scan::ids_in(&self.prompt_ids.as_ref()?.raw).collect();
@@ -411,7 +411,7 @@ impl Said {
 /// with usage (always asked: the merged count needs it; the relay passes
 /// it on only to a client that asked for it).
 fn carried(request: &Value, dialect: Dialect, generated: usize) -> Map<String, Value> {
-    const CARRIED: [&str; 15] = [
+    const CARRIED: [&str; 16] = [
         "model",
         "temperature",
         "top_p",
@@ -427,6 +427,9 @@ fn carried(request: &Value, dialect: Dialect, generated: usize) -> Map<String, V
         "skip_special_tokens",
         "include_stop_str_in_output",
         "cache_salt",
+        // llama.cpp's: a client that turned the prompt cache off for
+        // repeatable answers keeps it off on the next leg.
+        "cache_prompt",
     ];
     let mut out = Map::new();
     for key in CARRIED {
@@ -488,7 +491,7 @@ pub fn transcript_chat_request(
 }
 
 /// What is left of a request's `max` tokens after `generated` (at least
-/// one: a resumed leg asks for something).
+/// one: a next leg asks for something).
 fn left_of(max: u64, generated: usize) -> u64 {
     max.saturating_sub(generated as u64).max(1)
 }

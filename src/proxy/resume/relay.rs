@@ -1,5 +1,5 @@
 //! The client's stream as it passes (`Relay`): the first leg's events
-//! read and passed on, a resumed leg's re-framed as the first leg's.
+//! read and passed on, a next leg's re-framed as the first leg's.
 
 use bytes::{Bytes, BytesMut};
 use serde_json::{json, Value};
@@ -11,7 +11,7 @@ use crate::policy::Dialect;
 
 /// The client's stream, one whole SSE event at a time: the first leg's
 /// events read and passed on (ids stripped unless the client asked for
-/// them), a resumed leg's re-framed as the first leg's.
+/// them), a next leg's re-framed as the first leg's.
 pub struct Relay {
     dialect: Dialect,
     /// The gateway asked for the ids: the client reads none.
@@ -22,7 +22,7 @@ pub struct Relay {
     generated_before: u64,
     /// Legs resumed so far.
     pub legs: u32,
-    /// The resumed leg's finish and usage, for the dialects whose end
+    /// The next leg's finish and usage, for the dialects whose end
     /// carries them (Responses, Messages).
     finish: Option<Value>,
     usage: Option<Value>,
@@ -31,10 +31,10 @@ pub struct Relay {
     last: Bytes,
     /// Where the client's chunks are written.
     out: BytesMut,
-    /// The resumed leg runs on the chat endpoint (`resumed`).
+    /// The next leg runs on the chat endpoint (`resumed`).
     chat_leg: bool,
     /// Chat and completions: the client asked for usage
-    /// (`stream_options.include_usage`). A resumed leg always asks for it
+    /// (`stream_options.include_usage`). A next leg always asks for it
     /// (the merged count needs it); the client reads it only if it asked.
     client_usage: bool,
 }
@@ -80,9 +80,8 @@ impl Relay {
         }
     }
 
-    /// A resumed leg starts: what follows is its events.
-    /// A resumed leg starts: what follows is its events. `via_chat`: it
-    /// runs on the chat endpoint, resumed from this text of the answer
+    /// A next leg starts: what follows is its events. `via_chat`: it
+    /// runs on the chat endpoint, continued from this text of the answer
     /// (from then on the answer is kept as text).
     pub fn resumed(&mut self, via_chat: Option<String>) {
         self.legs += 1;
@@ -265,7 +264,7 @@ impl Relay {
         out.extend_from_slice(&text.as_bytes()[at + data.len()..]);
     }
 
-    /// A resumed leg's completion chunk, re-framed as the first leg's
+    /// A next leg's completion chunk, re-framed as the first leg's
     /// dialect frames it (a chunk that says nothing is dropped).
     fn resumed_event(&mut self, event: &Value, out: &mut BytesMut) {
         let choice = event.get("choices").and_then(|c| c.get(0));
@@ -363,7 +362,7 @@ impl Relay {
         }
     }
 
-    /// The resumed leg's `[DONE]`: passed on for chat and completions; for
+    /// The next leg's `[DONE]`: passed on for chat and completions; for
     /// Responses and Messages, their own end (the item closed, the usage).
     fn resumed_end(&mut self, text: &str, out: &mut BytesMut) {
         match self.dialect {
@@ -376,7 +375,7 @@ impl Relay {
         }
     }
 
-    /// A resumed leg's completion chunk as a chat or completion chunk of
+    /// A next leg's completion chunk as a chat or completion chunk of
     /// the first leg; None for one that says nothing (no text, no finish).
     fn reframed_chunk(&self, text: &str, finish: Option<&Value>, ids: &[u32]) -> Option<Value> {
         if text.is_empty() && finish.is_none() {
@@ -401,7 +400,7 @@ impl Relay {
         }
     }
 
-    /// The resumed leg's usage as the client's: the first leg's prompt,
+    /// The next leg's usage as the client's: the first leg's prompt,
     /// every leg's completion tokens.
     fn merged_usage(&self, usage: &Value) -> (u64, u64) {
         let count = |key: &str| usage.get(key).and_then(Value::as_u64).unwrap_or(0);
