@@ -148,7 +148,7 @@ pub fn rounds_before_crossing(capacity: u64, residents: &[Growing], new: Growing
 /// prefill cancels out of the comparison, leaving `k` turns against what
 /// its `k - 1` turns added, re-prefilled. (Counting the overlap as `k` warm
 /// turns alone held whole sessions on real vLLM where the cold schedule
-/// was faster: docs/benchmarks.md.) With nothing measured yet, admit: what
+/// was faster: docs/benchmarks-log.md.) With nothing measured yet, admit: what
 /// a cold gateway does. What was learned informs the choice; it is never a
 /// reason to pick the slower schedule.
 pub fn admit_and_pause(capacity: u64, residents: &[Growing], new: Growing, pace: Pace) -> bool {

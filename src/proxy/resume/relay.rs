@@ -155,7 +155,7 @@ impl Relay {
     /// kept and cut out, the rest passed byte for byte (and without a copy
     /// when there is nothing to cut). Per event, with the event's other
     /// members searched as well, the relay cost 1.36x a plain stream's CPU
-    /// per chunk (bench/stream-cpu.sh, docs/benchmarks.md).
+    /// per chunk (bench/stream-cpu.sh, docs/benchmarks-log.md).
     fn later_events(&mut self, chunk: &Bytes) -> Bytes {
         self.last = chunk.clone();
         // One event (no line end before its last two): its ids found from

@@ -3,7 +3,7 @@
 //! members the gateway asked for, cut out byte for byte (`strip_ids_into`).
 //! Parsing each event cost the relay 2.3x a plain stream's CPU per chunk
 //! (a `Value`) or 1.9x (a borrowed typed parse); searching with finders
-//! built once, 1.35x (bench/stream-cpu.sh, docs/benchmarks.md).
+//! built once, 1.35x (bench/stream-cpu.sh, docs/benchmarks-log.md).
 
 use std::sync::LazyLock;
 
