@@ -13,7 +13,7 @@
 
 use serde_json::{json, Value};
 
-use super::agents::{close_text, responses_event, sse};
+use super::frames::{close_text, responses_event, sse};
 use super::Said;
 use crate::policy::Dialect;
 

@@ -32,6 +32,7 @@ use crate::policy::{Dialect, SeamRisk, StreamAsks};
 mod agents;
 mod calls;
 mod continuation;
+mod frames;
 mod leg;
 mod relay;
 mod scan;

@@ -6,7 +6,7 @@ use serde_json::{json, Value};
 use smallvec::SmallVec;
 
 use super::scan::*;
-use super::{agents, FirstLeg, PromptIds, Said, Way, MAX_IDS};
+use super::{agents, frames, FirstLeg, PromptIds, Said, Way, MAX_IDS};
 use crate::policy::Dialect;
 
 /// The client's stream, one whole SSE event at a time: the first leg's
@@ -288,7 +288,7 @@ impl Relay {
         match self.dialect {
             Dialect::Responses | Dialect::Messages => {
                 if !text.is_empty() {
-                    out.extend_from_slice(agents::delta(&mut self.said, self.dialect, text).as_bytes());
+                    out.extend_from_slice(frames::delta(&mut self.said, self.dialect, text).as_bytes());
                 }
                 if finish.is_some() {
                     // vLLM names the stop string or token that ended it.
@@ -349,7 +349,7 @@ impl Relay {
         let text = delta.and_then(|d| d.get("content")).and_then(Value::as_str).unwrap_or("");
         if !text.is_empty() {
             self.said.keep_text(text);
-            out.extend_from_slice(agents::delta(&mut self.said, self.dialect, text).as_bytes());
+            out.extend_from_slice(frames::delta(&mut self.said, self.dialect, text).as_bytes());
         }
         for call in delta.and_then(|d| d.get("tool_calls")).and_then(Value::as_array).into_iter().flatten() {
             out.extend_from_slice(super::calls::tool_call_delta(&mut self.said, self.dialect, call).as_bytes());
@@ -368,7 +368,9 @@ impl Relay {
         match self.dialect {
             Dialect::Responses | Dialect::Messages => {
                 let (prompt, completion) = self.merged_usage(self.usage.as_ref().unwrap_or(&Value::Null));
-                let end = agents::ending(&mut self.said, self.dialect, self.finish.as_ref(), prompt, completion);
+                let call = super::calls::close_call(&mut self.said, self.dialect);
+                let end = frames::ending(&mut self.said, self.dialect, self.finish.as_ref(), prompt, completion);
+                out.extend_from_slice(call.as_bytes());
                 out.extend_from_slice(end.as_bytes());
             }
             _ => out.extend_from_slice(text.as_bytes()),
