@@ -9,6 +9,7 @@
 use std::sync::Arc;
 
 use moka::sync::Cache;
+use sha2::{Digest, Sha256};
 use xxhash_rust::xxh3::xxh3_128;
 
 /// Most keys (and client ids) whose digests are kept.
@@ -25,10 +26,18 @@ impl Default for ClientIds {
     }
 }
 
+/// A key's client id: `key-` and the first 12 hex digits of its SHA-256
+/// (`printf %s "$KEY" | sha256sum | cut -c1-12`).
+pub fn key_id(key: &str) -> String {
+    let digest = Sha256::digest(key.as_bytes());
+    let hex: String = digest.iter().take(6).map(|b| format!("{b:02x}")).collect();
+    format!("key-{hex}")
+}
+
 impl ClientIds {
-    /// The client id of the API key `key` (`priority::key_id`).
+    /// The client id of the API key `key` (`key_id`).
     pub fn of_key(&self, key: &str) -> Arc<str> {
-        self.by_key.get_with(xxh3_128(key.as_bytes()), || Arc::from(crate::priority::key_id(key)))
+        self.by_key.get_with(xxh3_128(key.as_bytes()), || Arc::from(key_id(key)))
     }
 
     /// The cache salt of `client`'s requests (`tenancy::cache_salt_for`).
@@ -45,7 +54,7 @@ mod tests {
     fn a_keys_id_and_salt_are_the_digests_and_kept_within_the_bound() {
         let ids = ClientIds::default();
         let id = ids.of_key("sk-one");
-        assert_eq!(&*id, crate::priority::key_id("sk-one"));
+        assert_eq!(&*id, key_id("sk-one"));
         assert!(Arc::ptr_eq(&id, &ids.of_key("sk-one")), "computed once, then kept");
         assert_eq!(&*ids.salt_of(&id), crate::policy::tenancy::cache_salt_for(&id));
         for i in 0..3 * CAPACITY {

@@ -25,7 +25,6 @@
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 
 /// A request's priority class; ordered: `Background < Default < Interactive`.
 #[derive(
@@ -179,14 +178,6 @@ pub fn bearer(value: &str) -> Option<&str> {
     value.strip_prefix("Bearer ").or_else(|| value.strip_prefix("bearer ")).map(str::trim)
 }
 
-/// A key's client id: `key-` and the first 12 hex digits of its SHA-256
-/// (`printf %s "$KEY" | sha256sum | cut -c1-12`).
-pub fn key_id(key: &str) -> String {
-    let digest = Sha256::digest(key.as_bytes());
-    let hex: String = digest.iter().take(6).map(|b| format!("{b:02x}")).collect();
-    format!("key-{hex}")
-}
-
 /// One waiter in a `FairQueue`.
 #[derive(Debug, Clone)]
 pub struct Waiter<T> {
@@ -325,7 +316,7 @@ mod tests {
     #[test]
     fn the_class_comes_from_our_header_then_sglangs_then_the_clients_config_then_default() {
         let mut config = PriorityConfig::default();
-        config.clients.insert(key_id("sk-batch"), Class::Background);
+        config.clients.insert(crate::client_ids::key_id("sk-batch"), Class::Background);
         let batch = ("authorization", "Bearer sk-batch");
         let of = |h: &[(&str, &str)]| resolve_with(&config, h).map(|w| (w.class, w.stated));
         assert_eq!(of(&[]), Ok((Class::Default, false)));
@@ -374,6 +365,7 @@ mod tests {
     }
 
     fn hex_sha256(s: &str) -> String {
+        use sha2::{Digest, Sha256};
         Sha256::digest(s.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
     }
 

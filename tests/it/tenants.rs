@@ -67,12 +67,12 @@ async fn with_client_salts_the_engine_receives_a_salt_derived_from_the_key_and_a
         [&a, &b].iter().flat_map(|s| s.state.cache_salts.lock().unwrap().iter().cloned().collect::<Vec<_>>()).collect()
     };
     let first = chat_as(&gw, KEY_A, FIRST).await;
-    let salt_a = cache_salt_for(&prefixgate::priority::key_id(KEY_A));
+    let salt_a = cache_salt_for(&prefixgate::client_ids::key_id(KEY_A));
     assert_eq!(salts(), vec![salt_a.clone()]);
     // The salt is in the identity: the other key's continuation is its own conversation.
     let other = chat_as(&gw, KEY_B, SECOND).await;
     assert_ne!(other.route, "pinned");
-    assert!(salts().contains(&cache_salt_for(&prefixgate::priority::key_id(KEY_B))));
+    assert!(salts().contains(&cache_salt_for(&prefixgate::client_ids::key_id(KEY_B))));
     let own = chat_as(&gw, KEY_A, SECOND).await;
     assert_eq!((own.route.as_str(), own.replica.as_str()), ("pinned", first.replica.as_str()));
     // A body that carries its own salt is forwarded with it.

@@ -49,7 +49,7 @@ async fn after_agent_loops_the_timeline_has_every_series_per_replica_and_the_ses
     let until = tokio::time::Instant::now() + Duration::from_millis(2_500);
     let agents: Vec<_> = (0..4).map(|f| actix_web::rt::spawn(agent(gw.base.clone(), f, "sk-agents", until))).collect();
     // While they run: the sessions view lists them, with class and client.
-    let key = prefixgate::priority::key_id("sk-agents");
+    let key = prefixgate::client_ids::key_id("sk-agents");
     let mut listed = Value::Null;
     for _ in 0..200 {
         let (status, v) = admin("GET", &format!("{}/admin/v1/sessions", gw.admin), None, None).await;

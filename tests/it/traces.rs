@@ -112,7 +112,7 @@ async fn a_request_is_a_server_span_under_the_clients_parent_with_an_attempt_the
     assert_eq!(text_attr(server, "prefixgate.dialect").as_deref(), Some("chat"));
     // Its class (SGLang's bulk is background) and client: the key's hash, never the key.
     assert_eq!(text_attr(server, "prefixgate.priority").as_deref(), Some("background"));
-    assert_eq!(text_attr(server, "prefixgate.client"), Some(prefixgate::priority::key_id("sk-trace")));
+    assert_eq!(text_attr(server, "prefixgate.client"), Some(prefixgate::client_ids::key_id("sk-trace")));
     assert!(!format!("{server:?}").contains("sk-trace"), "the key never leaves");
     assert_eq!(text_attr(server, "gen_ai.request.model").as_deref(), Some("sim-model"));
     assert!(attr(server, "gen_ai.usage.input_tokens").is_some(), "{server:?}");
