@@ -4,9 +4,13 @@
 //! evicted (least recently used first, and deepest first within a prompt so
 //! that a chain is cut from its tail, never its head).
 //!
+//! An optional host tier (`HostTier`) keeps what the pool evicts, as
+//! llama-server's `--cache-ram` and vLLM's CPU offload do: a prompt that
+//! returns finds its evicted blocks there and is restored, not prefilled.
+//!
 //! Pure: no clock (a logical tick), no I/O.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 /// Pseudo-tokens per KV block (vLLM's default block size).
 pub const BLOCK_TOKENS: u64 = 16;
@@ -26,6 +30,40 @@ pub struct KvPool {
     /// partial last prompt block, generated tokens).
     private: usize,
     tick: u64,
+    host: HostTier,
+}
+
+/// Blocks evicted from the pool, kept in host memory up to `capacity`
+/// blocks, the least recently evicted or restored out first.
+#[derive(Debug, Default)]
+struct HostTier {
+    capacity: usize,
+    blocks: HashMap<u128, u64>,
+    /// (tick, block): the eviction order.
+    order: BTreeSet<(u64, u128)>,
+}
+
+impl HostTier {
+    fn keep(&mut self, block: u128, tick: u64) {
+        if self.capacity == 0 {
+            return;
+        }
+        if let Some(old) = self.blocks.insert(block, tick) {
+            self.order.remove(&(old, block));
+        }
+        self.order.insert((tick, block));
+        while self.blocks.len() > self.capacity {
+            let Some((_, oldest)) = self.order.pop_first() else { break };
+            self.blocks.remove(&oldest);
+        }
+    }
+
+    fn take(&mut self, block: u128) -> bool {
+        match self.blocks.remove(&block) {
+            Some(tick) => self.order.remove(&(tick, block)),
+            None => false,
+        }
+    }
 }
 
 /// Why a sequence cannot start now.
@@ -39,7 +77,27 @@ pub enum AdmitError {
 
 impl KvPool {
     pub fn new(capacity_tokens: u64) -> KvPool {
-        KvPool { capacity: (capacity_tokens / BLOCK_TOKENS) as usize, cached: HashMap::new(), private: 0, tick: 0 }
+        KvPool::with_host_tier(capacity_tokens, 0)
+    }
+
+    /// A pool whose evicted blocks are kept in a host tier of `host_tokens`.
+    pub fn with_host_tier(capacity_tokens: u64, host_tokens: u64) -> KvPool {
+        let host = HostTier { capacity: (host_tokens / BLOCK_TOKENS) as usize, ..Default::default() };
+        KvPool {
+            capacity: (capacity_tokens / BLOCK_TOKENS) as usize,
+            cached: HashMap::new(),
+            private: 0,
+            tick: 0,
+            host,
+        }
+    }
+
+    /// After `admit` (which gave the chain's first `matched` blocks from the
+    /// pool and allocated the rest): how many of the blocks after those the
+    /// host tier held, in a row: restored, not prefilled (they leave the
+    /// tier: they are in the pool again).
+    pub fn restored(&mut self, chain: &[u128], matched: usize) -> usize {
+        chain[matched..].iter().take_while(|k| self.host.take(**k)).count()
     }
 
     pub fn capacity_blocks(&self) -> usize {
@@ -99,6 +157,7 @@ impl KvPool {
             evictable.select_nth_unstable(shortfall - 1);
             for (_, _, k) in &evictable[..shortfall] {
                 self.cached.remove(k);
+                self.host.keep(*k, self.tick);
             }
         }
         for (depth, k) in chain.iter().enumerate().skip(matched) {
@@ -181,5 +240,27 @@ mod tests {
         let b = chain(2, 4);
         kv.admit(&b, 0).unwrap(); // needs 2 of a's blocks
         assert_eq!(kv.matched(&a), 4);
+    }
+
+    #[test]
+    fn with_a_host_tier_what_the_pool_evicts_is_restored_and_the_tier_is_bounded() {
+        let mut kv = KvPool::with_host_tier(16 * 10, 16 * 12);
+        let (a, b) = (chain(1, 8), chain(2, 8));
+        kv.admit(&a, 0).unwrap();
+        kv.release(&a, 0);
+        kv.admit(&b, 0).unwrap(); // evicts 6 of a's blocks to the host tier
+        assert_eq!(kv.restored(&b, 0), 0, "b was never evicted");
+        kv.release(&b, 0);
+        let matched = kv.admit(&a, 0).unwrap();
+        assert_eq!((matched, kv.restored(&a, matched)), (2, 6), "a: 2 in the pool, 6 restored from the host");
+        kv.release(&a, 0);
+        // Past its bound the tier drops the oldest: 30 families' tails pass through 12 blocks.
+        for f in 3..33 {
+            kv.admit(&chain(f, 8), 0).unwrap();
+            kv.release(&chain(f, 8), 0);
+        }
+        assert!(kv.host.blocks.len() <= 12 && kv.host.order.len() == kv.host.blocks.len());
+        let matched = kv.admit(&a, 0).unwrap();
+        assert_eq!(kv.restored(&a, matched), 0, "a's blocks left the tier long ago");
     }
 }

@@ -85,6 +85,15 @@ pub struct SimConfig {
     /// `tool_calls`: as an engine's tool parser hands a call over.
     #[arg(long)]
     pub tool_call_after_tokens: Option<u64>,
+    /// A host tier of this many tokens keeps what the KV pool evicts,
+    /// least recently used out first (llama-server's `--cache-ram`, vLLM's
+    /// CPU offload): a returning prompt is restored from it, not prefilled.
+    #[arg(long, default_value_t = 0)]
+    pub host_cache_tokens: u64,
+    /// Restore speed from the host tier, in tokens/s (default: 20 times
+    /// `--prefill-tps`).
+    #[arg(long)]
+    pub restore_tps: Option<f64>,
 }
 
 impl Default for SimConfig {
@@ -104,6 +113,8 @@ impl Default for SimConfig {
             no_token_ids: false,
             usage_in_finish_chunk: false,
             tool_call_after_tokens: None,
+            host_cache_tokens: 0,
+            restore_tps: None,
         }
     }
 }
@@ -148,7 +159,7 @@ pub struct SimState {
 impl SimState {
     pub fn new(cfg: SimConfig) -> Arc<SimState> {
         Arc::new(SimState {
-            kv: Mutex::new(KvPool::new(cfg.kv_tokens)),
+            kv: Mutex::new(KvPool::with_host_tier(cfg.kv_tokens, cfg.host_cache_tokens)),
             cfg,
             kv_freed: Notify::new(),
             prefill_lane: tokio::sync::Mutex::new(()),
@@ -617,9 +628,12 @@ pub(crate) async fn prefill(s: &Arc<SimState>, prompt: &[u8], max_tokens: u64) -
     s.waiting.fetch_add(1, Ordering::AcqRel);
     let lane = s.prefill_lane.lock().await;
     let mut waited = false;
-    let matched = loop {
+    let (matched, restored) = loop {
         let freed = s.kv_freed.notified();
-        let result = s.kv.lock().expect("kv lock").admit(&chain, private);
+        let result = {
+            let mut kv = s.kv.lock().expect("kv lock");
+            kv.admit(&chain, private).map(|m| (m, kv.restored(&chain, m)))
+        };
         match result {
             Ok(m) => break m,
             Err(AdmitError::Full) => {
@@ -641,12 +655,18 @@ pub(crate) async fn prefill(s: &Arc<SimState>, prompt: &[u8], max_tokens: u64) -
     s.waiting.fetch_sub(1, Ordering::AcqRel);
     s.running.fetch_add(1, Ordering::AcqRel);
     let seq = Sequence { state: s.clone(), chain, private };
-    // vLLM recomputes at least the last token even on a full hit.
-    let cached_tokens = (matched as u64 * BLOCK_TOKENS).min((prompt_tokens - 1) / BLOCK_TOKENS * BLOCK_TOKENS);
+    // vLLM recomputes at least the last token even on a full hit. Blocks
+    // restored from the host tier count as cached (engines report them so)
+    // and cost their copy back at the restore speed.
+    let most = (prompt_tokens - 1) / BLOCK_TOKENS * BLOCK_TOKENS;
+    let cached_tokens = ((matched + restored) as u64 * BLOCK_TOKENS).min(most);
+    let restored_tokens = cached_tokens.saturating_sub(matched as u64 * BLOCK_TOKENS);
     s.queries.fetch_add(prompt_tokens, Ordering::Relaxed);
     s.hits.fetch_add(cached_tokens, Ordering::Relaxed);
     s.prompt_tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
-    let prefill_secs = (prompt_tokens - cached_tokens) as f64 / s.cfg.prefill_tps;
+    let restore_tps = s.cfg.restore_tps.unwrap_or(20.0 * s.cfg.prefill_tps);
+    let prefill_secs =
+        (prompt_tokens - cached_tokens) as f64 / s.cfg.prefill_tps + restored_tokens as f64 / restore_tps;
     elapse(s.scaled(prefill_secs)).await;
     drop(lane);
     Ok(Prefilled { seq, prompt_tokens, cached_tokens, prefill_ms: prefill_secs * 1000.0 })

@@ -258,3 +258,27 @@ async fn every_documented_metric_is_exposed_with_sane_values_and_receipts_join_u
     assert_eq!(listed, names, "docs/observability.md's metrics list and the code differ");
     gw.stop().await;
 }
+
+/// The simulator's host tier (`--host-cache-tokens`): what the pool
+/// evicted comes back restored, reported cached, as llama-server's
+/// `--cache-ram` and vLLM's CPU offload do; without the tier it is
+/// prefilled again.
+#[actix_web::test]
+async fn a_prompt_evicted_from_the_pool_is_restored_from_the_host_tier_and_reported_cached() {
+    let card = |host_cache_tokens| prefixgate::sim::SimConfig { kv_tokens: 4_000, host_cache_tokens, ..fast_sim() };
+    let cached = |r: &Reply| r.body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    for (host, restored) in [(0, false), (2_000_000, true)] {
+        let sim = start_sim("a", card(host)).await;
+        let url = format!("{}/v1/chat/completions", sim.url);
+        let (a, b) = (text("family a", 3_000), text("family b", 3_000));
+        let first = post(&url, &chat_body(&[("user", &a)], json!({}))).await;
+        post(&url, &chat_body(&[("user", &b)], json!({}))).await; // evicts most of a
+        let again = post(&url, &chat_body(&[("user", &a)], json!({}))).await;
+        let prompt = again.body["usage"]["prompt_tokens"].as_u64().unwrap();
+        assert_eq!(cached(&first), 0);
+        match restored {
+            true => assert!(cached(&again) + 16 >= prompt, "restored whole: {} of {prompt}", cached(&again)),
+            false => assert!(cached(&again) < prompt / 2, "prefilled again: {} of {prompt}", cached(&again)),
+        }
+    }
+}
