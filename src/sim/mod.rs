@@ -783,7 +783,7 @@ async fn generate(s: Arc<SimState>, params: GenParams, prompt: Vec<u8>, answer: 
                 }
             }
             event["choices"] = json!([choice]);
-            sse(&event)
+            event
         };
         let (mut finish_reason, mut said) = ("length", max_tokens);
         for i in 0..max_tokens as usize {
@@ -806,18 +806,16 @@ async fn generate(s: Arc<SimState>, params: GenParams, prompt: Vec<u8>, answer: 
                 return;
             }
             s.generated.fetch_add(1, Ordering::Relaxed);
-            if tx.send(Frame::Chunk(chunk(Some(i), None))).await.is_err() {
+            if tx.send(Frame::Chunk(sse(&chunk(Some(i), None)))).await.is_err() {
                 s.cancelled.fetch_add(1, Ordering::Relaxed);
                 return; // the client went away: stop generating, free the KV
             }
         }
         let mut finish = chunk(None, Some(finish_reason));
         if usage_in_finish {
-            let mut event: Value = serde_json::from_slice(&finish[6..finish.len() - 2]).expect("our own chunk");
-            event["usage"] = usage(&p, said);
-            finish = sse(&event);
+            finish["usage"] = usage(&p, said);
         }
-        let mut tail = vec![finish];
+        let mut tail = vec![sse(&finish)];
         if include_usage && !usage_in_finish {
             tail.push(sse(&json!({"id": id, "object": object, "created": created, "model": model, "choices": [], "usage": usage(&p, said)})));
         }

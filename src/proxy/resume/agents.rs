@@ -45,12 +45,22 @@ pub(super) struct AgentSaid {
     /// Tool calls the first leg finished before the seam, as chat writes
     /// them: the next leg's open answer carries them.
     pub(super) calls: Vec<Value>,
-    /// The tool call the first leg is writing (Messages: its id, name and
-    /// arguments so far), or the next leg (`calls.rs`).
+    /// Messages: the tool_use block the first leg is writing.
+    tool_use: Option<ToolUse>,
+    /// The tool call the next leg is writing (`calls.rs`).
     pub(super) call: Option<super::calls::OpenCall>,
     /// Responses: the output items closed so far (the message, the calls
     /// of the next leg), for the completed response.
     pub(super) output: Vec<Value>,
+}
+
+/// A Messages tool_use block as the first leg writes it: its id, name and
+/// input so far (JSON text in pieces).
+#[derive(Debug)]
+struct ToolUse {
+    id: Option<Value>,
+    name: Option<Value>,
+    input: String,
 }
 
 /// A first leg's Responses or Messages event, as far as continuation
@@ -240,7 +250,8 @@ fn read_messages(said: &mut Said, event: &Event<'_>, data: &str) {
                 Some("tool_use") => {
                     let block = block.expect("matched");
                     said.open = Some(Refusal::ToolCall);
-                    said.agent.call = Some(super::calls::OpenCall::first_leg(owned(block.id), owned(block.name)));
+                    let (id, name) = (owned(block.id), owned(block.name));
+                    said.agent.tool_use = Some(ToolUse { id, name, input: String::new() });
                 }
                 // A server tool no chat template renders.
                 _ => {
@@ -257,16 +268,17 @@ fn read_messages(said: &mut Said, event: &Event<'_>, data: &str) {
                 }
                 Some("input_json_delta") => {
                     let json = delta.as_ref().and_then(|d| d.partial_json.as_deref()).unwrap_or("");
-                    if let Some(call) = said.agent.call.as_mut() {
-                        call.arguments.push_str(json);
+                    if let Some(tool_use) = said.agent.tool_use.as_mut() {
+                        tool_use.input.push_str(json);
                     }
                 }
                 _ => {}
             }
         }
         "content_block_stop" => {
-            if let Some(call) = said.agent.call.take() {
-                said.agent.calls.push(call.into_chat());
+            if let Some(ToolUse { id, name, input }) = said.agent.tool_use.take() {
+                let input = if input.is_empty() { "{}".to_string() } else { input };
+                said.agent.calls.push(super::calls::chat_call(id, name, input));
             }
             if said.agent.block == event.index {
                 said.agent.block = None;
@@ -456,5 +468,63 @@ mod tests {
         feed(&mut relay, &whole);
         assert!(relay.said.finished);
         assert_eq!(relay.ending(), b"event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n");
+    }
+
+    #[test]
+    fn after_a_finished_tool_use_or_reasoning_item_the_seam_goes_on_at_the_boundary_with_the_call_kept() {
+        let mut relay = Relay::new(Dialect::Messages, Way::Text, false);
+        let mut events = messages_first_leg(
+            json!({"type": "tool_use", "id": "t1", "name": "ls", "input": {}}),
+            json!({"type": "input_json_delta", "partial_json": "{\"path\":"}),
+        );
+        events.extend([
+            event(
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": 0,
+                "delta": {"type": "input_json_delta", "partial_json": " \"/\"}"}}),
+            ),
+            event("content_block_stop", json!({"type": "content_block_stop", "index": 0})),
+            event(
+                "content_block_start",
+                json!({"type": "content_block_start", "index": 1,
+                "content_block": {"type": "text", "text": ""}}),
+            ),
+            event(
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": 1,
+                "delta": {"type": "text_delta", "text": "Listed."}}),
+            ),
+        ]);
+        feed(&mut relay, &events);
+        assert_eq!(relay.said.refusal(), None, "the tool_use block was closed before the seam");
+        let call =
+            json!({"id": "t1", "type": "function", "function": {"name": "ls", "arguments": "{\"path\": \"/\"}"}});
+        assert_eq!(relay.said.calls(), std::slice::from_ref(&call), "its input's pieces joined");
+        assert_eq!(relay.said.text, "Listed.");
+        let request = json!({"model": "m", "messages": [{"role": "user", "content": "ls"}]});
+        let t = super::super::transcript::transcript(Dialect::Messages, &request, &relay.said.text, relay.said.calls())
+            .unwrap();
+        assert_eq!(t.open_answer().unwrap(), json!({"role": "assistant", "content": "Listed.", "tool_calls": [call]}));
+
+        let mut relay = Relay::new(Dialect::Responses, Way::Text, false);
+        let mut first = responses_first_leg();
+        first.insert(
+            1,
+            event(
+                "response.output_item.added",
+                json!({"type": "response.output_item.added", "sequence_number": 1,
+                "output_index": 0, "item": {"id": "rs_1", "type": "reasoning"}}),
+            ),
+        );
+        first.insert(
+            2,
+            event(
+                "response.output_item.done",
+                json!({"type": "response.output_item.done", "sequence_number": 2,
+                "output_index": 0, "item": {"id": "rs_1", "type": "reasoning", "summary": []}}),
+            ),
+        );
+        feed(&mut relay, &first);
+        assert_eq!(relay.said.refusal(), None, "the reasoning item was done before the seam");
     }
 }

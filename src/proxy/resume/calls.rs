@@ -17,32 +17,17 @@ use super::frames::{close_text, responses_event, sse};
 use super::Said;
 use crate::policy::Dialect;
 
-/// A tool call being written: its id, name and arguments so far, and
-/// where the client reads it (the chat delta's index, the item's id and
-/// output index, or the block's index).
+/// A next leg's tool call being written: its id, name and arguments so
+/// far, its chat delta's index, and where the client reads it (the item's
+/// id and output index, or the block's index).
 #[derive(Debug)]
 pub(super) struct OpenCall {
     id: Value,
     name: Value,
-    pub(super) arguments: String,
-    /// The next leg's: its chat index, and where it is written.
-    chat_index: Option<u64>,
+    arguments: String,
+    chat_index: u64,
     item: Value,
     at: u64,
-}
-
-impl OpenCall {
-    /// A tool_use block of the first leg (Messages).
-    pub(super) fn first_leg(id: Option<Value>, name: Option<Value>) -> OpenCall {
-        let (id, name) = (id.unwrap_or(Value::Null), name.unwrap_or(Value::Null));
-        OpenCall { id, name, arguments: String::new(), chat_index: None, item: Value::Null, at: 0 }
-    }
-
-    /// As chat writes a finished call.
-    pub(super) fn into_chat(self) -> Value {
-        let arguments = if self.arguments.is_empty() { "{}".to_string() } else { self.arguments };
-        chat_call(Some(self.id), Some(self.name), arguments)
-    }
 }
 
 /// A finished tool call as chat writes it.
@@ -56,7 +41,7 @@ pub(super) fn chat_call(id: Option<Value>, name: Option<Value>, arguments: Strin
 pub(super) fn tool_call_delta(said: &mut Said, dialect: Dialect, delta: &Value) -> String {
     let index = delta.get("index").and_then(Value::as_u64).unwrap_or(0);
     let mut out = String::new();
-    if said.agent.call.as_ref().and_then(|c| c.chat_index) != Some(index) {
+    if said.agent.call.as_ref().map(|c| c.chat_index) != Some(index) {
         out.push_str(&close_call(said, dialect));
         out.push_str(&close_text(said, dialect));
         out.push_str(&open_call(said, dialect, index, delta));
@@ -96,13 +81,13 @@ fn open_call(said: &mut Said, dialect: Dialect, chat_index: u64, delta: &Value) 
             (sse("content_block_start", &start), Value::Null)
         }
     };
-    said.agent.call = Some(OpenCall { id, name, arguments: String::new(), chat_index: Some(chat_index), item, at });
+    said.agent.call = Some(OpenCall { id, name, arguments: String::new(), chat_index, item, at });
     out
 }
 
 /// The next leg's open tool call closed, if one is.
 pub(super) fn close_call(said: &mut Said, dialect: Dialect) -> String {
-    let Some(call) = said.agent.call.take_if(|c| c.chat_index.is_some()) else { return String::new() };
+    let Some(call) = said.agent.call.take() else { return String::new() };
     match dialect {
         Dialect::Responses => {
             let (item_id, at) = (call.item.clone(), call.at);

@@ -175,7 +175,10 @@ impl Continuation {
         if let Some(refused) = self.refusal(&relay) {
             return self.not_continued(refused, Some(relay), why);
         }
-        self.tried.push(self.on.id.clone());
+        // The replica it runs on (a next leg's is in already: the leg added it).
+        if !self.tried.contains(&self.on.id) {
+            self.tried.push(self.on.id.clone());
+        }
         let leg = leg::start(&self.seed, &relay.said, &mut self.tried);
         self.state = State::Starting { relay, why, leg };
         Next::GoesOn

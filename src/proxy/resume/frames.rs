@@ -22,7 +22,7 @@ pub(super) fn sse(kind: &str, data: &Value) -> String {
 }
 
 /// Responses: the next event's sequence number.
-pub(super) fn next_sequence(said: &mut Said) -> u64 {
+fn next_sequence(said: &mut Said) -> u64 {
     let n = said.agent.sequence.map_or(0, |n| n + 1);
     said.agent.sequence = Some(n);
     n

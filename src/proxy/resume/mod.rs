@@ -233,7 +233,7 @@ struct FirstLegDelta<'a> {
 /// `prompt_token_ids`): the JSON array's bytes, read into ids only if the
 /// stream breaks. A long prompt's ids are most of that event: parsed on
 /// every stream, they were most of what continuation cost a stream that
-/// never broke (bench/stream-cpu.sh, docs/benchmarks.md).
+/// never broke (bench/stream-cpu.sh, docs/benchmarks-log.md).
 #[derive(Debug)]
 pub struct PromptIds {
     raw: Bytes,
@@ -465,29 +465,18 @@ pub fn resume_request(request: &Value, dialect: Dialect, prompt: &[u32], generat
 }
 
 /// The chat request that continues a Responses or Messages `request` that
-/// offers tools, after `generated` tokens: its `transcript` (the
-/// conversation as chat messages, its tools as chat tools) with the answer
-/// so far as the open last message (`continue_final_message`), so the
-/// engine's tool parser sees a call the model starts after the seam.
+/// offers tools, after `generated` tokens: its `transcript` with the answer
+/// so far as the open last message (`Transcript::open_chat`), so the
+/// engine's tool parser sees a call the model starts after the seam, and
+/// the request's sampling.
 pub fn transcript_chat_request(
     request: &Value,
     dialect: Dialect,
     transcript: &transcript::Transcript,
     generated: usize,
 ) -> Option<Bytes> {
-    let transcript::Transcript::Chat { messages, tools, kwargs, .. } = transcript else { return None };
     let mut out = carried(request, dialect, generated);
-    let mut all = messages.clone();
-    all.push(transcript.open_answer()?);
-    out.insert("messages".into(), json!(all));
-    if let Some(tools) = tools {
-        out.insert("tools".into(), tools.clone());
-    }
-    if let Some(kwargs) = kwargs {
-        out.insert("chat_template_kwargs".into(), kwargs.clone());
-    }
-    out.insert("continue_final_message".into(), json!(true));
-    out.insert("add_generation_prompt".into(), json!(false));
+    out.extend(transcript.open_chat()?);
     serde_json::to_vec(&Value::Object(out)).ok().map(Bytes::from)
 }
 

@@ -241,7 +241,7 @@ impl Relay {
         };
         if let Some(f) = prompt {
             match PromptIds::of(&data.as_bytes()[f.value..f.end]) {
-                ids if ids.len > MAX_IDS => self.said.refused = self.said.refused.or(Some(super::Refusal::TooLong)),
+                ids if ids.len > MAX_IDS => _ = self.said.refused.get_or_insert(super::Refusal::TooLong),
                 ids => self.said.prompt_ids = Some(ids),
             }
         }

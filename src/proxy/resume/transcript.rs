@@ -8,7 +8,7 @@
 //! image, a conversation stored on a replica) has no transcript, and the
 //! stream is not continued (`Refusal::NoTranscript`).
 
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 
 use crate::policy::Dialect;
 
@@ -55,25 +55,34 @@ impl Transcript {
     /// answer as the open last message (no generation prompt after it).
     pub fn vllm_tokenize(&self) -> Value {
         match self {
-            Transcript::Chat { model, messages, tools, kwargs, .. } => {
-                let mut all = messages.clone();
-                all.push(self.open_answer().expect("a chat transcript"));
-                let mut body = json!({"model": model, "messages": all,
-                                      "add_generation_prompt": false, "continue_final_message": true});
-                if let Some(tools) = tools {
-                    body["tools"] = tools.clone();
-                }
-                if let Some(kwargs) = kwargs {
-                    body["chat_template_kwargs"] = kwargs.clone();
-                }
-                body
-            }
+            Transcript::Chat { .. } => Value::Object(self.open_chat().expect("a chat transcript")),
             Transcript::Prompt { model, text } => json!({"model": model, "prompt": text}),
         }
     }
 
-    /// llama.cpp's `/apply-template` request (the conversation, the
-    /// generation prompt after it); None for a completion's prompt.
+    /// The conversation with the answer so far as the open last message,
+    /// rendered without a generation prompt after it (`continue_final_message`),
+    /// with its tools and template arguments: vLLM's `/tokenize` request,
+    /// and the body of a next leg on the chat endpoint (None for a
+    /// completion's prompt).
+    pub fn open_chat(&self) -> Option<Map<String, Value>> {
+        let Transcript::Chat { model, messages, tools, kwargs, .. } = self else { return None };
+        let mut all = messages.clone();
+        all.push(self.open_answer()?);
+        let mut body = Map::new();
+        body.insert("model".into(), json!(model));
+        body.insert("messages".into(), json!(all));
+        body.insert("add_generation_prompt".into(), json!(false));
+        body.insert("continue_final_message".into(), json!(true));
+        if let Some(tools) = tools {
+            body.insert("tools".into(), tools.clone());
+        }
+        if let Some(kwargs) = kwargs {
+            body.insert("chat_template_kwargs".into(), kwargs.clone());
+        }
+        Some(body)
+    }
+
     /// The answer so far as the open last message: its text, and the tool
     /// calls it finished (None for a completion's prompt).
     pub fn open_answer(&self) -> Option<Value> {
