@@ -7,18 +7,10 @@ import os
 import sys
 
 import anthropic
-import openai
 
-BASE = os.environ["BASE_URL"]
+from gateway import an, check, oa
+
 SALT = os.environ.get("SALT", "run")
-oa = openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0)
-an = anthropic.Anthropic(base_url=BASE, api_key="unused", max_retries=0)
-
-
-def check(cond, what):
-    if not cond:
-        raise AssertionError(what)
-    print("ok:", what)
 
 
 def long_text(tag, tokens=1500):

@@ -5,21 +5,9 @@ three replicas. Each SDK must read one well-formed stream whose text
 equals the same request's answer unstreamed, with usage counting 400
 tokens. Run by tests/it/sdk.rs with BASE_URL set; a failed check raises."""
 
-import os
+from gateway import an, check, oa
 
-import anthropic
-import openai
-
-BASE = os.environ["BASE_URL"]
-oa = openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0)
-an = anthropic.Anthropic(base_url=BASE, api_key="unused", max_retries=0)
 N = 400
-
-
-def check(cond, what):
-    if not cond:
-        raise AssertionError(what)
-    print("ok:", what)
 
 
 def chat():

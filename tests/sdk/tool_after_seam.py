@@ -6,20 +6,7 @@ endpoint, so the call reaches the client parsed: a `function_call` output
 item, a `tool_use` block. Run by tests/it/sdk.rs with BASE_URL set; a
 failed check raises."""
 
-import os
-
-import anthropic
-import openai
-
-BASE = os.environ["BASE_URL"]
-oa = openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0)
-an = anthropic.Anthropic(base_url=BASE, api_key="unused", max_retries=0)
-
-
-def check(cond, what):
-    if not cond:
-        raise AssertionError(what)
-    print("ok:", what)
+from gateway import an, check, oa
 
 
 def responses():
