@@ -115,15 +115,18 @@ fn decision(c: &mut Criterion) {
             est_tokens: 1,
             family: k,
             origin: Default::default(),
+            went_on: 0,
         };
         (k.wrapping_mul(0x9E37_79B9_7F4A_7C15), pin)
     }));
     pins.record(shape.boundaries[shape.boundaries.len() - 3].key, &r0, None, 1, 1, Default::default());
     let ids = ["r0", "r1", "r2", "r3"];
-    let candidates: Vec<Candidate> =
-        ids.iter().map(|id| Candidate { id, routable: true, spare: true, weight: 1 }).collect();
+    let candidates: Vec<Candidate> = ids
+        .iter()
+        .map(|id| Candidate { id, routable: true, spare: true, weight: 1, load: 0, holds_shared: false })
+        .collect();
     let route = |s: &policy::RequestShape| {
-        let found = pins.lookup_longest(&s.boundaries);
+        let found = pins.lookup_longest(&s.boundaries, s.boundaries.len() - 1).continued;
         let pinned = found
             .as_ref()
             .map(|(i, p)| (PrefixMatch { key: s.boundaries[*i].key, bytes: s.boundaries[*i].bytes }, &*p.replica));

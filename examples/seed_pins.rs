@@ -37,6 +37,7 @@ async fn main() {
             est_tokens: 2_000,
             family: key,
             origin: Default::default(),
+            went_on: 0,
         };
         batch.push((key, Some(pin)));
         if batch.len() == 10_000 {

@@ -41,6 +41,8 @@ pub struct Config {
     /// Routing mode: shape, roundrobin or affinity.
     #[schema(inline)]
     pub policy: Mode,
+    #[schema(inline)]
+    pub routing: RoutingConfig,
     /// Bearer token for the admin API. Required when `admin_listen` is not loopback.
     pub admin_token: Option<String>,
     /// Client API keys accepted on `/v1` (empty: no key required).
@@ -82,6 +84,18 @@ pub struct Config {
     /// Where to find more replicas: `dns://NAME:PORT`, `dns+srv://_SERVICE._PROTO.NAME`
     /// (optional `?resolver=IP:PORT`) or `file://PATH` (repeatable; `[[discovery]]` tables in the file).
     pub discovery: Vec<SourceConfig>,
+}
+
+/// How requests that continue nothing are placed, and when a pinned turn
+/// moves (docs/routing.md, "Placement").
+#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct RoutingConfig {
+    /// `load`: the replica with the least outstanding work (uncached prompt
+    /// tokens queued or prefilling, streams decoding), the counter breaking
+    /// ties; `counter`: the seed's counter alone.
+    #[schema(inline)]
+    pub spread: crate::policy::Spread,
 }
 
 /// How conversations are told apart: the identity blocks of a string or
@@ -270,6 +284,7 @@ impl Default for Config {
             admin_listen: "127.0.0.1:9090".parse().expect("literal"),
             data_dir: None,
             policy: Mode::Shape,
+            routing: RoutingConfig::default(),
             admin_token: None,
             api_keys: Vec::new(),
             identity: IdentityConfig::default(),

@@ -9,7 +9,7 @@
 //! shard's read lock only for the one probe it needs.
 //!
 //! Why compact: a million pins is a normal fleet. A pin in memory is a
-//! 48-byte `Slot` (replica as an index and generation into an interner,
+//! 64-byte `Slot` (replica as an index and generation into an interner,
 //! tokens as u32) beside its 16-byte key; the public `Pin` (with the replica's name)
 //! is built only for callers outside the hot path.
 //!
@@ -43,6 +43,13 @@ pub struct Pin {
     pub family: PrefixKey,
     /// What wrote this pin: which API, and which kind of key.
     pub origin: PinOrigin,
+    /// How many boundaries the request that wrote it went on past it: 0
+    /// for a request's own pin (its last boundary), more for a boundary it
+    /// passed through (`PinSource::Passed`). A later request continues the
+    /// conversation from a passed boundary only if it goes on further
+    /// (`policy::continues`): a rewritten tail, not a shared prompt.
+    #[serde(default)]
+    pub went_on: u32,
 }
 
 /// Which kind of key a pin is.
@@ -58,6 +65,9 @@ pub enum PinSource {
     SessionHeader,
     /// A stored response's id (Responses API).
     Response,
+    /// A boundary a served request passed through (not its last): where a
+    /// later turn whose tail was rewritten finds its conversation.
+    Passed,
 }
 
 impl PinSource {
@@ -70,6 +80,7 @@ impl PinSource {
             1 => PinSource::PromptCacheKey,
             2 => PinSource::SessionHeader,
             3 => PinSource::Response,
+            4 => PinSource::Passed,
             _ => PinSource::Prefix,
         }
     }
@@ -115,8 +126,9 @@ struct ReplicaRef {
     generation: u16,
 }
 
-/// A pin as stored in memory: 48 bytes (the replica's index and generation
-/// are two fields, not a struct, so they share the padding with the origin).
+/// A pin as stored in memory: 64 bytes (the replica's index and generation
+/// are two fields, not a struct, so they share the padding with the origin;
+/// `went_on` took the size from 48 to 64, the key's 16-byte alignment).
 #[derive(Debug, Clone, Copy)]
 struct Slot {
     family: PrefixKey,
@@ -126,6 +138,7 @@ struct Slot {
     turns: u32,
     replica_index: u32,
     replica_generation: u16,
+    went_on: u32,
     /// `dialect_to_u8` and `PinSource::to_u8`: two bytes that fit in the padding.
     dialect: u8,
     source: u8,
@@ -295,6 +308,9 @@ fn next_slot(
             replica_generation: replica.generation,
             turns: old.turns.saturating_add(1),
             est_tokens: tokens32(est_tokens),
+            // A request ended here now: whatever passed it before, it is a request's own pin.
+            went_on: 0,
+            source: if old.source == PinSource::Passed.to_u8() { source } else { old.source },
             ..*old
         },
         None => Slot {
@@ -305,6 +321,7 @@ fn next_slot(
             turns: parent.map_or(1, |(t, _)| t.saturating_add(1)),
             replica_index: replica.index,
             replica_generation: replica.generation,
+            went_on: 0,
             dialect,
             source,
         },
@@ -320,7 +337,19 @@ fn pin_of(s: Slot, replica: Arc<str>) -> Pin {
         est_tokens: u64::from(s.est_tokens),
         family: s.family,
         origin: PinOrigin { dialect: dialect_from_u8(s.dialect), source: PinSource::from_u8(s.source) },
+        went_on: s.went_on,
     }
+}
+
+/// What `lookup_longest` found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Found {
+    /// The longest boundary the request continues a conversation from.
+    pub continued: Option<(usize, Pin)>,
+    /// A longer boundary it passed that another conversation passed too and
+    /// went on from differently: a shared prompt (a system prompt and
+    /// tools, a document), which names a replica that holds it.
+    pub shared: Option<(usize, Pin)>,
 }
 
 /// What `record` did, for the callers that keep derived state (the working set).
@@ -375,6 +404,7 @@ impl PinTable {
             turns: p.turns,
             replica_index: replica.index,
             replica_generation: replica.generation,
+            went_on: p.went_on,
             dialect: dialect_to_u8(p.origin.dialect),
             source: p.origin.source.to_u8(),
         }
@@ -388,10 +418,80 @@ impl PinTable {
         self.read(key).and_then(|s| self.to_pin(s))
     }
 
-    /// The longest boundary that has a pin (walking from the end), with its
-    /// index and the pin: the one lookup a routing decision needs.
-    pub fn lookup_longest(&self, boundaries: &[Boundary]) -> Option<(usize, Pin)> {
-        boundaries.iter().enumerate().rev().find_map(|(i, b)| self.get(b.key).map(|p| (i, p)))
+    /// The one lookup a routing decision needs, walking from the end: the
+    /// longest boundary whose pin the request continues, and the longest
+    /// it shares with a conversation it does not continue (both with their
+    /// index). `ends_at` is the index of the request's own last boundary
+    /// (its pin's); the rule is `policy::continues`.
+    pub fn lookup_longest(&self, boundaries: &[Boundary], ends_at: usize) -> Found {
+        let mut shared = None;
+        for (i, b) in boundaries.iter().enumerate().rev() {
+            let Some(pin) = self.get(b.key) else { continue };
+            if crate::policy::continues(ends_at, i, pin.went_on) {
+                return Found { continued: Some((i, pin)), shared };
+            }
+            shared.get_or_insert((i, pin));
+        }
+        Found { continued: None, shared }
+    }
+
+    /// The boundaries a request passed through on its way to its own pin
+    /// (`passed`: their keys and estimated tokens, in order, the pin's
+    /// excluded), as marks to write now for `replica`: each one absent, on
+    /// another replica, or not written for `refresh_ms` (so a long
+    /// conversation's early marks do not expire under it, while its turns
+    /// rewrite only what changed). A mark keeps the conversation it was
+    /// first written for; a request's own pin is never made a mark.
+    pub fn passed_marks(
+        &self,
+        passed: &[(PrefixKey, u64)],
+        replica: &Arc<str>,
+        conversation: (u32, PrefixKey),
+        now_ms: u64,
+        refresh_ms: u64,
+        dialect: Dialect,
+    ) -> Vec<(PrefixKey, Pin)> {
+        let (turns, family) = conversation;
+        let n = passed.len();
+        let mut out = Vec::new();
+        for (i, &(key, est_tokens)) in passed.iter().enumerate() {
+            let went_on = u32::try_from(n - i).unwrap_or(u32::MAX);
+            let fresh = Pin {
+                replica: replica.clone(),
+                created_ms: now_ms,
+                last_used_ms: now_ms,
+                turns,
+                est_tokens,
+                family,
+                origin: PinOrigin { dialect, source: PinSource::Passed },
+                went_on,
+            };
+            match self.get(key) {
+                None => out.push((key, fresh)),
+                Some(held) if held.origin.source != PinSource::Passed => {}
+                Some(held) => {
+                    if held.replica != *replica || now_ms.saturating_sub(held.last_used_ms) > refresh_ms {
+                        let pin = Pin { replica: replica.clone(), last_used_ms: now_ms, went_on, ..held };
+                        out.push((key, pin));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Writes marks `passed_marks` chose (dirty: persisted like any pin).
+    pub fn write_marks(&self, marks: Vec<(PrefixKey, Pin)>) {
+        let passed = PinSource::Passed.to_u8();
+        for (key, pin) in marks {
+            let idx = self.replicas.intern(&pin.replica);
+            let slot = self.to_slot_with(&pin, idx);
+            let mut shard = self.shard(key).write().expect("pins lock");
+            // A request's own pin written since `passed_marks` read it stays one.
+            if shard.map.get(&key).is_none_or(|held| held.source == passed) {
+                shard.insert(key, slot);
+            }
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -679,7 +779,14 @@ impl PinTable {
         let mut out = Vec::new();
         for shard in &self.shards {
             let shard = shard.read().expect("pins lock");
-            out.extend(shard.map.values().filter(|s| s.turns >= 2 && s.last_used_ms >= since_ms).copied());
+            let passed = PinSource::Passed.to_u8();
+            out.extend(
+                shard
+                    .map
+                    .values()
+                    .filter(|s| s.turns >= 2 && s.last_used_ms >= since_ms && s.source != passed)
+                    .copied(),
+            );
         }
         out.into_iter().filter_map(|s| self.to_pin(s)).collect()
     }
@@ -763,9 +870,59 @@ mod tests {
         let b = |key| Boundary { key, bytes: 0 };
         t.record(11, &id("a"), None, 1, 1, PinOrigin::default());
         t.record(13, &id("b"), None, 1, 1, PinOrigin::default());
-        let (i, pin) = t.lookup_longest(&[b(10), b(11), b(12), b(13), b(14)]).unwrap();
+        let (i, pin) = t.lookup_longest(&[b(10), b(11), b(12), b(13), b(14)], 4).continued.unwrap();
         assert_eq!((i, &*pin.replica), (3, "b"));
-        assert!(t.lookup_longest(&[b(1), b(2)]).is_none());
+        assert_eq!(t.lookup_longest(&[b(1), b(2)], 1), Found::default());
+    }
+
+    /// A turn's boundaries as (key, tokens), its pin at the last.
+    fn served(t: &PinTable, keys: &[u128], replica: &str, now: u64) -> Recorded {
+        let (last, passed) = keys.split_last().unwrap();
+        let recorded = t.record(*last, &id(replica), None, 10, now, PinOrigin::default());
+        let passed: Vec<(PrefixKey, u64)> = passed.iter().map(|k| (*k, 5)).collect();
+        let marks = t.passed_marks(&passed, &id(replica), (recorded.turns, recorded.family), now, 1_000, Dialect::Chat);
+        t.write_marks(marks);
+        recorded
+    }
+
+    #[test]
+    fn a_rewritten_tail_finds_its_conversation_at_the_boundary_it_passed_and_a_shared_prompt_does_not() {
+        let t = PinTable::default();
+        let b = |key| Boundary { key, bytes: 0 };
+        // Turn 1: system, user, status (replaced every turn).
+        let first = served(&t, &[1, 2, 3], "a", 10);
+        assert_eq!(t.get(2).unwrap().origin.source, PinSource::Passed);
+        assert_eq!((t.get(2).unwrap().went_on, t.get(1).unwrap().went_on), (1, 2));
+        // Turn 2 drops the status and goes on: answer, tool result, new status.
+        let turn2 = [b(1), b(2), b(20), b(21), b(22)];
+        let found = t.lookup_longest(&turn2, 4);
+        let (i, pin) = found.continued.unwrap();
+        assert_eq!((i, &*pin.replica, pin.family), (1, "a", first.family));
+        // Another conversation's first turn after the same system prompt goes
+        // no further than turn 1 went past it: it shares a prompt.
+        let other = t.lookup_longest(&[b(1), b(9)], 1);
+        assert_eq!(other.continued, None);
+        assert_eq!(other.shared.map(|(i, p)| (i, p.replica)), Some((0, id("a"))));
+        // A request's own pin is never made a mark, and a mark becomes a pin
+        // where a request ends.
+        served(&t, &[1, 2, 3, 4], "a", 20);
+        assert_eq!(t.get(3).unwrap().origin.source, PinSource::Prefix);
+        served(&t, &[1, 2], "a", 30);
+        assert_eq!((t.get(2).unwrap().origin.source, t.get(2).unwrap().went_on), (PinSource::Prefix, 0));
+    }
+
+    #[test]
+    fn marks_are_written_again_only_when_moved_or_stale_and_keep_their_conversation() {
+        let t = PinTable::default();
+        let first = served(&t, &[1, 2, 3], "a", 10);
+        t.take_dirty();
+        let passed = [(1, 5), (2, 5)];
+        let again = |replica, now| t.passed_marks(&passed, &id(replica), (9, 99), now, 1_000, Dialect::Chat);
+        assert!(again("a", 500).is_empty(), "fresh and on the same replica");
+        let moved = again("b", 600);
+        assert_eq!(moved.len(), 2);
+        assert!(moved.iter().all(|(_, p)| &*p.replica == "b" && p.family == first.family));
+        assert_eq!(again("a", 1_011).len(), 2, "stale: written again");
     }
 
     #[test]
@@ -780,6 +937,7 @@ mod tests {
             est_tokens: 90_000,
             family: 77,
             origin,
+            went_on: 0,
         };
         t.restore([(42, p.clone())]);
         assert_eq!(t.get(42), Some(p));
@@ -797,7 +955,8 @@ mod tests {
             let name: Arc<str> = Arc::from(format!("pod-{i}"));
             let key = u128::from(i);
             t.record(key, &name, None, 1, u64::from(i), PinOrigin::default());
-            assert_eq!(t.lookup_longest(&[Boundary { key, ..one }]).map(|(_, p)| p.replica), Some(name));
+            let found = t.lookup_longest(&[Boundary { key, ..one }], 0).continued;
+            assert_eq!(found.map(|(_, p)| p.replica), Some(name));
             assert_eq!(t.remove_replica(&format!("pod-{i}")), 1);
         }
         assert_eq!((t.len(), t.interned()), (0, 0));
@@ -836,6 +995,7 @@ mod tests {
             est_tokens: 1,
             family: 9,
             origin: PinOrigin { dialect: Dialect::Responses, source: PinSource::Response },
+            went_on: 0,
         };
         t.restore([(9, response.clone())]);
         t.record(10, &id("live"), None, 1, 100, PinOrigin::default());

@@ -154,6 +154,7 @@ mod tests {
             est_tokens: 10,
             family: 7,
             origin: Default::default(),
+            went_on: 0,
         };
         store.write_pins(&[(7, Some(pin))]).await.unwrap();
         let operator = Operator::for_tests(store.clone());

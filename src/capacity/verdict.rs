@@ -43,6 +43,14 @@ pub struct ReplicaCapacity {
     /// when the capacity is unknown.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub room_tokens: Option<i64>,
+    /// What it holds as learned, tokens: its wall once one was seen, else
+    /// the declared capacity (`kv_tokens`) raised to the most that
+    /// returning sessions found kept. Absent: nothing declared or learned.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub learned_tokens: Option<u64>,
+    /// The receipts behind it.
+    #[serde(default)]
+    pub evidence: crate::fleet::residents::Learned,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -201,6 +209,8 @@ pub(super) fn compute(
             resident_sessions: 0,
             resident_tokens: 0,
             room_tokens: None,
+            learned_tokens: None,
+            evidence: Default::default(),
         });
     }
     let known: Vec<&ReplicaCapacity> = out.iter().filter(|r| r.kv_tokens.is_some()).collect();

@@ -5,6 +5,7 @@
 
 pub mod health;
 pub mod residents;
+pub mod work;
 
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
@@ -420,6 +421,8 @@ pub struct Replica {
     pub capacity: Arc<crate::capacity::CapacityRecord>,
     /// The sessions resident here (the KV wall).
     pub residents: residents::Residents,
+    /// Its outstanding work (`work.rs`): where new sessions and one-shots go.
+    pub work: work::Work,
     /// Its metric series: they leave the exposition when it leaves the fleet.
     pub series: crate::metrics::ReplicaSeries,
     /// Its name as the `x-prefixgate-replica` response header's value.
@@ -454,6 +457,7 @@ impl Replica {
             large_slots: Default::default(),
             capacity: Default::default(),
             residents: Default::default(),
+            work: Default::default(),
         }
     }
 
@@ -531,14 +535,17 @@ impl Replica {
     }
 
     /// Counts one request in flight until the guard drops, whichever path
-    /// (success, error, client gone) ends it.
-    pub fn begin(self: &Arc<Self>, large: bool) -> InflightGuard {
+    /// (success, error, client gone) ends it, and its `uncached` prompt
+    /// tokens as outstanding work until its prefill ends
+    /// (`InflightGuard::prefilled`) or it does.
+    pub fn begin(self: &Arc<Self>, large: bool, uncached: u64) -> InflightGuard {
         self.inflight.fetch_add(1, Ordering::AcqRel);
         if large {
             self.large_inflight.fetch_add(1, Ordering::AcqRel);
         }
         self.attempts.fetch_add(1, Ordering::Relaxed);
-        InflightGuard { replica: self.clone(), large }
+        self.work.add_prefill(uncached);
+        InflightGuard { replica: self.clone(), large, prefilling: uncached, decoding: false }
     }
 
     pub fn models(&self) -> Guard<Arc<Vec<String>>> {
@@ -599,6 +606,9 @@ impl Replica {
 pub struct InflightGuard {
     pub replica: Arc<Replica>,
     large: bool,
+    /// Its tokens still counted as prefilling (0 once its first token came).
+    prefilling: u64,
+    decoding: bool,
 }
 
 impl InflightGuard {
@@ -606,10 +616,23 @@ impl InflightGuard {
     pub fn large(&self) -> bool {
         self.large
     }
+
+    /// Its first token came: its prefill leaves the replica's outstanding
+    /// work, and it counts as a stream decoding until it ends.
+    pub fn prefilled(&mut self) {
+        if !self.decoding {
+            self.replica.work.prefilled(std::mem::take(&mut self.prefilling), true);
+            self.decoding = true;
+        }
+    }
 }
 
 impl Drop for InflightGuard {
     fn drop(&mut self) {
+        self.replica.work.prefilled(self.prefilling, false);
+        if self.decoding {
+            self.replica.work.stopped_decoding();
+        }
         self.replica.inflight.fetch_sub(1, Ordering::AcqRel);
         if self.large {
             self.replica.large_inflight.fetch_sub(1, Ordering::AcqRel);
@@ -756,8 +779,8 @@ mod tests {
     #[test]
     fn guards_release_counters_on_drop() {
         let r = Arc::new(Replica::new(ReplicaSpec::new("a", "http://x"), AdminState::Active));
-        let g1 = r.begin(true);
-        let g2 = r.begin(false);
+        let g1 = r.begin(true, 0);
+        let g2 = r.begin(false, 0);
         assert_eq!((r.inflight(), r.large_inflight(), r.attempts()), (2, 1, 2));
         drop(g1);
         drop(g2);

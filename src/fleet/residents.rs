@@ -184,6 +184,42 @@ pub struct Residents {
     /// The engine's prefill rate here, tokens a second, smoothed (an f64's
     /// bits; 0: not measured yet).
     prefill_tps: AtomicU64,
+    /// Receipts read here: kept (a returning session found its prefix),
+    /// lost (found less than half of it), and the highest load a kept
+    /// one was read at: the evidence of what the replica keeps (`learned`).
+    kept: AtomicU64,
+    lost: AtomicU64,
+    kept_high: AtomicU64,
+}
+
+/// What a replica's receipts say of what it keeps (`Residents::learned`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct Learned {
+    /// Where it lost a returning session's prefix (or its engine
+    /// preempted, or said its pool was full), tokens resident; absent: no
+    /// wall seen, and nothing waits for room there (`sessions.wall = "learned"`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wall_tokens: Option<u64>,
+    /// The most tokens resident when a returning session still found its
+    /// prefix: it keeps at least this much (more than its slot or pool,
+    /// where the engine keeps prompts in host memory).
+    pub kept_at_tokens: u64,
+    /// Receipts read: prefixes found, prefixes lost.
+    pub receipts_kept: u64,
+    pub receipts_lost: u64,
+}
+
+impl Learned {
+    /// What the replica holds as learned, starting from `declared`: its
+    /// wall once one was seen, else the declared capacity raised to what
+    /// receipts found kept.
+    pub fn capacity(&self, declared: Option<u64>) -> Option<u64> {
+        match (self.wall_tokens, declared) {
+            (Some(wall), _) => Some(wall),
+            (None, Some(d)) => Some(d.max(self.kept_at_tokens)),
+            (None, None) => (self.kept_at_tokens > 0).then_some(self.kept_at_tokens),
+        }
+    }
 }
 
 /// What the gateway measured of a replica's pace, for the choice between
@@ -652,6 +688,16 @@ impl Residents {
         Some(self.wall.load(Ordering::Relaxed)).filter(|w| *w > 0)
     }
 
+    /// What the receipts taught of this replica (the capacity view).
+    pub fn learned(&self) -> Learned {
+        Learned {
+            wall_tokens: self.wall(),
+            kept_at_tokens: self.kept_high.load(Ordering::Relaxed),
+            receipts_kept: self.kept.load(Ordering::Relaxed),
+            receipts_lost: self.lost.load(Ordering::Relaxed),
+        }
+    }
+
     /// Reads the engine's preemption counter (`total`, as vLLM reports it).
     /// Preemptions since the last read mean the engine ran out of KV with
     /// the sessions resident now: the wall is lowered to their load, as a
@@ -730,9 +776,12 @@ impl Residents {
         }
         let load = self.load();
         if cached.saturating_mul(2) < predicted {
+            self.lost.fetch_add(1, Ordering::Relaxed);
             self.lower_wall(load, now_ms);
             Receipt::Lost { load }
         } else if cached.saturating_mul(10) >= predicted.saturating_mul(9) {
+            self.kept.fetch_add(1, Ordering::Relaxed);
+            self.kept_high.fetch_max(load, Ordering::Relaxed);
             let _ =
                 self.wall.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| (w > 0 && load > w).then_some(load));
             Receipt::Kept { load }
@@ -745,6 +794,33 @@ impl Residents {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn learned_capacity_grows_on_kept_receipts_and_falls_to_the_wall_on_a_miss() {
+        let r = Residents::default();
+        let declared = Some(4_096); // one slot of 4,096 tokens
+        assert_eq!(r.learned().capacity(declared), declared, "learning starts from what is declared");
+        // Three sessions of 3,000 tokens resident, a returning one finds its
+        // prefix: the engine keeps more than its slot (host memory).
+        for s in 1..=3 {
+            r.lock().insert(s, Resident { tokens: 3_000, ..Default::default() });
+        }
+        assert_eq!(r.receipt(2_800, 2_800, 0), Receipt::Kept { load: 9_000 });
+        let kept = r.learned();
+        assert_eq!((kept.wall_tokens, kept.kept_at_tokens, kept.receipts_kept), (None, 9_000, 1));
+        assert_eq!(kept.capacity(declared), Some(9_000));
+        // Two more resident, and a returning session finds less than half:
+        // the wall is where it was lost.
+        for s in 4..=5 {
+            r.lock().insert(s, Resident { tokens: 3_000, ..Default::default() });
+        }
+        assert_eq!(r.receipt(2_800, 1_000, 1), Receipt::Lost { load: 15_000 });
+        r.lock().remove(&5);
+        assert_eq!(r.receipt(2_800, 0, 2), Receipt::Lost { load: 12_000 });
+        let lost = r.learned();
+        assert_eq!((lost.wall_tokens, lost.receipts_lost), (Some(12_000), 2));
+        assert_eq!(lost.capacity(declared), Some(12_000), "the wall seen, above the slot it declared");
+    }
 
     #[test]
     fn engine_preemptions_since_the_last_read_set_the_wall_at_the_load_now() {

@@ -336,7 +336,9 @@ impl Operator {
             // Residency is the fleet's view: a conversation that came back,
             // or one named by a session key, lives where its pin says (and
             // is part of the fleet's working set here too).
-            if p.turns >= 2 || matches!(p.origin.source, PinSource::PromptCacheKey | PinSource::SessionHeader) {
+            // A passed boundary's mark says nothing of the turn (its request's own pin does).
+            let turn = p.origin.source != PinSource::Passed && p.turns >= 2;
+            if turn || matches!(p.origin.source, PinSource::PromptCacheKey | PinSource::SessionHeader) {
                 // A session's id is its family (a session key's pin is its own family).
                 let heard = Heard::from_pins(p, self.pins.get(p.family).as_ref());
                 self.sessions.seen_elsewhere(&r, p.family, heard);

@@ -164,6 +164,25 @@ pub struct Candidate<'a> {
     pub spare: bool,
     /// Its share of spread picks relative to the others (`ReplicaSpec::weight`).
     pub weight: u32,
+    /// Its outstanding work as the gateway counts it (`fleet::work`): a
+    /// spread pick goes to the least, per unit of weight.
+    pub load: u64,
+    /// It holds the longest prompt the request shares with other
+    /// conversations (a system prompt and tools, a document): preferred
+    /// among the least loaded.
+    pub holds_shared: bool,
+}
+
+/// How requests that continue nothing are placed (`routing.spread`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Spread {
+    /// The least outstanding work per unit of weight; among equals, a
+    /// replica holding the shared prompt, then the counter.
+    #[default]
+    Load,
+    /// The seed's rule: the counter alone, weighted (load is not read).
+    Counter,
 }
 
 /// The prefix a continuation matched.
@@ -196,10 +215,10 @@ pub enum Target {
 impl Decision {
     /// The candidate the request goes to; `spread_at` is called only for a
     /// spread decision.
-    pub fn candidate(&self, candidates: &[Candidate], spread_at: impl FnOnce() -> u64) -> usize {
+    pub fn candidate(&self, candidates: &[Candidate], spread: Spread, spread_at: impl FnOnce() -> u64) -> usize {
         match self.target {
             Target::Candidate(i) => i,
-            Target::Spread => spread_pick(candidates, spread_at()),
+            Target::Spread => spread_pick(candidates, spread, spread_at()),
         }
     }
 }
@@ -268,24 +287,57 @@ pub fn decide(
     }
 }
 
-/// The `at`-th routable candidate (modulo their number), each counted as
-/// many times as its weight; among those with spare room when there are
-/// any. Weight 0 counts only when every eligible candidate has weight 0.
-/// At least one candidate must be routable.
-pub fn spread_pick(candidates: &[Candidate], at: u64) -> usize {
+/// Whether a request whose own last boundary is at index `ends_at`
+/// continues the conversation of a pin found at its boundary `at`, which
+/// the request that wrote the pin went on past by `went_on` boundaries (0:
+/// the pin is that request's own last boundary). A request continues from
+/// where a served request ended; or from a boundary a served request
+/// passed, when it goes on further than that request did: an agent whose
+/// tail was rewritten (a step counter or status replaced, a reminder moved
+/// off an older message, an old tool result cleared) re-sends what that
+/// request had up to there, then its answer and more. One that goes no
+/// further shares a prompt with another conversation (a first turn after
+/// the same system prompt and tools, a one-shot after the same document):
+/// it is a conversation of its own.
+pub fn continues(ends_at: usize, at: usize, went_on: u32) -> bool {
+    went_on == 0 || ends_at.saturating_sub(at) > went_on as usize
+}
+
+/// A spread pick. With `Spread::Load`, the eligible candidates with the
+/// least load per unit of weight, and among them those holding the shared
+/// prompt if any do; with `Spread::Counter`, every eligible one. Of those,
+/// the `at`-th (modulo their number), each counted as many times as its
+/// weight. Eligible: routable, and with spare room when any has it. Weight
+/// 0 counts only when every eligible candidate has weight 0. At least one
+/// candidate must be routable.
+pub fn spread_pick(candidates: &[Candidate], spread: Spread, at: u64) -> usize {
     let any_spare = candidates.iter().any(|c| c.routable && c.spare);
-    let eligible = |c: &&Candidate| c.routable && (c.spare || !any_spare);
-    let any_weighted = candidates.iter().filter(eligible).any(|c| c.weight > 0);
+    let eligible = |c: &Candidate| c.routable && (c.spare || !any_spare);
+    let any_weighted = candidates.iter().filter(|c| eligible(c)).any(|c| c.weight > 0);
     let weight = |c: &Candidate| if any_weighted { u64::from(c.weight) } else { 1 };
-    let total: u64 = candidates.iter().filter(eligible).map(weight).sum();
+    // Load per unit of weight; a weight-0 candidate among weighted ones is
+    // never the least (it is a last resort, as for the counter).
+    let per_weight = |c: &Candidate| match weight(c) {
+        0 => f64::INFINITY,
+        w => c.load as f64 / w as f64,
+    };
+    let least = match spread {
+        Spread::Load => candidates.iter().filter(|c| eligible(c)).map(per_weight).fold(f64::INFINITY, f64::min),
+        Spread::Counter => f64::INFINITY,
+    };
+    let among = |c: &Candidate| eligible(c) && (spread == Spread::Counter || per_weight(c) <= least);
+    let holders = spread == Spread::Load && candidates.iter().any(|c| among(c) && c.holds_shared);
+    let pool = |c: &Candidate| among(c) && (!holders || c.holds_shared);
+    // Never 0: with weights, the least loaded are weighted ones.
+    let total: u64 = candidates.iter().filter(|c| pool(c)).map(weight).sum();
     let mut nth = at % total;
-    for (i, c) in candidates.iter().enumerate().filter(|(_, c)| eligible(c)) {
+    for (i, c) in candidates.iter().enumerate().filter(|(_, c)| pool(c)) {
         if nth < weight(c) {
             return i;
         }
         nth -= weight(c);
     }
-    unreachable!("nth < the eligible candidates' total weight")
+    unreachable!("nth < the pool's total weight")
 }
 
 /// Highest-random-weight hashing: stable per key, and only the keys of a

@@ -22,7 +22,7 @@ fn decide(
     counter: &SpreadCounter,
 ) -> Option<Picked> {
     let d = super::decide(mode, shape, candidates, pinned, named)?;
-    Some(Picked { replica: d.candidate(candidates, || counter.next()), reason: d.reason })
+    Some(Picked { replica: d.candidate(candidates, Spread::Load, || counter.next()), reason: d.reason })
 }
 
 /// A tiny in-memory router: decide, then record the pin like the gateway does.
@@ -51,7 +51,7 @@ impl Router {
             .ids
             .iter()
             .zip(&self.down)
-            .map(|(id, down)| Candidate { id, routable: !down, spare: true, weight: 1 })
+            .map(|(id, down)| Candidate { id, routable: !down, spare: true, weight: 1, load: 0, holds_shared: false })
             .collect();
         let pinned = longest(&shape, |k| self.pins.get(&k).cloned());
         let d = decide(
@@ -161,8 +161,8 @@ fn every_mode_picks_the_live_replica_and_none_when_all_are_down() {
 fn spread_prefers_a_replica_with_a_free_slot_but_pins_do_not_move() {
     let ids = ["a", "b"];
     let candidates = [
-        Candidate { id: ids[0], routable: true, spare: false, weight: 1 },
-        Candidate { id: ids[1], routable: true, spare: true, weight: 1 },
+        Candidate { id: ids[0], routable: true, spare: false, weight: 1, load: 0, holds_shared: false },
+        Candidate { id: ids[1], routable: true, spare: true, weight: 1, load: 0, holds_shared: false },
     ];
     let counter = SpreadCounter::default();
     for i in 0..4 {
@@ -210,7 +210,7 @@ proptest! {
     #[test]
     fn spread_never_picks_an_unroutable_replica(routable in prop::collection::vec(any::<bool>(), 1..8), start in 0u64..1000, n in 1usize..20) {
         let ids: Vec<String> = (0..routable.len()).map(|i| format!("r{i}")).collect();
-        let candidates: Vec<Candidate> = ids.iter().zip(&routable).map(|(id, r)| Candidate { id, routable: *r, spare: true, weight: 1 }).collect();
+        let candidates: Vec<Candidate> = ids.iter().zip(&routable).map(|(id, r)| Candidate { id, routable: *r, spare: true, weight: 1, load: 0, holds_shared: false }).collect();
         let counter = SpreadCounter(AtomicU64::new(start));
         let shape = RequestShape::default();
         let live = routable.iter().filter(|r| **r).count();
@@ -233,7 +233,7 @@ proptest! {
     ) {
         let ids: Vec<String> = (0..routable.len()).map(|i| format!("r{i}")).collect();
         let pinned = pinned % ids.len();
-        let candidates: Vec<Candidate> = ids.iter().zip(&routable).map(|(id, r)| Candidate { id, routable: *r, spare: true, weight: 1 }).collect();
+        let candidates: Vec<Candidate> = ids.iter().zip(&routable).map(|(id, r)| Candidate { id, routable: *r, spare: true, weight: 1, load: 0, holds_shared: false }).collect();
         let first = identity::extract(Endpoint::Chat, conversation("p", 1).as_bytes(), IdentityBlocks::default()).unwrap();
         let later = identity::extract(Endpoint::Chat, conversation("p", turns).as_bytes(), IdentityBlocks::default()).unwrap();
         let pin_key = first.pin_at.unwrap();
@@ -254,8 +254,10 @@ proptest! {
 #[test]
 fn a_session_key_decides_only_without_prefix_evidence() {
     let ids = ["a", "b"];
-    let candidates: Vec<Candidate> =
-        ids.iter().map(|id| Candidate { id, routable: true, spare: true, weight: 1 }).collect();
+    let candidates: Vec<Candidate> = ids
+        .iter()
+        .map(|id| Candidate { id, routable: true, spare: true, weight: 1, load: 0, holds_shared: false })
+        .collect();
     let counter = SpreadCounter::default();
     // A compacted history (no pinned prefix) follows its session.
     let shape = identity::extract(Endpoint::Chat, single(1).as_bytes(), IdentityBlocks::default()).unwrap();
@@ -269,8 +271,8 @@ fn a_session_key_decides_only_without_prefix_evidence() {
     assert_eq!((d.replica, d.reason), (0, RouteReason::Pinned));
     // The session's replica gone: spread, and the session moves.
     let gone = [
-        Candidate { id: "a", routable: true, spare: true, weight: 1 },
-        Candidate { id: "b", routable: false, spare: true, weight: 1 },
+        Candidate { id: "a", routable: true, spare: true, weight: 1, load: 0, holds_shared: false },
+        Candidate { id: "b", routable: false, spare: true, weight: 1, load: 0, holds_shared: false },
     ];
     let d = decide(Mode::Shape, &shape, &gone, None, Some("b"), &counter).unwrap();
     assert_eq!((d.replica, d.reason), (0, RouteReason::Repinned));
@@ -281,8 +283,9 @@ fn a_session_key_decides_only_without_prefix_evidence() {
 
 #[test]
 fn spread_picks_follow_the_weights_and_weight_zero_is_a_last_resort() {
-    let c = |id, routable, weight| Candidate { id, routable, spare: true, weight };
-    let picks = |candidates: &[Candidate]| (0..8).map(|at| spread_pick(candidates, at)).collect::<Vec<_>>();
+    let c = |id, routable, weight| Candidate { id, routable, spare: true, weight, load: 0, holds_shared: false };
+    let picks =
+        |candidates: &[Candidate]| (0..8).map(|at| spread_pick(candidates, Spread::Counter, at)).collect::<Vec<_>>();
     let share = |picks: &[usize], i| picks.iter().filter(|p| **p == i).count();
     let weighted = [c("a", true, 3), c("b", true, 1)];
     let p = picks(&weighted);
@@ -291,4 +294,39 @@ fn spread_picks_follow_the_weights_and_weight_zero_is_a_last_resort() {
     assert!(picks(&standby).iter().all(|i| *i == 0));
     let only_standby = [c("a", false, 1), c("b", true, 0)];
     assert!(picks(&only_standby).iter().all(|i| *i == 1));
+}
+
+#[test]
+fn a_load_spread_goes_to_the_least_work_per_weight_then_the_shared_prompts_holder_then_the_counter() {
+    let c = |id, load, weight, holds_shared| Candidate { id, routable: true, spare: true, weight, load, holds_shared };
+    let picks =
+        |candidates: &[Candidate], spread| (0..4).map(|at| spread_pick(candidates, spread, at)).collect::<Vec<_>>();
+    // The least outstanding work, whatever the counter says.
+    let busy = [c("a", 15_000, 1, false), c("b", 256, 1, false), c("c", 4_000, 1, false)];
+    assert_eq!(picks(&busy, Spread::Load), vec![1, 1, 1, 1]);
+    // The seed's counter reads no load.
+    assert_eq!(picks(&busy, Spread::Counter), vec![0, 1, 2, 0]);
+    // Per unit of weight: twice the weight carries twice the work.
+    assert_eq!(picks(&[c("a", 1_000, 2, false), c("b", 600, 1, false)], Spread::Load), vec![0; 4]);
+    // Equal work: the holder of the shared prompt; none holds it: the counter.
+    let idle = [c("a", 0, 1, false), c("b", 0, 1, true), c("c", 0, 1, false)];
+    assert_eq!(picks(&idle, Spread::Load), vec![1, 1, 1, 1]);
+    let idle = [c("a", 0, 1, false), c("b", 0, 1, false)];
+    assert_eq!(picks(&idle, Spread::Load), vec![0, 1, 0, 1]);
+    // A holder with more work than another is not preferred.
+    assert_eq!(picks(&[c("a", 0, 1, false), c("b", 300, 1, true)], Spread::Load), vec![0; 4]);
+    // Weight 0 stays a last resort.
+    assert_eq!(picks(&[c("a", 9_000, 1, false), c("b", 0, 0, false)], Spread::Load), vec![0; 4]);
+}
+
+#[test]
+fn a_request_continues_from_where_a_served_one_ended_or_from_a_boundary_it_passed_only_going_further() {
+    // Its own pin (went on 0): always.
+    assert!(continues(3, 3, 0));
+    assert!(continues(5, 3, 0));
+    // A status line replaced: turn 1 went one boundary past, turn 2 three.
+    assert!(continues(4, 1, 1));
+    // A first turn after the same system prompt: no further than the other went.
+    assert!(!continues(1, 0, 1));
+    assert!(!continues(2, 0, 2));
 }

@@ -29,8 +29,11 @@ pub(super) struct Lookup {
     pub(super) session: Option<conversation::SessionKey>,
     /// Counts against `max_large_inflight`.
     pub(super) large: bool,
-    /// The longest pinned prefix of the request.
+    /// The longest pinned prefix of the request: the conversation it continues.
     pub(super) pinned: Option<(PrefixMatch, Pin)>,
+    /// The replica holding the longest prompt it shares with conversations
+    /// it does not continue (`policy::continues`): preferred among equals.
+    pub(super) shared: Option<Arc<str>>,
     /// Where the request's session key points.
     pub(super) named: Option<Arc<str>>,
     /// A stored response the request names, and the replica holding it.
@@ -84,13 +87,17 @@ pub(super) async fn look_up(
     // A single unit (one message, one prompt) continues nothing.
     let longest_pinned = || {
         if !shape.multi_unit {
-            return None;
+            return (None, None);
         }
-        let (i, pin) = state.pins.lookup_longest(&shape.boundaries)?;
-        Some((PrefixMatch { key: shape.boundaries[i].key, bytes: shape.boundaries[i].bytes }, pin))
+        let ends_at = shape.boundaries.iter().rposition(|b| Some(b.key) == shape.pin_at);
+        let found = state.pins.lookup_longest(&shape.boundaries, ends_at.unwrap_or(shape.boundaries.len() - 1));
+        let matched = |(i, pin): (usize, Pin)| {
+            (PrefixMatch { key: shape.boundaries[i].key, bytes: shape.boundaries[i].bytes }, pin)
+        };
+        (found.continued.map(matched), found.shared.map(|f| matched(f).1.replica))
     };
     let named_home = || session.and_then(|s| state.pins.replica_of(s.key));
-    let (mut pinned, mut named) = (longest_pinned(), named_home());
+    let ((mut pinned, mut shared), mut named) = (longest_pinned(), named_home());
     // Unknown here is not unknown to the fleet: with instances behind a load
     // balancer, a turn can outrun its previous turn's announcement. (Only
     // asked while a shared store answers: one instance has nothing to read.)
@@ -103,14 +110,14 @@ pub(super) async fn look_up(
             unknown.push(s.key);
         }
         if locate::pins_in_shared_store(state, unknown).await {
-            (pinned, named) = (longest_pinned(), named_home());
+            ((pinned, shared), named) = (longest_pinned(), named_home());
         }
     }
     if settings.mode == Mode::Shape && shape.multi_unit {
         recorder.pin_lookup(pinned.is_some());
     }
     let stored = stored_response(hop, req, &shape, stored_in_path).await.map_err(bad_request)?;
-    Ok(Lookup { shape, session, large, pinned, named, stored, scope })
+    Ok(Lookup { shape, session, large, pinned, shared, named, stored, scope })
 }
 
 /// The stored response a request names (its path's, or its

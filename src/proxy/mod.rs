@@ -286,6 +286,8 @@ impl Forwarding<'_> {
             shape: &lookup.shape,
             pinned: lookup.pinned.as_ref(),
             named: lookup.named.as_deref(),
+            shared: lookup.shared.as_deref(),
+            spread: state.config.routing.spread,
             stored: lookup.stored.as_ref().map(|(id, home)| (id.as_str(), &**home)),
             tried: &retries.tried,
             large: lookup.large,
@@ -356,8 +358,13 @@ impl Forwarding<'_> {
             false => None,
         };
         waited.say(self.h.trace);
-        // The guard holds the replica from here on.
-        let guard = replica.begin(self.lookup.large);
+        // The guard holds the replica from here on, and counts the prompt
+        // tokens it will prefill (all but the prefix its pin says it holds).
+        let cached = match &self.lookup.pinned {
+            Some((m, pin)) if pin.replica == replica.id => replica.calibration.estimate(m.bytes),
+            _ => 0,
+        };
+        let guard = replica.begin(self.lookup.large, tokens.saturating_sub(cached));
         // The conversation it belongs to, as the working set knows it: its
         // session's id (a pinned turn's is its pin's family), else where it would pin.
         let family = pass.as_ref().map(|p| p.session()).or(shape.pin_at);
@@ -370,13 +377,14 @@ impl Forwarding<'_> {
         let pinned = self.lookup.pinned.as_ref();
         let pin_turn = Turn {
             pin_at: shape.pin_at,
+            passed: passed_boundaries(shape),
             parent: pinned.map(|(m, _)| m.key),
             session: self.lookup.session,
             dialect: shape.dialect,
             est_tokens: tokens,
             now_ms,
         };
-        recorder.routed(&Routed { replica: &replica.id, turn: pin_turn, pinned });
+        recorder.routed(&Routed { replica: &replica.id, turn: pin_turn.clone(), pinned });
         let mut request = self.h.upstream.request(&replica.spec(), self.caller());
         // The engine continues the trace under this attempt's span (the
         // client's own traceparent names the gateway's server span's parent).
@@ -448,7 +456,7 @@ impl Forwarding<'_> {
             ttfb: started.elapsed(),
             tried: &retries.tried,
             failed_from: retries.failed_from.as_ref(),
-            turn,
+            turn: turn.clone(),
             pinned: self.lookup.pinned.as_ref(),
         });
         self.h.trace.set(|| {
@@ -494,6 +502,14 @@ struct Sent {
 /// that carries no `cache_salt` gets its client's (`tenancy.rs`): one
 /// of the two edits the gateway makes to a body (the README lists both; the
 /// other is continuation's `return_token_ids`).
+/// The boundaries a request passes on the way to its own pin, for its
+/// marks (`Turn::passed`): empty when it has none (one message, one block).
+fn passed_boundaries(shape: &crate::policy::RequestShape) -> Arc<[(crate::policy::PrefixKey, u64)]> {
+    let upto = shape.boundaries.iter().rposition(|b| Some(b.key) == shape.pin_at).unwrap_or(0);
+    let tokens = |bytes| crate::tokens::estimate_tokens(bytes);
+    shape.boundaries[..upto].iter().map(|b| (b.key, tokens(b.bytes))).collect()
+}
+
 fn salted(
     body: web::Bytes,
     endpoint: Endpoint,

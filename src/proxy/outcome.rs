@@ -38,15 +38,22 @@ pub struct OutcomeRecorder {
     running: RunningWorker,
     health: Arc<HealthTracker>,
     announcer: Arc<Announcer>,
+    /// A passed boundary's mark is written again after this long (a
+    /// quarter of the pin TTL): a live conversation's marks never expire.
+    mark_refresh_ms: u64,
 }
 
 /// A turn as its pins see it: the routing decision (`Routed`), the
 /// response head (`Responded`) and a stream continued elsewhere
 /// (`OutcomeRecorder::continued`) record its pins alike.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub struct Turn {
     /// Where the request's own pin goes (None: never pinned).
     pub pin_at: Option<PrefixKey>,
+    /// The boundaries it passed on the way there (keys and estimated
+    /// tokens, in order): marked, so that a later turn whose tail was
+    /// rewritten finds the conversation (`PinTable::passed_marks`).
+    pub passed: Arc<[(PrefixKey, u64)]>,
     /// The longest pinned prefix the request carried.
     pub parent: Option<PrefixKey>,
     /// The conversation's explicit name, if it has one.
@@ -96,6 +103,7 @@ impl OutcomeRecorder {
             running: s.capacity.running.worker(),
             health: s.health.clone(),
             announcer: s.announcer.clone(),
+            mark_refresh_ms: s.config.pins.ttl_secs.saturating_mul(1_000) / 4,
         }
     }
 
@@ -213,7 +221,13 @@ impl OutcomeRecorder {
         let parent = r.pinned.map(|(_, p)| p);
         let origin = PinOrigin { dialect: t.dialect, source: PinSource::Prefix };
         let pin = self.pins.next_pin(pin_at, replica, parent, t.est_tokens, now, origin);
+        let conversation = (pin.turns, pin.family);
         self.announcer.announce((pin_at, Some(pin)));
+        for (key, mark) in
+            self.pins.passed_marks(&t.passed, replica, conversation, now, self.mark_refresh_ms, t.dialect)
+        {
+            self.announcer.announce((key, Some(mark)));
+        }
         if let Some((m, p)) = r.pinned.filter(|(_, p)| p.replica != *replica) {
             // The conversation moves: its parent prefix lives where it goes.
             self.announcer.announce((m.key, Some(Pin { replica: replica.clone(), last_used_ms: now, ..p.clone() })));
@@ -266,6 +280,10 @@ impl OutcomeRecorder {
         let Some(pin_at) = pins.pin_at else { return };
         let origin = PinOrigin { dialect: pins.dialect, source: PinSource::Prefix };
         let recorded = self.pins.record(pin_at, replica, pins.parent, pins.est_tokens, now, origin);
+        let conversation = (recorded.turns, recorded.family);
+        let marks =
+            self.pins.passed_marks(&pins.passed, replica, conversation, now, self.mark_refresh_ms, pins.dialect);
+        self.pins.write_marks(marks);
         if let Some(old) = recorded.moved_from.and_then(|from| self.fleet.get(&from)) {
             old.residents.forget(recorded.family);
         }
@@ -438,7 +456,10 @@ impl BodyEnd for Outcome {
         if let Some(turn) = &self.held.turn {
             turn.moved_to(&to);
         }
-        self.held.guard = to.begin(large);
+        // Counted as decoding there at once: its next leg's prefill is not
+        // estimated (the answer so far is on top of the prompt).
+        self.held.guard = to.begin(large, 0);
+        self.held.guard.prefilled();
     }
 
     fn not_continued(&mut self, refused: super::resume::Refusal, why: super::resume::Break) {
@@ -452,6 +473,7 @@ impl BodyEnd for Outcome {
     fn first_event(&mut self) {
         let took = self.started.elapsed();
         self.first_event = Some(took);
+        self.held.guard.prefilled();
         let route = self.replica().series.route(self.recorder.metrics(), self.reason);
         route.first_token.observe(took.as_secs_f64());
     }

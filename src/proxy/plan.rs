@@ -37,6 +37,11 @@ pub struct PlanInput<'a> {
     pub pinned: Option<&'a (PrefixMatch, Pin)>,
     /// The replica the request's session key points at.
     pub named: Option<&'a str>,
+    /// A replica holding the longest prompt the request shares with
+    /// conversations it does not continue.
+    pub shared: Option<&'a str>,
+    /// How a request that continues nothing is placed.
+    pub spread: policy::Spread,
     /// A stored response the request names (`previous_response_id` or the
     /// path), and the replica that holds it: the only one that can serve it.
     pub stored: Option<(&'a str, &'a str)>,
@@ -76,6 +81,8 @@ pub fn plan(
             routable: crate::sessions::gate::may_go_to(r, serves, input.tried),
             spare: !input.large || has_free_slot(r),
             weight: r.spec().weight(),
+            load: r.work.outstanding(),
+            holds_shared: input.shared == Some(&*r.id),
         })
         .collect();
     if let (Mode::Shape, Some(room)) = (input.mode, input.room) {
@@ -90,7 +97,7 @@ pub fn plan(
     let pinned = input.pinned.map(|(m, pin)| (*m, &*pin.replica));
     let decision =
         policy::decide(input.mode, input.shape, &candidates, pinned, input.named).ok_or(PlanError::NoReplica)?;
-    Ok(Route { replica: decision.candidate(&candidates, || counter.next()), reason: decision.reason })
+    Ok(Route { replica: decision.candidate(&candidates, input.spread, || counter.next()), reason: decision.reason })
 }
 
 /// A stored response goes to its replica or nowhere: it exists only there.
@@ -137,6 +144,8 @@ mod tests {
             shape: &shape,
             pinned: None,
             named: None,
+            shared: None,
+            spread: policy::Spread::Load,
             stored: None,
             tried,
             large: true,

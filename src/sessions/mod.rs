@@ -91,6 +91,25 @@ pub struct SessionConfig {
     /// bytes. An engine without the endpoint is not asked again. Off: every
     /// figure is an estimate.
     pub count_tokens: bool,
+    /// Where the wall is: `learned` (a replica's wall is where it was seen
+    /// to lose a returning session's prefix, or its engine preempted or
+    /// said its pool was full; until then nothing waits, since engines
+    /// that keep prompts in host memory keep far more than their slots or
+    /// pool) or `declared` (the declared capacity, slots x context or the
+    /// engine's KV pool, is the wall from the start).
+    #[schema(inline)]
+    pub wall: WallAt,
+}
+
+/// Where the hold and the pauses take a replica's wall to be (`sessions.wall`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum WallAt {
+    /// Where it was seen; nothing waits before.
+    #[default]
+    Learned,
+    /// The declared capacity, until a lower wall is seen.
+    Declared,
 }
 
 impl Default for SessionConfig {
@@ -103,6 +122,7 @@ impl Default for SessionConfig {
             hold_min_tokens: None,
             pause: true,
             count_tokens: true,
+            wall: WallAt::Learned,
         }
     }
 }
@@ -558,12 +578,17 @@ impl Sessions {
                 r.residents.next_turn_sum(footprint) + placed(Counting::NextTurn) + others
             }
         };
-        // A wall its receipts found is its capacity in practice, if lower;
-        // but an empty replica loses no session's prefix to another's, so
-        // the first to come is never kept from it by a wall.
-        let capacity = match (r.kv_capacity(), r.residents.wall()) {
-            (Some(c), Some(w)) if taken > 0 => Some(c.min(w)),
-            (c, _) => c,
+        // The wall as seen (what it holds as learned: a wall seen, or the
+        // declared capacity raised by receipts), or declared where the
+        // operator says so; none until one is seen otherwise, since what an
+        // engine keeps (host memory, an offload tier) is not what it
+        // declares. An empty replica loses no session's prefix to another's,
+        // so the first to come is never kept from it by a wall.
+        let learned = r.residents.learned();
+        let capacity = match self.settings.wall {
+            _ if taken == 0 => r.kv_capacity().filter(|_| self.settings.wall == WallAt::Declared),
+            WallAt::Learned => learned.wall_tokens,
+            WallAt::Declared => r.kv_capacity().map(|c| learned.wall_tokens.map_or(c, |w| c.min(w))),
         };
         Room { capacity, taken, slot_tokens }
     }
@@ -699,12 +724,15 @@ mod tests {
         Heard { tokens, last_ms, arrived_ms, continued_ms: arrived_ms, growth_hint }
     }
 
+    /// The hold's mechanics are tested at a configured wall: the declared
+    /// capacity (`sessions.wall = "declared"`).
     pub(super) fn settings() -> SessionConfig {
         SessionConfig {
             idle_ms: 1_000,
             max_wait_ms: 10_000,
             max_held: 2,
             hold_min_tokens: Some(1),
+            wall: WallAt::Declared,
             ..Default::default()
         }
     }
@@ -966,6 +994,7 @@ mod tests {
             est_tokens,
             family: 7,
             origin: Default::default(),
+            went_on: 0,
         };
         let first = pin(1, 1_000, 1_000, 1_000);
         let one = Heard::from_pins(&first, Some(&first));

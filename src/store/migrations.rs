@@ -108,6 +108,7 @@ fn apply(db: &sled::Db, op: &str) -> Result<(), StoreError> {
                         // Schema 1 had no families: each pin starts its own.
                         family: key,
                         origin: Default::default(),
+                        went_on: 0,
                     };
                     batch.insert(k, encode_pin(&pin));
                 }

@@ -356,11 +356,15 @@ pub async fn open_url(url: &str, instance: &str) -> Result<std::sync::Arc<dyn St
 
 /// Pin record layout, little endian:
 /// `[version u8][created_ms u64][last_used_ms u64][turns u32][est_tokens u64][family u128]`
-/// then, in version 2, `[dialect u8][source u8]`, then `[replica id utf-8...]`.
-/// Version 1 records (no origin) still decode, as chat prefix pins.
+/// then, from version 2, `[dialect u8][source u8]`, in version 3
+/// `[went_on u32]`, then `[replica id utf-8...]`. Version 1 records (no
+/// origin) still decode, as chat prefix pins; versions 1 and 2 as a
+/// request's own pins (`went_on` 0). A request's own pin is still written
+/// as version 2, so that an instance of an older build sharing the store
+/// reads every pin but the passed boundaries' marks.
 pub fn encode_pin(p: &Pin) -> Vec<u8> {
-    let mut v = Vec::with_capacity(47 + p.replica.len());
-    v.push(2u8);
+    let mut v = Vec::with_capacity(51 + p.replica.len());
+    v.push(if p.went_on == 0 { 2 } else { 3 });
     v.extend_from_slice(&p.created_ms.to_le_bytes());
     v.extend_from_slice(&p.last_used_ms.to_le_bytes());
     v.extend_from_slice(&p.turns.to_le_bytes());
@@ -368,16 +372,20 @@ pub fn encode_pin(p: &Pin) -> Vec<u8> {
     v.extend_from_slice(&p.family.to_le_bytes());
     v.push(crate::pins::dialect_to_u8(p.origin.dialect));
     v.push(p.origin.source.to_u8());
+    if p.went_on > 0 {
+        v.extend_from_slice(&p.went_on.to_le_bytes());
+    }
     v.extend_from_slice(p.replica.as_bytes());
     v
 }
 
 pub fn decode_pin(b: &[u8]) -> Result<Pin, String> {
-    let (origin, name_at) = match b.first() {
-        Some(1) if b.len() >= 45 => (PinOrigin::default(), 45),
-        Some(2) if b.len() >= 47 => {
-            (PinOrigin { dialect: crate::pins::dialect_from_u8(b[45]), source: PinSource::from_u8(b[46]) }, 47)
-        }
+    let origin = || PinOrigin { dialect: crate::pins::dialect_from_u8(b[45]), source: PinSource::from_u8(b[46]) };
+    let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+    let (origin, went_on, name_at) = match b.first() {
+        Some(1) if b.len() >= 45 => (PinOrigin::default(), 0, 45),
+        Some(2) if b.len() >= 47 => (origin(), 0, 47),
+        Some(3) if b.len() >= 51 => (origin(), u32_at(47), 51),
         _ => return Err(format!("bad pin record ({} bytes)", b.len())),
     };
     let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
@@ -385,11 +393,12 @@ pub fn decode_pin(b: &[u8]) -> Result<Pin, String> {
     Ok(Pin {
         created_ms: u64_at(1),
         last_used_ms: u64_at(9),
-        turns: u32::from_le_bytes(b[17..21].try_into().expect("4 bytes")),
+        turns: u32_at(17),
         est_tokens: u64_at(21),
         family: u128::from_le_bytes(b[29..45].try_into().expect("16 bytes")),
         replica: replica.into(),
         origin,
+        went_on,
     })
 }
 
@@ -502,6 +511,7 @@ mod tests {
             est_tokens: 3,
             family: 4,
             origin: PinOrigin::default(),
+            went_on: t,
         };
         let (a, b) = ((7u128 << 112) | 1, (7u128 << 112) | 2);
         assert_eq!(page_of(a), page_of(b));
@@ -525,8 +535,13 @@ mod tests {
             est_tokens: 90_000,
             family: 3 << 100,
             origin: PinOrigin { dialect: crate::policy::Dialect::Responses, source: PinSource::Response },
+            went_on: 0,
         };
         assert_eq!(decode_pin(&encode_pin(&p)).unwrap(), p);
+        assert_eq!(encode_pin(&p)[0], 2, "a request's own pin is still written as version 2");
+        let mark = Pin { went_on: 3, origin: PinOrigin { source: PinSource::Passed, ..p.origin }, ..p.clone() };
+        assert_eq!(encode_pin(&mark)[0], 3);
+        assert_eq!(decode_pin(&encode_pin(&mark)).unwrap(), mark);
         // A version-1 record (before origins) reads as a chat prefix pin.
         let mut v1 = encode_pin(&p);
         v1[0] = 1;

@@ -278,6 +278,7 @@ mod tests {
             est_tokens: 100,
             family: 7,
             origin: Default::default(),
+            went_on: 0,
         };
         {
             // What the first schema wrote: version 1 and JSON pins.

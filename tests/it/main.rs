@@ -24,6 +24,7 @@ mod qualitative;
 mod regressions;
 mod reliability;
 mod retry;
+mod rewrites;
 mod routing;
 mod sdk;
 mod sessions;

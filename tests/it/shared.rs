@@ -331,6 +331,7 @@ async fn store_copy_moves_everything_from_sled_to_redis_and_back() {
                 est_tokens: 4,
                 family: k,
                 origin: Default::default(),
+                went_on: 0,
             };
             (k << 64 | k, Some(pin))
         })

@@ -95,8 +95,19 @@ pub fn start(seed: &Seed, said: &Said, tried: &mut Vec<Arc<str>>) -> Starting {
 /// its legs ran on.
 fn next_replica(state: &AppState, mode: Mode, shape: &RequestShape, tried: &[Arc<str>]) -> Option<Arc<Replica>> {
     let fleet = state.fleet.snapshot();
-    let input =
-        plan::PlanInput { mode, shape, pinned: None, named: None, stored: None, tried, large: false, room: None };
+    let spread = state.config.routing.spread;
+    let input = plan::PlanInput {
+        mode,
+        shape,
+        pinned: None,
+        named: None,
+        shared: None,
+        spread,
+        stored: None,
+        tried,
+        large: false,
+        room: None,
+    };
     let route = plan::plan(&input, &fleet, |_| true, &state.spread).ok()?;
     Some(fleet[route.replica].clone())
 }
