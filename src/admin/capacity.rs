@@ -22,7 +22,7 @@ async fn get_capacity(s: web::Data<AppState>) -> web::Json<CapacityReport> {
         if let Some(replica) = s.fleet.get(&r.replica) {
             let resident = crate::sessions::Sessions::resident(&replica);
             (r.resident_sessions, r.resident_tokens) = (resident.sessions, resident.counted_tokens);
-            r.room_tokens = s.sessions.room_of(&replica).left();
+            r.room_tokens = s.sessions.room_shown(&replica);
             r.evidence = replica.residents.learned();
             r.learned_tokens = r.evidence.capacity(r.kv_tokens);
         }

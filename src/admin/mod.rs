@@ -275,7 +275,7 @@ async fn metrics(s: web::Data<AppState>) -> HttpResponse {
                 queued: r.large_slots.queued(),
                 bytes_per_token: r.calibration.bytes_per_token(),
                 resident_sessions: resident.sessions,
-                room_tokens: s.sessions.room_of(r).left(),
+                room_tokens: s.sessions.room_shown(r),
                 resident_tokens: resident.counted_tokens,
                 wall_tokens: r.residents.wall(),
             }

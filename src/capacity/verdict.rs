@@ -50,7 +50,7 @@ pub struct ReplicaCapacity {
     pub learned_tokens: Option<u64>,
     /// The receipts behind it.
     #[serde(default)]
-    pub evidence: crate::fleet::residents::Learned,
+    pub evidence: super::Learned,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]

@@ -10,6 +10,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
+use crate::capacity::Learned;
 use crate::policy::PrefixKey;
 
 /// One resident session.
@@ -190,36 +191,6 @@ pub struct Residents {
     kept: AtomicU64,
     lost: AtomicU64,
     kept_high: AtomicU64,
-}
-
-/// What a replica's receipts say of what it keeps (`Residents::learned`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
-pub struct Learned {
-    /// Where it lost a returning session's prefix (or its engine
-    /// preempted, or said its pool was full), tokens resident; absent: no
-    /// wall seen, and nothing waits for room there (`sessions.wall = "learned"`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub wall_tokens: Option<u64>,
-    /// The most tokens resident when a returning session still found its
-    /// prefix: it keeps at least this much (more than its slot or pool,
-    /// where the engine keeps prompts in host memory).
-    pub kept_at_tokens: u64,
-    /// Receipts read: prefixes found, prefixes lost.
-    pub receipts_kept: u64,
-    pub receipts_lost: u64,
-}
-
-impl Learned {
-    /// What the replica holds as learned, starting from `declared`: its
-    /// wall once one was seen, else the declared capacity raised to what
-    /// receipts found kept.
-    pub fn capacity(&self, declared: Option<u64>) -> Option<u64> {
-        match (self.wall_tokens, declared) {
-            (Some(wall), _) => Some(wall),
-            (None, Some(d)) => Some(d.max(self.kept_at_tokens)),
-            (None, None) => (self.kept_at_tokens > 0).then_some(self.kept_at_tokens),
-        }
-    }
 }
 
 /// What the gateway measured of a replica's pace, for the choice between

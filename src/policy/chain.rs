@@ -167,6 +167,14 @@ impl Chain {
         Chain { prev: h.digest128(), h }
     }
 
+    /// The first link's boundary, where a dialect's instructions, system
+    /// prompt or tools make one (`extra` not empty): the prompt every
+    /// conversation after the same system prompt and tools shares, which
+    /// a chat request's leading system message is too.
+    pub(super) fn first_boundary(&self, extra: &[(u8, &Json, &[&str])], bytes: usize) -> Option<Boundary> {
+        (!extra.is_empty()).then_some(Boundary { key: self.prev, bytes })
+    }
+
     /// Starts the next unit: the hasher, seeded with the chain so far.
     pub(super) fn unit(&mut self) -> &mut Xxh3 {
         self.h.reset();

@@ -243,20 +243,21 @@ mod tests {
                 Endpoint::Messages,
                 r#"{"model":"m","system":"sys","max_tokens":5,"messages":[{"role":"user","content":"a"},{"role":"assistant","content":[{"type":"text","text":"b"}]},{"role":"user","content":"c"}]}"#,
                 [
+                    // The system prompt's own boundary (the first link), then the messages'.
+                    "775917d55711304d4eda9dcf53b6f241",
                     "a769634069eaf8863b299dfd0f1e4f9a",
                     "1380f76c17cf2ec57d5fce46828c9350",
                     "159c2f3a928a7b4d6396eb15dbf0710c",
-                    "",
                 ],
             ),
             (
                 Endpoint::Responses,
                 r#"{"model":"m","instructions":"i","input":[{"role":"user","content":"a"},{"type":"function_call","call_id":"x","name":"f","arguments":"{}"},{"type":"function_call_output","call_id":"x","output":"o"}]}"#,
                 [
+                    "d734e127c079e55cddfb6505a4ee841e",
                     "14332bbecda0fdfee63c70b213143d47",
                     "7fbc609db2e15f3fcc7664a26d4a967f",
                     "9c4cd921e2b74ea6199217d8323fdc0e",
-                    "",
                 ],
             ),
         ];
@@ -294,8 +295,10 @@ mod agent_tests {
                 {"type":"function_call_output","call_id":"c1","output":"a.txt"},
                 {"type":"some_item_from_the_future","x":[1,2]}]}"#,
         );
-        assert_eq!(t2.boundaries[0].key, t1.pin_at.unwrap());
-        assert!(t2.multi_unit && t2.boundaries.len() == 5);
+        // Its first boundary is the instructions' (the first link).
+        assert_eq!(t2.boundaries[0].key, t1.boundaries[0].key);
+        assert_eq!(t2.boundaries[1].key, t1.pin_at.unwrap());
+        assert!(t2.multi_unit && t2.boundaries.len() == 6);
         // Instructions and tools are in the first link: change them, share nothing.
         let other = responses(r#"{"model":"m","instructions":"be verbose","input":[{"role":"user","content":"hi"}]}"#);
         assert_ne!(other.pin_at, t1.pin_at);
@@ -337,7 +340,7 @@ mod agent_tests {
                 {"role":"assistant","content":[{"type":"thinking","thinking":"hm","signature":"s"},{"type":"tool_use","id":"t1","name":"ls","input":{}}]},
                 {"role":"user","content":[{"type":"tool_result","tool_use_id":"t1","content":"a.txt","cache_control":{"type":"ephemeral"}}]}]}"#,
         );
-        assert_eq!(t2.boundaries[0].key, t1.pin_at.unwrap());
+        assert_eq!(t2.boundaries[1].key, t1.pin_at.unwrap());
         assert_eq!(t2.dialect, Dialect::Messages);
         let other_system = messages(
             r#"{"model":"c","system":"other","messages":[{"role":"user","content":[{"type":"text","text":"q1"}]}]}"#,

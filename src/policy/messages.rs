@@ -42,8 +42,9 @@ pub(super) fn extract_messages(body: &[u8]) -> Result<RequestShape, ShapeError> 
     }
     let extra = present(&[(b's', &b.system), (b't', &b.tools)], MESSAGES_SKIP);
     let mut chain = Chain::first_link(b.model.as_deref(), b.cache_salt.as_deref(), &extra);
-    let mut boundaries = Vec::with_capacity(b.messages.len());
+    let mut boundaries = Vec::with_capacity(b.messages.len() + 1);
     let mut bytes = b.system.as_ref().and_then(Json::as_str).map_or(0, str::len);
+    boundaries.extend(chain.first_boundary(&extra, bytes));
     for m in &b.messages {
         let role = m
             .get("role")

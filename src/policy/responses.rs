@@ -62,8 +62,8 @@ pub(super) fn extract_responses(body: &[u8]) -> Result<RequestShape, ShapeError>
     .read(Dialect::Responses);
     let extra = present(&[(b'i', &b.instructions), (b't', &b.tools)], RESPONSES_SKIP);
     let mut chain = Chain::first_link(b.model.as_deref(), b.cache_salt.as_deref(), &extra);
-    let mut boundaries = Vec::new();
-    let mut bytes = 0usize;
+    let mut bytes = b.instructions.as_ref().and_then(Json::as_str).map_or(0, str::len);
+    let mut boundaries: Vec<Boundary> = chain.first_boundary(&extra, bytes).into_iter().collect();
     let mut push = |chain: &mut Chain, n: usize| {
         bytes += n;
         boundaries.push(Boundary { key: chain.close(), bytes });

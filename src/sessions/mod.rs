@@ -561,6 +561,17 @@ impl Sessions {
         self.room_counting(r, Counting::Whole)
     }
 
+    /// The room `r` shows (metrics, the capacity view): left under the wall
+    /// the hold uses, else under what it holds as learned (its declared
+    /// capacity, raised by receipts): how far it is from a wall expected.
+    pub fn room_shown(&self, r: &Replica) -> Option<i64> {
+        let room = self.room_of(r);
+        room.left().or_else(|| {
+            let capacity = r.residents.learned().capacity(r.kv_capacity());
+            Room { capacity, ..room }.left()
+        })
+    }
+
     /// The room `r` has counted as `counting` says (`room_of`: `Whole`).
     pub fn room_counting(&self, r: &Replica, counting: Counting) -> Room {
         let slot_tokens = r.slot_tokens();

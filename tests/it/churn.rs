@@ -98,7 +98,8 @@ async fn a_keyed_replica_is_probed_with_its_key() {
     assert_eq!(unkeyed, 401, "the engine refuses unkeyed calls");
     let mut config = test_config(&[&sim]);
     config.replicas[0].api_key = Some("sk-engine".into());
-    config.sessions.max_wait_ms = 10_000; // the hold on: sessions' turns are counted
+    config.sessions.max_wait_ms = 10_000; // the hold on, at the declared wall: sessions' turns are counted
+    config.sessions.wall = prefixgate::sessions::WallAt::Declared;
     let gw = start_gateway(config).await;
     let r = gw.gw.fleet.get("keyed").unwrap();
     assert_eq!(r.health(), prefixgate::fleet::Health::Up);

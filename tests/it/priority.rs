@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use crate::common::*;
 use prefixgate::config::{Config, SessionConfig};
 use prefixgate::events::EventKind;
+use prefixgate::sessions::WallAt;
 use serde_json::json;
 
 fn card() -> prefixgate::sim::SimConfig {
@@ -14,8 +15,14 @@ fn card() -> prefixgate::sim::SimConfig {
 }
 
 fn config(sims: &[&Sim], idle_ms: u64, max_held: usize, preempt: bool) -> Config {
-    let sessions =
-        SessionConfig { idle_ms, max_wait_ms: 20_000, max_held, hold_min_tokens: Some(1_000), ..Default::default() };
+    let sessions = SessionConfig {
+        idle_ms,
+        max_wait_ms: 20_000,
+        max_held,
+        hold_min_tokens: Some(1_000),
+        wall: WallAt::Declared,
+        ..Default::default()
+    };
     let mut c = Config { sessions, ..test_config(sims) };
     c.priority.preempt = preempt;
     c.priority.client_header = true;

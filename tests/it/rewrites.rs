@@ -93,8 +93,11 @@ async fn every_rewritten_tail_form_continues_its_conversation_on_its_replica_in_
         for form in FORMS {
             let mut home = String::new();
             for turn in 0..6 {
-                // The edited form sends each turn twice: as first written, then edited.
-                let sends: &[bool] = if matches!(form, Rewrite::Edited) { &[false, true] } else { &[false] };
+                // The edited form sends each turn after the first twice: as
+                // first written, then edited (an edited first turn shares
+                // only the system prompt: a conversation of its own).
+                let edits = matches!(form, Rewrite::Edited) && turn > 0;
+                let sends: &[bool] = if edits { &[false, true] } else { &[false] };
                 for &edited in sends {
                     let task = format!("{dialect:?} {form:?}");
                     let (path, body) = request(dialect, &context(&task, form, turn, edited));

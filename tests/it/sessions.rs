@@ -8,6 +8,7 @@ use std::time::Duration;
 use crate::common::*;
 use crate::shared::on_redis;
 use prefixgate::config::{Config, SessionConfig};
+use prefixgate::sessions::WallAt;
 use serde_json::json;
 
 fn card() -> prefixgate::sim::SimConfig {
@@ -15,8 +16,14 @@ fn card() -> prefixgate::sim::SimConfig {
 }
 
 fn holding(sims: &[&Sim], max_wait_ms: u64, max_held: usize) -> Config {
-    let sessions =
-        SessionConfig { idle_ms: 300, max_wait_ms, max_held, hold_min_tokens: Some(1_000), ..Default::default() };
+    let sessions = SessionConfig {
+        idle_ms: 300,
+        max_wait_ms,
+        max_held,
+        hold_min_tokens: Some(1_000),
+        wall: WallAt::Declared,
+        ..Default::default()
+    };
     Config { sessions, ..test_config(sims) }
 }
 
