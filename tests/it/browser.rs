@@ -367,8 +367,11 @@ async fn the_admin_ui_steers_the_fleet_in_a_real_browser() {
     assert_eq!(v["admin_state"], "draining");
     page.screenshot("drained").await;
 
-    // Find the conversation's pin by searching its key.
-    let key = gw.gw.pins.page(Some(&convo.replica), "", 0, 1).1[0].0;
+    // Find the conversation's pin by searching its key (its own pin, not a
+    // boundary it passed: those say `passed`).
+    let pins = gw.gw.pins.page(Some(&convo.replica), "", 0, 100).1;
+    let own = pins.iter().find(|(_, p)| p.origin.source == prefixgate::pins::PinSource::Prefix);
+    let key = own.expect("the conversation's own pin").0;
     let key = format!("{key:032x}");
     page.eval(&format!(
         "const s = document.querySelector('#pin-search'); s.value = '{}'; s.dispatchEvent(new Event('input')); true",

@@ -824,3 +824,35 @@ async fn a_new_instance_does_not_take_the_ended_sessions_of_a_stopped_one_for_re
     g2.stop().await;
     g3.stop().await;
 }
+
+#[actix_web::test]
+async fn with_the_wall_learned_nothing_waits_until_a_returning_session_loses_its_prefix_and_the_view_shows_why() {
+    let (_a, _b, gw, one, _two) = full_cards(|c| c.sessions.wall = WallAt::Learned).await;
+    // Both cards declare 20,000 tokens and hold a 12,000-token session: a
+    // third does not fit by what they declare, but no wall was seen.
+    let three = text("three", 16_000);
+    let three = chat(&gw, &[("system", &three), ("user", "three task")]).await;
+    assert_eq!((three.status, held_ms(&three)), (200, None), "declared capacity is not a wall");
+    let view = |gw: &Gw| {
+        let url = format!("{}/admin/v1/capacity", gw.admin);
+        async move { admin("GET", &url, None, None).await.1 }
+    };
+    let before = view(&gw).await;
+    for r in before["replicas"].as_array().unwrap() {
+        assert_eq!(r["learned_tokens"], 20_000, "learning starts from the declared: {r}");
+        assert!(r["evidence"]["wall_tokens"].is_null(), "{r}");
+    }
+    // The session that shared its card with "three" comes back: the card
+    // evicted most of it (28,000 tokens of contexts in 20,000), and its receipt
+    // says so: the wall is where it was lost.
+    let home = if three.replica == one.replica { "one" } else { "two" };
+    let back = send(&gw, home, 2).await;
+    assert_eq!(back.route, "pinned", "{}", back.body["usage"]);
+    let after = view(&gw).await;
+    let card = after["replicas"].as_array().unwrap().iter().find(|r| r["replica"] == three.replica.as_str()).unwrap();
+    assert_eq!(card["evidence"]["receipts_lost"], 1, "{card} {}", back.body["usage"]);
+    let wall = card["evidence"]["wall_tokens"].as_u64().expect("a wall seen");
+    assert_eq!(card["learned_tokens"].as_u64(), Some(wall), "{card}");
+    assert!((20_000..=30_000).contains(&wall), "lost with both sessions resident: {wall}");
+    gw.stop().await;
+}
