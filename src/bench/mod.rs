@@ -111,6 +111,11 @@ pub enum Workload {
         /// messages: the gateway sees a new session, not a one-shot.
         #[arg(long, default_value_t = 0)]
         system_tokens: usize,
+        /// How the agent rewrites its tail each turn: `status` (a status
+        /// line after everything, replaced each turn), `reminder` (a
+        /// reminder on the latest user message, stripped from older ones).
+        #[arg(long, value_enum, default_value_t = workloads::Rewrite::None)]
+        rewrite: workloads::Rewrite,
     },
     /// N distinct single-turn prompts sent at once.
     Burst {

@@ -39,6 +39,34 @@ fn bar(len: usize, what: &str) -> ProgressBar {
     pb
 }
 
+/// How an agent rewrites the tail of what it sends (`agent-loop --rewrite`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Rewrite {
+    None,
+    /// A status line after everything ("turn N of 100"), replaced each turn.
+    Status,
+    /// A reminder appended to the latest user message only.
+    Reminder,
+}
+
+impl Rewrite {
+    /// What turn `turn` sends of the history `messages`.
+    pub fn apply(self, messages: &[Value], turn: usize) -> Vec<Value> {
+        let mut sent = messages.to_vec();
+        match self {
+            Rewrite::None => {}
+            Rewrite::Status => sent.push(json!({"role": "user", "content": format!("Tool-call turn {turn} of 100.")})),
+            Rewrite::Reminder => {
+                if let Some(Value::String(text)) = sent.last_mut().map(|m| &mut m["content"]) {
+                    text.push_str("\n<system-reminder>The todo list is empty.</system-reminder>");
+                }
+            }
+        }
+        sent
+    }
+}
+
 fn new_report(workload: &str, common: &Common, settings: Value) -> Report {
     Report {
         workload: workload.into(),
@@ -60,9 +88,19 @@ fn client() -> awc::Client {
 pub async fn run(w: &Workload) -> Result<Report, String> {
     let started = Instant::now();
     let mut report = match w {
-        Workload::AgentLoop { common, families, turns, context_tokens, turn_tokens, api, pause_ms, system_tokens } => {
+        Workload::AgentLoop {
+            common,
+            families,
+            turns,
+            context_tokens,
+            turn_tokens,
+            api,
+            pause_ms,
+            system_tokens,
+            rewrite,
+        } => {
             let salt = salt(common);
-            let settings = json!({"families": families, "turns": turns, "context_tokens": context_tokens, "turn_tokens": turn_tokens, "max_tokens": common.max_tokens, "salt": salt, "api": api, "pause_ms": pause_ms, "system_tokens": system_tokens});
+            let settings = json!({"families": families, "turns": turns, "context_tokens": context_tokens, "turn_tokens": turn_tokens, "max_tokens": common.max_tokens, "salt": salt, "api": api, "pause_ms": pause_ms, "system_tokens": system_tokens, "rewrite": rewrite});
             let system = (*system_tokens > 0)
                 .then(|| json!({"role": "system", "content": format!("[run {salt}] shared\n{}", filler("system", *system_tokens))}));
             let mut report = new_report("agent-loop", common, settings);
@@ -80,7 +118,8 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
                             tokio::time::sleep(std::time::Duration::from_millis(*pause_ms)).await;
                         }
                         let base = common.base_for(f, turn);
-                        let sample = match stream_turn(&c, &base, *api, &messages, previous.as_deref()).await {
+                        let sent = rewrite.apply(&messages, turn);
+                        let sample = match stream_turn(&c, &base, *api, &sent, previous.as_deref()).await {
                             Ok((s, answer)) => {
                                 messages.push(json!({"role": "assistant", "content": answer}));
                                 previous.clone_from(&s.response_id);
