@@ -45,7 +45,8 @@ pub struct Pin {
     pub origin: PinOrigin,
     /// How many boundaries the request that wrote it went on past it: 0
     /// for a request's own pin (its last boundary), more for a boundary it
-    /// passed through (`PinSource::Passed`). A later request continues the
+    /// passed through (`PinSource::Passed`; `SHARED` once several
+    /// conversations passed it). A later request continues the
     /// conversation from a passed boundary only if it goes on further
     /// (`policy::continues`): a rewritten tail, not a shared prompt.
     #[serde(default)]
@@ -341,6 +342,11 @@ fn pin_of(s: Slot, replica: Arc<str>) -> Pin {
     }
 }
 
+/// A mark's `went_on` once several conversations passed its boundary: no
+/// request goes further than that, so none continues from it
+/// (`policy::continues`); it names a holder of the shared prompt.
+pub const SHARED: u32 = u32::MAX;
+
 /// What `lookup_longest` found.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Found {
@@ -469,8 +475,14 @@ impl PinTable {
             match self.get(key) {
                 None => out.push((key, fresh)),
                 Some(held) if held.origin.source != PinSource::Passed => {}
+                // Another conversation passed it too: a prompt they share
+                // (a system prompt and tools), which no request continues.
+                Some(held) if held.family != family && held.went_on != SHARED => {
+                    out.push((key, Pin { replica: replica.clone(), last_used_ms: now_ms, went_on: SHARED, ..held }));
+                }
                 Some(held) => {
                     if held.replica != *replica || now_ms.saturating_sub(held.last_used_ms) > refresh_ms {
+                        let went_on = if held.went_on == SHARED { SHARED } else { went_on };
                         let pin = Pin { replica: replica.clone(), last_used_ms: now_ms, went_on, ..held };
                         out.push((key, pin));
                     }
@@ -917,12 +929,28 @@ mod tests {
         let first = served(&t, &[1, 2, 3], "a", 10);
         t.take_dirty();
         let passed = [(1, 5), (2, 5)];
-        let again = |replica, now| t.passed_marks(&passed, &id(replica), (9, 99), now, 1_000, Dialect::Chat);
+        let again = |replica, now| t.passed_marks(&passed, &id(replica), (9, first.family), now, 1_000, Dialect::Chat);
         assert!(again("a", 500).is_empty(), "fresh and on the same replica");
         let moved = again("b", 600);
         assert_eq!(moved.len(), 2);
         assert!(moved.iter().all(|(_, p)| &*p.replica == "b" && p.family == first.family));
         assert_eq!(again("a", 1_011).len(), 2, "stale: written again");
+    }
+
+    #[test]
+    fn a_boundary_another_conversation_passes_becomes_a_shared_prompt_no_request_continues() {
+        let t = PinTable::default();
+        let b = |key| Boundary { key, bytes: 0 };
+        served(&t, &[1, 2], "a", 10); // system, task A
+        assert!(t.lookup_longest(&[b(1), b(8), b(9), b(10)], 3).continued.is_some(), "one conversation passed it");
+        served(&t, &[1, 3], "b", 20); // system, task B: another conversation
+        assert_eq!(t.get(1).unwrap().went_on, SHARED);
+        let found = t.lookup_longest(&[b(1), b(8), b(9), b(10)], 3);
+        assert_eq!(found.continued, None);
+        assert_eq!(found.shared.map(|(_, p)| p.replica), Some(id("b")), "the latest holder");
+        t.take_dirty();
+        served(&t, &[1, 2, 4], "a", 30); // task A goes on: the mark stays shared
+        assert_eq!(t.get(1).unwrap().went_on, SHARED);
     }
 
     #[test]

@@ -103,7 +103,13 @@ async fn every_rewritten_tail_form_continues_its_conversation_on_its_replica_in_
                     let (path, body) = request(dialect, &context(&task, form, turn, edited));
                     let r = post(&format!("{}{path}", gw.base), &body).await;
                     assert_eq!(r.status, 200, "{dialect:?} {form:?} turn {turn}: {}", r.body);
-                    if turn == 0 && !edited {
+                    // A reminder's second turn sends its first user message
+                    // bare for the first time: nothing but the system prompt
+                    // (which every form's conversations share) is common
+                    // with the turn before, so the conversation is
+                    // recognised from its third turn on (docs/routing.md).
+                    let starts = turn == 0 || (matches!(form, Rewrite::Reminder) && turn == 1);
+                    if starts && !edited {
                         home = r.replica.clone();
                         continue;
                     }
