@@ -123,14 +123,22 @@ fn decision(c: &mut Criterion) {
     let ids = ["r0", "r1", "r2", "r3"];
     let candidates: Vec<Candidate> = ids
         .iter()
-        .map(|id| Candidate { id, routable: true, spare: true, weight: 1, load: 0, holds_shared: false })
+        .map(|id| Candidate {
+            id,
+            routable: true,
+            spare: true,
+            weight: 1,
+            load: 0,
+            holds_shared: false,
+            prefill_tps: None,
+        })
         .collect();
     let route = |s: &policy::RequestShape| {
         let found = pins.lookup_longest(&s.boundaries, s.boundaries.len() - 1).continued;
         let pinned = found
             .as_ref()
             .map(|(i, p)| (PrefixMatch { key: s.boundaries[*i].key, bytes: s.boundaries[*i].bytes }, &*p.replica));
-        policy::decide(Mode::Shape, s, &candidates, pinned, None).unwrap()
+        policy::decide(Mode::Shape, policy::Spread::Load, s, &candidates, pinned, None).unwrap()
     };
     c.bench_function("decide_pinned_400KB", |b| b.iter(|| route(black_box(&shape))));
     c.bench_function("extract_and_decide_400KB", |b| {

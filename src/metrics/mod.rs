@@ -195,6 +195,7 @@ pub struct Metrics {
     pub failovers: Family<FailoverLabels, Counter>,
     pub streams_continued: Family<ContinuedLabels, Counter>,
     pub streams_not_continued: Family<ReasonLabels, Counter>,
+    pub session_moves: Family<ReasonLabels, Counter>,
     pub pin_lookups: Family<ResultLabels, StripedCounter>,
     pub rejected: Family<ResultLabels, Counter>,
     pub prompt_tokens: Family<RouteLabels, StripedCounter>,
@@ -273,6 +274,7 @@ impl Metrics {
             failovers: Family::default(),
             streams_continued: Family::default(),
             streams_not_continued: Family::default(),
+            session_moves: Family::default(),
             pin_lookups: Family::default(),
             rejected: Family::default(),
             prompt_tokens: Family::default(),
@@ -351,6 +353,11 @@ impl Metrics {
             "prefixgate_streams_not_continued",
             "Streams that broke after their first byte and could not go on, by why",
             m.streams_not_continued.clone(),
+        );
+        registry.register(
+            "prefixgate_session_moves",
+            "Conversations moved to another replica by the shape policy, by why: `queue` (waiting there cost more than a whole prefill elsewhere), `unroutable` (their replica was not routable)",
+            m.session_moves.clone(),
         );
         registry.register(
             "prefixgate_pin_lookups",
@@ -555,6 +562,9 @@ impl Metrics {
         }
         for reason in NOT_CONTINUED_REASONS {
             m.streams_not_continued.get_or_create(&ReasonLabels { reason }).inc_by(0);
+        }
+        for reason in ["queue", "unroutable"] {
+            m.session_moves.get_or_create(&ReasonLabels { reason }).inc_by(0);
         }
         // Every class starts at zero, so a rate over a quiet class is 0, not absent.
         for class in crate::priority::Class::ALL {

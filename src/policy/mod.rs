@@ -123,11 +123,14 @@ pub enum RouteReason {
     Session,
     /// `previous_response_id` (or a stored response's path): only its replica can serve it.
     Response,
+    /// A continuation whose replica's queue costs more than prefilling its
+    /// whole context elsewhere (`moves`): spread, and the pin moves.
+    Moved,
 }
 
 impl RouteReason {
     /// Every reason, in declaration order (`reason as usize` indexes it).
-    pub const ALL: [RouteReason; 8] = [
+    pub const ALL: [RouteReason; 9] = [
         RouteReason::Pinned,
         RouteReason::Spread,
         RouteReason::RoundRobin,
@@ -136,6 +139,7 @@ impl RouteReason {
         RouteReason::Failover,
         RouteReason::Session,
         RouteReason::Response,
+        RouteReason::Moved,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -148,6 +152,7 @@ impl RouteReason {
             RouteReason::Failover => "failover",
             RouteReason::Session => "session",
             RouteReason::Response => "response",
+            RouteReason::Moved => "moved",
         }
     }
 }
@@ -171,6 +176,8 @@ pub struct Candidate<'a> {
     /// conversations (a system prompt and tools, a document): preferred
     /// among the least loaded.
     pub holds_shared: bool,
+    /// Its measured prefill rate, tokens a second (None: not measured).
+    pub prefill_tps: Option<f64>,
 }
 
 /// How requests that continue nothing are placed (`routing.spread`).
@@ -247,9 +254,12 @@ impl SpreadCounter {
 /// history. `named` is the replica the request's session key points at
 /// (`conversation.rs`): it decides only when no prefix matched. `None` when no
 /// candidate is routable. Pure: a spread decision names no candidate, the
-/// caller picks one with its counter (`Decision::candidate`).
+/// caller picks one with its counter (`Decision::candidate`). With
+/// `Spread::Load`, a pinned turn whose replica's queue costs more than a
+/// whole prefill elsewhere moves (`moves`).
 pub fn decide(
     mode: Mode,
+    spread_by: Spread,
     shape: &RequestShape,
     candidates: &[Candidate],
     pinned: Option<(PrefixMatch, &str)>,
@@ -280,11 +290,45 @@ pub fn decide(
                 (None, None) => return Some(spread(RouteReason::Spread)),
             };
             match candidates.iter().position(|c| c.routable && c.id == home) {
+                Some(i) if reason == RouteReason::Pinned && spread_by == Spread::Load => {
+                    let context = crate::tokens::estimate_tokens(shape.prompt_bytes);
+                    let cached = matched.map_or(0, |m| crate::tokens::estimate_tokens(m.bytes));
+                    match moves(candidates, i, context, cached) {
+                        true => Some(spread(RouteReason::Moved)),
+                        false => Some(Decision { target: Target::Candidate(i), reason, matched }),
+                    }
+                }
                 Some(i) => Some(Decision { target: Target::Candidate(i), reason, matched }),
                 None => Some(spread(RouteReason::Repinned)),
             }
         }
     }
+}
+
+/// Whether a pinned turn leaves its home (`candidates[home]`): when
+/// waiting there behind its outstanding work and then prefilling what is
+/// not cached (`context - cached` tokens) takes longer than prefilling the
+/// whole `context` behind the outstanding work of the least loaded other
+/// routable candidate. Times come from each replica's measured prefill
+/// rate; where either is not measured, both count alike (tokens against
+/// tokens). A turn's cached share is what it gives up by moving, so a
+/// long, warm context stays unless the queue is longer still.
+pub fn moves(candidates: &[Candidate], home: usize, context: u64, cached: u64) -> bool {
+    let here = &candidates[home];
+    let best = candidates
+        .iter()
+        .enumerate()
+        .filter(|(i, c)| *i != home && c.routable && c.weight > 0)
+        .min_by_key(|(_, c)| c.load)
+        .map(|(_, c)| c);
+    let Some(there) = best else { return false };
+    let (rate_here, rate_there) = match (here.prefill_tps, there.prefill_tps) {
+        (Some(a), Some(b)) if a > 0.0 && b > 0.0 => (a, b),
+        _ => (1.0, 1.0),
+    };
+    let stay = (here.load + context.saturating_sub(cached)) as f64 / rate_here;
+    let go = (there.load + context) as f64 / rate_there;
+    stay > go
 }
 
 /// Whether a request whose own last boundary is at index `ends_at`

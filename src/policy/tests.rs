@@ -21,7 +21,7 @@ fn decide(
     named: Option<&str>,
     counter: &SpreadCounter,
 ) -> Option<Picked> {
-    let d = super::decide(mode, shape, candidates, pinned, named)?;
+    let d = super::decide(mode, Spread::Load, shape, candidates, pinned, named)?;
     Some(Picked { replica: d.candidate(candidates, Spread::Load, || counter.next()), reason: d.reason })
 }
 
@@ -51,7 +51,15 @@ impl Router {
             .ids
             .iter()
             .zip(&self.down)
-            .map(|(id, down)| Candidate { id, routable: !down, spare: true, weight: 1, load: 0, holds_shared: false })
+            .map(|(id, down)| Candidate {
+                id,
+                routable: !down,
+                spare: true,
+                weight: 1,
+                load: 0,
+                holds_shared: false,
+                prefill_tps: None,
+            })
             .collect();
         let pinned = longest(&shape, |k| self.pins.get(&k).cloned());
         let d = decide(
@@ -161,8 +169,24 @@ fn every_mode_picks_the_live_replica_and_none_when_all_are_down() {
 fn spread_prefers_a_replica_with_a_free_slot_but_pins_do_not_move() {
     let ids = ["a", "b"];
     let candidates = [
-        Candidate { id: ids[0], routable: true, spare: false, weight: 1, load: 0, holds_shared: false },
-        Candidate { id: ids[1], routable: true, spare: true, weight: 1, load: 0, holds_shared: false },
+        Candidate {
+            id: ids[0],
+            routable: true,
+            spare: false,
+            weight: 1,
+            load: 0,
+            holds_shared: false,
+            prefill_tps: None,
+        },
+        Candidate {
+            id: ids[1],
+            routable: true,
+            spare: true,
+            weight: 1,
+            load: 0,
+            holds_shared: false,
+            prefill_tps: None,
+        },
     ];
     let counter = SpreadCounter::default();
     for i in 0..4 {
@@ -210,7 +234,7 @@ proptest! {
     #[test]
     fn spread_never_picks_an_unroutable_replica(routable in prop::collection::vec(any::<bool>(), 1..8), start in 0u64..1000, n in 1usize..20) {
         let ids: Vec<String> = (0..routable.len()).map(|i| format!("r{i}")).collect();
-        let candidates: Vec<Candidate> = ids.iter().zip(&routable).map(|(id, r)| Candidate { id, routable: *r, spare: true, weight: 1, load: 0, holds_shared: false }).collect();
+        let candidates: Vec<Candidate> = ids.iter().zip(&routable).map(|(id, r)| Candidate { id, routable: *r, spare: true, weight: 1, load: 0, holds_shared: false, prefill_tps: None }).collect();
         let counter = SpreadCounter(AtomicU64::new(start));
         let shape = RequestShape::default();
         let live = routable.iter().filter(|r| **r).count();
@@ -233,7 +257,7 @@ proptest! {
     ) {
         let ids: Vec<String> = (0..routable.len()).map(|i| format!("r{i}")).collect();
         let pinned = pinned % ids.len();
-        let candidates: Vec<Candidate> = ids.iter().zip(&routable).map(|(id, r)| Candidate { id, routable: *r, spare: true, weight: 1, load: 0, holds_shared: false }).collect();
+        let candidates: Vec<Candidate> = ids.iter().zip(&routable).map(|(id, r)| Candidate { id, routable: *r, spare: true, weight: 1, load: 0, holds_shared: false, prefill_tps: None }).collect();
         let first = identity::extract(Endpoint::Chat, conversation("p", 1).as_bytes(), IdentityBlocks::default()).unwrap();
         let later = identity::extract(Endpoint::Chat, conversation("p", turns).as_bytes(), IdentityBlocks::default()).unwrap();
         let pin_key = first.pin_at.unwrap();
@@ -256,7 +280,15 @@ fn a_session_key_decides_only_without_prefix_evidence() {
     let ids = ["a", "b"];
     let candidates: Vec<Candidate> = ids
         .iter()
-        .map(|id| Candidate { id, routable: true, spare: true, weight: 1, load: 0, holds_shared: false })
+        .map(|id| Candidate {
+            id,
+            routable: true,
+            spare: true,
+            weight: 1,
+            load: 0,
+            holds_shared: false,
+            prefill_tps: None,
+        })
         .collect();
     let counter = SpreadCounter::default();
     // A compacted history (no pinned prefix) follows its session.
@@ -271,8 +303,8 @@ fn a_session_key_decides_only_without_prefix_evidence() {
     assert_eq!((d.replica, d.reason), (0, RouteReason::Pinned));
     // The session's replica gone: spread, and the session moves.
     let gone = [
-        Candidate { id: "a", routable: true, spare: true, weight: 1, load: 0, holds_shared: false },
-        Candidate { id: "b", routable: false, spare: true, weight: 1, load: 0, holds_shared: false },
+        Candidate { id: "a", routable: true, spare: true, weight: 1, load: 0, holds_shared: false, prefill_tps: None },
+        Candidate { id: "b", routable: false, spare: true, weight: 1, load: 0, holds_shared: false, prefill_tps: None },
     ];
     let d = decide(Mode::Shape, &shape, &gone, None, Some("b"), &counter).unwrap();
     assert_eq!((d.replica, d.reason), (0, RouteReason::Repinned));
@@ -283,7 +315,15 @@ fn a_session_key_decides_only_without_prefix_evidence() {
 
 #[test]
 fn spread_picks_follow_the_weights_and_weight_zero_is_a_last_resort() {
-    let c = |id, routable, weight| Candidate { id, routable, spare: true, weight, load: 0, holds_shared: false };
+    let c = |id, routable, weight| Candidate {
+        id,
+        routable,
+        spare: true,
+        weight,
+        load: 0,
+        holds_shared: false,
+        prefill_tps: None,
+    };
     let picks =
         |candidates: &[Candidate]| (0..8).map(|at| spread_pick(candidates, Spread::Counter, at)).collect::<Vec<_>>();
     let share = |picks: &[usize], i| picks.iter().filter(|p| **p == i).count();
@@ -298,7 +338,15 @@ fn spread_picks_follow_the_weights_and_weight_zero_is_a_last_resort() {
 
 #[test]
 fn a_load_spread_goes_to_the_least_work_per_weight_then_the_shared_prompts_holder_then_the_counter() {
-    let c = |id, load, weight, holds_shared| Candidate { id, routable: true, spare: true, weight, load, holds_shared };
+    let c = |id, load, weight, holds_shared| Candidate {
+        id,
+        routable: true,
+        spare: true,
+        weight,
+        load,
+        holds_shared,
+        prefill_tps: None,
+    };
     let picks =
         |candidates: &[Candidate], spread| (0..4).map(|at| spread_pick(candidates, spread, at)).collect::<Vec<_>>();
     // The least outstanding work, whatever the counter says.
@@ -329,4 +377,37 @@ fn a_request_continues_from_where_a_served_one_ended_or_from_a_boundary_it_passe
     // A first turn after the same system prompt: no further than the other went.
     assert!(!continues(1, 0, 1));
     assert!(!continues(2, 0, 2));
+}
+
+#[test]
+fn a_pinned_turn_moves_only_when_its_replicas_queue_outweighs_a_whole_prefill_elsewhere() {
+    let c = |id, load, prefill_tps| Candidate {
+        id,
+        routable: true,
+        spare: true,
+        weight: 1,
+        load,
+        holds_shared: false,
+        prefill_tps,
+    };
+    // 20,000 tokens queued at home, nothing elsewhere: a 5,000-token turn
+    // (4,000 cached) waits longer than it would prefill whole on b.
+    assert!(moves(&[c("a", 20_000, None), c("b", 0, None)], 0, 5_000, 4_000));
+    // A long, warm context outweighs a short queue: it stays.
+    assert!(!moves(&[c("a", 2_000, None), c("b", 0, None)], 0, 50_000, 49_000));
+    // Measured rates decide: b prefills ten times slower, so the same queue is worth waiting for.
+    assert!(!moves(&[c("a", 20_000, Some(1_000.0)), c("b", 0, Some(100.0))], 0, 5_000, 4_000));
+    // Nowhere else to go: it stays.
+    assert!(!moves(&[c("a", 20_000, None), Candidate { routable: false, ..c("b", 0, None) }], 0, 5_000, 4_000));
+
+    // Through `decide`: moved with load placement, never with the counter.
+    let mut shape = RequestShape { multi_unit: true, prompt_bytes: 20_000, ..Default::default() };
+    shape.boundaries = vec![Boundary { key: 1, bytes: 16_000 }, Boundary { key: 2, bytes: 20_000 }];
+    let m = PrefixMatch { key: 1, bytes: 16_000 };
+    let busy = [c("a", 20_000, None), c("b", 0, None)];
+    let d = super::decide(Mode::Shape, Spread::Load, &shape, &busy, Some((m, "a")), None).unwrap();
+    assert_eq!((d.target, d.reason), (Target::Spread, RouteReason::Moved));
+    assert_eq!(d.candidate(&busy, Spread::Load, || 0), 1);
+    let d = super::decide(Mode::Shape, Spread::Counter, &shape, &busy, Some((m, "a")), None).unwrap();
+    assert_eq!((d.target, d.reason), (Target::Candidate(0), RouteReason::Pinned));
 }

@@ -257,9 +257,26 @@ impl OutcomeRecorder {
             Some((m, home)) if home == &r.replica.id => Some(r.replica.calibration.estimate(m.bytes)),
             // The baselines move conversations on every turn by design;
             // history records the moves the shape policy had to make.
-            Some((_, home)) if matches!(r.reason, RouteReason::Repinned | RouteReason::Failover) => {
-                let detail = format!("{} route", r.reason.as_str());
+            Some((_, home))
+                if matches!(r.reason, RouteReason::Repinned | RouteReason::Failover | RouteReason::Moved) =>
+            {
+                let detail = match r.reason {
+                    RouteReason::Moved => format!(
+                        "moved: waiting behind {} tokens of work there cost more than prefilling its context here",
+                        self.fleet.get(home).map_or(0, |h| h.work.outstanding())
+                    ),
+                    reason => format!("{} route", reason.as_str()),
+                };
                 self.events.record(EventKind::PinMoved, Some(home), Some(&r.replica.id), detail);
+                let why = match r.reason {
+                    RouteReason::Moved => Some("queue"),
+                    RouteReason::Repinned => Some("unroutable"),
+                    _ => None,
+                };
+                if let Some(reason) = why {
+                    let labels = crate::metrics::ReasonLabels { reason };
+                    self.metrics.shared().session_moves.get_or_create(&labels).inc();
+                }
                 None
             }
             _ => None,

@@ -83,6 +83,7 @@ pub fn plan(
             weight: r.spec().weight(),
             load: r.work.outstanding(),
             holds_shared: input.shared == Some(&*r.id),
+            prefill_tps: r.residents.pace().prefill_tps,
         })
         .collect();
     if let (Mode::Shape, Some(room)) = (input.mode, input.room) {
@@ -95,8 +96,8 @@ pub fn plan(
         }
     }
     let pinned = input.pinned.map(|(m, pin)| (*m, &*pin.replica));
-    let decision =
-        policy::decide(input.mode, input.shape, &candidates, pinned, input.named).ok_or(PlanError::NoReplica)?;
+    let decision = policy::decide(input.mode, input.spread, input.shape, &candidates, pinned, input.named)
+        .ok_or(PlanError::NoReplica)?;
     Ok(Route { replica: decision.candidate(&candidates, input.spread, || counter.next()), reason: decision.reason })
 }
 

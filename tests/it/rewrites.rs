@@ -168,3 +168,62 @@ async fn a_first_turn_sharing_only_the_system_prompt_is_a_new_session_placed_by_
     assert_ne!(four.replica, one.replica, "the holder is busier: the new session goes where less work is");
     gw.stop().await;
 }
+
+#[actix_web::test]
+async fn a_pinned_turn_moves_when_its_replicas_queue_outweighs_a_whole_prefill_elsewhere_and_stays_when_it_does_not() {
+    // Prefill at 1,000 tokens a second, time scaled by 0.1: 20,000 tokens take 2 s.
+    let card = || prefixgate::sim::SimConfig { prefill_tps: 1_000.0, time_scale: 0.1, ..fast_sim() };
+    let (a, b) = (start_sim("a", card()).await, start_sim("b", card()).await);
+    let gw = start_gateway(test_config(&[&a, &b])).await;
+    let url = format!("{}/v1/chat/completions", gw.base);
+    let replicas = format!("{}/admin/v1/replicas", gw.admin);
+    // Both conversations start on a (b disabled meanwhile).
+    assert_eq!(admin("POST", &format!("{replicas}/b/disable"), None, None).await.0, 200);
+    let short = text("short conversation", 2_000);
+    let long = text("long conversation", 30_000);
+    let turn = |context: &str, n: usize| {
+        let mut m = vec![("user", context.to_string())];
+        for i in 1..n {
+            m.push(("assistant", format!("answer {i}")));
+            m.push(("user", format!("go on {i}")));
+        }
+        m
+    };
+    let send = |m: Vec<(&'static str, String)>| {
+        let url = url.clone();
+        async move {
+            let refs: Vec<(&str, &str)> = m.iter().map(|(r, c)| (*r, c.as_str())).collect();
+            post(&url, &chat_body(&refs, json!({}))).await
+        }
+    };
+    assert_eq!(send(turn(&short, 1)).await.replica, "a");
+    assert_eq!(send(turn(&long, 1)).await.replica, "a");
+    // A 20,000-token one-shot keeps a prefilling for 2 s.
+    let big = chat_body(&[("user", &text("a big cold prompt", 20_000))], json!({}));
+    let busy = actix_web::rt::spawn({
+        let url = url.clone();
+        async move { post(&url, &big).await }
+    });
+    wait_until("a prefilling", std::time::Duration::from_secs(5), || {
+        gw.gw.fleet.get("a").unwrap().work.prefill_tokens() > 15_000
+    })
+    .await;
+    assert_eq!(admin("POST", &format!("{replicas}/b/enable"), None, None).await.0, 200);
+    // The short conversation's turn: ~2,000 tokens cached on a, behind
+    // ~20,000 queued there; prefilling its whole context on b is quicker.
+    let moved = send(turn(&short, 2)).await;
+    assert_eq!((moved.status, moved.route.as_str(), moved.replica.as_str()), (200, "moved", "b"));
+    // The long one: ~30,000 cached on a outweighs the queue: it waits its turn there.
+    assert!(gw.gw.fleet.get("a").unwrap().work.prefill_tokens() > 15_000, "a still prefilling");
+    let stayed = send(turn(&long, 2)).await;
+    assert_eq!((stayed.route.as_str(), stayed.replica.as_str()), ("pinned", "a"));
+    assert_eq!(busy.await.unwrap().status, 200);
+    // The next turn of the moved conversation follows its pin to b.
+    assert_eq!(send(turn(&short, 3)).await.replica, "b");
+    let metrics = scrape(&gw).await;
+    assert!(metrics.contains("prefixgate_session_moves_total{reason=\"queue\"} 1"), "{metrics}");
+    let (_, events) = admin("GET", &format!("{}/admin/v1/events?kind=pin_moved", gw.admin), None, None).await;
+    let detail = events["items"][0]["detail"].as_str().unwrap_or_default().to_string();
+    assert!(detail.starts_with("moved:"), "{events}");
+    gw.stop().await;
+}
