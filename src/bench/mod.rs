@@ -106,11 +106,19 @@ pub enum Workload {
         /// agent whose tool call returns at once).
         #[arg(long, default_value_t = 0)]
         pause_ms: u64,
-        /// A system prompt of this many tokens shared by every family, as
-        /// its own first message (0: none). With one, a first turn has two
-        /// messages: the gateway sees a new session, not a one-shot.
-        #[arg(long, default_value_t = 0)]
+        /// A system prompt (and tools) of this many tokens shared by every
+        /// family, as its own first message (0: none; agent command lines
+        /// send 15,000-20,000). With one, a first turn has two messages:
+        /// the gateway sees a new session, not a one-shot.
+        #[arg(long, visible_alias = "shared-tokens", default_value_t = 0)]
         system_tokens: usize,
+        /// The first this many families are heavy: each turn adds
+        /// `--heavy-factor` times `--turn-tokens` (a coding agent reading
+        /// files), the others are light.
+        #[arg(long, default_value_t = 0)]
+        heavy: usize,
+        #[arg(long, default_value_t = 8)]
+        heavy_factor: usize,
         /// How the agent rewrites its tail each turn: `status` (a status
         /// line after everything, replaced each turn), `reminder` (a
         /// reminder on the latest user message, stripped from older ones).

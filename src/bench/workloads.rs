@@ -98,9 +98,11 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
             pause_ms,
             system_tokens,
             rewrite,
+            heavy,
+            heavy_factor,
         } => {
             let salt = salt(common);
-            let settings = json!({"families": families, "turns": turns, "context_tokens": context_tokens, "turn_tokens": turn_tokens, "max_tokens": common.max_tokens, "salt": salt, "api": api, "pause_ms": pause_ms, "system_tokens": system_tokens, "rewrite": rewrite});
+            let settings = json!({"families": families, "turns": turns, "context_tokens": context_tokens, "turn_tokens": turn_tokens, "max_tokens": common.max_tokens, "salt": salt, "api": api, "pause_ms": pause_ms, "system_tokens": system_tokens, "rewrite": rewrite, "heavy": heavy, "heavy_factor": heavy_factor});
             let system = (*system_tokens > 0)
                 .then(|| json!({"role": "system", "content": format!("[run {salt}] shared\n{}", filler("system", *system_tokens))}));
             let mut report = new_report("agent-loop", common, settings);
@@ -127,7 +129,8 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
                             }
                             Err(e) => Sample { error: Some(e), ..Sample::default() },
                         };
-                        messages.push(json!({"role": "user", "content": filler(&format!("f{f}t{turn}"), *turn_tokens)}));
+                        let grows = if f < *heavy { turn_tokens * heavy_factor } else { *turn_tokens };
+                        messages.push(json!({"role": "user", "content": filler(&format!("f{f}t{turn}"), grows)}));
                         samples.push(Sample { family: f, turn, ..sample });
                         pb.inc(1);
                     }

@@ -5,6 +5,10 @@
 //! `routing.spread = "load"`); a pinned turn leaves a replica whose queue
 //! costs more than prefilling its context elsewhere (`policy::moves`).
 //!
+//! A prefill counts until the request's first event passes the gateway
+//! (`InflightGuard::prefilled`): a streaming client that does not read
+//! keeps its prefill counted, which only makes its replica look busier.
+//!
 //! Why not in-flight requests: a 50,000-token cold prefill and a one-token
 //! warm turn are one request each, and it is the prefill that delays
 //! whoever comes next.

@@ -595,13 +595,22 @@ impl Sessions {
         // engine keeps (host memory, an offload tier) is not what it
         // declares. An empty replica loses no session's prefix to another's,
         // so the first to come is never kept from it by a wall.
-        let learned = r.residents.learned();
         let capacity = match self.settings.wall {
             _ if taken == 0 => r.kv_capacity().filter(|_| self.settings.wall == WallAt::Declared),
-            WallAt::Learned => learned.wall_tokens,
-            WallAt::Declared => r.kv_capacity().map(|c| learned.wall_tokens.map_or(c, |w| c.min(w))),
+            _ => self.wall_of(r),
         };
         Room { capacity, taken, slot_tokens }
+    }
+
+    /// Where the hold and the pauses take `r`'s wall to be
+    /// (`sessions.wall`): where one was seen, or the declared capacity
+    /// (lowered to a wall seen below it). None: nothing waits there.
+    pub fn wall_of(&self, r: &Replica) -> Option<u64> {
+        let seen = r.residents.wall();
+        match self.settings.wall {
+            WallAt::Learned => seen,
+            WallAt::Declared => r.kv_capacity().map(|c| seen.map_or(c, |w| c.min(w))),
+        }
     }
 
     /// Reads every instance's session loads on `replicas` from a shared

@@ -163,7 +163,10 @@ async fn a_pinned_large_continuation_waits_for_its_own_replica_and_a_timeout_is_
         })
         .await;
     }
-    let holder = holder.expect("a large request landed on the home replica");
+    let mut holder = holder.expect("a large request landed on the home replica");
+    // Decoding (its first event read): a stream, not a prefill queued ahead
+    // of the continuation (which would move it, `policy::moves`).
+    holder.next().await.expect("a first chunk").unwrap();
     let turn2 =
         post(&url, &chat_body(&[("user", &ctx), ("assistant", "x"), ("user", "more")], json!({"max_tokens": 1}))).await;
     assert_eq!(turn2.status, 503, "the continuation waited for its own replica, not the free one");

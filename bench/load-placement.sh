@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Sessions starting together, placed by load against the seed's counter
+# (issue 49): two simulated pool engines (SIM_KV, default 122,636 KV tokens
+# each, --time-scale TIME_SCALE, default 0.25), FAMILIES (5) agent
+# families starting at once, the first HEAVY (3) heavy (each turn adds 15x
+# the light ones' 300 tokens, growing to ~64,000 tokens), all sharing a
+# SHARED (15,000)-token system prompt and tools. Arms, each on a fresh
+# gateway, in one run: routing.spread = load | counter, each with the
+# hold on (the defaults) and off (sessions.max_wait_ms=0). Prints each
+# arm's wall time, routes and cached share.
+# BIN=path/to/prefixgate runs that build instead of building this tree.
+# Never run in CI. Usage: [ROUNDS=1 FAMILIES=5 HEAVY=3 TURNS=10] bench/load-placement.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+FAMILIES=${FAMILIES:-5}; HEAVY=${HEAVY:-3}; TURNS=${TURNS:-10}; SHARED=${SHARED:-15000}
+SIM_KV=${SIM_KV:-122636}; TIME_SCALE=${TIME_SCALE:-0.25}; ROUNDS=${ROUNDS:-1}
+if [ -z "${BIN:-}" ]; then cargo build --release -q; fi
+bin=${BIN:-$PWD/target/release/prefixgate}
+source bench/lib.sh
+bench_init
+for i in 0 1; do start_sim "s$i" --kv-tokens "$SIM_KV" --time-scale "$TIME_SCALE"; done
+reps="--replica s0=${SIM_URL[s0]} --replica s1=${SIM_URL[s1]}"
+n=0
+arm() {
+  local name=$1; shift
+  n=$((n + 1))
+  local gw="$name-$n"
+  start_gateway "$gw" "$bin" $reps "$@"
+  wait_replicas_up "${GW_ADMIN[$gw]}" 2
+  $bin bench agent-loop --base-url "${GW_URL[$gw]}" --label "$name" --families "$FAMILIES" --heavy "$HEAVY" \
+    --heavy-factor 15 --turns "$TURNS" --shared-tokens "$SHARED" --context-tokens 2000 --turn-tokens 300 \
+    --max-tokens 16 --json >"$BENCH_TMP/$gw.json"
+  python3 - "$BENCH_TMP/$gw.json" "$name" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+s = r["samples"]
+prompt = sum(x.get("prompt_tokens") or 0 for x in s)
+cached = sum(x.get("cached_tokens") or 0 for x in s)
+heavy = {x["replica"] for x in s if x["family"] < int(r["settings"]["heavy"]) and x["turn"] == 0}
+print(f"{sys.argv[2]:16} wall {r['summary']['wall_ms'] / 1000:6.2f} s  routes {dict(r['summary']['by_route'])}  "
+      f"cached {100 * cached / max(prompt, 1):.1f} %  heavy first turns on {sorted(heavy)}")
+PY
+}
+for _ in $(seq "$ROUNDS"); do
+  arm load-hold --set routing.spread=load
+  arm counter-hold --set routing.spread=counter
+  arm load-off --set routing.spread=load --set sessions.max_wait_ms=0
+  arm counter-off --set routing.spread=counter --set sessions.max_wait_ms=0
+done
