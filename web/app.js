@@ -89,6 +89,19 @@ async function action(id, verb, confirmText, query = "") {
   refresh();
 }
 
+// What the receipts taught of a replica's capacity (GET /admin/v1/capacity:
+// kv_tokens declared, learned_tokens, evidence).
+function learnedLabel(c) {
+  const e = c.evidence || {};
+  const wall = e.wall_tokens !== undefined ? `wall seen at ${fmtTokens(e.wall_tokens)}` : "no wall seen";
+  return `declared ${fmtTokens(c.kv_tokens)} · learned ${fmtTokens(c.learned_tokens)} · ${wall}`;
+}
+
+function learnedTitle(c) {
+  const e = c.evidence || {};
+  return `receipts: ${e.receipts_kept || 0} kept (the most resident when kept: ${e.kept_at_tokens || 0} tokens), ${e.receipts_lost || 0} lost`;
+}
+
 function renderReplicas(replicas, capacity) {
   const body = $("#replicas tbody");
   body.replaceChildren();
@@ -126,7 +139,8 @@ function renderReplicas(replicas, capacity) {
       el("td", {}, bar, el("span", { class: "bar-label" }, `${fmtTokens(ws)} / ${fmtTokens(kv)}`), el("br"),
         el("small", { class: "sessions" }, `${c.resident_sessions || 0} session(s)` +
           (c.resident_tokens ? ` holding ${fmtTokens(c.resident_tokens)} (projected)` : "") +
-          (c.room_tokens !== undefined ? ` · room ${fmtTokens(Math.max(0, c.room_tokens))}` : ""))),
+          (c.room_tokens !== undefined ? ` · room ${fmtTokens(Math.max(0, c.room_tokens))}` : "")), el("br"),
+        el("small", { class: "learned", title: learnedTitle(c) }, learnedLabel(c))),
       // The value first, on its own line under the header; the trend below it.
       el("td", { class: "ttfb" }, el("span", { class: "ttfb-value" }, ttfbLabel(state.ttfb[r.id])), sparkline(state.ttfb[r.id] || [])),
       actions));

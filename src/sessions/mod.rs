@@ -91,12 +91,15 @@ pub struct SessionConfig {
     /// bytes. An engine without the endpoint is not asked again. Off: every
     /// figure is an estimate.
     pub count_tokens: bool,
-    /// Where the wall is: `learned` (a replica's wall is where it was seen
-    /// to lose a returning session's prefix, or its engine preempted or
-    /// said its pool was full; until then nothing waits, since engines
-    /// that keep prompts in host memory keep far more than their slots or
-    /// pool) or `declared` (the declared capacity, slots x context or the
-    /// engine's KV pool, is the wall from the start).
+    /// Where the wall is: `learned` (where a replica was seen to lose a
+    /// returning session's prefix, or its engine preempted or said its
+    /// pool was full; until then nothing waits there), `declared` (its
+    /// declared capacity, raised by what receipts found kept, until a wall
+    /// is seen), or `auto`: learned on slot engines (llama.cpp's slots are
+    /// not its wall: llama-server keeps prompts in host memory by
+    /// default), declared where the capacity is a pool of KV blocks the
+    /// engine reports (vLLM, SGLang) or `kv_tokens` says. Set `learned`
+    /// for vLLM with a CPU offload tier.
     #[schema(inline)]
     pub wall: WallAt,
 }
@@ -105,10 +108,12 @@ pub struct SessionConfig {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum WallAt {
-    /// Where it was seen; nothing waits before.
+    /// Learned on slot engines, declared on pools.
     #[default]
+    Auto,
+    /// Where it was seen; nothing waits before.
     Learned,
-    /// The declared capacity, until a lower wall is seen.
+    /// The declared capacity (raised by receipts), until a wall is seen.
     Declared,
 }
 
@@ -122,7 +127,7 @@ impl Default for SessionConfig {
             hold_min_tokens: None,
             pause: true,
             count_tokens: true,
-            wall: WallAt::Learned,
+            wall: WallAt::Auto,
         }
     }
 }
@@ -595,8 +600,8 @@ impl Sessions {
         // engine keeps (host memory, an offload tier) is not what it
         // declares. An empty replica loses no session's prefix to another's,
         // so the first to come is never kept from it by a wall.
-        let capacity = match self.settings.wall {
-            _ if taken == 0 => r.kv_capacity().filter(|_| self.settings.wall == WallAt::Declared),
+        let capacity = match taken {
+            0 => r.kv_capacity().filter(|_| self.wall_at(r) == WallAt::Declared),
             _ => self.wall_of(r),
         };
         Room { capacity, taken, slot_tokens }
@@ -604,12 +609,20 @@ impl Sessions {
 
     /// Where the hold and the pauses take `r`'s wall to be
     /// (`sessions.wall`): where one was seen, or the declared capacity
-    /// (lowered to a wall seen below it). None: nothing waits there.
+    /// raised by receipts (`Learned::capacity`). None: nothing waits there.
     pub fn wall_of(&self, r: &Replica) -> Option<u64> {
-        let seen = r.residents.wall();
+        match self.wall_at(r) {
+            WallAt::Declared => r.residents.learned().capacity(r.kv_capacity()),
+            _ => r.residents.wall(),
+        }
+    }
+
+    /// `sessions.wall` for `r`, `auto` resolved: learned on slots.
+    fn wall_at(&self, r: &Replica) -> WallAt {
         match self.settings.wall {
-            WallAt::Learned => seen,
-            WallAt::Declared => r.kv_capacity().map(|c| seen.map_or(c, |w| c.min(w))),
+            WallAt::Auto if r.slot_tokens().is_some() => WallAt::Learned,
+            WallAt::Auto => WallAt::Declared,
+            chosen => chosen,
         }
     }
 

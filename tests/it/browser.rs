@@ -296,6 +296,12 @@ async fn the_admin_ui_steers_the_fleet_in_a_real_browser() {
     .await;
     page.wait_for("health shown", "[...document.querySelectorAll('.badge.health')].every(b => b.textContent === 'up')")
         .await;
+    // What each replica declares and what its receipts taught (no wall seen yet).
+    page.wait_for(
+        "declared and learned capacity",
+        "(() => { const t = document.querySelector('tr[data-replica=\"a\"] .learned').textContent; return t.includes('declared') && t.includes('learned') && t.includes('no wall seen'); })()",
+    )
+    .await;
     // Each replica's TTFB value sits under the TTFB header: its column,
     // left-aligned with the header's text.
     page.wait_for(
