@@ -15,6 +15,7 @@
 # Settings: sessions.idle_ms=1000, sessions.hold_min_tokens=512.
 # Prints each arm's wall time and the bench report (warm p50/p90, cached).
 # BIN=path/to/prefixgate runs that build instead of building this tree.
+# GATEWAY_SET adds settings to every gateway ("--set routing.spread=counter").
 # Never run in CI. Usage: [FAMILIES=4 TIME_SCALE=1 SIM_KV=12000 PREFILL_TPS=4100 DECODE_TPS=40] bench/sim-wall.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +30,7 @@ for i in 0 1; do
   start_sim "s$i" --kv-tokens "$SIM_KV" --prefill-tps "$PREFILL_TPS" --decode-tps "$DECODE_TPS" --time-scale "$TIME_SCALE"
 done
 reps="--replica s0=${SIM_URL[s0]} --replica s1=${SIM_URL[s1]}"
-common=(--set sessions.idle_ms=1000 --set sessions.hold_min_tokens=512)
+common=(--set sessions.idle_ms=1000 --set sessions.hold_min_tokens=512 ${GATEWAY_SET:-})
 
 # run ARM GATEWAY FAMILIES: one set of families through GATEWAY; prints wall and report.
 run() {
@@ -44,7 +45,7 @@ run() {
 import json, sys
 r = json.load(sys.stdin)["sessions"]
 print("  held", r["waited"], "over capacity", r["over_capacity"], "projection", r.get("projected_tokens"))'
-  curl -s "${GW_ADMIN[$gw]}/metrics" | grep -E "^prefixgate_session_turns_paused_total" | sed 's/^/  /'
+  curl -s "${GW_ADMIN[$gw]}/metrics" | grep -E "^prefixgate_(session_turns_paused|session_moves)_total" | sed 's/^/  /'
 }
 
 # gateway NAME [--set ...]: a fresh gateway in front of both replicas, capacity read.

@@ -131,6 +131,7 @@ fn decision(c: &mut Criterion) {
             load: 0,
             holds_shared: false,
             prefill_tps: None,
+            has_room: true,
         })
         .collect();
     let route = |s: &policy::RequestShape| {

@@ -1,6 +1,10 @@
-//! Size of one million pins: in memory (the routing table) and on disk
-//! (sled, the schema-2 binary layout), and how long a restart takes to load
-//! them. Run: `cargo run --release --example pin_sizes`.
+//! Size of the pin table: in memory (the routing table) and on disk (sled,
+//! the binary layout), and how long a restart takes to load it. By default
+//! one million pins, one per conversation; with `CONVERSATIONS=N
+//! MESSAGES=M`, N conversations of M messages as their turns leave them (a
+//! turn every two messages: its own pin at each turn's last boundary, a
+//! mark at every other boundary it passed, `PinSource::Passed`).
+//! Run: `[CONVERSATIONS=1000000 MESSAGES=40] cargo run --release --example pin_sizes`.
 
 use std::sync::Arc;
 
@@ -32,13 +36,38 @@ fn dir_size(p: &std::path::Path) -> u64 {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
-    const N: u128 = 1_000_000;
+    let var = |name: &str, default: u128| std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default);
+    let (conversations, messages) = (var("CONVERSATIONS", 1_000_000), var("MESSAGES", 1));
+    let n = conversations * messages;
     let replicas: Vec<Arc<str>> = ["gpu-0", "gpu-1", "gpu-2", "gpu-3"].iter().map(|s| Arc::from(*s)).collect();
     let before = rss_bytes();
     let table = PinTable::default();
-    for k in 0..N {
-        let key = k.wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835);
-        table.record(key, &replicas[(k % 4) as usize], None, 90_000, 1_700_000_000_000 + k as u64, Default::default());
+    let passed = prefixgate::pins::PinOrigin { source: prefixgate::pins::PinSource::Passed, ..Default::default() };
+    for c in 0..conversations {
+        let replica = &replicas[(c % 4) as usize];
+        let family = c.wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835);
+        let mut marks = Vec::new();
+        for m in 0..messages {
+            let key = (c * messages + m).wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835);
+            let now = 1_700_000_000_000 + c as u64;
+            // A turn ends every two messages (and at the last): its own pin.
+            if m % 2 == 1 || m + 1 == messages {
+                table.record(key, replica, None, 90_000, now, Default::default());
+            } else {
+                let pin = prefixgate::pins::Pin {
+                    replica: replica.clone(),
+                    created_ms: now,
+                    last_used_ms: now,
+                    turns: (m / 2 + 1) as u32,
+                    est_tokens: 2_000 * m as u64,
+                    family,
+                    origin: passed,
+                    went_on: 1,
+                };
+                marks.push((key, pin));
+            }
+        }
+        table.write_marks(marks);
     }
     // The write-behind queue is emptied by the flusher every 200 ms; the
     // table is what stays. Measured with the queue taken and handed over.
@@ -49,8 +78,9 @@ async fn main() {
         "in memory: {} pins, RSS grew by {:.1} MiB ({:.0} bytes/pin)",
         table.len(),
         (after - before) as f64 / 1048576.0,
-        (after - before) as f64 / N as f64
+        (after - before) as f64 / n as f64
     );
+    println!("({conversations} conversations of {messages} messages)");
 
     let dir = std::env::temp_dir().join(format!("prefixgate-pin-sizes-{}", std::process::id()));
     let store = SledStore::open(&dir).expect("open sled");
@@ -64,8 +94,8 @@ async fn main() {
         "on disk: sled reports {:.1} MiB, directory {:.1} MiB ({:.0} bytes/pin); written in batches of 10k in {secs:.1} s ({:.0} pins/s)",
         store.size_on_disk() as f64 / 1048576.0,
         dir_size(&dir) as f64 / 1048576.0,
-        dir_size(&dir) as f64 / N as f64,
-        N as f64 / secs
+        dir_size(&dir) as f64 / n as f64,
+        n as f64 / secs
     );
     drop(store);
 

@@ -191,14 +191,16 @@ pub struct Learned {
 }
 
 impl Learned {
-    /// What the replica holds as learned, starting from `declared`: its
-    /// wall once one was seen, else the declared capacity raised to what
-    /// receipts found kept.
+    /// What the replica holds as learned, starting from `declared`: the
+    /// most it was seen to keep (the declared capacity, raised by kept
+    /// receipts), and no more than where it was seen to lose a prefix.
+    /// Why the lower of the two: a loss is read at the load resident when
+    /// it was found, which can be above what the replica keeps.
     pub fn capacity(&self, declared: Option<u64>) -> Option<u64> {
-        match (self.wall_tokens, declared) {
-            (Some(wall), _) => Some(wall),
-            (None, Some(d)) => Some(d.max(self.kept_at_tokens)),
-            (None, None) => (self.kept_at_tokens > 0).then_some(self.kept_at_tokens),
+        let kept = Some(declared.map_or(self.kept_at_tokens, |d| d.max(self.kept_at_tokens))).filter(|k| *k > 0);
+        match (self.wall_tokens, kept) {
+            (Some(wall), Some(kept)) => Some(wall.min(kept)),
+            (wall, kept) => wall.or(kept),
         }
     }
 }

@@ -548,6 +548,12 @@ impl Replica {
         InflightGuard { replica: self.clone(), large, prefilling: uncached, decoding: false }
     }
 
+    /// Outstanding prefill work, for tests of placement.
+    #[cfg(test)]
+    pub fn work_for_tests(&self, tokens: u64) {
+        self.work.add_prefill(tokens);
+    }
+
     pub fn models(&self) -> Guard<Arc<Vec<String>>> {
         self.models.load()
     }

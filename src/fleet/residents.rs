@@ -790,7 +790,11 @@ mod tests {
         assert_eq!(r.receipt(2_800, 0, 2), Receipt::Lost { load: 12_000 });
         let lost = r.learned();
         assert_eq!((lost.wall_tokens, lost.receipts_lost), (Some(12_000), 2));
-        assert_eq!(lost.capacity(declared), Some(12_000), "the wall seen, above the slot it declared");
+        assert_eq!(lost.capacity(declared), Some(9_000), "between kept at 9,000 and lost at 12,000: the kept");
+        // A later loss below what was kept lowers it.
+        r.lock().retain(|s, _| *s <= 2);
+        assert_eq!(r.receipt(2_800, 0, 3), Receipt::Lost { load: 6_000 });
+        assert_eq!(r.learned().capacity(declared), Some(6_000));
     }
 
     #[test]

@@ -178,6 +178,10 @@ pub struct Candidate<'a> {
     pub holds_shared: bool,
     /// Its measured prefill rate, tokens a second (None: not measured).
     pub prefill_tps: Option<f64>,
+    /// A conversation moved here would fit its room at the KV wall (true
+    /// where nothing is held, `sessions/`): a pinned turn moves only to
+    /// such a replica (`moves`).
+    pub has_room: bool,
 }
 
 /// How requests that continue nothing are placed (`routing.spread`).
@@ -293,10 +297,11 @@ pub fn decide(
                 Some(i) if reason == RouteReason::Pinned && spread_by == Spread::Load => {
                     let context = crate::tokens::estimate_tokens(shape.prompt_bytes);
                     let cached = matched.map_or(0, |m| crate::tokens::estimate_tokens(m.bytes));
-                    match moves(candidates, i, context, cached) {
-                        true => Some(spread(RouteReason::Moved)),
-                        false => Some(Decision { target: Target::Candidate(i), reason, matched }),
-                    }
+                    let (target, reason) = match moves(candidates, i, context, cached) {
+                        Some(to) => (to, RouteReason::Moved),
+                        None => (i, reason),
+                    };
+                    Some(Decision { target: Target::Candidate(target), reason, matched })
                 }
                 Some(i) => Some(Decision { target: Target::Candidate(i), reason, matched }),
                 None => Some(spread(RouteReason::Repinned)),
@@ -305,30 +310,29 @@ pub fn decide(
     }
 }
 
-/// Whether a pinned turn leaves its home (`candidates[home]`): when
-/// waiting there behind its outstanding work and then prefilling what is
-/// not cached (`context - cached` tokens) takes longer than prefilling the
-/// whole `context` behind the outstanding work of the least loaded other
-/// routable candidate. Times come from each replica's measured prefill
-/// rate; where either is not measured, both count alike (tokens against
-/// tokens). A turn's cached share is what it gives up by moving, so a
-/// long, warm context stays unless the queue is longer still.
-pub fn moves(candidates: &[Candidate], home: usize, context: u64, cached: u64) -> bool {
+/// Where a pinned turn goes instead of its home (`candidates[home]`), if
+/// anywhere: the least loaded other routable candidate with room for it,
+/// when waiting at home behind its outstanding work and then prefilling
+/// what is not cached (`context - cached` tokens) takes longer than
+/// prefilling the whole `context` there behind its work. Times come from
+/// each replica's measured prefill rate; where either is not measured, both
+/// count alike (tokens against tokens). A turn's cached share is what it
+/// gives up by moving, so a long, warm context stays unless the queue is
+/// longer still; at the KV wall it never moves where it does not fit.
+pub fn moves(candidates: &[Candidate], home: usize, context: u64, cached: u64) -> Option<usize> {
     let here = &candidates[home];
-    let best = candidates
+    let (to, there) = candidates
         .iter()
         .enumerate()
-        .filter(|(i, c)| *i != home && c.routable && c.weight > 0)
-        .min_by_key(|(_, c)| c.load)
-        .map(|(_, c)| c);
-    let Some(there) = best else { return false };
+        .filter(|(i, c)| *i != home && c.routable && c.weight > 0 && c.has_room)
+        .min_by_key(|(_, c)| c.load)?;
     let (rate_here, rate_there) = match (here.prefill_tps, there.prefill_tps) {
         (Some(a), Some(b)) if a > 0.0 && b > 0.0 => (a, b),
         _ => (1.0, 1.0),
     };
     let stay = (here.load + context.saturating_sub(cached)) as f64 / rate_here;
     let go = (there.load + context) as f64 / rate_there;
-    stay > go
+    (stay > go).then_some(to)
 }
 
 /// Whether a request whose own last boundary is at index `ends_at`

@@ -59,6 +59,7 @@ impl Router {
                 load: 0,
                 holds_shared: false,
                 prefill_tps: None,
+                has_room: true,
             })
             .collect();
         let pinned = longest(&shape, |k| self.pins.get(&k).cloned());
@@ -177,6 +178,7 @@ fn spread_prefers_a_replica_with_a_free_slot_but_pins_do_not_move() {
             load: 0,
             holds_shared: false,
             prefill_tps: None,
+            has_room: true,
         },
         Candidate {
             id: ids[1],
@@ -186,6 +188,7 @@ fn spread_prefers_a_replica_with_a_free_slot_but_pins_do_not_move() {
             load: 0,
             holds_shared: false,
             prefill_tps: None,
+            has_room: true,
         },
     ];
     let counter = SpreadCounter::default();
@@ -234,7 +237,7 @@ proptest! {
     #[test]
     fn spread_never_picks_an_unroutable_replica(routable in prop::collection::vec(any::<bool>(), 1..8), start in 0u64..1000, n in 1usize..20) {
         let ids: Vec<String> = (0..routable.len()).map(|i| format!("r{i}")).collect();
-        let candidates: Vec<Candidate> = ids.iter().zip(&routable).map(|(id, r)| Candidate { id, routable: *r, spare: true, weight: 1, load: 0, holds_shared: false, prefill_tps: None }).collect();
+        let candidates: Vec<Candidate> = ids.iter().zip(&routable).map(|(id, r)| Candidate { id, routable: *r, spare: true, weight: 1, load: 0, holds_shared: false, prefill_tps: None, has_room: true }).collect();
         let counter = SpreadCounter(AtomicU64::new(start));
         let shape = RequestShape::default();
         let live = routable.iter().filter(|r| **r).count();
@@ -257,7 +260,7 @@ proptest! {
     ) {
         let ids: Vec<String> = (0..routable.len()).map(|i| format!("r{i}")).collect();
         let pinned = pinned % ids.len();
-        let candidates: Vec<Candidate> = ids.iter().zip(&routable).map(|(id, r)| Candidate { id, routable: *r, spare: true, weight: 1, load: 0, holds_shared: false, prefill_tps: None }).collect();
+        let candidates: Vec<Candidate> = ids.iter().zip(&routable).map(|(id, r)| Candidate { id, routable: *r, spare: true, weight: 1, load: 0, holds_shared: false, prefill_tps: None, has_room: true }).collect();
         let first = identity::extract(Endpoint::Chat, conversation("p", 1).as_bytes(), IdentityBlocks::default()).unwrap();
         let later = identity::extract(Endpoint::Chat, conversation("p", turns).as_bytes(), IdentityBlocks::default()).unwrap();
         let pin_key = first.pin_at.unwrap();
@@ -288,6 +291,7 @@ fn a_session_key_decides_only_without_prefix_evidence() {
             load: 0,
             holds_shared: false,
             prefill_tps: None,
+            has_room: true,
         })
         .collect();
     let counter = SpreadCounter::default();
@@ -303,8 +307,26 @@ fn a_session_key_decides_only_without_prefix_evidence() {
     assert_eq!((d.replica, d.reason), (0, RouteReason::Pinned));
     // The session's replica gone: spread, and the session moves.
     let gone = [
-        Candidate { id: "a", routable: true, spare: true, weight: 1, load: 0, holds_shared: false, prefill_tps: None },
-        Candidate { id: "b", routable: false, spare: true, weight: 1, load: 0, holds_shared: false, prefill_tps: None },
+        Candidate {
+            id: "a",
+            routable: true,
+            spare: true,
+            weight: 1,
+            load: 0,
+            holds_shared: false,
+            prefill_tps: None,
+            has_room: true,
+        },
+        Candidate {
+            id: "b",
+            routable: false,
+            spare: true,
+            weight: 1,
+            load: 0,
+            holds_shared: false,
+            prefill_tps: None,
+            has_room: true,
+        },
     ];
     let d = decide(Mode::Shape, &shape, &gone, None, Some("b"), &counter).unwrap();
     assert_eq!((d.replica, d.reason), (0, RouteReason::Repinned));
@@ -323,6 +345,7 @@ fn spread_picks_follow_the_weights_and_weight_zero_is_a_last_resort() {
         load: 0,
         holds_shared: false,
         prefill_tps: None,
+        has_room: true,
     };
     let picks =
         |candidates: &[Candidate]| (0..8).map(|at| spread_pick(candidates, Spread::Counter, at)).collect::<Vec<_>>();
@@ -346,6 +369,7 @@ fn a_load_spread_goes_to_the_least_work_per_weight_then_the_shared_prompts_holde
         load,
         holds_shared,
         prefill_tps: None,
+        has_room: true,
     };
     let picks =
         |candidates: &[Candidate], spread| (0..4).map(|at| spread_pick(candidates, spread, at)).collect::<Vec<_>>();
@@ -389,16 +413,20 @@ fn a_pinned_turn_moves_only_when_its_replicas_queue_outweighs_a_whole_prefill_el
         load,
         holds_shared: false,
         prefill_tps,
+        has_room: true,
     };
     // 20,000 tokens queued at home, nothing elsewhere: a 5,000-token turn
     // (4,000 cached) waits longer than it would prefill whole on b.
-    assert!(moves(&[c("a", 20_000, None), c("b", 0, None)], 0, 5_000, 4_000));
+    assert_eq!(moves(&[c("a", 20_000, None), c("b", 0, None)], 0, 5_000, 4_000), Some(1));
     // A long, warm context outweighs a short queue: it stays.
-    assert!(!moves(&[c("a", 2_000, None), c("b", 0, None)], 0, 50_000, 49_000));
+    assert_eq!(moves(&[c("a", 2_000, None), c("b", 0, None)], 0, 50_000, 49_000), None);
     // Measured rates decide: b prefills ten times slower, so the same queue is worth waiting for.
-    assert!(!moves(&[c("a", 20_000, Some(1_000.0)), c("b", 0, Some(100.0))], 0, 5_000, 4_000));
-    // Nowhere else to go: it stays.
-    assert!(!moves(&[c("a", 20_000, None), Candidate { routable: false, ..c("b", 0, None) }], 0, 5_000, 4_000));
+    assert_eq!(moves(&[c("a", 20_000, Some(1_000.0)), c("b", 0, Some(100.0))], 0, 5_000, 4_000), None);
+    // Nowhere else to go: it stays; at the wall, never where it does not fit.
+    assert_eq!(moves(&[c("a", 20_000, None), Candidate { routable: false, ..c("b", 0, None) }], 0, 5_000, 4_000), None);
+    assert_eq!(moves(&[c("a", 20_000, None), Candidate { has_room: false, ..c("b", 0, None) }], 0, 5_000, 4_000), None);
+    let three = [c("a", 20_000, None), Candidate { has_room: false, ..c("b", 0, None) }, c("c", 1_000, None)];
+    assert_eq!(moves(&three, 0, 5_000, 4_000), Some(2), "the least loaded with room");
 
     // Through `decide`: moved with load placement, never with the counter.
     let mut shape = RequestShape { multi_unit: true, prompt_bytes: 20_000, ..Default::default() };
@@ -406,8 +434,7 @@ fn a_pinned_turn_moves_only_when_its_replicas_queue_outweighs_a_whole_prefill_el
     let m = PrefixMatch { key: 1, bytes: 16_000 };
     let busy = [c("a", 20_000, None), c("b", 0, None)];
     let d = super::decide(Mode::Shape, Spread::Load, &shape, &busy, Some((m, "a")), None).unwrap();
-    assert_eq!((d.target, d.reason), (Target::Spread, RouteReason::Moved));
-    assert_eq!(d.candidate(&busy, Spread::Load, || 0), 1);
+    assert_eq!((d.target, d.reason), (Target::Candidate(1), RouteReason::Moved));
     let d = super::decide(Mode::Shape, Spread::Counter, &shape, &busy, Some((m, "a")), None).unwrap();
     assert_eq!((d.target, d.reason), (Target::Candidate(0), RouteReason::Pinned));
 }

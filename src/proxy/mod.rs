@@ -281,6 +281,13 @@ impl Forwarding<'_> {
         // The fleet is read while planning only (no guard across an await).
         let fleet = state.fleet.snapshot();
         let room = |r: &Replica| state.sessions.room_of(r);
+        // A pinned turn moves only where its context fits the room (the
+        // hold on or off: a move into a full pool evicts another session).
+        let tokens = crate::tokens::estimate_tokens(lookup.shape.prompt_bytes);
+        let fits = |r: &Replica| {
+            let room = state.sessions.room_of(r);
+            room.capacity.is_none() || room.fits(tokens)
+        };
         let input = PlanInput {
             mode: self.settings.mode,
             shape: &lookup.shape,
@@ -288,6 +295,7 @@ impl Forwarding<'_> {
             named: lookup.named.as_deref(),
             shared: lookup.shared.as_deref(),
             spread: state.config.routing.spread,
+            fits: lookup.pinned.is_some().then_some(&fits as &dyn Fn(&Replica) -> bool),
             stored: lookup.stored.as_ref().map(|(id, home)| (id.as_str(), &**home)),
             tried: &retries.tried,
             large: lookup.large,

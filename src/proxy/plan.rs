@@ -42,6 +42,9 @@ pub struct PlanInput<'a> {
     pub shared: Option<&'a str>,
     /// How a request that continues nothing is placed.
     pub spread: policy::Spread,
+    /// A pinned turn: whether it would fit a replica's room at the KV
+    /// wall, should it move there (`policy::moves`). None: it fits anywhere.
+    pub fits: Option<&'a dyn Fn(&Replica) -> bool>,
     /// A stored response the request names (`previous_response_id` or the
     /// path), and the replica that holds it: the only one that can serve it.
     pub stored: Option<(&'a str, &'a str)>,
@@ -50,8 +53,10 @@ pub struct PlanInput<'a> {
     /// True when the request counts against `max_large_inflight`; then
     /// `has_free_slot` says which replicas could start it at once.
     pub large: bool,
-    /// A new session (`sessions`): the room each replica has for it. It goes
-    /// where the most room is; ties and unknown capacities to the counter.
+    /// A new session (`sessions`): the room each replica has for it. Where
+    /// it fits every replica's room, it is placed as any spread
+    /// (`routing.spread`); else it goes where the most room is, ties and
+    /// unknown capacities to the spread.
     pub room: Option<&'a dyn Fn(&Replica) -> Room>,
 }
 
@@ -73,6 +78,12 @@ pub fn plan(
             return Err(PlanError::ModelNotFound(m.to_string()));
         }
     }
+    // A move is only weighed when the home has more work queued than the
+    // turn has cached (`policy::moves`): only then are rooms asked.
+    let might_move = input.pinned.is_some_and(|(m, pin)| {
+        let home = fleet.iter().find(|r| r.id == pin.replica);
+        home.is_some_and(|h| h.work.outstanding() > crate::tokens::estimate_tokens(m.bytes))
+    });
     let mut candidates: SmallVec<[Candidate; 16]> = fleet
         .iter()
         .zip(&serving)
@@ -84,15 +95,20 @@ pub fn plan(
             load: r.work.outstanding(),
             holds_shared: input.shared == Some(&*r.id),
             prefill_tps: r.residents.pace().prefill_tps,
+            has_room: !might_move || input.fits.is_none_or(|fits| fits(r)),
         })
         .collect();
     if let (Mode::Shape, Some(room)) = (input.mode, input.room) {
         // Only the routable compete for room; the others stay out as they are.
         let routable: SmallVec<[usize; 16]> = (0..candidates.len()).filter(|i| candidates[*i].routable).collect();
         let rooms: SmallVec<[Room; 16]> = routable.iter().map(|i| room(&fleet[*i])).collect();
+        // Where it fits anywhere, load places it (`routing.spread`); at the
+        // wall, the most room does.
+        let tokens = crate::tokens::estimate_tokens(input.shape.prompt_bytes);
+        let fits_anywhere = rooms.iter().all(|r| r.capacity.is_none() || r.fits(tokens));
         let best = most_room(&rooms);
         for (k, i) in routable.iter().enumerate() {
-            candidates[*i].routable = best.contains(&k);
+            candidates[*i].routable = best.contains(&k) || (fits_anywhere && input.spread == policy::Spread::Load);
         }
     }
     let pinned = input.pinned.map(|(m, pin)| (*m, &*pin.replica));
@@ -146,7 +162,10 @@ mod tests {
             pinned: None,
             named: None,
             shared: None,
-            spread: policy::Spread::Load,
+            // The counter: with load placement, a session that fits
+            // everywhere is placed by load, not room (the next test).
+            spread: policy::Spread::Counter,
+            fits: None,
             stored: None,
             tried,
             large: true,
@@ -168,5 +187,38 @@ mod tests {
             // The rule (`may_go_to`): never one this request failed on.
             assert_eq!(new_large_session(&f, &[2_000, 5_000, 9_000], "b", &[Arc::from("a")], n), "b");
         }
+    }
+
+    #[test]
+    fn with_load_placement_a_new_session_that_fits_everywhere_goes_to_the_least_work_not_the_most_room() {
+        let f = fleet(&["a", "b"]);
+        f[1].work_for_tests(5_000);
+        let shape = RequestShape { multi_unit: true, pin_at: Some(1), prompt_bytes: 4_000, ..Default::default() };
+        let taken = [6_000, 1_000];
+        let place = |prompt_bytes: usize| {
+            let shape = RequestShape { prompt_bytes, ..shape.clone() };
+            let room = |r: &Replica| {
+                let i = f.iter().position(|x| x.id == r.id).unwrap();
+                Room { capacity: Some(10_000), taken: taken[i], slot_tokens: None }
+            };
+            let input = PlanInput {
+                mode: Mode::Shape,
+                shape: &shape,
+                pinned: None,
+                named: None,
+                shared: None,
+                spread: policy::Spread::Load,
+                fits: None,
+                stored: None,
+                tried: &[],
+                large: false,
+                room: Some(&room),
+            };
+            f[plan(&input, &f, |_| true, &SpreadCounter::default()).unwrap().replica].id.to_string()
+        };
+        // 1,000 tokens fit both: a, with less room but no work queued.
+        assert_eq!(place(4_000), "a");
+        // 5,000 tokens fit only b's room: the room decides.
+        assert_eq!(place(20_000), "b");
     }
 }

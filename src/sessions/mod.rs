@@ -607,13 +607,31 @@ impl Sessions {
         Room { capacity, taken, slot_tokens }
     }
 
-    /// Where the hold and the pauses take `r`'s wall to be
-    /// (`sessions.wall`): where one was seen, or the declared capacity
-    /// raised by receipts (`Learned::capacity`). None: nothing waits there.
+    /// Where the hold takes `r`'s wall to be (`sessions.wall`): where it is
+    /// declared, the declared capacity (lowered to a wall seen below it);
+    /// where it is learned, nothing until a wall was seen, then what it
+    /// holds as learned (`Learned::capacity`: the declared capacity raised
+    /// by kept receipts, no more than the wall). None: nothing waits there.
     pub fn wall_of(&self, r: &Replica) -> Option<u64> {
+        let learned = r.residents.learned();
         match self.wall_at(r) {
-            WallAt::Declared => r.residents.learned().capacity(r.kv_capacity()),
-            _ => r.residents.wall(),
+            // A pool's blocks are its wall: a kept receipt above them says
+            // more of the count (a shared system prompt counted per
+            // session) than of the pool, so only a wall seen lowers it.
+            WallAt::Declared => r.kv_capacity().map(|c| learned.wall_tokens.map_or(c, |w| c.min(w))),
+            _ if learned.wall_tokens.is_none() => None,
+            _ => learned.capacity(r.kv_capacity()),
+        }
+    }
+
+    /// The pool the pauses keep `r`'s residents within: its declared
+    /// capacity where the wall is declared (a wall seen lower makes new
+    /// sessions wait, not resident ones pause: the residents' turns are
+    /// what found it), its wall where it is learned.
+    pub(super) fn pause_pool(&self, r: &Replica) -> Option<u64> {
+        match self.wall_at(r) {
+            WallAt::Declared => r.kv_capacity(),
+            _ => self.wall_of(r),
         }
     }
 

@@ -46,7 +46,7 @@ impl Sessions {
         if self.settings.max_wait_ms == 0 {
             return false;
         }
-        let Some(capacity) = self.wall_of(replica) else { return false };
+        let Some(capacity) = self.pause_pool(replica) else { return false };
         let shape = Room { capacity: Some(capacity), taken: 0, slot_tokens: replica.slot_tokens() };
         let on = replica.residents.snapshot();
         let Some(me) = on.iter().find(|(id, _)| *id == session).map(|(_, r)| *r) else { return false };

@@ -852,7 +852,8 @@ async fn with_the_wall_learned_nothing_waits_until_a_returning_session_loses_its
     let card = after["replicas"].as_array().unwrap().iter().find(|r| r["replica"] == three.replica.as_str()).unwrap();
     assert_eq!(card["evidence"]["receipts_lost"], 1, "{card} {}", back.body["usage"]);
     let wall = card["evidence"]["wall_tokens"].as_u64().expect("a wall seen");
-    assert_eq!(card["learned_tokens"].as_u64(), Some(wall), "{card}");
+    // What it holds as learned: no more than its wall, nor than it was seen to keep.
+    assert_eq!(card["learned_tokens"].as_u64(), Some(wall.min(20_000)), "{card}");
     assert!((20_000..=30_000).contains(&wall), "lost with both sessions resident: {wall}");
     gw.stop().await;
 }

@@ -103,6 +103,7 @@ fn next_replica(state: &AppState, mode: Mode, shape: &RequestShape, tried: &[Arc
         named: None,
         shared: None,
         spread,
+        fits: None,
         stored: None,
         tried,
         large: false,
