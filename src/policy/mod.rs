@@ -316,9 +316,10 @@ pub fn decide(
 /// what is not cached (`context - cached` tokens) takes longer than
 /// prefilling the whole `context` there behind its work. Times come from
 /// each replica's measured prefill rate; where either is not measured, both
-/// count alike (tokens against tokens). A turn's cached share is what it
-/// gives up by moving, so a long, warm context stays unless the queue is
-/// longer still; at the KV wall it never moves where it does not fit.
+/// count alike (tokens against tokens); the saving must be at least
+/// `MOVE_MARGIN_TOKENS`. A turn's cached share is what it gives up by
+/// moving, so a long, warm context stays unless the queue is longer still;
+/// at the KV wall it never moves where it does not fit.
 pub fn moves(candidates: &[Candidate], home: usize, context: u64, cached: u64) -> Option<usize> {
     let here = &candidates[home];
     let (to, there) = candidates
@@ -332,8 +333,13 @@ pub fn moves(candidates: &[Candidate], home: usize, context: u64, cached: u64) -
     };
     let stay = (here.load + context.saturating_sub(cached)) as f64 / rate_here;
     let go = (there.load + context) as f64 / rate_there;
-    (stay > go).then_some(to)
+    (stay > go + MOVE_MARGIN_TOKENS as f64 / rate_here).then_some(to)
 }
+
+/// A move must save at least this many tokens' worth of prefill: below it,
+/// a snapshot of the queues (which change with every request) says too
+/// little to give up a warm prefix, and conversations would bounce.
+pub const MOVE_MARGIN_TOKENS: u64 = 4_096;
 
 /// Whether a request whose own last boundary is at index `ends_at`
 /// continues the conversation of a pin found at its boundary `at`, which

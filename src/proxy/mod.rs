@@ -300,6 +300,10 @@ impl Forwarding<'_> {
             tried: &retries.tried,
             large: lookup.large,
             room: new_session.then_some(&room as &dyn Fn(&Replica) -> crate::sessions::Room),
+            session_tokens: match new_session {
+                true => tokens.max(state.sessions.project(lookup.shape.boundaries.first().map(|b| b.key)).unwrap_or(0)),
+                false => 0,
+            },
         };
         let has_slot = |r: &Replica| r.large_slots.has_free_slot(r.spec().max_large_inflight);
         let route = plan::plan(&input, &fleet, has_slot, &state.spread)

@@ -58,6 +58,9 @@ pub struct PlanInput<'a> {
     /// (`routing.spread`); else it goes where the most room is, ties and
     /// unknown capacities to the spread.
     pub room: Option<&'a dyn Fn(&Replica) -> Room>,
+    /// With `room`: the new session's footprint, as the hold admits it
+    /// (its projection, `sessions::projection::admitted_tokens`).
+    pub session_tokens: u64,
 }
 
 pub fn plan(
@@ -104,8 +107,7 @@ pub fn plan(
         let rooms: SmallVec<[Room; 16]> = routable.iter().map(|i| room(&fleet[*i])).collect();
         // Where it fits anywhere, load places it (`routing.spread`); at the
         // wall, the most room does.
-        let tokens = crate::tokens::estimate_tokens(input.shape.prompt_bytes);
-        let fits_anywhere = rooms.iter().all(|r| r.capacity.is_none() || r.fits(tokens));
+        let fits_anywhere = rooms.iter().all(|r| r.capacity.is_none() || r.fits(input.session_tokens));
         let best = most_room(&rooms);
         for (k, i) in routable.iter().enumerate() {
             candidates[*i].routable = best.contains(&k) || (fits_anywhere && input.spread == policy::Spread::Load);
@@ -170,6 +172,7 @@ mod tests {
             tried,
             large: true,
             room: Some(&room),
+            session_tokens: crate::tokens::estimate_tokens(shape.prompt_bytes),
         };
         let route = plan(&input, fleet, |r| &*r.id == slot, &SpreadCounter::starting_at(n)).unwrap();
         fleet[route.replica].id.to_string()
@@ -213,6 +216,7 @@ mod tests {
                 tried: &[],
                 large: false,
                 room: Some(&room),
+                session_tokens: crate::tokens::estimate_tokens(shape.prompt_bytes),
             };
             f[plan(&input, &f, |_| true, &SpreadCounter::default()).unwrap().replica].id.to_string()
         };

@@ -108,6 +108,7 @@ fn next_replica(state: &AppState, mode: Mode, shape: &RequestShape, tried: &[Arc
         tried,
         large: false,
         room: None,
+        session_tokens: 0,
     };
     let route = plan::plan(&input, &fleet, |_| true, &state.spread).ok()?;
     Some(fleet[route.replica].clone())
