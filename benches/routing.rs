@@ -121,19 +121,7 @@ fn decision(c: &mut Criterion) {
     }));
     pins.record(shape.boundaries[shape.boundaries.len() - 3].key, &r0, None, 1, 1, Default::default());
     let ids = ["r0", "r1", "r2", "r3"];
-    let candidates: Vec<Candidate> = ids
-        .iter()
-        .map(|id| Candidate {
-            id,
-            routable: true,
-            spare: true,
-            weight: 1,
-            load: 0,
-            holds_shared: false,
-            prefill_tps: None,
-            has_room: true,
-        })
-        .collect();
+    let candidates: Vec<Candidate> = ids.iter().map(|id| Candidate::idle(id)).collect();
     let route = |s: &policy::RequestShape| {
         let found = pins.lookup_longest(&s.boundaries, s.boundaries.len() - 1).continued;
         let pinned = found

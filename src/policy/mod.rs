@@ -184,6 +184,23 @@ pub struct Candidate<'a> {
     pub has_room: bool,
 }
 
+impl<'a> Candidate<'a> {
+    /// A routable replica with spare room, weight 1 and nothing to do (the
+    /// start of tests' and benchmarks' candidates).
+    pub fn idle(id: &'a str) -> Candidate<'a> {
+        Candidate {
+            id,
+            routable: true,
+            spare: true,
+            weight: 1,
+            load: 0,
+            holds_shared: false,
+            prefill_tps: None,
+            has_room: true,
+        }
+    }
+}
+
 /// How requests that continue nothing are placed (`routing.spread`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]

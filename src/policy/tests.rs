@@ -51,16 +51,7 @@ impl Router {
             .ids
             .iter()
             .zip(&self.down)
-            .map(|(id, down)| Candidate {
-                id,
-                routable: !down,
-                spare: true,
-                weight: 1,
-                load: 0,
-                holds_shared: false,
-                prefill_tps: None,
-                has_room: true,
-            })
+            .map(|(id, down)| Candidate { routable: !down, ..Candidate::idle(id) })
             .collect();
         let pinned = longest(&shape, |k| self.pins.get(&k).cloned());
         let d = decide(
@@ -169,28 +160,7 @@ fn every_mode_picks_the_live_replica_and_none_when_all_are_down() {
 #[test]
 fn spread_prefers_a_replica_with_a_free_slot_but_pins_do_not_move() {
     let ids = ["a", "b"];
-    let candidates = [
-        Candidate {
-            id: ids[0],
-            routable: true,
-            spare: false,
-            weight: 1,
-            load: 0,
-            holds_shared: false,
-            prefill_tps: None,
-            has_room: true,
-        },
-        Candidate {
-            id: ids[1],
-            routable: true,
-            spare: true,
-            weight: 1,
-            load: 0,
-            holds_shared: false,
-            prefill_tps: None,
-            has_room: true,
-        },
-    ];
+    let candidates = [Candidate { spare: false, ..Candidate::idle(ids[0]) }, Candidate::idle(ids[1])];
     let counter = SpreadCounter::default();
     for i in 0..4 {
         let shape = identity::extract(Endpoint::Chat, single(i).as_bytes(), IdentityBlocks::default()).unwrap();
@@ -237,7 +207,7 @@ proptest! {
     #[test]
     fn spread_never_picks_an_unroutable_replica(routable in prop::collection::vec(any::<bool>(), 1..8), start in 0u64..1000, n in 1usize..20) {
         let ids: Vec<String> = (0..routable.len()).map(|i| format!("r{i}")).collect();
-        let candidates: Vec<Candidate> = ids.iter().zip(&routable).map(|(id, r)| Candidate { id, routable: *r, spare: true, weight: 1, load: 0, holds_shared: false, prefill_tps: None, has_room: true }).collect();
+        let candidates: Vec<Candidate> = ids.iter().zip(&routable).map(|(id, r)| Candidate { routable: *r, ..Candidate::idle(id) }).collect();
         let counter = SpreadCounter(AtomicU64::new(start));
         let shape = RequestShape::default();
         let live = routable.iter().filter(|r| **r).count();
@@ -260,7 +230,7 @@ proptest! {
     ) {
         let ids: Vec<String> = (0..routable.len()).map(|i| format!("r{i}")).collect();
         let pinned = pinned % ids.len();
-        let candidates: Vec<Candidate> = ids.iter().zip(&routable).map(|(id, r)| Candidate { id, routable: *r, spare: true, weight: 1, load: 0, holds_shared: false, prefill_tps: None, has_room: true }).collect();
+        let candidates: Vec<Candidate> = ids.iter().zip(&routable).map(|(id, r)| Candidate { routable: *r, ..Candidate::idle(id) }).collect();
         let first = identity::extract(Endpoint::Chat, conversation("p", 1).as_bytes(), IdentityBlocks::default()).unwrap();
         let later = identity::extract(Endpoint::Chat, conversation("p", turns).as_bytes(), IdentityBlocks::default()).unwrap();
         let pin_key = first.pin_at.unwrap();
@@ -281,19 +251,7 @@ proptest! {
 #[test]
 fn a_session_key_decides_only_without_prefix_evidence() {
     let ids = ["a", "b"];
-    let candidates: Vec<Candidate> = ids
-        .iter()
-        .map(|id| Candidate {
-            id,
-            routable: true,
-            spare: true,
-            weight: 1,
-            load: 0,
-            holds_shared: false,
-            prefill_tps: None,
-            has_room: true,
-        })
-        .collect();
+    let candidates: Vec<Candidate> = ids.iter().map(|id| Candidate::idle(id)).collect();
     let counter = SpreadCounter::default();
     // A compacted history (no pinned prefix) follows its session.
     let shape = identity::extract(Endpoint::Chat, single(1).as_bytes(), IdentityBlocks::default()).unwrap();
@@ -306,28 +264,7 @@ fn a_session_key_decides_only_without_prefix_evidence() {
     let d = decide(Mode::Shape, &shape, &candidates, longest(&shape, |_| Some("a")), Some("b"), &counter).unwrap();
     assert_eq!((d.replica, d.reason), (0, RouteReason::Pinned));
     // The session's replica gone: spread, and the session moves.
-    let gone = [
-        Candidate {
-            id: "a",
-            routable: true,
-            spare: true,
-            weight: 1,
-            load: 0,
-            holds_shared: false,
-            prefill_tps: None,
-            has_room: true,
-        },
-        Candidate {
-            id: "b",
-            routable: false,
-            spare: true,
-            weight: 1,
-            load: 0,
-            holds_shared: false,
-            prefill_tps: None,
-            has_room: true,
-        },
-    ];
+    let gone = [Candidate::idle("a"), Candidate { routable: false, ..Candidate::idle("b") }];
     let d = decide(Mode::Shape, &shape, &gone, None, Some("b"), &counter).unwrap();
     assert_eq!((d.replica, d.reason), (0, RouteReason::Repinned));
     // The baselines ignore keys.
@@ -337,16 +274,7 @@ fn a_session_key_decides_only_without_prefix_evidence() {
 
 #[test]
 fn spread_picks_follow_the_weights_and_weight_zero_is_a_last_resort() {
-    let c = |id, routable, weight| Candidate {
-        id,
-        routable,
-        spare: true,
-        weight,
-        load: 0,
-        holds_shared: false,
-        prefill_tps: None,
-        has_room: true,
-    };
+    let c = |id, routable, weight| Candidate { routable, weight, ..Candidate::idle(id) };
     let picks =
         |candidates: &[Candidate]| (0..8).map(|at| spread_pick(candidates, Spread::Counter, at)).collect::<Vec<_>>();
     let share = |picks: &[usize], i| picks.iter().filter(|p| **p == i).count();
@@ -361,16 +289,7 @@ fn spread_picks_follow_the_weights_and_weight_zero_is_a_last_resort() {
 
 #[test]
 fn a_load_spread_goes_to_the_least_work_per_weight_then_the_shared_prompts_holder_then_the_counter() {
-    let c = |id, load, weight, holds_shared| Candidate {
-        id,
-        routable: true,
-        spare: true,
-        weight,
-        load,
-        holds_shared,
-        prefill_tps: None,
-        has_room: true,
-    };
+    let c = |id, load, weight, holds_shared| Candidate { load, weight, holds_shared, ..Candidate::idle(id) };
     let picks =
         |candidates: &[Candidate], spread| (0..4).map(|at| spread_pick(candidates, spread, at)).collect::<Vec<_>>();
     // The least outstanding work, whatever the counter says.
@@ -405,16 +324,7 @@ fn a_request_continues_from_where_a_served_one_ended_or_from_a_boundary_it_passe
 
 #[test]
 fn a_pinned_turn_moves_only_when_its_replicas_queue_outweighs_a_whole_prefill_elsewhere() {
-    let c = |id, load, prefill_tps| Candidate {
-        id,
-        routable: true,
-        spare: true,
-        weight: 1,
-        load,
-        holds_shared: false,
-        prefill_tps,
-        has_room: true,
-    };
+    let c = |id, load, prefill_tps| Candidate { load, prefill_tps, ..Candidate::idle(id) };
     // 20,000 tokens queued at home, nothing elsewhere: a 5,000-token turn
     // (4,000 cached) waits longer than it would prefill whole on b.
     assert_eq!(moves(&[c("a", 20_000, None), c("b", 0, None)], 0, 5_000, 4_000), Some(1));

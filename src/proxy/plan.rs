@@ -150,10 +150,19 @@ mod tests {
         ids.iter().map(|id| Arc::new(Replica::new(ReplicaSpec::new(id, "http://x"), AdminState::Active))).collect()
     }
 
-    /// Where a new large session goes among `fleet`, with the rooms
-    /// `taken` (tokens of 10,000) and a free large slot only on `slot`.
-    fn new_large_session(fleet: &[Arc<Replica>], taken: &[u64], slot: &str, tried: &[Arc<str>], n: u64) -> String {
-        let shape = RequestShape { multi_unit: true, pin_at: Some(1), prompt_bytes: 4_000, ..Default::default() };
+    /// Where a new session of `prompt_bytes` goes among `fleet`, with the
+    /// rooms `taken` (tokens of 10,000), placed by `spread`; large, with a
+    /// free large slot only on `slot`, when one is named.
+    fn new_session(
+        fleet: &[Arc<Replica>],
+        taken: &[u64],
+        prompt_bytes: usize,
+        spread: policy::Spread,
+        slot: Option<&str>,
+        tried: &[Arc<str>],
+        n: u64,
+    ) -> String {
+        let shape = RequestShape { multi_unit: true, pin_at: Some(1), prompt_bytes, ..Default::default() };
         let room = |r: &Replica| {
             let i = fleet.iter().position(|f| f.id == r.id).unwrap();
             Room { capacity: Some(10_000), taken: taken[i], slot_tokens: None }
@@ -164,18 +173,22 @@ mod tests {
             pinned: None,
             named: None,
             shared: None,
-            // The counter: with load placement, a session that fits
-            // everywhere is placed by load, not room (the next test).
-            spread: policy::Spread::Counter,
+            spread,
             fits: None,
             stored: None,
             tried,
-            large: true,
+            large: slot.is_some(),
             room: Some(&room),
-            session_tokens: crate::tokens::estimate_tokens(shape.prompt_bytes),
+            session_tokens: crate::tokens::estimate_tokens(prompt_bytes),
         };
-        let route = plan(&input, fleet, |r| &*r.id == slot, &SpreadCounter::starting_at(n)).unwrap();
+        let route = plan(&input, fleet, |r| slot == Some(&*r.id), &SpreadCounter::starting_at(n)).unwrap();
         fleet[route.replica].id.to_string()
+    }
+
+    /// A new large session, placed by the counter: with load placement, a
+    /// session that fits everywhere is placed by load, not room (the next test).
+    fn new_large_session(fleet: &[Arc<Replica>], taken: &[u64], slot: &str, tried: &[Arc<str>], n: u64) -> String {
+        new_session(fleet, taken, 4_000, policy::Spread::Counter, Some(slot), tried, n)
     }
 
     #[test]
@@ -196,30 +209,7 @@ mod tests {
     fn with_load_placement_a_new_session_that_fits_everywhere_goes_to_the_least_work_not_the_most_room() {
         let f = fleet(&["a", "b"]);
         f[1].work_for_tests(5_000);
-        let shape = RequestShape { multi_unit: true, pin_at: Some(1), prompt_bytes: 4_000, ..Default::default() };
-        let taken = [6_000, 1_000];
-        let place = |prompt_bytes: usize| {
-            let shape = RequestShape { prompt_bytes, ..shape.clone() };
-            let room = |r: &Replica| {
-                let i = f.iter().position(|x| x.id == r.id).unwrap();
-                Room { capacity: Some(10_000), taken: taken[i], slot_tokens: None }
-            };
-            let input = PlanInput {
-                mode: Mode::Shape,
-                shape: &shape,
-                pinned: None,
-                named: None,
-                shared: None,
-                spread: policy::Spread::Load,
-                fits: None,
-                stored: None,
-                tried: &[],
-                large: false,
-                room: Some(&room),
-                session_tokens: crate::tokens::estimate_tokens(shape.prompt_bytes),
-            };
-            f[plan(&input, &f, |_| true, &SpreadCounter::default()).unwrap().replica].id.to_string()
-        };
+        let place = |prompt_bytes| new_session(&f, &[6_000, 1_000], prompt_bytes, policy::Spread::Load, None, &[], 0);
         // 1,000 tokens fit both: a, with less room but no work queued.
         assert_eq!(place(4_000), "a");
         // 5,000 tokens fit only b's room: the room decides.
