@@ -798,3 +798,35 @@ async fn a_redis_that_answers_after_two_seconds_holds_admin_actions_and_never_a_
     assert_eq!(status, 200);
     gw.stop().await;
 }
+
+/// Issue 49: an agent that replaces a status line every turn, each turn on
+/// the next of three instances with no pause, the flusher slowed to 10 s:
+/// the boundaries a turn passed reach the next instance in its
+/// announcement, so the next turn finds the same match there.
+#[actix_web::test]
+async fn a_turn_whose_tail_was_rewritten_finds_its_conversation_on_the_next_instance() {
+    let Some(redis) = Redis::start() else { return };
+    let (a, b) = (start_sim("a", fast_sim()).await, start_sim("b", fast_sim()).await);
+    let gws = announcing_only(&[&a, &b], &redis, 3).await;
+    let task = text("a task whose status line is rewritten", 2_000);
+    let mut history = vec![("system".to_string(), "You are an agent.".to_string()), ("user".to_string(), task)];
+    let mut home = String::new();
+    for turn in 0..6usize {
+        let mut sent = history.clone();
+        sent.push(("user".into(), format!("Tool-call turn {turn} of 100.")));
+        let view: Vec<(&str, &str)> = sent.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
+        let r = chat(&gws[turn % 3], &view).await;
+        assert_eq!(r.status, 200);
+        if turn == 0 {
+            home = r.replica.clone();
+        } else {
+            assert_eq!((r.replica.as_str(), r.route.as_str()), (home.as_str(), "pinned"), "turn {turn}");
+            assert!(cached_tokens(&r) > 1_000, "turn {turn} is warm");
+        }
+        history.push(("assistant".into(), format!("calling tool {turn}")));
+        history.push(("user".into(), format!("tool result {turn}")));
+    }
+    for gw in gws {
+        gw.stop().await;
+    }
+}
