@@ -25,6 +25,8 @@
 # INSTANCES=N (1): each arm through N gateway instances on one fresh Redis,
 # each turn of a family to the next instance (needs redis-server).
 # HOLD_MIN_TOKENS=N: sets sessions.hold_min_tokens.
+# CACHE_RAM=MiB: llama-server's host-RAM prompt cache (default 0: the one
+# slot is all it keeps; 8192 is llama-server as shipped).
 # PRIORITY=1: an arm more, four background families and an interactive one
 # two seconds later (its first-turn hold against theirs); PRIORITY=only: that
 # arm alone.
@@ -87,7 +89,7 @@ elif [ -z "$SIM" ]; then
   for i in 0 1; do
     port=$(free_port)
     taskset -c "$i" "$LLAMA_SERVER" -m "$MODEL" --host 127.0.0.1 --port "$port" -t 1 -c 16384 -np 1 \
-      --cache-ram 0 --jinja -a smollm2 --metrics >"$BENCH_TMP/llama-$i.log" 2>&1 &
+      --cache-ram "${CACHE_RAM:-0}" --jinja -a smollm2 --metrics >"$BENCH_TMP/llama-$i.log" 2>&1 &
     LLAMA_URL[$i]="http://127.0.0.1:$port"
   done
   for i in 0 1; do
