@@ -94,7 +94,7 @@ pub(super) async fn look_up(
         let matched = |(i, pin): (usize, Pin)| {
             (PrefixMatch { key: shape.boundaries[i].key, bytes: shape.boundaries[i].bytes }, pin)
         };
-        (found.continued.map(matched), found.shared.map(|f| matched(f).1.replica))
+        (found.continued.map(matched), found.shared.map(|(_, pin)| pin.replica))
     };
     let named_home = || session.and_then(|s| state.pins.replica_of(s.key));
     let ((mut pinned, mut shared), mut named) = (longest_pinned(), named_home());
