@@ -578,7 +578,16 @@ impl PinTable {
         for (key, pin) in changes {
             match pin {
                 Some(pin) => {
-                    if self.read(key).is_none_or(|held| held.last_used_ms <= pin.last_used_ms) {
+                    // A request's own pin outranks a mark whenever each came:
+                    // an instance that had not heard of the pin yet marked the
+                    // boundary a request ended at.
+                    let (passed, is_mark) = (PinSource::Passed.to_u8(), pin.origin.source == PinSource::Passed);
+                    let takes = |held: Slot| match (held.source == passed, is_mark) {
+                        (false, true) => false,
+                        (true, false) => true,
+                        _ => held.last_used_ms <= pin.last_used_ms,
+                    };
+                    if self.read(key).is_none_or(takes) {
                         newer.push((key, pin));
                     }
                 }
@@ -935,6 +944,31 @@ mod tests {
         assert_eq!(moved.len(), 2);
         assert!(moved.iter().all(|(_, p)| &*p.replica == "b" && p.family == first.family));
         assert_eq!(again("a", 1_011).len(), 2, "stale: written again");
+    }
+
+    #[test]
+    fn another_instances_mark_never_replaces_a_requests_own_pin() {
+        let t = PinTable::default();
+        t.record(5, &id("a"), None, 10, 100, PinOrigin::default());
+        let mark = Pin {
+            replica: id("b"),
+            created_ms: 200,
+            last_used_ms: 200,
+            turns: 2,
+            est_tokens: 10,
+            family: 5,
+            origin: PinOrigin { source: PinSource::Passed, ..Default::default() },
+            went_on: 1,
+        };
+        t.apply([(5, Some(mark.clone()))]);
+        assert_eq!((t.get(5).unwrap().origin.source, t.get(5).unwrap().went_on), (PinSource::Prefix, 0));
+        // Where nothing ended, it is applied as any newer pin; a request's
+        // own pin there later replaces it, whenever it was written.
+        t.apply([(6, Some(mark.clone()))]);
+        assert_eq!(t.get(6), Some(mark.clone()));
+        let own = Pin { origin: PinOrigin::default(), went_on: 0, last_used_ms: 150, ..mark };
+        t.apply([(6, Some(own.clone()))]);
+        assert_eq!(t.get(6), Some(own));
     }
 
     #[test]
