@@ -17,16 +17,13 @@ if [ -z "${BIN:-}" ]; then cargo build --release -q; fi
 bin=${BIN:-$PWD/target/release/prefixgate}
 source bench/lib.sh
 bench_init
-for i in 0 1; do
-  start_sim "s$i" --slots 1 --kv-tokens 65536 --host-cache-tokens 2000000 --time-scale "$TIME_SCALE"
-done
-reps="--replica s0=${SIM_URL[s0]} --replica s1=${SIM_URL[s1]}"
+start_sim_pair --slots 1 --kv-tokens 65536 --host-cache-tokens 2000000 --time-scale "$TIME_SCALE"
 n=0
 arm() {
   local name=$1; shift
   n=$((n + 1))
   local gw="$name-$n"
-  start_gateway "$gw" "$bin" $reps --set sessions.idle_ms=1000 "$@"
+  start_gateway "$gw" "$bin" $REPLICAS --set sessions.idle_ms=1000 "$@"
   wait_replicas_up "${GW_ADMIN[$gw]}" 2
   $bin bench agent-loop --base-url "${GW_URL[$gw]}" --label "$name" --families "$FAMILIES" --turns "$TURNS" \
     --shared-tokens 2000 --context-tokens 4000 --turn-tokens 1500 --max-tokens 16 --json >"$BENCH_TMP/$gw.json"

@@ -48,6 +48,14 @@ start_sim() {
   SIM_URL[$name]=${line##*url=}
 }
 
+# start_sim_pair [sim-replica flags...]: simulated replicas s0 and s1 with
+# the same flags; REPLICAS holds the gateway's `--replica` flags for both.
+start_sim_pair() {
+  start_sim s0 "$@"
+  start_sim s1 "$@"
+  REPLICAS="--replica s0=${SIM_URL[s0]} --replica s1=${SIM_URL[s1]}"
+}
+
 start_gateway() {
   local name=$1 binary=$2; shift 2
   "$binary" serve --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 "$@" >"$BENCH_TMP/gw-$name.out" 2>"$BENCH_TMP/gw-$name.err" &

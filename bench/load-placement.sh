@@ -18,14 +18,13 @@ if [ -z "${BIN:-}" ]; then cargo build --release -q; fi
 bin=${BIN:-$PWD/target/release/prefixgate}
 source bench/lib.sh
 bench_init
-for i in 0 1; do start_sim "s$i" --kv-tokens "$SIM_KV" --time-scale "$TIME_SCALE"; done
-reps="--replica s0=${SIM_URL[s0]} --replica s1=${SIM_URL[s1]}"
+start_sim_pair --kv-tokens "$SIM_KV" --time-scale "$TIME_SCALE"
 n=0
 arm() {
   local name=$1; shift
   n=$((n + 1))
   local gw="$name-$n"
-  start_gateway "$gw" "$bin" $reps "$@"
+  start_gateway "$gw" "$bin" $REPLICAS "$@"
   wait_replicas_up "${GW_ADMIN[$gw]}" 2
   $bin bench agent-loop --base-url "${GW_URL[$gw]}" --label "$name" --families "$FAMILIES" --heavy "$HEAVY" \
     --heavy-factor 15 --turns "$TURNS" --shared-tokens "$SHARED" --context-tokens 2000 --turn-tokens 300 \

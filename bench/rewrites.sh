@@ -13,11 +13,9 @@ bin=${BIN:-target/release/prefixgate}
 [ -x "$bin" ] || cargo build --release -q --bin prefixgate
 source bench/lib.sh
 bench_init
-SIM_BIN=$bin start_sim a --time-scale 0.25
-SIM_BIN=$bin start_sim b --time-scale 0.25
-reps="--replica a=${SIM_URL[a]} --replica b=${SIM_URL[b]}"
+SIM_BIN=$bin start_sim_pair --time-scale 0.25
 for form in none status reminder; do
-  start_gateway "$form" "$bin" $reps
+  start_gateway "$form" "$bin" $REPLICAS
   wait_replicas_up "${GW_ADMIN[$form]}" 2
   $bin bench agent-loop --base-url "${GW_URL[$form]}" --label "$form" --families "$families" --turns "$turns" \
     --context-tokens 8000 --turn-tokens 300 --system-tokens 2000 --rewrite "$form" --json >"$BENCH_TMP/$form.json"

@@ -462,18 +462,20 @@ impl PinTable {
         let mut out = Vec::new();
         for (i, &(key, est_tokens)) in passed.iter().enumerate() {
             let went_on = u32::try_from(n - i).unwrap_or(u32::MAX);
-            let fresh = Pin {
-                replica: replica.clone(),
-                created_ms: now_ms,
-                last_used_ms: now_ms,
-                turns,
-                est_tokens,
-                family,
-                origin: PinOrigin { dialect, source: PinSource::Passed },
-                went_on,
-            };
             match self.get(key) {
-                None => out.push((key, fresh)),
+                None => out.push((
+                    key,
+                    Pin {
+                        replica: replica.clone(),
+                        created_ms: now_ms,
+                        last_used_ms: now_ms,
+                        turns,
+                        est_tokens,
+                        family,
+                        origin: PinOrigin { dialect, source: PinSource::Passed },
+                        went_on,
+                    },
+                )),
                 Some(held) if held.origin.source != PinSource::Passed => {}
                 // Another conversation passed it too: a prompt they share
                 // (a system prompt and tools), which no request continues.

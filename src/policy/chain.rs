@@ -121,6 +121,23 @@ pub struct RequestShape {
     pub stream: super::stream::StreamAsks,
 }
 
+impl RequestShape {
+    /// The index of the request's own last boundary, where its pin goes
+    /// (the last one; a completion's last full block): how far it goes, for
+    /// `policy::continues`, and where the boundaries it passes end.
+    pub fn pin_index(&self) -> Option<usize> {
+        self.boundaries.iter().rposition(|b| Some(b.key) == self.pin_at)
+    }
+
+    /// The boundaries it passes on the way to its own pin, as keys and
+    /// estimated tokens (its marks, `PinTable::passed_marks`): none when
+    /// it has no pin or one boundary.
+    pub fn passed(&self) -> Vec<(PrefixKey, u64)> {
+        let upto = self.pin_index().unwrap_or(0);
+        self.boundaries[..upto].iter().map(|b| (b.key, crate::tokens::estimate_tokens(b.bytes))).collect()
+    }
+}
+
 /// Input the router cannot route; becomes a 400 with this message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShapeError(pub String);

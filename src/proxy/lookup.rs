@@ -89,8 +89,8 @@ pub(super) async fn look_up(
         if !shape.multi_unit {
             return (None, None);
         }
-        let ends_at = shape.boundaries.iter().rposition(|b| Some(b.key) == shape.pin_at);
-        let found = state.pins.lookup_longest(&shape.boundaries, ends_at.unwrap_or(shape.boundaries.len() - 1));
+        let ends_at = shape.pin_index().unwrap_or(shape.boundaries.len() - 1);
+        let found = state.pins.lookup_longest(&shape.boundaries, ends_at);
         let matched = |(i, pin): (usize, Pin)| {
             (PrefixMatch { key: shape.boundaries[i].key, bytes: shape.boundaries[i].bytes }, pin)
         };

@@ -284,6 +284,7 @@ impl Forwarding<'_> {
         // A pinned turn moves only where its context fits the room (the
         // hold on or off: a move into a full pool evicts another session).
         let tokens = crate::tokens::estimate_tokens(lookup.shape.prompt_bytes);
+        let link = lookup.shape.boundaries.first().map(|b| b.key);
         let fits = |r: &Replica| {
             let room = state.sessions.room_of(r);
             room.capacity.is_none() || room.fits(tokens)
@@ -300,8 +301,9 @@ impl Forwarding<'_> {
             tried: &retries.tried,
             large: lookup.large,
             room: new_session.then_some(&room as &dyn Fn(&Replica) -> crate::sessions::Room),
+            // As the gate admits it: its projection, if larger.
             session_tokens: match new_session {
-                true => tokens.max(state.sessions.project(lookup.shape.boundaries.first().map(|b| b.key)).unwrap_or(0)),
+                true => crate::sessions::projection::admitted_tokens(tokens, state.sessions.project(link), None),
                 false => 0,
             },
         };
@@ -389,7 +391,7 @@ impl Forwarding<'_> {
         let pinned = self.lookup.pinned.as_ref();
         let pin_turn = Turn {
             pin_at: shape.pin_at,
-            passed: passed_boundaries(shape),
+            passed: shape.passed().into(),
             parent: pinned.map(|(m, _)| m.key),
             session: self.lookup.session,
             dialect: shape.dialect,
@@ -514,14 +516,6 @@ struct Sent {
 /// that carries no `cache_salt` gets its client's (`tenancy.rs`): one
 /// of the two edits the gateway makes to a body (the README lists both; the
 /// other is continuation's `return_token_ids`).
-/// The boundaries a request passes on the way to its own pin, for its
-/// marks (`Turn::passed`): empty when it has none (one message, one block).
-fn passed_boundaries(shape: &crate::policy::RequestShape) -> Arc<[(crate::policy::PrefixKey, u64)]> {
-    let upto = shape.boundaries.iter().rposition(|b| Some(b.key) == shape.pin_at).unwrap_or(0);
-    let tokens = |bytes| crate::tokens::estimate_tokens(bytes);
-    shape.boundaries[..upto].iter().map(|b| (b.key, tokens(b.bytes))).collect()
-}
-
 fn salted(
     body: web::Bytes,
     endpoint: Endpoint,

@@ -63,6 +63,28 @@ pub struct PlanInput<'a> {
     pub session_tokens: u64,
 }
 
+impl<'a> PlanInput<'a> {
+    /// A request planned on its shape alone: no pin, session key, stored
+    /// response, room or large slot (a next leg's replica; what the tests
+    /// add to).
+    pub fn on_shape(mode: Mode, spread: policy::Spread, shape: &'a RequestShape, tried: &'a [Arc<str>]) -> Self {
+        PlanInput {
+            mode,
+            shape,
+            pinned: None,
+            named: None,
+            shared: None,
+            spread,
+            fits: None,
+            stored: None,
+            tried,
+            large: false,
+            room: None,
+            session_tokens: 0,
+        }
+    }
+}
+
 pub fn plan(
     input: &PlanInput,
     fleet: &[Arc<Replica>],
@@ -168,18 +190,10 @@ mod tests {
             Room { capacity: Some(10_000), taken: taken[i], slot_tokens: None }
         };
         let input = PlanInput {
-            mode: Mode::Shape,
-            shape: &shape,
-            pinned: None,
-            named: None,
-            shared: None,
-            spread,
-            fits: None,
-            stored: None,
-            tried,
             large: slot.is_some(),
             room: Some(&room),
             session_tokens: crate::tokens::estimate_tokens(prompt_bytes),
+            ..PlanInput::on_shape(Mode::Shape, spread, &shape, tried)
         };
         let route = plan(&input, fleet, |r| slot == Some(&*r.id), &SpreadCounter::starting_at(n)).unwrap();
         fleet[route.replica].id.to_string()

@@ -95,21 +95,7 @@ pub fn start(seed: &Seed, said: &Said, tried: &mut Vec<Arc<str>>) -> Starting {
 /// its legs ran on.
 fn next_replica(state: &AppState, mode: Mode, shape: &RequestShape, tried: &[Arc<str>]) -> Option<Arc<Replica>> {
     let fleet = state.fleet.snapshot();
-    let spread = state.config.routing.spread;
-    let input = plan::PlanInput {
-        mode,
-        shape,
-        pinned: None,
-        named: None,
-        shared: None,
-        spread,
-        fits: None,
-        stored: None,
-        tried,
-        large: false,
-        room: None,
-        session_tokens: 0,
-    };
+    let input = plan::PlanInput::on_shape(mode, state.config.routing.spread, shape, tried);
     let route = plan::plan(&input, &fleet, |_| true, &state.spread).ok()?;
     Some(fleet[route.replica].clone())
 }
