@@ -4,9 +4,24 @@
 # simulated replicas; rounds alternate between them. Every request is a new
 # prompt: a pin lookup and a pin write on a full table.
 # Usage: BEFORE=/path/to/old/prefixgate [BEFORE_SEED=/path/to/old/seed_pins] bench/million-pins.sh [secs] [rounds]
+#        [CONVERSATIONS=1000000] [MESSAGES=40] bench/million-pins.sh load
 # (build the old revision in a worktree: cargo build --release --examples).
+#
+# `bench/million-pins.sh load`: instead, what a table of CONVERSATIONS
+# (1,000,000) conversations of MESSAGES (40) messages costs, every boundary
+# marked (examples/pin_sizes): its memory, its size on disk and the time a
+# restart takes to load it. The database is written once to
+# target/pins-CONVERSATIONSxMESSAGES (minutes, ~8 GiB for 1M x 40) and kept:
+# a second run measures the load only. Needs pins.max_pins at least
+# CONVERSATIONS x MESSAGES for a gateway to keep such a table.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = load ]; then
+  c=${CONVERSATIONS:-1000000}; m=${MESSAGES:-40}
+  CARGO_PROFILE_RELEASE_LTO=false cargo build --release -q --example pin_sizes
+  CONVERSATIONS=$c MESSAGES=$m DIR=$PWD/target/pins-${c}x$m target/release/examples/pin_sizes
+  exit 0
+fi
 secs=${1:-10}; rounds=${2:-3}; pins=${PINS:-1000000}
 cargo build --release -q --bin prefixgate --example seed_pins
 after=$PWD/target/release/prefixgate; after_seed=$PWD/target/release/examples/seed_pins

@@ -4,7 +4,9 @@
 //! MESSAGES=M`, N conversations of M messages as their turns leave them (a
 //! turn every two messages: its own pin at each turn's last boundary, a
 //! mark at every other boundary it passed, `PinSource::Passed`).
-//! Run: `[CONVERSATIONS=1000000 MESSAGES=40] cargo run --release --example pin_sizes`.
+//! With `DIR=path`, the database is kept there, and a later run with the
+//! same `DIR` only measures the load (writing 40M pins takes minutes).
+//! Run: `[CONVERSATIONS=1000000 MESSAGES=40] [DIR=...] cargo run --release --example pin_sizes`.
 
 use std::sync::Arc;
 
@@ -34,10 +36,29 @@ fn dir_size(p: &std::path::Path) -> u64 {
         .unwrap_or(0)
 }
 
+fn var(name: &str, default: u128) -> u128 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
-    let var = |name: &str, default: u128| std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default);
     let (conversations, messages) = (var("CONVERSATIONS", 1_000_000), var("MESSAGES", 1));
+    let kept = std::env::var_os("DIR").map(std::path::PathBuf::from);
+    let dir = kept
+        .clone()
+        .unwrap_or_else(|| std::env::temp_dir().join(format!("prefixgate-pin-sizes-{}", std::process::id())));
+    if !(kept.is_some() && dir.exists()) {
+        write(&dir, conversations, messages).await;
+    }
+    load(&dir).await;
+    if kept.is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// Builds the table of `conversations` x `messages`, reports its size in
+/// memory, and writes it to a sled database in `dir`, reporting its size.
+async fn write(dir: &std::path::Path, conversations: u128, messages: u128) {
     let n = conversations * messages;
     let replicas: Vec<Arc<str>> = ["gpu-0", "gpu-1", "gpu-2", "gpu-3"].iter().map(|s| Arc::from(*s)).collect();
     let before = rss_bytes();
@@ -82,37 +103,41 @@ async fn main() {
     );
     println!("({conversations} conversations of {messages} messages)");
 
-    let dir = std::env::temp_dir().join(format!("prefixgate-pin-sizes-{}", std::process::id()));
-    let store = SledStore::open(&dir).expect("open sled");
+    let store = SledStore::open(dir).expect("open sled");
     let started = std::time::Instant::now();
-    for batch in changes.chunks(10_000) {
+    // Batches as the flusher's at full tilt would be; a million at a time
+    // rewrites each sled page a few times, not once per 10k pins.
+    let batch_size = (var("BATCH", 1_000_000) as usize).max(1);
+    for batch in changes.chunks(batch_size) {
         store.write_pins(batch).await.expect("write");
     }
     store.flush().await.expect("flush");
     let secs = started.elapsed().as_secs_f64();
     println!(
-        "on disk: sled reports {:.1} MiB, directory {:.1} MiB ({:.0} bytes/pin); written in batches of 10k in {secs:.1} s ({:.0} pins/s)",
+        "on disk: sled reports {:.1} MiB, directory {:.1} MiB ({:.0} bytes/pin); written in batches of {batch_size} in {secs:.1} s ({:.0} pins/s)",
         store.size_on_disk() as f64 / 1048576.0,
-        dir_size(&dir) as f64 / 1048576.0,
-        dir_size(&dir) as f64 / n as f64,
+        dir_size(dir) as f64 / 1048576.0,
+        dir_size(dir) as f64 / n as f64,
         n as f64 / secs
     );
-    drop(store);
+}
 
-    // Startup: open the database and load every pin into a fresh table.
+/// Startup: open the database in `dir` and load every pin into a fresh table.
+async fn load(dir: &std::path::Path) {
+    let before = rss_bytes();
     let started = std::time::Instant::now();
-    let store = SledStore::open(&dir).expect("reopen sled");
+    let store = SledStore::open(dir).expect("reopen sled");
     let opened = started.elapsed().as_secs_f64();
     let pins = store.pins().await.expect("read pins");
     let read = started.elapsed().as_secs_f64() - opened;
     let restored = PinTable::default();
     restored.restore(pins);
-    println!(
-        "startup load: {} persisted pins in {:.2} s (open {opened:.2} s, read {read:.2} s, restore {:.2} s)",
-        restored.len(),
-        started.elapsed().as_secs_f64(),
-        started.elapsed().as_secs_f64() - opened - read
-    );
+    let secs = started.elapsed().as_secs_f64();
     drop(store);
-    let _ = std::fs::remove_dir_all(&dir);
+    println!(
+        "startup load: {} persisted pins in {secs:.2} s (open {opened:.2} s, read {read:.2} s, restore {:.2} s); RSS grew by {:.1} MiB",
+        restored.len(),
+        secs - opened - read,
+        (rss_bytes() - before) as f64 / 1048576.0
+    );
 }

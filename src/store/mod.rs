@@ -380,6 +380,28 @@ pub fn encode_pin(p: &Pin) -> Vec<u8> {
 }
 
 pub fn decode_pin(b: &[u8]) -> Result<Pin, String> {
+    decode_pin_named(b, &mut ReplicaNames::default())
+}
+
+/// The replica names a load has decoded, each allocated once: a table of
+/// millions of pins names a handful of replicas, and one allocation per
+/// pin was most of a startup load's time.
+#[derive(Default)]
+pub struct ReplicaNames(Vec<std::sync::Arc<str>>);
+
+impl ReplicaNames {
+    fn get(&mut self, name: &str) -> std::sync::Arc<str> {
+        if let Some(known) = self.0.iter().find(|n| &***n == name) {
+            return known.clone();
+        }
+        let name: std::sync::Arc<str> = name.into();
+        self.0.push(name.clone());
+        name
+    }
+}
+
+/// `decode_pin`, with the replica's name taken from (or added to) `names`.
+pub fn decode_pin_named(b: &[u8], names: &mut ReplicaNames) -> Result<Pin, String> {
     let origin = || PinOrigin { dialect: crate::pins::dialect_from_u8(b[45]), source: PinSource::from_u8(b[46]) };
     let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
     let (origin, went_on, name_at) = match b.first() {
@@ -396,7 +418,7 @@ pub fn decode_pin(b: &[u8]) -> Result<Pin, String> {
         turns: u32_at(17),
         est_tokens: u64_at(21),
         family: u128::from_le_bytes(b[29..45].try_into().expect("16 bytes")),
-        replica: replica.into(),
+        replica: names.get(replica),
         origin,
         went_on,
     })
@@ -523,6 +545,26 @@ mod tests {
             decode_page(&page).unwrap().into_iter().map(|(k, v)| (k, decode_pin(v).unwrap())).collect();
         assert_eq!(decoded, vec![(b, pin(5))]);
         assert!(decode_page(&page[..page.len() - 1]).is_err());
+    }
+
+    #[test]
+    fn a_load_allocates_each_replica_name_once() {
+        let on = |replica: &str| {
+            encode_pin(&Pin {
+                replica: replica.into(),
+                created_ms: 1,
+                last_used_ms: 2,
+                turns: 1,
+                est_tokens: 3,
+                family: 4,
+                origin: PinOrigin::default(),
+                went_on: 0,
+            })
+        };
+        let mut names = ReplicaNames::default();
+        let [a, b, c] = [on("gpu-0"), on("gpu-0"), on("gpu-1")].map(|r| decode_pin_named(&r, &mut names).unwrap());
+        assert!(std::sync::Arc::ptr_eq(&a.replica, &b.replica));
+        assert_eq!((&*a.replica, &*c.replica), ("gpu-0", "gpu-1"));
     }
 
     #[test]

@@ -359,10 +359,11 @@ impl Store for RedisStore {
 
     async fn pins(&self) -> Result<Vec<(PrefixKey, Pin)>, StoreError> {
         let all: Vec<(Vec<u8>, Vec<u8>)> = self.run(|mut c| async move { c.hgetall(key("pins")).await }).await?;
+        let mut names = super::ReplicaNames::default();
         all.iter()
             .map(|(k, v)| {
                 let k: [u8; 16] = k.as_slice().try_into().map_err(|_| corrupt("pins")("key is not 16 bytes".into()))?;
-                Ok((u128::from_be_bytes(k), decode_pin(v).map_err(corrupt("pins"))?))
+                Ok((u128::from_be_bytes(k), super::decode_pin_named(v, &mut names).map_err(corrupt("pins"))?))
             })
             .collect()
     }

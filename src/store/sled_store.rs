@@ -3,7 +3,9 @@
 use crate::events::Pending;
 use std::path::Path;
 
-use super::{corrupt, decode_page, decode_pin, merge_page, migrations, page_of, Store, StoreError, StoredReplica};
+use super::{
+    corrupt, decode_page, decode_pin_named, merge_page, migrations, page_of, Store, StoreError, StoredReplica,
+};
 use crate::events::Event;
 use crate::pins::{Pin, PinChange};
 use crate::policy::PrefixKey;
@@ -166,10 +168,11 @@ impl Trees {
 
     fn pins(&self) -> Result<Vec<(PrefixKey, Pin)>, StoreError> {
         let mut out = Vec::new();
+        let mut names = super::ReplicaNames::default();
         for item in self.pins.iter() {
             let (_, page) = item?;
             for (key, record) in decode_page(&page).map_err(corrupt("pin_pages"))? {
-                out.push((key, decode_pin(record).map_err(corrupt("pin_pages"))?));
+                out.push((key, decode_pin_named(record, &mut names).map_err(corrupt("pin_pages"))?));
             }
         }
         Ok(out)
