@@ -13,9 +13,10 @@
 #   REPLICA_URLS="u1 u2" MODEL_NAME=...: two replicas already running
 #                  (real vLLM: `IPERF=1 bench/real-vllm.sh`)
 # With ENGINE=sim or llama the replicas are started afresh for every arm, so
-# no arm finds a cache the one before it warmed; with REPLICA_URLS they
-# cannot be, and each arm of a round gets its own seed (the arms swap seeds
-# from one round to the next).
+# no arm finds a cache the one before it warmed; with REPLICA_URLS their
+# prefix caches are emptied before each arm (vLLM's POST /reset_prefix_cache,
+# served with VLLM_SERVER_DEV_MODE=1, as real-vllm.sh starts them); where
+# that fails, each arm of a round gets its own seed (swapped next round).
 #
 # Arms (ARMS, default "prefixgate vllm-router"): `prefixgate` (defaults),
 # `prefixgate-nohold` (sessions.max_wait_ms=0), `prefixgate-counter`
@@ -92,7 +93,12 @@ fi
 # replicas_up: sets URLS (two replica URLs), started afresh unless REPLICA_URLS.
 replica_pids=()
 replicas_up() {
-  if [ -n "$REPLICA_URLS" ]; then URLS=($REPLICA_URLS); return 0; fi
+  if [ -n "$REPLICA_URLS" ]; then
+    URLS=($REPLICA_URLS)
+    local u
+    for u in "${URLS[@]}"; do curl -sf -X POST "$u/reset_prefix_cache" >/dev/null || return 1; done
+    return 0
+  fi
   [ ${#replica_pids[@]} -gt 0 ] && { kill "${replica_pids[@]}" 2>/dev/null || true; wait "${replica_pids[@]}" 2>/dev/null || true; }
   replica_pids=(); URLS=()
   local i port
@@ -135,7 +141,6 @@ router_up() {
 # run_arm ARM SEED: one inference-perf run through the arm's router.
 run_arm() {
   local arm=$1 seed=$2 out=$tmp/$1-$2
-  replicas_up
   router_up "$arm"
   cat >"$tmp/$arm.yml" <<EOF
 api: {type: chat, streaming: true}
@@ -180,10 +185,13 @@ arms=($ARMS)
 for r in $(seq 1 "$ROUNDS"); do
   order=("${arms[@]}")
   [ $((r % 2)) -eq 0 ] && order=($(printf '%s\n' "${arms[@]}" | tac))
-  for i in "${!order[@]}"; do
+  for arm in "${order[@]}"; do
     seed=42
-    # External replicas keep what the previous arm left: each arm its own seed.
-    [ -n "$REPLICA_URLS" ] && seed=$((42 + (i + r) % ${#order[@]}))
-    run_arm "${order[$i]}" "$seed"
+    if ! replicas_up; then
+      # Replicas that keep what the previous arm left: each arm its own seed.
+      for i in "${!arms[@]}"; do [ "${arms[$i]}" = "$arm" ] && seed=$((42 + (i + r) % ${#arms[@]})); done
+      echo "(could not empty the replicas' caches: $arm runs seed $seed)"
+    fi
+    run_arm "$arm" "$seed"
   done
 done

@@ -17,7 +17,12 @@
 #   INSTANCES ("1 3"): the instance counts to run kv-wall.sh with.
 # Each replica takes ~3 minutes to start (torch.compile) and ~5 GB of RAM.
 # CONTINUE=1: bench/continue.sh on the two replicas instead (its REAL=1).
-# Usage: [KV_GIB=0.1373] [INSTANCES="1 3"] [IDLE_MS=1000] [CONTINUE=1] bench/real-vllm.sh
+# IPERF=1: bench/inference-perf.sh on the two replicas instead (prefixgate
+# beside vllm-router under inference-perf's agentic sessions); its requests
+# grow to ~8k tokens: MAX_MODEL_LEN=8192 KV_GIB=0.5 (~11k tokens a
+# replica), and empties the replicas' caches between arms
+# (VLLM_SERVER_DEV_MODE=1 serves /reset_prefix_cache).
+# Usage: [KV_GIB=0.1373] [MAX_MODEL_LEN=2944] [INSTANCES="1 3"] [IDLE_MS=1000] [CONTINUE=1|IPERF=1] bench/real-vllm.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KV_GIB=${KV_GIB:-0.1373}; INSTANCES=${INSTANCES:-1 3}
@@ -90,9 +95,9 @@ bench_init
 urls=(); pids=()
 for i in 0 1; do
   port=$(free_port)
-  HF_HUB_OFFLINE=1 VLLM_CPU_OMP_THREADS_BIND="$i" taskset -c "$i" "$py" -m vllm.entrypoints.openai.api_server \
+  HF_HUB_OFFLINE=1 VLLM_SERVER_DEV_MODE=1 VLLM_CPU_OMP_THREADS_BIND="$i" taskset -c "$i" "$py" -m vllm.entrypoints.openai.api_server \
     --host 127.0.0.1 --port "$port" --model "$dir/smollm2" --served-model-name smollm2 --dtype float32 \
-    --max-model-len 2944 --kv-cache-memory-bytes "$(python3 -c "print(round($KV_GIB * 2**30))")" \
+    --max-model-len "${MAX_MODEL_LEN:-2944}" --kv-cache-memory-bytes "$(python3 -c "print(round($KV_GIB * 2**30))")" \
     --enable-prefix-caching --enable-prompt-tokens-details >"$BENCH_TMP/vllm-$i.log" 2>&1 &
   urls+=("http://127.0.0.1:$port"); pids+=($!)
 done
@@ -109,6 +114,10 @@ curl -s "${urls[0]}/metrics" | grep -E '^vllm:cache_config_info' | head -1
 if [ "${CONTINUE:-}" = 1 ]; then
   # bench/continue.sh REAL=1: streams that outlive their replica, on these two.
   REPLICA_URLS="${urls[*]}" REPLICA_PIDS="${pids[*]}" MODEL_NAME=smollm2 bench/continue.sh
+  exit 0
+fi
+if [ "${IPERF:-}" = 1 ]; then
+  REPLICA_URLS="${urls[*]}" MODEL_NAME=smollm2 bench/inference-perf.sh
   exit 0
 fi
 for n in $INSTANCES; do
