@@ -347,6 +347,19 @@ fn pin_of(s: Slot, replica: Arc<str>) -> Pin {
 /// (`policy::continues`); it names a holder of the shared prompt.
 pub const SHARED: u32 = u32::MAX;
 
+/// The key of the mark that `replica` holds the shared prompt `key`: a
+/// shared prompt's own mark names only the latest replica to serve it, and
+/// placement prefers any replica that holds it. A hash of both, so it is
+/// no boundary's key and the same on every instance (these marks are
+/// persisted, announced, expired and removed with their replica as any).
+pub fn holder_key(key: PrefixKey, replica: &str) -> PrefixKey {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(b"prefixgate/holder\0");
+    h.update(&key.to_le_bytes());
+    h.update(replica.as_bytes());
+    h.digest128()
+}
+
 /// What `lookup_longest` found.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Found {
@@ -480,9 +493,15 @@ impl PinTable {
                 // Another conversation passed it too: a prompt they share
                 // (a system prompt and tools), which no request continues.
                 Some(held) if held.family != family && held.went_on != SHARED => {
+                    // Both conversations' replicas hold it now.
+                    self.holder_mark(key, &held, &held.replica, held.last_used_ms, refresh_ms, &mut out);
+                    self.holder_mark(key, &held, replica, now_ms, refresh_ms, &mut out);
                     out.push((key, Pin { replica: replica.clone(), last_used_ms: now_ms, went_on: SHARED, ..held }));
                 }
                 Some(held) => {
+                    if held.went_on == SHARED {
+                        self.holder_mark(key, &held, replica, now_ms, refresh_ms, &mut out);
+                    }
                     if held.replica != *replica || now_ms.saturating_sub(held.last_used_ms) > refresh_ms {
                         let went_on = if held.went_on == SHARED { SHARED } else { went_on };
                         let pin = Pin { replica: replica.clone(), last_used_ms: now_ms, went_on, ..held };
@@ -492,6 +511,31 @@ impl PinTable {
             }
         }
         out
+    }
+
+    /// Adds to `out` the mark that `replica` holds the shared prompt `key`
+    /// (`shared` is its mark), unless one was written within `refresh_ms`.
+    fn holder_mark(
+        &self,
+        key: PrefixKey,
+        shared: &Pin,
+        replica: &Arc<str>,
+        now_ms: u64,
+        refresh_ms: u64,
+        out: &mut Vec<(PrefixKey, Pin)>,
+    ) {
+        let at = holder_key(key, replica);
+        if self.get(at).is_some_and(|h| now_ms.saturating_sub(h.last_used_ms) <= refresh_ms) {
+            return;
+        }
+        let pin = Pin { replica: replica.clone(), created_ms: now_ms, last_used_ms: now_ms, ..shared.clone() };
+        out.push((at, Pin { went_on: SHARED, ..pin }));
+    }
+
+    /// Whether `replica` served a request that passed the shared prompt
+    /// `key` (within the pins' TTL): one of its holders, the latest or not.
+    pub fn holds(&self, key: PrefixKey, replica: &str) -> bool {
+        self.replica_of(holder_key(key, replica)).is_some_and(|r| &*r == replica)
     }
 
     /// Writes marks `passed_marks` chose (dirty: persisted like any pin).
@@ -1003,6 +1047,21 @@ mod tests {
         t.take_dirty();
         served(&t, &[1, 2, 4], "a", 30); // task A goes on: the mark stays shared
         assert_eq!(t.get(1).unwrap().went_on, SHARED);
+    }
+
+    #[test]
+    fn every_replica_that_served_a_shared_prompt_holds_it_not_only_the_latest() {
+        let t = PinTable::default();
+        served(&t, &[1, 2], "a", 10); // system, task A on a
+        assert!(!t.holds(1, "a"), "one conversation passed it: not shared yet");
+        served(&t, &[1, 3], "b", 20); // task B on b: shared
+        served(&t, &[1, 4], "c", 30); // task C on c
+        assert_eq!(t.get(1).unwrap().replica, id("c"), "the shared prompt's mark names the latest");
+        assert!(["a", "b", "c"].iter().all(|r| t.holds(1, r)));
+        assert!(!t.holds(1, "d") && !t.holds(2, "a"));
+        // A holder leaves with its replica.
+        t.remove_replica("b");
+        assert!(!t.holds(1, "b") && t.holds(1, "a"));
     }
 
     #[test]

@@ -8,7 +8,7 @@ use actix_web::HttpRequest;
 use crate::error::ApiError;
 use crate::pins::Pin;
 use crate::policy::tenancy::Scope;
-use crate::policy::{self, conversation, Dialect, Endpoint, Mode, PolicySettings, PrefixMatch};
+use crate::policy::{self, conversation, Dialect, Endpoint, Mode, PolicySettings, PrefixKey, PrefixMatch};
 use crate::sessions::gate::Ask;
 use crate::state::AppState;
 
@@ -31,9 +31,10 @@ pub(super) struct Lookup {
     pub(super) large: bool,
     /// The longest pinned prefix of the request: the conversation it continues.
     pub(super) pinned: Option<(PrefixMatch, Pin)>,
-    /// The replica holding the longest prompt it shares with conversations
-    /// it does not continue (`policy::continues`): preferred among equals.
-    pub(super) shared: Option<Arc<str>>,
+    /// The longest prompt it shares with conversations it does not
+    /// continue (`policy::continues`), and the latest replica to serve it;
+    /// its holders (`PinTable::holds`) are preferred among equals.
+    pub(super) shared: Option<(PrefixKey, Arc<str>)>,
     /// Where the request's session key points.
     pub(super) named: Option<Arc<str>>,
     /// A stored response the request names, and the replica holding it.
@@ -94,7 +95,7 @@ pub(super) async fn look_up(
         let matched = |(i, pin): (usize, Pin)| {
             (PrefixMatch { key: shape.boundaries[i].key, bytes: shape.boundaries[i].bytes }, pin)
         };
-        (found.continued.map(matched), found.shared.map(|(_, pin)| pin.replica))
+        (found.continued.map(matched), found.shared.map(|(i, pin)| (shape.boundaries[i].key, pin.replica)))
     };
     let named_home = || session.and_then(|s| state.pins.replica_of(s.key));
     let ((mut pinned, mut shared), mut named) = (longest_pinned(), named_home());

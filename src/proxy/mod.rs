@@ -289,12 +289,15 @@ impl Forwarding<'_> {
             let room = state.sessions.room_of(r);
             room.capacity.is_none() || room.fits(tokens)
         };
+        let holds_shared = |id: &str| {
+            lookup.shared.as_ref().is_some_and(|(key, latest)| &**latest == id || state.pins.holds(*key, id))
+        };
         let input = PlanInput {
             mode: self.settings.mode,
             shape: &lookup.shape,
             pinned: lookup.pinned.as_ref(),
             named: lookup.named.as_deref(),
-            shared: lookup.shared.as_deref(),
+            holds_shared: lookup.shared.is_some().then_some(&holds_shared as &dyn Fn(&str) -> bool),
             spread: state.config.routing.spread,
             fits: lookup.pinned.is_some().then_some(&fits as &dyn Fn(&Replica) -> bool),
             stored: lookup.stored.as_ref().map(|(id, home)| (id.as_str(), &**home)),

@@ -37,9 +37,9 @@ pub struct PlanInput<'a> {
     pub pinned: Option<&'a (PrefixMatch, Pin)>,
     /// The replica the request's session key points at.
     pub named: Option<&'a str>,
-    /// A replica holding the longest prompt the request shares with
-    /// conversations it does not continue.
-    pub shared: Option<&'a str>,
+    /// Whether a replica holds the longest prompt the request shares with
+    /// conversations it does not continue (none: it shares none).
+    pub holds_shared: Option<&'a dyn Fn(&str) -> bool>,
     /// How a request that continues nothing is placed.
     pub spread: policy::Spread,
     /// A pinned turn: whether it would fit a replica's room at the KV
@@ -73,7 +73,7 @@ impl<'a> PlanInput<'a> {
             shape,
             pinned: None,
             named: None,
-            shared: None,
+            holds_shared: None,
             spread,
             fits: None,
             stored: None,
@@ -118,7 +118,7 @@ pub fn plan(
             spare: !input.large || has_free_slot(r),
             weight: r.spec().weight(),
             load: r.work.outstanding(),
-            holds_shared: input.shared == Some(&*r.id),
+            holds_shared: input.holds_shared.is_some_and(|holds| holds(&r.id)),
             prefill_tps: r.residents.pace().prefill_tps,
             has_room: !might_move || input.fits.is_none_or(|fits| fits(r)),
         })

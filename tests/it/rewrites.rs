@@ -170,6 +170,58 @@ async fn a_first_turn_sharing_only_the_system_prompt_is_a_new_session_placed_by_
 }
 
 #[actix_web::test]
+async fn a_new_session_prefers_any_replica_holding_the_shared_prompt_not_only_the_latest() {
+    let sims = [start_sim("a", slow_decoder(50.0)).await, start_sim("b", slow_decoder(50.0)).await];
+    let c = start_sim("c", slow_decoder(50.0)).await;
+    let gw = start_gateway(test_config(&[&sims[0], &sims[1], &c])).await;
+    let work_of = |id: &str| gw.gw.fleet.snapshot().iter().find(|r| &*r.id == id).map(|r| r.work.outstanding());
+    let idle = |id: String| {
+        let work_of = &work_of;
+        async move {
+            wait_until("its work done", std::time::Duration::from_secs(10), || work_of(&id) == Some(0)).await;
+        }
+    };
+    let system = text("shared system prompt and tools", 3_000);
+    let first_turn = |task: &str, extra| chat_body(&[("system", &system), ("user", task)], extra);
+    let url = format!("{}/v1/chat/completions", gw.base);
+    let streaming = |task: &str, tokens: u32| {
+        let body = first_turn(task, json!({"stream": true, "max_tokens": tokens}));
+        let url = url.clone();
+        async move {
+            let mut stream = client().post(&url).send_json(&body).await.unwrap();
+            let on = stream.headers().get("x-prefixgate-replica").unwrap().to_str().unwrap().to_string();
+            stream.next().await.expect("a first chunk").unwrap();
+            (on, stream)
+        }
+    };
+    // Two conversations pass the prompt on x: shared, held by x.
+    let x = post(&url, &first_turn("task one", json!({}))).await.replica;
+    idle(x.clone()).await;
+    assert_eq!(post(&url, &first_turn("task two", json!({}))).await.replica, x);
+    idle(x.clone()).await;
+    // While x streams, a third goes elsewhere (y): y holds it too, and is
+    // the latest to have served it.
+    let (on, mut on_x) = streaming("task three", 300).await;
+    assert_eq!(on, x);
+    let y = post(&url, &first_turn("task four", json!({}))).await.replica;
+    assert_ne!(y, x);
+    idle(y.clone()).await;
+    // y streams now, and x finishes: x and the third replica are idle, y busy.
+    let (on, _on_y) = streaming("task five", 400).await;
+    assert_eq!(on, y, "among the idle, the holders go first");
+    while on_x.next().await.is_some() {}
+    idle(x.clone()).await;
+    // New sessions go to x, which holds the prompt, not to the idle third
+    // replica (the counter alone would alternate between them).
+    for task in ["task six", "task seven"] {
+        let r = post(&url, &first_turn(task, json!({}))).await;
+        assert_eq!((r.route.as_str(), r.replica.as_str()), ("spread", x.as_str()), "{task}");
+        idle(x.clone()).await;
+    }
+    gw.stop().await;
+}
+
+#[actix_web::test]
 async fn a_pinned_turn_moves_when_its_replicas_queue_outweighs_a_whole_prefill_elsewhere_and_stays_when_it_does_not() {
     // Prefill at 1,000 tokens a second, time scaled by 0.1: 20,000 tokens take 2 s.
     let card = || prefixgate::sim::SimConfig { prefill_tps: 1_000.0, time_scale: 0.1, ..fast_sim() };
