@@ -172,15 +172,22 @@ arm, seed, out = sys.argv[1:4]
 req = json.load(open(f"{out}/summary_lifecycle_metrics.json"))
 ses = json.load(open(f"{out}/summary_session_lifecycle_metrics.json"))
 lat = req["successes"]["latency"]
+if not lat or not lat.get("time_to_first_token"):
+    print(f"{arm:20} seed {seed}  no successful request: {req['successes']['count']} succeeded, "
+          f"{req['failures']['count']} failed: {json.dumps(req['failures'])[:600]}")
+    sys.exit(0)
 print(f"{arm:20} seed {seed}  wall {req['benchmark_time_seconds']:7.2f} s  "
       f"TTFT p50 {lat['time_to_first_token']['median']:.3f} p90 {lat['time_to_first_token']['p90']:.3f} s  "
       f"latency p90 {lat['request_latency']['p90']:.3f} s  requests {req['successes']['count']} "
       f"failed {req['failures']['count']}  KV hit {ses.get('kv_cache_hit_percent') or 0:.1f} %")
 PY
   kill "$ROUTER_PID" 2>/dev/null || true; wait "$ROUTER_PID" 2>/dev/null || true
+  # The reports and logs stay for a look afterwards.
+  mkdir -p target/inference-perf && rm -rf "target/inference-perf/$arm-$seed"
+  cp -r "$out" "target/inference-perf/$arm-$seed" && cp "$tmp/$arm-$seed.log" "target/inference-perf/$arm-$seed/"
 }
 
-echo "=== inference-perf synthetic_agentic, $SESSIONS sessions at once, engine ${REPLICA_URLS:+external }$ENGINE, $(date -u +%F)"
+echo "=== inference-perf synthetic_agentic, $SESSIONS sessions at once, engine ${REPLICA_URLS:+$REPLICA_URLS ($model)}${REPLICA_URLS:-$ENGINE}, $(date -u +%F)"
 arms=($ARMS)
 for r in $(seq 1 "$ROUNDS"); do
   order=("${arms[@]}")
