@@ -93,12 +93,16 @@ convert_model
 source bench/lib.sh
 bench_init
 urls=(); pids=()
+# inference-perf's agents send tools without a tool_choice ("auto"), which
+# vLLM refuses unless it parses tool calls (engines.md).
+tool_flags=()
+[ "${IPERF:-}" = 1 ] && tool_flags=(--enable-auto-tool-choice --tool-call-parser hermes)
 for i in 0 1; do
   port=$(free_port)
   HF_HUB_OFFLINE=1 VLLM_SERVER_DEV_MODE=1 VLLM_CPU_OMP_THREADS_BIND="$i" taskset -c "$i" "$py" -m vllm.entrypoints.openai.api_server \
     --host 127.0.0.1 --port "$port" --model "$dir/smollm2" --served-model-name smollm2 --dtype float32 \
     --max-model-len "${MAX_MODEL_LEN:-2944}" --kv-cache-memory-bytes "$(python3 -c "print(round($KV_GIB * 2**30))")" \
-    --enable-prefix-caching --enable-prompt-tokens-details >"$BENCH_TMP/vllm-$i.log" 2>&1 &
+    --enable-prefix-caching --enable-prompt-tokens-details "${tool_flags[@]}" >"$BENCH_TMP/vllm-$i.log" 2>&1 &
   urls+=("http://127.0.0.1:$port"); pids+=($!)
 done
 echo "--- starting two vLLM replicas of $KV_GIB GiB of KV (~3 minutes)"
