@@ -187,7 +187,9 @@ PY
   cp -r "$out" "target/inference-perf/$arm-$seed" && cp "$tmp/$arm-$seed.log" "target/inference-perf/$arm-$seed/"
 }
 
-echo "=== inference-perf synthetic_agentic, $SESSIONS sessions at once, engine ${REPLICA_URLS:+$REPLICA_URLS ($model)}${REPLICA_URLS:-$ENGINE}, $(date -u +%F)"
+replicas=$ENGINE
+[ -n "$REPLICA_URLS" ] && replicas="$REPLICA_URLS ($model)"
+echo "=== inference-perf synthetic_agentic, $SESSIONS sessions at once, replicas $replicas, $(date -u +%F)"
 arms=($ARMS)
 for r in $(seq 1 "$ROUNDS"); do
   order=("${arms[@]}")
