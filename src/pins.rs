@@ -693,17 +693,12 @@ impl PinTable {
             let more = (each + each / 16).saturating_sub(shard.map.capacity() - shard.map.len());
             shard.map.reserve(more);
         }
-        // A million pins name a handful of replicas, each name one `Arc`
-        // (`store::ReplicaNames`): interned once per name.
-        let mut names: Vec<(Arc<str>, ReplicaRef)> = Vec::new();
+        // A million pins name a few replicas: intern each name once.
+        let mut names: foldhash::HashMap<Arc<str>, ReplicaRef> = Default::default();
         for (key, pin) in pins {
-            let idx = match names.iter().find(|(n, _)| Arc::ptr_eq(n, &pin.replica) || *n == pin.replica) {
-                Some((_, i)) => *i,
-                None => {
-                    let i = self.replicas.intern(&pin.replica);
-                    names.push((pin.replica.clone(), i));
-                    i
-                }
+            let idx = match names.get(&pin.replica) {
+                Some(i) => *i,
+                None => *names.entry(pin.replica.clone()).or_insert_with(|| self.replicas.intern(&pin.replica)),
             };
             let slot = self.to_slot_with(&pin, idx);
             let mut shard = self.shard(key).write().expect("pins lock");

@@ -384,18 +384,17 @@ pub fn decode_pin(b: &[u8]) -> Result<Pin, String> {
 }
 
 /// The replica names a load has decoded, each allocated once: a table of
-/// millions of pins names a handful of replicas, and one allocation per
-/// pin was most of a startup load's time.
+/// millions of pins names a few replicas, not one name per pin.
 #[derive(Default)]
-pub struct ReplicaNames(Vec<std::sync::Arc<str>>);
+pub struct ReplicaNames(foldhash::HashSet<std::sync::Arc<str>>);
 
 impl ReplicaNames {
     fn get(&mut self, name: &str) -> std::sync::Arc<str> {
-        if let Some(known) = self.0.iter().find(|n| &***n == name) {
+        if let Some(known) = self.0.get(name) {
             return known.clone();
         }
         let name: std::sync::Arc<str> = name.into();
-        self.0.push(name.clone());
+        self.0.insert(name.clone());
         name
     }
 }
