@@ -15,8 +15,8 @@ use crate::fleet::health::HealthTracker;
 use crate::fleet::{AdminState, Fleet, Replica, ReplicaSource};
 use crate::metrics::Metrics;
 use crate::operator::Operator;
-use crate::pins::PinTable;
-use crate::policy::{CurrentPolicy, PolicySettings, SpreadCounter};
+use crate::pins::{Pin, PinSource, PinTable};
+use crate::policy::{CurrentPolicy, PolicySettings, PrefixKey, SpreadCounter};
 use crate::store::{EventWriter, MemoryStore, SledStore, Store, StoreError, StoredReplica};
 
 pub struct AppState {
@@ -106,16 +106,8 @@ impl AppState {
                 .map_err(|e| StoreError::Corrupt { tree: "settings", detail: e.to_string() })?,
             None => PolicySettings { mode: config.policy, identity: config.identity.blocks() },
         };
-        let pins = Arc::new(PinTable::default());
-        pins.restore(store.pins().await?);
         let capacity = Arc::new(Capacity::new(config.capacity.working_set_window_secs));
-        let since = crate::clock::now_ms().saturating_sub(capacity.window_secs() * 1000);
-        // The working set as the restored pins left it.
-        for p in pins.conversations_active_since(since) {
-            if let Some(r) = fleet.get(&p.replica) {
-                r.residents.remember(p.family, p.est_tokens, p.last_used_ms);
-            }
-        }
+        let pins = restore_pins(store.as_ref(), &fleet, capacity.window_secs()).await?;
         let (events, recorded) = EventLog::new(
             config.history.max_events,
             config.history.max_unwritten,
@@ -288,4 +280,40 @@ impl AppState {
         self.flush_pins().await?;
         self.store.flush().await
     }
+}
+
+/// The pins the store holds, and the working set they leave (the
+/// conversations that came back within the window, on their replicas).
+/// Read whole; or, from a store that keeps pages (sled), page by page while
+/// the gateway serves (`pins::pages`): a key's page on its first touch, the
+/// rest by a background thread.
+async fn restore_pins(store: &dyn Store, fleet: &Arc<Fleet>, window_secs: u64) -> Result<Arc<PinTable>, StoreError> {
+    let since = crate::clock::now_ms().saturating_sub(window_secs * 1000);
+    let fleet = fleet.clone();
+    let remember = move |pins: &[(PrefixKey, Pin)]| {
+        let returned = pins.iter().map(|(_, p)| p).filter(|p| p.turns >= 2 && p.last_used_ms >= since);
+        for p in returned.filter(|p| p.origin.source != PinSource::Passed) {
+            if let Some(r) = fleet.get(&p.replica) {
+                r.residents.remember(p.family, p.est_tokens, p.last_used_ms);
+            }
+        }
+    };
+    let Some(read) = store.pin_pages() else {
+        let (pins, all) = (PinTable::default(), store.pins().await?);
+        remember(&all);
+        pins.restore(all);
+        return Ok(Arc::new(pins));
+    };
+    let pins = Arc::new(PinTable::paged(read, Some(Box::new(remember))));
+    let loader = pins.clone();
+    std::thread::Builder::new()
+        .name("pin-pages".into())
+        .spawn(move || {
+            let started = std::time::Instant::now();
+            loader.load_all();
+            let secs = started.elapsed().as_secs_f64();
+            tracing::info!(pins = loader.len(), "pins read from disk in the background in {secs:.2} s");
+        })
+        .map_err(|e| StoreError::Backend(format!("cannot start the pin loader: {e}")))?;
+    Ok(pins)
 }

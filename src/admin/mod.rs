@@ -283,6 +283,7 @@ async fn metrics(s: web::Data<AppState>) -> HttpResponse {
         .collect();
     s.metrics.refresh_gauges(&replicas, &report);
     s.metrics.events_unwritten.set(s.event_writer.backlog() as i64);
+    s.metrics.pin_pages_on_disk.set(s.pins.pages_left() as i64);
     let dropped = &s.metrics.events_unwritten_dropped;
     dropped.inc_by(s.events.unwritten_dropped().saturating_sub(dropped.get()));
     let paused = fleet.iter().map(|r| crate::sessions::Sessions::paused_by_class(r)).fold([0; 3], |mut sum, p| {

@@ -250,6 +250,7 @@ pub struct Metrics {
     pub spans_dropped: Counter,
     /// History events waiting to be written to the store.
     pub events_unwritten: Gauge,
+    pub pin_pages_on_disk: Gauge,
     /// History events dropped unwritten (the backlog was full during an outage).
     pub events_unwritten_dropped: Counter,
     /// Discovery sources read, by source and result (ok|failed|held).
@@ -311,6 +312,7 @@ impl Metrics {
             room_tokens: Family::default(),
             spans_dropped: Counter::default(),
             events_unwritten: Gauge::default(),
+            pin_pages_on_disk: Gauge::default(),
             events_unwritten_dropped: Counter::default(),
             discovery_reads: Family::default(),
             discovery_replicas: Family::default(),
@@ -511,6 +513,11 @@ impl Metrics {
             "prefixgate_spans_dropped",
             "Trace spans lost on the way to the collector (it was down, slow or refusing)",
             m.spans_dropped.clone(),
+        );
+        registry.register(
+            "prefixgate_pin_pages_on_disk",
+            "Pin pages not read yet since the start (sled: read on first touch and in the background; 0 once whole)",
+            m.pin_pages_on_disk.clone(),
         );
         registry.register(
             "prefixgate_events_unwritten",

@@ -147,6 +147,12 @@ pub trait Store: Send + Sync {
     }
     async fn delete_replica(&self, id: &str) -> Result<(), StoreError>;
     async fn pins(&self) -> Result<Vec<(PrefixKey, Pin)>, StoreError>;
+    /// A reader of one page of pins (`pins::pages`), for a store that keeps
+    /// them in pages: the gateway then starts serving before they are all
+    /// read. None: `pins` is read whole at startup.
+    fn pin_pages(&self) -> Option<crate::pins::PageReader> {
+        None
+    }
     /// Applies a batch of pin changes atomically.
     async fn write_pins(&self, changes: &[PinChange]) -> Result<(), StoreError>;
     /// Appends an event; drops persisted events with ids up to `dropped_up_to`.
@@ -427,7 +433,7 @@ pub fn decode_pin_named(b: &[u8], names: &mut ReplicaNames) -> Result<Pin, Strin
 /// bits, and a page value is a run of records
 /// `[key u128 BE][len u16 LE][encode_pin bytes]`.
 pub fn page_of(key: PrefixKey) -> [u8; 2] {
-    ((key >> 112) as u16).to_be_bytes()
+    crate::pins::page_of(key).to_be_bytes()
 }
 
 /// A page's records, in order, with each pin still encoded.

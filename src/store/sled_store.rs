@@ -101,6 +101,21 @@ impl Store for SledStore {
         self.blocking(move |t| t.delete_replica(&id)).await
     }
 
+    /// Pages are read on the caller's thread: the first touch of a key in
+    /// a page still on disk (a few tens of microseconds, once per page), or
+    /// the background loader.
+    fn pin_pages(&self) -> Option<crate::pins::PageReader> {
+        let pins = self.trees.pins.clone();
+        Some(Box::new(move |page| {
+            let Some(bytes) = pins.get(page.to_be_bytes()).map_err(|e| e.to_string())? else { return Ok(Vec::new()) };
+            let mut names = super::ReplicaNames::default();
+            decode_page(&bytes)?
+                .into_iter()
+                .map(|(key, record)| Ok((key, decode_pin_named(record, &mut names)?)))
+                .collect()
+        }))
+    }
+
     async fn pins(&self) -> Result<Vec<(PrefixKey, Pin)>, StoreError> {
         self.blocking(|t| t.pins()).await
     }

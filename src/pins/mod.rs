@@ -27,6 +27,9 @@ use serde::{Deserialize, Serialize};
 use crate::policy::{Boundary, Dialect, PrefixKey};
 use crate::read_mostly::ReadMostly;
 
+mod pages;
+pub use pages::{page_of, OnLoaded, PageReader, PAGES};
+
 const SHARDS: usize = 64;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -383,11 +386,30 @@ pub struct Recorded {
 pub struct PinTable {
     shards: Vec<RwLock<Shard>>,
     replicas: Interner,
+    /// The pages still on disk after a start (`pages.rs`); None when the
+    /// table was loaded whole, or began empty.
+    pages: Option<pages::Pages>,
 }
 
 impl Default for PinTable {
     fn default() -> Self {
-        PinTable { shards: (0..SHARDS).map(|_| RwLock::default()).collect(), replicas: Interner::default() }
+        PinTable {
+            shards: (0..SHARDS).map(|_| RwLock::default()).collect(),
+            replicas: Interner::default(),
+            pages: None,
+        }
+    }
+}
+
+/// Whether a pin heard or read (`pin`) replaces the one held (`held`): a
+/// request's own pin outranks a mark whenever each came (an instance that
+/// had not heard of the pin yet marked the boundary a request ended at);
+/// otherwise the later use wins.
+fn replaces(held: &Slot, pin: &Pin) -> bool {
+    match (held.source == PinSource::Passed.to_u8(), pin.origin.source == PinSource::Passed) {
+        (false, true) => false,
+        (true, false) => true,
+        _ => held.last_used_ms <= pin.last_used_ms,
     }
 }
 
@@ -400,8 +422,45 @@ fn tokens32(t: u64) -> u32 {
 }
 
 impl PinTable {
+    /// A table whose pins are still on disk, read page by page by `read`
+    /// as keys are touched and by `load_all` (`pages.rs`); `on_loaded` is
+    /// told of each page's pins.
+    pub fn paged(read: PageReader, on_loaded: Option<OnLoaded>) -> PinTable {
+        PinTable { pages: Some(pages::Pages::new(read, on_loaded)), ..PinTable::default() }
+    }
+
+    /// The shard of `key`, its page read from disk first if it is still there.
     fn shard(&self, key: PrefixKey) -> &RwLock<Shard> {
+        self.read_page(page_of(key));
+        self.raw_shard(key)
+    }
+
+    /// The shard of `key` as it is (for pins read from disk, and restore).
+    fn raw_shard(&self, key: PrefixKey) -> &RwLock<Shard> {
         &self.shards[shard_of(key)]
+    }
+
+    fn read_page(&self, page: u16) {
+        if let Some(pages) = self.pages.as_ref().filter(|p| p.left() > 0) {
+            // Nothing in the table is in this page yet: every access by
+            // key reads its page first, so the disk's pins go in as they are.
+            pages.once(page, |pins| self.restore(pins));
+        }
+    }
+
+    /// Reads every page still on disk (the background loader, and whatever
+    /// must see the whole table). Returns at once when none is left.
+    pub fn load_all(&self) {
+        if self.pages.as_ref().is_some_and(|p| p.left() > 0) {
+            for page in 0..PAGES {
+                self.read_page(page as u16);
+            }
+        }
+    }
+
+    /// Pages still on disk (0 once the table is whole).
+    pub fn pages_left(&self) -> usize {
+        self.pages.as_ref().map_or(0, |p| p.left())
     }
 
     fn read(&self, key: PrefixKey) -> Option<Slot> {
@@ -624,16 +683,7 @@ impl PinTable {
         for (key, pin) in changes {
             match pin {
                 Some(pin) => {
-                    // A request's own pin outranks a mark whenever each came:
-                    // an instance that had not heard of the pin yet marked the
-                    // boundary a request ended at.
-                    let (passed, is_mark) = (PinSource::Passed.to_u8(), pin.origin.source == PinSource::Passed);
-                    let takes = |held: Slot| match (held.source == passed, is_mark) {
-                        (false, true) => false,
-                        (true, false) => true,
-                        _ => held.last_used_ms <= pin.last_used_ms,
-                    };
-                    if self.read(key).is_none_or(takes) {
+                    if self.read(key).is_none_or(|held| replaces(&held, &pin)) {
                         newer.push((key, pin));
                     }
                 }
@@ -653,6 +703,7 @@ impl PinTable {
 
     /// The keys of every pin `replica` holds.
     pub fn keys_of(&self, replica: &str) -> Vec<PrefixKey> {
+        self.load_all();
         let Some(idx) = self.replicas.find(replica) else { return Vec::new() };
         let mut keys = Vec::new();
         for shard in &self.shards {
@@ -701,7 +752,7 @@ impl PinTable {
                 None => *names.entry(pin.replica.clone()).or_insert_with(|| self.replicas.intern(&pin.replica)),
             };
             let slot = self.to_slot_with(&pin, idx);
-            let mut shard = self.shard(key).write().expect("pins lock");
+            let mut shard = self.raw_shard(key).write().expect("pins lock");
             if let Some(old) = shard.map.insert(key, slot) {
                 shard.uncount(old.replica());
             }
@@ -726,6 +777,7 @@ impl PinTable {
     /// With no pin left on it, the name is released at once (its index is
     /// reused); kept stored-response pins release it once they expire.
     pub fn remove_replica_pins(&self, replica: &str, keep_stored_responses: bool) -> usize {
+        self.load_all();
         let Some(idx) = self.replicas.find(replica) else { return 0 };
         let response = PinSource::Response.to_u8();
         let removed = self
@@ -823,6 +875,7 @@ impl PinTable {
         offset: usize,
         limit: usize,
     ) -> (usize, Vec<(PrefixKey, Pin)>) {
+        self.load_all();
         let idx = match replica {
             Some(r) => match self.replicas.find(r) {
                 Some(i) => Some(i),
@@ -849,24 +902,6 @@ impl PinTable {
         all.sort_unstable_by(|a, b| b.1.last_used_ms.cmp(&a.1.last_used_ms).then(a.0.cmp(&b.0)));
         let page = all.into_iter().skip(offset).take(limit);
         (total, page.filter_map(|(k, s)| Some((k, self.to_pin(s)?))).collect())
-    }
-
-    /// Pins of conversations that came back (a second turn or more), used
-    /// since `since_ms`. Used once at startup to seed the working set.
-    pub fn conversations_active_since(&self, since_ms: u64) -> Vec<Pin> {
-        let mut out = Vec::new();
-        for shard in &self.shards {
-            let shard = shard.read().expect("pins lock");
-            let passed = PinSource::Passed.to_u8();
-            out.extend(
-                shard
-                    .map
-                    .values()
-                    .filter(|s| s.turns >= 2 && s.last_used_ms >= since_ms && s.source != passed)
-                    .copied(),
-            );
-        }
-        out.into_iter().filter_map(|s| self.to_pin(s)).collect()
     }
 }
 

@@ -1,0 +1,184 @@
+//! Pins read from disk page by page after a start, instead of all at once.
+//!
+//! Why: a table of every boundary agents passed is tens of millions of pins
+//! (1M conversations of 40 messages: 40M); reading and inserting them all
+//! took ~22 s before the gateway could route. sled keeps pins in 65,536
+//! pages by their key's top 16 bits (`store::page_of`); the gateway serves
+//! at once, and a page is read the first time any key in it is touched (a
+//! request's boundaries, a session, a stored response, an operator's
+//! action) while a background thread reads the rest in order. Either way a
+//! page is read exactly once (a `OnceLock` per page: a second reader waits
+//! for the first), so the table reads as if it had been loaded whole.
+//!
+//! Nothing written since the start is lost to what is read: a key is
+//! written (a turn served, another instance's pin heard, a deletion) only
+//! through its shard, which reads the key's page first.
+//!
+//! A whole-table operation that must see every pin (a replica's removal,
+//! the admin listing) first reads the pages still on disk (`load_all`).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
+use super::Pin;
+use crate::policy::PrefixKey;
+
+/// How many pages there are: a key's top 16 bits.
+pub const PAGES: usize = 1 << 16;
+
+/// The page a key lives in (as the sled store lays them out).
+pub fn page_of(key: PrefixKey) -> u16 {
+    (key >> 112) as u16
+}
+
+/// Reads one page's pins from the store.
+pub type PageReader = Box<dyn Fn(u16) -> Result<Vec<(PrefixKey, Pin)>, String> + Send + Sync>;
+
+/// Told of each page's pins once they are in the table (startup seeds the
+/// working set from them).
+pub type OnLoaded = Box<dyn Fn(&[(PrefixKey, Pin)]) + Send + Sync>;
+
+pub(super) struct Pages {
+    loaded: Box<[OnceLock<()>]>,
+    /// Pages still on disk: 0 makes every check one atomic load.
+    left: AtomicUsize,
+    read: PageReader,
+    on_loaded: Option<OnLoaded>,
+}
+
+impl Pages {
+    pub(super) fn new(read: PageReader, on_loaded: Option<OnLoaded>) -> Pages {
+        Pages { loaded: (0..PAGES).map(|_| OnceLock::new()).collect(), left: AtomicUsize::new(PAGES), read, on_loaded }
+    }
+
+    pub(super) fn left(&self) -> usize {
+        self.left.load(Ordering::Acquire)
+    }
+
+    /// Runs `load` with the page's pins the first time `page` is asked
+    /// for; later callers return at once, concurrent ones once it is done.
+    pub(super) fn once(&self, page: u16, load: impl FnOnce(Vec<(PrefixKey, Pin)>)) {
+        self.loaded[usize::from(page)].get_or_init(|| {
+            match (self.read)(page) {
+                Ok(pins) => {
+                    if let Some(told) = &self.on_loaded {
+                        told(&pins);
+                    }
+                    load(pins);
+                }
+                // A page that cannot be read loses its pins (their
+                // conversations start cold), not the gateway.
+                Err(e) => tracing::error!(page, "a pin page could not be read, its pins are lost: {e}"),
+            }
+            self.left.fetch_sub(1, Ordering::AcqRel);
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+    use crate::pins::PinTable;
+
+    fn pin(replica: &str, last_used_ms: u64) -> Pin {
+        Pin {
+            replica: replica.into(),
+            created_ms: 1,
+            last_used_ms,
+            turns: 2,
+            est_tokens: 100,
+            family: 1,
+            origin: Default::default(),
+            went_on: 0,
+        }
+    }
+
+    fn key(page: u16, low: u128) -> PrefixKey {
+        (u128::from(page) << 112) | low
+    }
+
+    /// A table over `disk` (pins by page) that counts each page's reads.
+    fn paged(disk: Vec<(PrefixKey, Pin)>) -> (PinTable, Arc<Mutex<HashMap<u16, usize>>>) {
+        let reads: Arc<Mutex<HashMap<u16, usize>>> = Default::default();
+        let mut by_page: HashMap<u16, Vec<(PrefixKey, Pin)>> = HashMap::new();
+        for (k, p) in disk {
+            by_page.entry(page_of(k)).or_default().push((k, p));
+        }
+        let counted = reads.clone();
+        let read: PageReader = Box::new(move |page| {
+            *counted.lock().unwrap().entry(page).or_default() += 1;
+            if page == 666 {
+                return Err("corrupt".into());
+            }
+            Ok(by_page.get(&page).cloned().unwrap_or_default())
+        });
+        (PinTable::paged(read, None), reads)
+    }
+
+    #[test]
+    fn a_key_reads_its_page_on_first_touch_and_only_its_page() {
+        let (t, reads) = paged(vec![(key(7, 1), pin("a", 5)), (key(7, 2), pin("b", 5)), (key(9, 1), pin("c", 5))]);
+        assert_eq!(t.len(), 0, "nothing read at the start");
+        assert_eq!(t.replica_of(key(7, 1)).as_deref(), Some("a"));
+        assert_eq!(t.replica_of(key(7, 2)).as_deref(), Some("b"));
+        assert_eq!(t.len(), 2, "page 7 only");
+        assert_eq!(*reads.lock().unwrap(), HashMap::from([(7, 1)]), "read once");
+        assert_eq!(t.pages_left(), PAGES - 1);
+    }
+
+    #[test]
+    fn a_write_to_a_page_on_disk_continues_what_the_disk_held() {
+        let k = key(3, 1);
+        let (t, _) = paged(vec![(k, pin("a", 5))]);
+        // The conversation's next turn: its count goes on from the disk's.
+        t.record(k, &Arc::from("a"), None, 100, 10, Default::default());
+        let p = t.get(k).unwrap();
+        assert_eq!((p.turns, p.last_used_ms), (3, 10));
+        // A deletion heard from elsewhere is not undone by the page.
+        let (t, _) = paged(vec![(k, pin("a", 5))]);
+        t.apply([(k, None)]);
+        t.load_all();
+        assert_eq!(t.get(k), None);
+    }
+
+    #[test]
+    fn load_all_reads_every_page_once_however_many_threads_ask() {
+        let disk: Vec<_> = (0..300u16).map(|p| (key(p * 200, 1), pin("a", 5))).collect();
+        let (t, reads) = paged(disk);
+        t.get(key(200, 1));
+        let table = Arc::new(t);
+        let threads: Vec<_> = (0..2)
+            .map(|_| {
+                let t = table.clone();
+                std::thread::spawn(move || t.load_all())
+            })
+            .collect();
+        threads.into_iter().for_each(|h| h.join().unwrap());
+        assert_eq!(table.pages_left(), 0);
+        let reads = reads.lock().unwrap();
+        assert_eq!(reads.len(), PAGES);
+        assert!(reads.values().all(|n| *n == 1), "each page read once");
+        assert_eq!(table.len(), 300);
+    }
+
+    #[test]
+    fn a_replica_leaving_takes_its_pins_still_on_disk() {
+        let (t, _) = paged(vec![(key(1, 1), pin("a", 5)), (key(2, 1), pin("b", 5)), (key(3, 1), pin("a", 5))]);
+        assert_eq!(t.replica_of(key(2, 1)).as_deref(), Some("b"));
+        assert_eq!(t.remove_replica("a"), 2);
+        assert_eq!((t.get(key(1, 1)), t.get(key(3, 1))), (None, None));
+        assert_eq!(t.len(), 1);
+    }
+
+    #[test]
+    fn an_unreadable_page_loses_its_pins_not_the_table() {
+        let (t, _) = paged(vec![(key(666, 1), pin("a", 5)), (key(667, 1), pin("a", 5))]);
+        assert_eq!(t.get(key(666, 1)), None);
+        assert_eq!(t.replica_of(key(667, 1)).as_deref(), Some("a"));
+        t.load_all();
+        assert_eq!(t.pages_left(), 0);
+    }
+}
