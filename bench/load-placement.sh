@@ -9,7 +9,10 @@
 # hold on (the defaults) and off (sessions.max_wait_ms=0). Prints each
 # arm's wall time, routes and cached share.
 # BIN=path/to/prefixgate runs that build instead of building this tree.
-# Never run in CI. Usage: [ROUNDS=1 FAMILIES=5 HEAVY=3 TURNS=10] bench/load-placement.sh
+# ALTERNATE=1: heavy and light families alternate (H L H L H), so the
+# counter stacks every heavy one on one replica (the default puts them
+# first: H H H L L, which the counter splits 2:1 as well as any placement).
+# Never run in CI. Usage: [ROUNDS=1 FAMILIES=5 HEAVY=3 TURNS=10 ALTERNATE=] bench/load-placement.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FAMILIES=${FAMILIES:-5}; HEAVY=${HEAVY:-3}; TURNS=${TURNS:-10}; SHARED=${SHARED:-15000}
@@ -27,7 +30,7 @@ arm() {
   start_gateway "$gw" "$bin" $REPLICAS "$@"
   wait_replicas_up "${GW_ADMIN[$gw]}" 2
   $bin bench agent-loop --base-url "${GW_URL[$gw]}" --label "$name" --families "$FAMILIES" --heavy "$HEAVY" \
-    --heavy-factor 15 --turns "$TURNS" --shared-tokens "$SHARED" --context-tokens 2000 --turn-tokens 300 \
+    --heavy-factor 15 ${ALTERNATE:+--heavy-alternate} --turns "$TURNS" --shared-tokens "$SHARED" --context-tokens 2000 --turn-tokens 300 \
     --max-tokens 16 --json >"$BENCH_TMP/$gw.json"
   python3 - "$BENCH_TMP/$gw.json" "$name" <<'PY'
 import json, sys
@@ -35,7 +38,7 @@ r = json.load(open(sys.argv[1]))
 s = r["samples"]
 prompt = sum(x.get("prompt_tokens") or 0 for x in s)
 cached = sum(x.get("cached_tokens") or 0 for x in s)
-heavy = {x["replica"] for x in s if x["family"] < int(r["settings"]["heavy"]) and x["turn"] == 0}
+heavy = {x["replica"] for x in s if x["family"] in r["settings"]["heavy_families"] and x["turn"] == 0}
 print(f"{sys.argv[2]:16} wall {r['summary']['wall_ms'] / 1000:6.2f} s  routes {dict(r['summary']['by_route'])}  "
       f"cached {100 * cached / max(prompt, 1):.1f} %  heavy first turns on {sorted(heavy)}")
 PY

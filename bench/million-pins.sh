@@ -4,24 +4,25 @@
 # simulated replicas; rounds alternate between them. Every request is a new
 # prompt: a pin lookup and a pin write on a full table.
 # Usage: BEFORE=/path/to/old/prefixgate [BEFORE_SEED=/path/to/old/seed_pins] bench/million-pins.sh [secs] [rounds]
-#        [CONVERSATIONS=1000000] [MESSAGES=40] bench/million-pins.sh load
+#        [CONVERSATIONS=1000000] [MESSAGES=40] [EAGER=1] bench/million-pins.sh load
 # (build the old revision in a worktree: cargo build --release --examples).
 #
 # `bench/million-pins.sh load`: instead, what a table of CONVERSATIONS
 # (1,000,000) conversations of MESSAGES (40) messages costs, every boundary
-# marked (examples/pin_sizes): its memory, its size on disk and the time a
-# restart takes to load it. The database is written once to
-# target/pins-CONVERSATIONSxMESSAGES and kept: a second run measures the
-# load only. Writing holds the table, its write queue and sled's batches at
-# once: 1M x 40 (40M entries) did not fit a 24 GiB machine (killed);
-# CONVERSATIONS=100000 does (~1 minute). A gateway keeps such a table only
-# with pins.max_pins at least CONVERSATIONS x MESSAGES.
+# marked (examples/pin_sizes): its memory, its size on disk, how long a
+# restart takes before it routes (pages read on first touch) and before
+# every page is read (the background loader); EAGER=1 also times reading
+# the whole table first (the startup before pins::pages). The database is
+# written once to target/pins-CONVERSATIONSxMESSAGES (1M x 40: ~4 GiB, ~1
+# minute, the in-memory table ~5 GiB) and kept: a second run measures the
+# load only. A gateway keeps such a table only with pins.max_pins at least
+# CONVERSATIONS x MESSAGES.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = load ]; then
   c=${CONVERSATIONS:-1000000}; m=${MESSAGES:-40}
   CARGO_PROFILE_RELEASE_LTO=false cargo build --release -q --example pin_sizes
-  CONVERSATIONS=$c MESSAGES=$m DIR=$PWD/target/pins-${c}x$m target/release/examples/pin_sizes
+  CONVERSATIONS=$c MESSAGES=$m DIR=$PWD/target/pins-${c}x$m EAGER=${EAGER:-} target/release/examples/pin_sizes
   exit 0
 fi
 secs=${1:-10}; rounds=${2:-3}; pins=${PINS:-1000000}

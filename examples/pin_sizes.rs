@@ -55,7 +55,7 @@ async fn main() {
         write(&dir, conversations, messages).await;
     }
     load(&dir, conversations, messages).await;
-    if std::env::var_os("EAGER").is_some() {
+    if std::env::var("EAGER").is_ok_and(|v| !v.is_empty()) {
         load_whole(&dir).await;
     }
     if kept.is_none() {

@@ -112,13 +112,19 @@ pub enum Workload {
         /// the gateway sees a new session, not a one-shot.
         #[arg(long, visible_alias = "shared-tokens", default_value_t = 0)]
         system_tokens: usize,
-        /// The first this many families are heavy: each turn adds
+        /// This many families are heavy (the first ones, or every other
+        /// one with `--heavy-alternate`): each turn adds
         /// `--heavy-factor` times `--turn-tokens` (a coding agent reading
         /// files), the others are light.
         #[arg(long, default_value_t = 0)]
         heavy: usize,
         #[arg(long, default_value_t = 8)]
         heavy_factor: usize,
+        /// Heavy and light families alternate (heavy first) instead of the
+        /// heavy ones coming first: families start in order, so the seed's
+        /// counter puts every heavy one on one replica of two.
+        #[arg(long)]
+        heavy_alternate: bool,
         /// How the agent rewrites its tail each turn: `status` (a status
         /// line after everything, replaced each turn), `reminder` (a
         /// reminder on the latest user message, stripped from older ones).

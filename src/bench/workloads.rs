@@ -100,15 +100,18 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
             rewrite,
             heavy,
             heavy_factor,
+            heavy_alternate,
         } => {
             let salt = salt(common);
-            let settings = json!({"families": families, "turns": turns, "context_tokens": context_tokens, "turn_tokens": turn_tokens, "max_tokens": common.max_tokens, "salt": salt, "api": api, "pause_ms": pause_ms, "system_tokens": system_tokens, "rewrite": rewrite, "heavy": heavy, "heavy_factor": heavy_factor});
+            let heavy_families = heavy_families(*families, *heavy, *heavy_alternate);
+            let settings = json!({"families": families, "turns": turns, "context_tokens": context_tokens, "turn_tokens": turn_tokens, "max_tokens": common.max_tokens, "salt": salt, "api": api, "pause_ms": pause_ms, "system_tokens": system_tokens, "rewrite": rewrite, "heavy": heavy, "heavy_factor": heavy_factor, "heavy_families": heavy_families});
             let system = (*system_tokens > 0)
                 .then(|| json!({"role": "system", "content": format!("[run {salt}] shared\n{}", filler("system", *system_tokens))}));
             let mut report = new_report("agent-loop", common, settings);
             let pb = bar(families * turns, "turns");
             let runs = (0..*families).map(|f| {
                 let (pb, salt, system) = (pb.clone(), salt.clone(), system.clone());
+                let is_heavy = heavy_families.contains(&f);
                 async move {
                     let c = client();
                     let mut messages: Vec<serde_json::Value> = system.into_iter().collect();
@@ -129,7 +132,7 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
                             }
                             Err(e) => Sample { error: Some(e), ..Sample::default() },
                         };
-                        let grows = if f < *heavy { turn_tokens * heavy_factor } else { *turn_tokens };
+                        let grows = if is_heavy { turn_tokens * heavy_factor } else { *turn_tokens };
                         messages.push(json!({"role": "user", "content": filler(&format!("f{f}t{turn}"), grows)}));
                         samples.push(Sample { family: f, turn, ..sample });
                         pb.inc(1);
@@ -234,4 +237,35 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
     report.duration_s = wall.as_secs_f64();
     report.summarize(wall.as_secs_f64() * 1000.0);
     Ok(report)
+}
+
+/// Which of `families` are heavy: the first `heavy`, or with `alternate`
+/// every other one from the first while light ones remain.
+fn heavy_families(families: usize, heavy: usize, alternate: bool) -> Vec<usize> {
+    if !alternate {
+        return (0..heavy.min(families)).collect();
+    }
+    let (mut heavy_left, mut light_left) = (heavy.min(families), families.saturating_sub(heavy));
+    let mut out = Vec::new();
+    for f in 0..families {
+        if heavy_left > 0 && (f % 2 == 0 || light_left == 0) {
+            out.push(f);
+            heavy_left -= 1;
+        } else {
+            light_left -= 1;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn heavy_families_come_first_or_alternate_with_light_ones() {
+        assert_eq!(super::heavy_families(5, 3, false), vec![0, 1, 2]);
+        assert_eq!(super::heavy_families(5, 3, true), vec![0, 2, 4]);
+        // More heavy than light: alternate while light ones remain.
+        assert_eq!(super::heavy_families(5, 4, true), vec![0, 2, 3, 4]);
+        assert_eq!(super::heavy_families(2, 5, true), vec![0, 1]);
+    }
 }
