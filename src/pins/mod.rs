@@ -823,8 +823,11 @@ impl PinTable {
     /// Forgets pins idle for longer than `ttl_ms`, then the least recently
     /// used beyond `max` (per shard: `max / 64`). Returns how many went.
     /// One shard is locked at a time, so requests on other shards go on.
+    /// While pages are still on disk the cap waits: the least recently used
+    /// of a part of the table are not the table's (what was written was
+    /// within the cap already).
     pub fn prune(&self, now_ms: u64, ttl_ms: u64, max: usize) -> usize {
-        let per_shard = max.div_ceil(SHARDS);
+        let per_shard = if self.pages_left() > 0 { usize::MAX } else { max.div_ceil(SHARDS) };
         let mut gone = 0;
         for shard in &self.shards {
             let mut shard = shard.write().expect("pins lock");

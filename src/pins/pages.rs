@@ -165,6 +165,23 @@ mod tests {
     }
 
     #[test]
+    fn the_size_cap_waits_for_the_whole_table_and_expiry_does_not() {
+        let disk: Vec<_> = (0..10u16).map(|p| (key(p, 1), pin("a", 100 + u64::from(p)))).collect();
+        let (t, _) = paged(disk);
+        t.get(key(0, 1));
+        t.get(key(9, 1));
+        // Page 0's pin is the oldest read, not the table's oldest: kept.
+        assert_eq!(t.prune(200, 1_000, 1), 0);
+        // Expired is expired, read or not.
+        assert_eq!(t.prune(1_105, 1_000, 1), 1);
+        t.load_all();
+        // Whole: the cap keeps the most recent (these keys share one shard).
+        assert_eq!(t.prune(200, 1_000, 1), 8);
+        assert_eq!(t.len(), 1);
+        assert!(t.get(key(9, 1)).is_some(), "the most recent stays");
+    }
+
+    #[test]
     fn a_replica_leaving_takes_its_pins_still_on_disk() {
         let (t, _) = paged(vec![(key(1, 1), pin("a", 5)), (key(2, 1), pin("b", 5)), (key(3, 1), pin("a", 5))]);
         assert_eq!(t.replica_of(key(2, 1)).as_deref(), Some("b"));
