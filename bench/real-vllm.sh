@@ -22,7 +22,10 @@
 # grow to ~8k tokens: MAX_MODEL_LEN=8192 KV_GIB=0.5 (~11k tokens a
 # replica), and empties the replicas' caches between arms
 # (VLLM_SERVER_DEV_MODE=1 serves /reset_prefix_cache).
-# Usage: [KV_GIB=0.1373] [MAX_MODEL_LEN=2944] [INSTANCES="1 3"] [IDLE_MS=1000] [CONTINUE=1|IPERF=1] bench/real-vllm.sh
+# REPLAY=1: bench/replay.sh on the two replicas instead (a recorded trace
+# beside vllm-router, TRACE= or bench/agent-trace.py's; its calls reach
+# ~4k tokens: MAX_MODEL_LEN=8192 KV_GIB=0.5, caches emptied as for IPERF).
+# Usage: [KV_GIB=0.1373] [MAX_MODEL_LEN=2944] [INSTANCES="1 3"] [IDLE_MS=1000] [CONTINUE=1|IPERF=1|REPLAY=1] bench/real-vllm.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KV_GIB=${KV_GIB:-0.1373}; INSTANCES=${INSTANCES:-1 3}
@@ -88,10 +91,10 @@ convert_model
 
 bench_init
 urls=(); pids=()
-# inference-perf's agents send tools without a tool_choice ("auto"), which
+# inference-perf's agents (and replayed traces) send tools without a tool_choice ("auto"), which
 # vLLM refuses unless it parses tool calls (engines.md).
 tool_flags=()
-[ "${IPERF:-}" = 1 ] && tool_flags=(--enable-auto-tool-choice --tool-call-parser hermes)
+[ "${IPERF:-}${REPLAY:-}" = 1 ] && tool_flags=(--enable-auto-tool-choice --tool-call-parser hermes)
 for i in 0 1; do
   port=$(free_port)
   HF_HUB_OFFLINE=1 VLLM_SERVER_DEV_MODE=1 VLLM_CPU_OMP_THREADS_BIND="$i" taskset -c "$i" "$py" -m vllm.entrypoints.openai.api_server \
@@ -117,6 +120,10 @@ if [ "${CONTINUE:-}" = 1 ]; then
 fi
 if [ "${IPERF:-}" = 1 ]; then
   REPLICA_URLS="${urls[*]}" MODEL_NAME=smollm2 bench/inference-perf.sh
+  exit 0
+fi
+if [ "${REPLAY:-}" = 1 ]; then
+  REPLICA_URLS="${urls[*]}" MODEL_NAME=smollm2 bench/replay.sh
   exit 0
 fi
 for n in $INSTANCES; do

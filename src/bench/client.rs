@@ -76,7 +76,9 @@ fn read_event(api: Api, v: &Value, sample: &mut Sample) -> Option<String> {
                 sample.prompt_tokens = u["prompt_tokens"].as_u64();
                 sample.cached_tokens = u["prompt_tokens_details"]["cached_tokens"].as_u64();
             }
-            v["choices"][0]["delta"]["content"].as_str().map(str::to_string)
+            // A completions stream carries its text in `text`.
+            let choice = &v["choices"][0];
+            choice["delta"]["content"].as_str().or(choice["text"].as_str()).map(str::to_string)
         }
         Api::Responses | Api::ResponsesChain => match v["type"].as_str() {
             Some("response.created") => {
@@ -119,6 +121,17 @@ pub async fn stream_turn(
     previous: Option<&str>,
 ) -> Result<(Sample, String), String> {
     let (path, body) = request_body(api, common, messages, previous);
+    send(c, common, api, path, &body).await
+}
+
+/// Sends `body` to `path` and reads its stream as `api` speaks it.
+pub async fn send(
+    c: &awc::Client,
+    common: &Common,
+    api: Api,
+    path: &str,
+    body: &Value,
+) -> Result<(Sample, String), String> {
     let started = Instant::now();
     let mut req = c.post(format!("{}{path}", common.base_url)).timeout(Duration::from_secs(common.timeout));
     if let Some(k) = &common.api_key {
@@ -127,7 +140,7 @@ pub async fn stream_turn(
     for (name, value) in &common.headers {
         req = req.insert_header((name.as_str(), value.as_str()));
     }
-    let mut resp = req.send_json(&body).await.map_err(|e| e.to_string())?;
+    let mut resp = req.send_json(body).await.map_err(|e| e.to_string())?;
     let header = |n: &str| resp.headers().get(n).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
     let mut sample =
         Sample { replica: header("x-prefixgate-replica"), route: header("x-prefixgate-route"), ..Sample::default() };

@@ -9,6 +9,7 @@
 //! estimate): no tokenizer needed.
 
 mod client;
+mod replay;
 mod report;
 mod workloads;
 
@@ -162,6 +163,25 @@ pub enum Workload {
         #[arg(long, default_value_t = 500)]
         requests: usize,
     },
+    /// Recorded agent traffic sent again: a JSON-lines trace of model calls
+    /// by task, each task's calls in order with their recorded tool pauses,
+    /// every task at once (the format is in `src/bench/replay.rs` and
+    /// docs/measuring.md).
+    Replay {
+        #[command(flatten)]
+        common: Common,
+        /// The trace (JSON lines: task, after_ms, path, body).
+        #[arg(long)]
+        trace: PathBuf,
+        /// Keep this fraction of every text (contents, system prompts, tool
+        /// descriptions), cut the same way in every call: a recorded prefix
+        /// stays a prefix, and a long recording fits a small model.
+        #[arg(long, default_value_t = 1.0)]
+        keep_text: f64,
+        /// Scales the recorded pauses between a task's calls (tool time).
+        #[arg(long, default_value_t = 1.0)]
+        pause_scale: f64,
+    },
     /// Merge JSON reports into one SVG chart (one line per run).
     Chart {
         #[arg(long)]
@@ -187,7 +207,8 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
         Workload::AgentLoop { common, .. }
         | Workload::Burst { common, .. }
         | Workload::ProbeCache { common, .. }
-        | Workload::Overhead { common, .. } => common,
+        | Workload::Overhead { common, .. }
+        | Workload::Replay { common, .. } => common,
         Workload::Chart { .. } => unreachable!("handled above"),
     };
     if let Some(path) = &common.svg {

@@ -78,7 +78,7 @@ fn new_report(workload: &str, common: &Common, settings: Value) -> Report {
     }
 }
 
-fn client() -> awc::Client {
+pub(super) fn client() -> awc::Client {
     awc::Client::builder()
         .connector(crate::connector::connector(std::time::Duration::from_secs(10)).limit(0))
         .timeout(std::time::Duration::from_secs(3600))
@@ -230,6 +230,22 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
                 super::report::percentile(&mut d, 50.0).unwrap_or(0.0)
             ));
             report
+        }
+        Workload::Replay { common, trace, keep_text, pause_scale } => {
+            if !(*keep_text > 0.0 && *keep_text <= 1.0) {
+                return Err(format!("--keep-text {keep_text}: a fraction in (0, 1]"));
+            }
+            let tasks = super::replay::read_trace(trace)?;
+            let calls: usize = tasks.iter().map(|(_, c)| c.len()).sum();
+            let settings = json!({"trace": trace, "tasks": tasks.len(), "calls": calls, "keep_text": keep_text,
+                                  "pause_scale": pause_scale, "max_tokens": common.max_tokens});
+            let mut report = new_report("replay", common, settings);
+            // Timed from the first call: reading the trace is not the routers' time.
+            let started = Instant::now();
+            report.samples = super::replay::run(common, &tasks, *keep_text, *pause_scale).await;
+            report.duration_s = started.elapsed().as_secs_f64();
+            report.summarize(started.elapsed().as_secs_f64() * 1000.0);
+            return Ok(report);
         }
         Workload::Chart { .. } => return Err("chart is not a workload".into()),
     };
