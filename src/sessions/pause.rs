@@ -2,7 +2,8 @@
 //! turn boundary, while the sessions on its replica are over its pool and
 //! it is the one to give way (`room::must_pause`: the lowest class, the
 //! client with most sessions, the youngest). A turn that started is never
-//! cut; a pause is bounded by `max_wait_ms`.
+//! cut; a pause is bounded by `max_wait_ms`, and by what re-prefilling the
+//! turn would cost (`Sessions::pause_bound`).
 
 use std::time::Duration;
 
@@ -126,9 +127,30 @@ impl Sessions {
     pub async fn pause(&self, replica: &Replica, session: PrefixKey, tokens: u64, came_ms: u64) -> Duration {
         let _busy = PausedTurn::start(self, replica, session);
         let started = tokio::time::Instant::now();
-        let deadline = started + Duration::from_millis(self.settings.max_wait_ms);
+        let deadline = started + self.pause_bound(replica, session, tokens);
         self.wait_for(deadline, || !self.must_pause(replica, session, tokens, came_ms)).await;
         started.elapsed()
+    }
+
+    /// How long a turn of `tokens` may pause on `replica`: `max_wait_ms`,
+    /// and never longer than re-prefilling the whole turn would take at the
+    /// replica's measured prefill rate. Past that, waiting costs the agent
+    /// more than the cold turn the pause saves it. Why it matters: a wall
+    /// learned from a miss the engine's own choice caused (llama-server
+    /// keeps its slot's prompt when it shares half of it with the next,
+    /// instead of restoring the returning one from RAM) paused turns of a
+    /// few hundred tokens for a minute, where a re-prefill took seconds.
+    /// A turn that gave its room to a higher class waits the whole
+    /// `max_wait_ms`: that wait is for the other session's sake.
+    pub fn pause_bound(&self, replica: &Replica, session: PrefixKey, tokens: u64) -> Duration {
+        let max = Duration::from_millis(self.settings.max_wait_ms);
+        if replica.residents.get(session).is_some_and(|r| r.preempted) {
+            return max;
+        }
+        match replica.residents.pace().prefill_tps {
+            Some(tps) => max.min(Duration::from_secs_f64(tokens as f64 / tps)),
+            None => max,
+        }
     }
 
     /// Turns of resident sessions paused now.
@@ -148,6 +170,31 @@ mod tests {
     use super::super::tests::{heard, instance, pool_of, replica, settings};
     use super::super::*;
     use crate::priority::Class;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pause_lasts_no_longer_than_re_prefilling_the_turn_would() {
+        let (s, a) = instance();
+        let now = crate::clock::now_ms();
+        // Two agents whose next turns (6,500 each) cross the 12,000-token pool.
+        drop(s.begin_turn(&a, 1, None, 3_500, &Who::default(), now));
+        drop(s.begin_turn(&a, 2, None, 3_500, &Who::default(), now + 1));
+        let _older = s.begin_turn(&a, 1, None, 5_000, &Who::default(), now + 10);
+        drop(s.begin_turn(&a, 2, None, 5_000, &Who::default(), now + 11));
+        assert!(s.must_pause(&a, 2, 6_500, u64::MAX));
+        let max = std::time::Duration::from_millis(s.settings().max_wait_ms);
+        assert_eq!(s.pause_bound(&a, 2, 6_500), max, "no rate measured: max_wait_ms");
+        // The engine prefills 2,000 tokens a second: the turn re-prefilled
+        // cold would take 3.25 s, so it waits no longer than that.
+        a.residents.observe_prefill(2_000, std::time::Duration::from_secs(1));
+        let bound = std::time::Duration::from_millis(3_250);
+        assert!(bound < max);
+        assert_eq!(s.pause_bound(&a, 2, 6_500), bound);
+        let waited = s.pause(&a, 2, 6_500, u64::MAX).await;
+        assert!(waited >= bound && waited < bound + std::time::Duration::from_millis(100), "{waited:?}");
+        // A turn that gave its room to a higher class waits for it whole.
+        a.residents.preempt(&[2], Class::Interactive, |_, _| true);
+        assert_eq!(s.pause_bound(&a, 2, 6_500), max);
+    }
 
     #[test]
     fn the_youngest_pauses_in_the_round_that_crosses_the_pool_whichever_turn_comes_first() {
