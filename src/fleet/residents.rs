@@ -63,6 +63,11 @@ pub struct Resident {
     pub preempted: bool,
     /// Its turns here (2 or more: it came back, and the working set counts it).
     pub turns: u32,
+    /// The replica's turn count (`Residents::begun`) when its latest turn began.
+    pub begun_seq: u64,
+    /// Other sessions' turns began here between its previous turn and its
+    /// latest: a prefix it then finds was kept beside theirs.
+    pub after_others: bool,
     /// Its turns paused now at the wall (`sessions/pause.rs`), and since
     /// when the first of them waits, ms.
     pub paused: u32,
@@ -191,6 +196,13 @@ pub struct Residents {
     kept: AtomicU64,
     lost: AtomicU64,
     kept_high: AtomicU64,
+    /// Session turns begun here: whether others ran between two turns of one.
+    begun: AtomicU64,
+    /// The most resident when a returning session found its prefix after
+    /// other sessions' turns, and when (ms): a loss at about that load is
+    /// not the replica's wall (`Receipt::Missed`).
+    kept_beside_high: AtomicU64,
+    kept_beside_ms: AtomicU64,
 }
 
 /// What the gateway measured of a replica's pace, for the choice between
@@ -226,6 +238,19 @@ pub enum Receipt {
     Lost { load: u64 },
     /// The turn found its prefix: the replica holds `load` tokens resident.
     Kept { load: u64 },
+    /// The turn found its prefix after other sessions' turns ran here, at
+    /// `load` tokens resident, above the wall (`wall`): the replica keeps
+    /// more than one session above it, so the wall was not its capacity
+    /// (a miss of the engine's own choosing: llama-server keeps its slot's
+    /// prompt, instead of restoring the returning one from host memory,
+    /// when the two share half of the slot's). Forgotten; a real one is
+    /// found again by the next loss.
+    Unwalled { wall: u64, load: u64 },
+    /// The turn found less than half its prefix at `load` tokens resident,
+    /// but within `WALL_MEMORY_MS` a session found its prefix after others'
+    /// turns with as much resident, or 10 % less (`kept_beside`): a miss,
+    /// not the replica's wall.
+    Missed { load: u64, kept_beside: u64 },
     /// Too small to say, or in between.
     Unclear,
 }
@@ -420,6 +445,9 @@ impl Residents {
         r.peak_tokens = r.peak_tokens.max(r.tokens);
         r.last_ms = b.now_ms;
         r.began_ms = b.now_ms;
+        let seq = self.begun.fetch_add(1, Ordering::Relaxed) + 1;
+        r.after_others = !fresh && seq.saturating_sub(r.begun_seq) > 1;
+        r.begun_seq = seq;
         r.running += 1;
         r.turns = r.turns.saturating_add(1);
         if r.turns >= 2 && r.continued_ms == 0 {
@@ -736,26 +764,67 @@ impl Residents {
         self.wall_lesson.swap(false, Ordering::Relaxed)
     }
 
+    /// The most resident when a session found its prefix after others'
+    /// turns, within `WALL_MEMORY_MS` of `now_ms` (0: none).
+    fn kept_beside(&self, now_ms: u64) -> u64 {
+        let at = self.kept_beside_ms.load(Ordering::Relaxed);
+        if now_ms.saturating_sub(at) > WALL_MEMORY_MS {
+            return 0;
+        }
+        self.kept_beside_high.load(Ordering::Relaxed)
+    }
+
+    fn kept_beside_at(&self, load: u64, now_ms: u64) {
+        // An old high is forgotten, not kept: what the replica kept then
+        // may be gone (a restart, a smaller cache).
+        if self.kept_beside(now_ms) == 0 {
+            self.kept_beside_high.store(load, Ordering::Relaxed);
+        } else {
+            self.kept_beside_high.fetch_max(load, Ordering::Relaxed);
+        }
+        self.kept_beside_ms.store(now_ms, Ordering::Relaxed);
+    }
+
+    /// Whether other sessions' turns began here between `session`'s
+    /// previous turn and its latest (`Resident::after_others`).
+    pub fn after_others(&self, session: PrefixKey) -> bool {
+        self.lock().get(&session).is_some_and(|r| r.after_others)
+    }
+
     /// Reads a pinned turn's receipt: `predicted` cached tokens (the prefix
     /// it should have found on its home) against the `cached` tokens the
     /// engine reported. A lost prefix lowers the wall to the load it was
     /// lost at (the replica takes no new session above it); a kept one at
     /// a higher load raises it. Returns what it read.
-    pub fn receipt(&self, predicted: u64, cached: u64, now_ms: u64) -> Receipt {
+    pub fn receipt(&self, predicted: u64, cached: u64, after_others: bool, now_ms: u64) -> Receipt {
         if predicted < MIN_RECEIPT_TOKENS {
             return Receipt::Unclear;
         }
         let load = self.load();
         if cached.saturating_mul(2) < predicted {
             self.lost.fetch_add(1, Ordering::Relaxed);
+            let kept_beside = self.kept_beside(now_ms);
+            if kept_beside.saturating_mul(10) >= load.saturating_mul(9) {
+                return Receipt::Missed { load, kept_beside };
+            }
             self.lower_wall(load, now_ms);
             Receipt::Lost { load }
         } else if cached.saturating_mul(10) >= predicted.saturating_mul(9) {
             self.kept.fetch_add(1, Ordering::Relaxed);
             self.kept_high.fetch_max(load, Ordering::Relaxed);
-            let _ =
-                self.wall.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| (w > 0 && load > w).then_some(load));
-            Receipt::Kept { load }
+            if after_others {
+                self.kept_beside_at(load, now_ms);
+            }
+            // Above the wall: kept beside others' turns, the wall was not
+            // the replica's; kept with nothing run between, it holds at
+            // least this load.
+            let raised = self.wall.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| {
+                (w > 0 && load > w).then_some(if after_others { 0 } else { load })
+            });
+            match raised {
+                Ok(wall) if after_others => Receipt::Unwalled { wall, load },
+                _ => Receipt::Kept { load },
+            }
         } else {
             Receipt::Unclear
         }
@@ -767,6 +836,76 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_prefix_kept_beside_other_sessions_turns_above_the_wall_forgets_it() {
+        let r = Residents::default();
+        let begin = |session, tokens, now_ms| {
+            r.begin(
+                session,
+                Begin {
+                    tokens,
+                    now_ms,
+                    moved: None,
+                    projected: 0,
+                    link: None,
+                    class: Default::default(),
+                    stated: false,
+                    client: 0,
+                },
+            )
+        };
+        begin(1, 1_000, 0);
+        begin(2, 1_000, 1);
+        assert_eq!(r.receipt(900, 100, false, 2), Receipt::Lost { load: 2_000 });
+        assert_eq!(r.wall(), Some(2_000));
+        // Session 1 comes back after session 2's turn, above the wall, and
+        // finds its prefix: the replica keeps both (llama-server restoring
+        // it from host memory); the loss was not its capacity.
+        begin(1, 1_500, 3);
+        assert!(r.after_others(1));
+        assert_eq!(r.receipt(1_000, 1_000, r.after_others(1), 4), Receipt::Unwalled { wall: 2_000, load: 2_500 });
+        assert_eq!(r.wall(), None);
+        // A loss with more resident sets it again (at 2,500 it is a miss:
+        // sessions were kept beside others' there); a session whose turns
+        // follow each other with nothing between proves only its load.
+        begin(3, 500, 5);
+        assert_eq!(r.receipt(900, 0, false, 5), Receipt::Lost { load: 3_000 });
+        begin(2, 1_200, 6);
+        begin(2, 1_400, 7);
+        assert!(!r.after_others(2));
+        assert_eq!(r.receipt(1_000, 1_000, r.after_others(2), 8), Receipt::Kept { load: 3_400 });
+        assert_eq!(r.wall(), Some(3_400));
+        // Kept beside others' turns at the wall, not above it: it stands.
+        begin(1, 1_500, 9);
+        assert!(r.after_others(1));
+        assert_eq!(r.receipt(1_000, 1_000, true, 10), Receipt::Kept { load: 3_400 });
+        assert_eq!(r.wall(), Some(3_400));
+    }
+
+    #[test]
+    fn a_loss_where_sessions_were_kept_beside_others_is_a_miss_not_a_wall() {
+        let r = Residents::default();
+        for s in 1..=3 {
+            r.lock().insert(s, Resident { tokens: 1_000, ..Default::default() });
+        }
+        // A prefix kept after others' turns at 3,000 resident.
+        assert_eq!(r.receipt(900, 900, true, 0), Receipt::Kept { load: 3_000 });
+        // A loss at 3,000 (or up to a ninth more) is the engine's miss.
+        assert_eq!(r.receipt(900, 100, false, 1), Receipt::Missed { load: 3_000, kept_beside: 3_000 });
+        r.lock().insert(4, Resident { tokens: 333, ..Default::default() });
+        assert_eq!(r.receipt(900, 100, false, 2), Receipt::Missed { load: 3_333, kept_beside: 3_000 });
+        assert_eq!(r.wall(), None);
+        // Past that load, a loss is a wall.
+        r.lock().insert(5, Resident { tokens: 1_000, ..Default::default() });
+        assert_eq!(r.receipt(900, 100, false, 3), Receipt::Lost { load: 4_333 });
+        assert_eq!(r.wall(), Some(4_333));
+        // What was kept long ago says nothing now.
+        let r = Residents::default();
+        r.lock().insert(1, Resident { tokens: 3_000, ..Default::default() });
+        assert_eq!(r.receipt(900, 900, true, 0), Receipt::Kept { load: 3_000 });
+        assert_eq!(r.receipt(900, 100, false, WALL_MEMORY_MS + 1), Receipt::Lost { load: 3_000 });
+    }
+
+    #[test]
     fn learned_capacity_grows_on_kept_receipts_and_falls_to_the_wall_on_a_miss() {
         let r = Residents::default();
         let declared = Some(4_096); // one slot of 4,096 tokens
@@ -776,7 +915,7 @@ mod tests {
         for s in 1..=3 {
             r.lock().insert(s, Resident { tokens: 3_000, ..Default::default() });
         }
-        assert_eq!(r.receipt(2_800, 2_800, 0), Receipt::Kept { load: 9_000 });
+        assert_eq!(r.receipt(2_800, 2_800, false, 0), Receipt::Kept { load: 9_000 });
         let kept = r.learned();
         assert_eq!((kept.wall_tokens, kept.kept_at_tokens, kept.receipts_kept), (None, 9_000, 1));
         assert_eq!(kept.capacity(declared), Some(9_000));
@@ -785,15 +924,15 @@ mod tests {
         for s in 4..=5 {
             r.lock().insert(s, Resident { tokens: 3_000, ..Default::default() });
         }
-        assert_eq!(r.receipt(2_800, 1_000, 1), Receipt::Lost { load: 15_000 });
+        assert_eq!(r.receipt(2_800, 1_000, false, 1), Receipt::Lost { load: 15_000 });
         r.lock().remove(&5);
-        assert_eq!(r.receipt(2_800, 0, 2), Receipt::Lost { load: 12_000 });
+        assert_eq!(r.receipt(2_800, 0, false, 2), Receipt::Lost { load: 12_000 });
         let lost = r.learned();
         assert_eq!((lost.wall_tokens, lost.receipts_lost), (Some(12_000), 2));
         assert_eq!(lost.capacity(declared), Some(9_000), "between kept at 9,000 and lost at 12,000: the kept");
         // A later loss below what was kept lowers it.
         r.lock().retain(|s, _| *s <= 2);
-        assert_eq!(r.receipt(2_800, 0, 3), Receipt::Lost { load: 6_000 });
+        assert_eq!(r.receipt(2_800, 0, false, 3), Receipt::Lost { load: 6_000 });
         assert_eq!(r.learned().capacity(declared), Some(6_000));
     }
 
@@ -869,7 +1008,7 @@ mod tests {
         let r = Residents::default();
         r.lock().insert(1, Resident { tokens: 4_000, ..Default::default() });
         let t0 = 1_000_000;
-        assert_eq!(r.receipt(3_000, 0, t0), Receipt::Lost { load: 4_000 });
+        assert_eq!(r.receipt(3_000, 0, false, t0), Receipt::Lost { load: 4_000 });
         assert_eq!(r.forget_stale_wall(t0 + WALL_MEMORY_MS - 1), None, "still fresh");
         // A loss at the wall again confirms it, though it does not move it.
         r.lock().insert(2, Resident { tokens: 1_000, ..Default::default() });
@@ -880,7 +1019,7 @@ mod tests {
         assert_eq!(r.wall(), None, "new sessions go up to the capacity again");
         assert_eq!(r.forget_stale_wall(t0 + 60_000 + 2 * WALL_MEMORY_MS), None, "forgotten once");
         // The next loss finds it again.
-        assert_eq!(r.receipt(3_000, 0, t0 + 3 * WALL_MEMORY_MS), Receipt::Lost { load: 5_000 });
+        assert_eq!(r.receipt(3_000, 0, false, t0 + 3 * WALL_MEMORY_MS), Receipt::Lost { load: 5_000 });
         assert_eq!(r.wall(), Some(5_000));
     }
 
@@ -889,16 +1028,16 @@ mod tests {
         let r = Residents::default();
         r.lock().insert(1, Resident { tokens: 6_000, ..Default::default() });
         r.lock().insert(2, Resident { tokens: 5_000, ..Default::default() });
-        assert_eq!(r.receipt(100, 0, 0), Receipt::Unclear, "too small to say");
-        assert_eq!(r.receipt(5_000, 4_900, 0), Receipt::Kept { load: 11_000 });
+        assert_eq!(r.receipt(100, 0, false, 0), Receipt::Unclear, "too small to say");
+        assert_eq!(r.receipt(5_000, 4_900, false, 0), Receipt::Kept { load: 11_000 });
         assert_eq!(r.wall(), None, "no loss seen: no wall");
-        assert_eq!(r.receipt(5_000, 1_000, 0), Receipt::Lost { load: 11_000 });
+        assert_eq!(r.receipt(5_000, 1_000, false, 0), Receipt::Lost { load: 11_000 });
         assert_eq!(r.wall(), Some(11_000));
         r.lock().insert(3, Resident { tokens: 2_000, ..Default::default() });
-        assert_eq!(r.receipt(5_000, 5_000, 0), Receipt::Kept { load: 13_000 });
+        assert_eq!(r.receipt(5_000, 5_000, false, 0), Receipt::Kept { load: 13_000 });
         assert_eq!(r.wall(), Some(13_000), "kept at a higher load: the wall is higher");
         r.lock().remove(&3);
-        assert_eq!(r.receipt(5_000, 0, 0), Receipt::Lost { load: 11_000 });
+        assert_eq!(r.receipt(5_000, 0, false, 0), Receipt::Lost { load: 11_000 });
         assert_eq!(r.wall(), Some(11_000));
     }
 

@@ -320,12 +320,14 @@ impl OutcomeRecorder {
     /// replica is over its wall in practice. It then takes no new session
     /// above the load it lost it at (`Residents::receipt`); said once per
     /// lowering, in history and the log.
-    fn receipt(&self, replica: &Replica, predicted: u64, cached: u64) {
+    /// `session`: the turn's, when it is a session's (others' turns ran
+    /// between its last two here: a prefix kept then was kept beside theirs).
+    fn receipt(&self, replica: &Replica, predicted: u64, cached: u64, session: Option<PrefixKey>) {
+        use crate::fleet::residents::Receipt;
         let before = replica.residents.wall();
-        if let crate::fleet::residents::Receipt::Lost { load } =
-            replica.residents.receipt(predicted, cached, crate::clock::now_ms())
-        {
-            if before.is_none_or(|w| load < w) {
+        let after_others = session.is_some_and(|s| replica.residents.after_others(s));
+        match replica.residents.receipt(predicted, cached, after_others, crate::clock::now_ms()) {
+            Receipt::Lost { load } if before.is_none_or(|w| load < w) => {
                 let detail = format!(
                     "a pinned turn found {cached} of ~{predicted} cached tokens at ~{load} tokens resident: \
                      the replica did not keep the session; no new session above that load"
@@ -333,6 +335,20 @@ impl OutcomeRecorder {
                 tracing::warn!(replica = %replica.id, "{detail}");
                 self.events.record(EventKind::KvWallSeen, Some(&replica.id), None, detail);
             }
+            Receipt::Unwalled { wall, load } => {
+                let detail = format!(
+                    "a pinned turn found its prefix after other sessions' turns at ~{load} tokens resident, \
+                     above the wall at ~{wall}: the replica keeps more; wall forgotten"
+                );
+                tracing::info!(replica = %replica.id, "{detail}");
+                self.events.record(EventKind::KvWallForgotten, Some(&replica.id), None, detail);
+            }
+            Receipt::Missed { load, kept_beside } => tracing::debug!(
+                replica = %replica.id,
+                "a pinned turn found {cached} of ~{predicted} cached tokens at ~{load} tokens resident, where \
+                 sessions were kept beside others' turns at ~{kept_beside}: a miss, not a wall"
+            ),
+            _ => {}
         }
     }
 
@@ -525,7 +541,8 @@ impl BodyEnd for Outcome {
             if let Some(u) = measured {
                 self.replica().calibration.calibrate(self.prompt_bytes, u.prompt_tokens);
                 if let (Some(predicted), Some(cached)) = (self.predicted_cached, u.cached_tokens) {
-                    self.recorder.receipt(self.replica(), predicted, cached);
+                    let session = self.held.turn.as_ref().map(crate::sessions::SessionTurn::session);
+                    self.recorder.receipt(self.replica(), predicted, cached, session);
                 }
                 // The engine's prefill rate, for the wall's choices (`room::admit_and_pause`).
                 if let (Some(cached), Some(first)) = (u.cached_tokens, self.first_event) {

@@ -344,6 +344,11 @@ pub struct SessionTurn {
 }
 
 impl SessionTurn {
+    /// The session this turn belongs to.
+    pub fn session(&self) -> PrefixKey {
+        self.session
+    }
+
     /// Its stream went on on `to` (its replica died, stalled or was
     /// drained): the session lives there from now, its turn still running
     /// (ended there when this drops).
@@ -967,7 +972,7 @@ mod tests {
         let (s, a) = pool_of(3_000);
         let now = crate::clock::now_ms();
         drop(s.begin_turn(&a, 1, None, 800, &Who::default(), now));
-        assert_eq!(a.residents.receipt(1_000, 0, 0), crate::fleet::residents::Receipt::Lost { load: 800 });
+        assert_eq!(a.residents.receipt(1_000, 0, false, 0), crate::fleet::residents::Receipt::Lost { load: 800 });
         assert_eq!(s.room_of(&a).left(), Some(0), "lost a prefix at 800: no room above it");
         assert!(s.sweep(now + 60_000).any);
         assert_eq!(s.room_of(&a).left(), Some(3_000), "empty: no session loses its prefix to another's");
