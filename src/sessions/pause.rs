@@ -171,15 +171,22 @@ mod tests {
     use super::super::*;
     use crate::priority::Class;
 
+    /// Two agents (1, the older, and 2) at 3,500 tokens, then 5,000: their
+    /// next turns (6,500 each) cross the 12,000-token pool together. The
+    /// older's second turn runs while its guard is held.
+    fn two_crossing_the_pool(s: &Arc<Sessions>, a: &Arc<Replica>) -> SessionTurn {
+        let now = crate::clock::now_ms();
+        drop(s.begin_turn(a, 1, None, 3_500, &Who::default(), now));
+        drop(s.begin_turn(a, 2, None, 3_500, &Who::default(), now + 1));
+        let older = s.begin_turn(a, 1, None, 5_000, &Who::default(), now + 10);
+        drop(s.begin_turn(a, 2, None, 5_000, &Who::default(), now + 11));
+        older
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_pause_lasts_no_longer_than_re_prefilling_the_turn_would() {
         let (s, a) = instance();
-        let now = crate::clock::now_ms();
-        // Two agents whose next turns (6,500 each) cross the 12,000-token pool.
-        drop(s.begin_turn(&a, 1, None, 3_500, &Who::default(), now));
-        drop(s.begin_turn(&a, 2, None, 3_500, &Who::default(), now + 1));
-        let _older = s.begin_turn(&a, 1, None, 5_000, &Who::default(), now + 10);
-        drop(s.begin_turn(&a, 2, None, 5_000, &Who::default(), now + 11));
+        let _older = two_crossing_the_pool(&s, &a);
         assert!(s.must_pause(&a, 2, 6_500, u64::MAX));
         let max = std::time::Duration::from_millis(s.settings().max_wait_ms);
         assert_eq!(s.pause_bound(&a, 2, 6_500), max, "no rate measured: max_wait_ms");
@@ -199,13 +206,7 @@ mod tests {
     #[test]
     fn the_youngest_pauses_in_the_round_that_crosses_the_pool_whichever_turn_comes_first() {
         let (s, a) = instance();
-        let now = crate::clock::now_ms();
-        // Two agents at 3,500 tokens, then 5,000: their next turns (6,500
-        // each) cross 12,000 together. The older's second turn runs now.
-        drop(s.begin_turn(&a, 1, None, 3_500, &Who::default(), now));
-        drop(s.begin_turn(&a, 2, None, 3_500, &Who::default(), now + 1));
-        let older = s.begin_turn(&a, 1, None, 5_000, &Who::default(), now + 10);
-        drop(s.begin_turn(&a, 2, None, 5_000, &Who::default(), now + 11));
+        let older = two_crossing_the_pool(&s, &a);
         // The younger's next turn comes first: it pauses now, not a round
         // late (6,500 + 5,000 fit, but the older's next turn goes whatever
         // comes, and both would then run over the pool and thrash).
