@@ -34,8 +34,8 @@ pub fn page_of(key: PrefixKey) -> u16 {
 /// Reads one page's pins from the store.
 pub type PageReader = Box<dyn Fn(u16) -> Result<Vec<(PrefixKey, Pin)>, String> + Send + Sync>;
 
-/// Told of each page's pins once they are in the table (startup seeds the
-/// working set from them).
+/// Told of each page's pins as it is read, just before they go into the
+/// table (startup seeds the working set from them).
 pub type OnLoaded = Box<dyn Fn(&[(PrefixKey, Pin)]) + Send + Sync>;
 
 pub(super) struct Pages {
