@@ -113,7 +113,11 @@ async fn list(s: web::Data<AppState>, q: web::Query<PinQuery>) -> Result<web::Js
         crate::fleet::validate_id(r).map_err(ApiError::BadRequest)?;
     }
     let offset = usize::try_from(q.offset).map_err(|_| ApiError::BadRequest("offset: must be at least 0".into()))?;
-    let (total, items) = s.pins.page(q.replica.as_deref(), &prefix, offset, limit);
+    // Off the workers: after a start it may first read the pages still on disk.
+    let (pins, replica) = (s.pins.clone(), q.replica.clone());
+    let (total, items) = web::block(move || pins.page(replica.as_deref(), &prefix, offset, limit))
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))?;
     Ok(web::Json(PinPage { total, offset, limit, items: items.iter().map(|(k, p)| view(*k, p)).collect() }))
 }
 

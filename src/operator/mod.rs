@@ -457,7 +457,12 @@ impl Operator {
     pub async fn delete_replica_pins(&self, id: &str) -> Result<usize, DomainError> {
         let _serial = self.serial().await;
         self.replica(id)?;
-        let deleted: Vec<PinChange> = self.pins.keys_of(id).into_iter().map(|k| (k, None)).collect();
+        // Off the workers: after a start it may first read the pages still on disk.
+        let (pins, replica) = (self.pins.clone(), id.to_string());
+        let keys = tokio::task::spawn_blocking(move || pins.keys_of(&replica))
+            .await
+            .map_err(|e| DomainError::Store(format!("listing the replica's pins failed: {e}")))?;
+        let deleted: Vec<PinChange> = keys.into_iter().map(|k| (k, None)).collect();
         self.store.write_pins(&deleted).await.map_err(internal)?;
         self.apply_pins(deleted.iter().cloned());
         if let Some(r) = self.fleet.get(id) {

@@ -448,8 +448,25 @@ impl PinTable {
     fn read_page(&self, page: u16) {
         if let Some(pages) = self.pages.as_ref().filter(|p| p.left() > 0) {
             // Nothing in the table is in this page yet: every access by
-            // key reads its page first, so the disk's pins go in as they are.
-            pages.once(page, |pins| self.restore(pins));
+            // key reads its page first, so the disk's pins go in as they
+            // are, but those of a replica removed since the start.
+            pages.once(page, |mut pins| {
+                let dropped = pages.dropped.lock().expect("dropped lock");
+                if !dropped.is_empty() {
+                    pins.retain(|(key, pin)| {
+                        let gone = dropped.iter().any(|d| d.drops(pin));
+                        if gone {
+                            // Absent and dirty: the next flush deletes it from disk.
+                            self.raw_shard(*key).write().expect("pins lock").dirty.insert(*key);
+                        }
+                        !gone
+                    });
+                }
+                if let Some(told) = &pages.on_loaded {
+                    told(&pins);
+                }
+                self.restore(pins);
+            });
         }
     }
 
@@ -460,6 +477,10 @@ impl PinTable {
             for page in 0..PAGES {
                 self.read_page(page as u16);
             }
+        }
+        if let Some(pages) = &self.pages {
+            // Nothing left to drop from.
+            pages.dropped.lock().expect("dropped lock").clear();
         }
     }
 
@@ -782,8 +803,15 @@ impl PinTable {
     ///
     /// With no pin left on it, the name is released at once (its index is
     /// reused); kept stored-response pins release it once they expire.
+    ///
+    /// Pins still on disk after a start are dropped as their page is read
+    /// (`pages.rs`), not waited for; the count is of those in memory.
     pub fn remove_replica_pins(&self, replica: &str, keep_stored_responses: bool) -> usize {
-        self.load_all();
+        let pages = self.pages.as_ref();
+        let mut dropped = pages.map(|p| p.dropped.lock().expect("dropped lock"));
+        if let Some(dropped) = dropped.as_mut().filter(|_| self.pages_left() > 0) {
+            dropped.push(pages::Dropped { name: replica.into(), keep_stored_responses });
+        }
         let Some(idx) = self.replicas.find(replica) else { return 0 };
         let response = PinSource::Response.to_u8();
         let removed = self

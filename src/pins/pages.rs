@@ -14,13 +14,16 @@
 //! written (a turn served, another instance's pin heard, a deletion) only
 //! through its shard, which reads the key's page first.
 //!
-//! A whole-table operation that must see every pin (a replica's removal,
-//! the admin listing) first reads the pages still on disk (`load_all`).
+//! A replica removed while pages are still on disk does not wait for them:
+//! its pins there are dropped as their page is read (`Dropped`), and the
+//! next flush deletes them from disk. Listing every pin (the admin page, an
+//! operator deleting a replica's pins) reads the pages still on disk first
+//! (`load_all`), off the request workers.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex, OnceLock};
 
-use super::Pin;
+use super::{Pin, PinSource};
 use crate::policy::PrefixKey;
 
 /// How many pages there are: a key's top 16 bits.
@@ -43,12 +46,38 @@ pub(super) struct Pages {
     /// Pages still on disk: 0 makes every check one atomic load.
     left: AtomicUsize,
     read: PageReader,
-    on_loaded: Option<OnLoaded>,
+    pub(super) on_loaded: Option<OnLoaded>,
+    /// Replicas removed while pages were on disk. Held across a page's
+    /// filtering and insertion, and across a removal, so a page is read
+    /// either wholly before a removal (which then removes its pins from the
+    /// table) or wholly after (which drops them on the way in).
+    pub(super) dropped: Mutex<Vec<Dropped>>,
+}
+
+/// A replica whose pins still on disk are dropped as they are read. Every
+/// pin on disk predates the removal (later ones are written through the
+/// table), so a replica added again under the name loses nothing of its own.
+pub(super) struct Dropped {
+    pub(super) name: Arc<str>,
+    /// Its stored responses' ids stay (`PinTable::remove_replica_pins`).
+    pub(super) keep_stored_responses: bool,
+}
+
+impl Dropped {
+    pub(super) fn drops(&self, pin: &Pin) -> bool {
+        *pin.replica == *self.name && !(self.keep_stored_responses && pin.origin.source == PinSource::Response)
+    }
 }
 
 impl Pages {
     pub(super) fn new(read: PageReader, on_loaded: Option<OnLoaded>) -> Pages {
-        Pages { loaded: (0..PAGES).map(|_| OnceLock::new()).collect(), left: AtomicUsize::new(PAGES), read, on_loaded }
+        Pages {
+            loaded: (0..PAGES).map(|_| OnceLock::new()).collect(),
+            left: AtomicUsize::new(PAGES),
+            read,
+            on_loaded,
+            dropped: Mutex::default(),
+        }
     }
 
     pub(super) fn left(&self) -> usize {
@@ -60,12 +89,7 @@ impl Pages {
     pub(super) fn once(&self, page: u16, load: impl FnOnce(Vec<(PrefixKey, Pin)>)) {
         self.loaded[usize::from(page)].get_or_init(|| {
             match (self.read)(page) {
-                Ok(pins) => {
-                    if let Some(told) = &self.on_loaded {
-                        told(&pins);
-                    }
-                    load(pins);
-                }
+                Ok(pins) => load(pins),
                 // A page that cannot be read loses its pins (their
                 // conversations start cold), not the gateway.
                 Err(e) => tracing::error!(page, "a pin page could not be read, its pins are lost: {e}"),
@@ -182,12 +206,44 @@ mod tests {
     }
 
     #[test]
-    fn a_replica_leaving_takes_its_pins_still_on_disk() {
-        let (t, _) = paged(vec![(key(1, 1), pin("a", 5)), (key(2, 1), pin("b", 5)), (key(3, 1), pin("a", 5))]);
+    fn a_replica_leaving_drops_its_pins_still_on_disk_as_they_are_read_without_waiting() {
+        let mut response = pin("a", 5);
+        response.origin.source = PinSource::Response;
+        let disk =
+            vec![(key(1, 1), pin("a", 5)), (key(2, 1), pin("b", 5)), (key(3, 1), pin("a", 5)), (key(4, 1), response)];
+        let (t, reads) = paged(disk);
+        assert_eq!(t.replica_of(key(3, 1)).as_deref(), Some("a"));
+        // The one in memory goes; nothing more is read for the removal.
+        assert_eq!(t.remove_replica_pins("a", true), 1);
+        assert_eq!(reads.lock().unwrap().len(), 1, "no page read by the removal");
+        assert_eq!(t.get(key(3, 1)), None);
+        // The rest go as their pages are read, and the next flush deletes them.
+        assert_eq!(t.get(key(1, 1)), None);
         assert_eq!(t.replica_of(key(2, 1)).as_deref(), Some("b"));
-        assert_eq!(t.remove_replica("a"), 2);
-        assert_eq!((t.get(key(1, 1)), t.get(key(3, 1))), (None, None));
-        assert_eq!(t.len(), 1);
+        assert_eq!(t.replica_of(key(4, 1)).as_deref(), Some("a"), "its stored responses' ids stay");
+        let deleted: Vec<_> = t.take_dirty().into_iter().filter(|(_, p)| p.is_none()).map(|(k, _)| k).collect();
+        assert!(deleted.contains(&key(1, 1)) && deleted.contains(&key(3, 1)), "{deleted:?}");
+        // A replica added again under the name keeps what it writes.
+        t.record(key(5, 1), &Arc::from("a"), None, 100, 10, Default::default());
+        t.load_all();
+        assert_eq!(t.replica_of(key(5, 1)).as_deref(), Some("a"));
+        assert_eq!(t.len(), 3);
+    }
+
+    #[test]
+    fn a_page_read_during_a_removal_loses_the_replicas_pins_either_way() {
+        // Many pages, read by one thread while another removes the replica.
+        let disk: Vec<_> =
+            (0..2_000u16).map(|p| (key(p * 30, 1), pin(if p % 2 == 0 { "a" } else { "b" }, 5))).collect();
+        let table = Arc::new(paged(disk).0);
+        let loader = {
+            let t = table.clone();
+            std::thread::spawn(move || t.load_all())
+        };
+        table.remove_replica("a");
+        loader.join().unwrap();
+        assert_eq!(table.len(), 1_000, "only b's pins");
+        assert!(table.keys_of("a").is_empty());
     }
 
     #[test]
