@@ -148,7 +148,7 @@ impl Sessions {
             return max;
         }
         match replica.residents.pace().prefill_tps {
-            Some(tps) => max.min(Duration::from_secs_f64(tokens as f64 / tps)),
+            Some(tps) => max.min(Duration::try_from_secs_f64(tokens as f64 / tps).unwrap_or(max)),
             None => max,
         }
     }
