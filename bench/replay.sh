@@ -13,8 +13,9 @@
 # REPLICA_URLS; ARMS, default "prefixgate vllm-router"), started afresh (or
 # their caches emptied) for every arm; ROUNDS alternate the arms' order.
 # Prints per arm: wall, TTFT p50 / p90, errors, cached share (the engines'
-# usage), and for prefixgate its routes and how often a task changed replica.
-# Reports kept under target/replay/.
+# usage), and for prefixgate its routes, how often a task changed replica
+# and its events by kind. Reports kept under target/replay/ (prefixgate's
+# events and capacity view beside them).
 #
 # Usage: [ENGINE=sim|llama] [ARMS=...] [ROUNDS=1] [TRACE=...] [KEEP_TEXT=0.06] [BIN=...] bench/replay.sh
 set -euo pipefail
@@ -63,8 +64,20 @@ for x in s:
         print(f"  error (task {x['family']} call {x['turn']}): {x['error'][:300]}")
         break
 PY
-  kill "$ROUTER_PID" 2>/dev/null || true; wait "$ROUTER_PID" 2>/dev/null || true
   mkdir -p target/replay && cp "$out" "target/replay/$arm-$round.json"
+  if [ -n "${GW_ADMIN[$arm]:-}" ]; then
+    # What the gateway decided on the way: its events (walls seen and
+    # forgotten, pauses, moves) and what it learned of each replica.
+    local events=target/replay/$arm-$round-events.json
+    curl -sf "${GW_ADMIN[$arm]}/admin/v1/events?limit=1000" >"$events" || true
+    curl -sf "${GW_ADMIN[$arm]}/admin/v1/capacity" >"target/replay/$arm-$round-capacity.json" || true
+    python3 - "$events" <<'PY' || true
+import collections, json, sys
+kinds = collections.Counter(e["kind"] for e in json.load(open(sys.argv[1]))["items"])
+print("  events", dict(sorted(kinds.items())))
+PY
+  fi
+  kill "$ROUTER_PID" 2>/dev/null || true; wait "$ROUTER_PID" 2>/dev/null || true
 }
 
 replicas=$ENGINE

@@ -123,10 +123,8 @@ fn decision(c: &mut Criterion) {
     let ids = ["r0", "r1", "r2", "r3"];
     let candidates: Vec<Candidate> = ids.iter().map(|id| Candidate::idle(id)).collect();
     let route = |s: &policy::RequestShape| {
-        let found = pins.lookup_longest(&s.boundaries, s.boundaries.len() - 1).continued;
-        let pinned = found
-            .as_ref()
-            .map(|(i, p)| (PrefixMatch { key: s.boundaries[*i].key, bytes: s.boundaries[*i].bytes }, &*p.replica));
+        let found = pins.lookup_longest(&s.boundaries, &s.leads, s.boundaries.len() - 1).continued;
+        let pinned = found.as_ref().map(|(b, p)| (PrefixMatch { key: b.key, bytes: b.bytes }, &*p.replica));
         policy::decide(Mode::Shape, policy::Spread::Load, s, &candidates, pinned, None).unwrap()
     };
     c.bench_function("decide_pinned_400KB", |b| b.iter(|| route(black_box(&shape))));

@@ -174,10 +174,11 @@ async fn load(dir: &std::path::Path, conversations: u128, messages: u128) {
         (0..messages).map(|m| Boundary { key: key_of(c, m, messages), bytes: 0 }).collect();
     boundaries.push(Boundary { key: 1, bytes: 0 });
     let asked = Instant::now();
-    let found = table.lookup_longest(&boundaries, boundaries.len() - 1);
+    let found = table.lookup_longest(&boundaries, &[], boundaries.len() - 1);
     let lookup_ms = asked.elapsed().as_secs_f64() * 1000.0;
     let routed = started.elapsed().as_secs_f64();
-    assert_eq!(found.continued.map(|(i, _)| i as u128), Some(messages - 1), "the previous turn's pin");
+    let previous = key_of(c, messages - 1, messages);
+    assert_eq!(found.continued.map(|(b, _)| b.key), Some(previous), "the previous turn's pin");
     loader.join().expect("loader");
     let whole = started.elapsed().as_secs_f64();
     println!(

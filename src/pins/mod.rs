@@ -29,7 +29,7 @@ use std::sync::{Arc, RwLock};
 
 use serde::{Deserialize, Serialize};
 
-use crate::policy::{Boundary, Dialect, PrefixKey};
+use crate::policy::{Boundary, Dialect, Passed, PrefixKey};
 use crate::read_mostly::ReadMostly;
 
 mod pages;
@@ -355,6 +355,13 @@ fn pin_of(s: Slot, replica: Arc<str>) -> Pin {
 /// (`policy::continues`); it names a holder of the shared prompt.
 pub const SHARED: u32 = u32::MAX;
 
+/// How long a message's lead (a mark where a request ended, `went_on` 0:
+/// see `policy::chain`) is kept: it serves the conversation's next turn
+/// only, which comes after a tool call or a person's reply. So the table
+/// holds one lead per turn served in the last 15 minutes, not one per turn
+/// a conversation ever took.
+pub const LEAD_TTL_MS: u64 = 15 * 60 * 1000;
+
 /// The key of the mark that `replica` holds the shared prompt `key`: a
 /// shared prompt's own mark names only the latest replica to serve it, and
 /// placement prefers any replica that holds it. A hash of both, so it is
@@ -371,12 +378,12 @@ pub fn holder_key(key: PrefixKey, replica: &str) -> PrefixKey {
 /// What `lookup_longest` found.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Found {
-    /// The longest boundary the request continues a conversation from.
-    pub continued: Option<(usize, Pin)>,
+    /// The longest boundary (or lead) the request continues a conversation from.
+    pub continued: Option<(Boundary, Pin)>,
     /// A longer boundary it passed that another conversation passed too and
     /// went on from differently: a shared prompt (a system prompt and
     /// tools, a document), which names a replica that holds it.
-    pub shared: Option<(usize, Pin)>,
+    pub shared: Option<(Boundary, Pin)>,
 }
 
 /// What `record` did, for the callers that keep derived state (the working set).
@@ -527,14 +534,21 @@ impl PinTable {
     /// it shares with a conversation it does not continue (both with their
     /// index). `ends_at` is the index of the request's own last boundary
     /// (its pin's); the rule is `policy::continues`.
-    pub fn lookup_longest(&self, boundaries: &[Boundary], ends_at: usize) -> Found {
+    ///
+    /// At each boundary it passes, after the boundary itself, its message's
+    /// lead (`leads`, beside `boundaries`; see `policy::chain`): a request
+    /// that ended at a message beginning the same way.
+    pub fn lookup_longest(&self, boundaries: &[Boundary], leads: &[Option<Boundary>], ends_at: usize) -> Found {
         let mut shared = None;
         for (i, b) in boundaries.iter().enumerate().rev() {
-            let Some(pin) = self.get(b.key) else { continue };
-            if crate::policy::continues(ends_at, i, pin.went_on) {
-                return Found { continued: Some((i, pin)), shared };
+            let lead = leads.get(i).copied().flatten().filter(|_| i < ends_at);
+            for probe in std::iter::once(*b).chain(lead) {
+                let Some(pin) = self.get(probe.key) else { continue };
+                if crate::policy::continues(ends_at, i, pin.went_on) {
+                    return Found { continued: Some((probe, pin)), shared };
+                }
+                shared.get_or_insert((probe, pin));
             }
-            shared.get_or_insert((i, pin));
         }
         Found { continued: None, shared }
     }
@@ -548,7 +562,7 @@ impl PinTable {
     /// first written for; a request's own pin is never made a mark.
     pub fn passed_marks(
         &self,
-        passed: &[(PrefixKey, u64)],
+        passed: &[Passed],
         replica: &Arc<str>,
         conversation: (u32, PrefixKey),
         now_ms: u64,
@@ -556,10 +570,8 @@ impl PinTable {
         dialect: Dialect,
     ) -> Vec<(PrefixKey, Pin)> {
         let (turns, family) = conversation;
-        let n = passed.len();
         let mut out = Vec::new();
-        for (i, &(key, est_tokens)) in passed.iter().enumerate() {
-            let went_on = u32::try_from(n - i).unwrap_or(u32::MAX);
+        for &Passed { key, tokens: est_tokens, went_on } in passed {
             match self.get(key) {
                 None => out.push((
                     key,
@@ -854,18 +866,24 @@ impl PinTable {
         self.replicas.len()
     }
 
-    /// Forgets pins idle for longer than `ttl_ms`, then the least recently
-    /// used beyond `max` (per shard: `max / 64`). Returns how many went.
+    /// Forgets pins idle for longer than `ttl_ms` (leads: `LEAD_TTL_MS`),
+    /// then the least recently used beyond `max` (per shard: `max / 64`).
+    /// Returns how many went.
     /// One shard is locked at a time, so requests on other shards go on.
     /// While pages are still on disk the cap waits: the least recently used
     /// of a part of the table are not the table's (what was written was
     /// within the cap already).
     pub fn prune(&self, now_ms: u64, ttl_ms: u64, max: usize) -> usize {
         let per_shard = if self.pages_left() > 0 { usize::MAX } else { max.div_ceil(SHARDS) };
+        let lead_ttl_ms = ttl_ms.min(LEAD_TTL_MS);
+        let passed = PinSource::Passed.to_u8();
         let mut gone = 0;
         for shard in &self.shards {
             let mut shard = shard.write().expect("pins lock");
-            gone += shard.retain(|_, s| now_ms.saturating_sub(s.last_used_ms) <= ttl_ms);
+            gone += shard.retain(|_, s| {
+                let ttl = if s.source == passed && s.went_on == 0 { lead_ttl_ms } else { ttl_ms };
+                now_ms.saturating_sub(s.last_used_ms) <= ttl
+            });
             if shard.map.len() > per_shard {
                 let excess = shard.map.len() - per_shard;
                 let mut ages: Vec<(u64, PrefixKey)> = shard.map.iter().map(|(k, s)| (s.last_used_ms, *k)).collect();
@@ -1020,16 +1038,18 @@ mod tests {
         let b = |key| Boundary { key, bytes: 0 };
         t.record(11, &id("a"), None, 1, 1, PinOrigin::default());
         t.record(13, &id("b"), None, 1, 1, PinOrigin::default());
-        let (i, pin) = t.lookup_longest(&[b(10), b(11), b(12), b(13), b(14)], 4).continued.unwrap();
-        assert_eq!((i, &*pin.replica), (3, "b"));
-        assert_eq!(t.lookup_longest(&[b(1), b(2)], 1), Found::default());
+        let (at, pin) = t.lookup_longest(&[b(10), b(11), b(12), b(13), b(14)], &[], 4).continued.unwrap();
+        assert_eq!((at.key, &*pin.replica), (13, "b"));
+        assert_eq!(t.lookup_longest(&[b(1), b(2)], &[], 1), Found::default());
     }
 
     /// A turn's boundaries as (key, tokens), its pin at the last.
     fn served(t: &PinTable, keys: &[u128], replica: &str, now: u64) -> Recorded {
         let (last, passed) = keys.split_last().unwrap();
         let recorded = t.record(*last, &id(replica), None, 10, now, PinOrigin::default());
-        let passed: Vec<(PrefixKey, u64)> = passed.iter().map(|k| (*k, 5)).collect();
+        let n = passed.len();
+        let passed: Vec<Passed> =
+            passed.iter().enumerate().map(|(i, k)| Passed { key: *k, tokens: 5, went_on: (n - i) as u32 }).collect();
         let marks = t.passed_marks(&passed, &id(replica), (recorded.turns, recorded.family), now, 1_000, Dialect::Chat);
         t.write_marks(marks);
         recorded
@@ -1045,14 +1065,14 @@ mod tests {
         assert_eq!((t.get(2).unwrap().went_on, t.get(1).unwrap().went_on), (1, 2));
         // Turn 2 drops the status and goes on: answer, tool result, new status.
         let turn2 = [b(1), b(2), b(20), b(21), b(22)];
-        let found = t.lookup_longest(&turn2, 4);
-        let (i, pin) = found.continued.unwrap();
-        assert_eq!((i, &*pin.replica, pin.family), (1, "a", first.family));
+        let found = t.lookup_longest(&turn2, &[], 4);
+        let (at, pin) = found.continued.unwrap();
+        assert_eq!((at.key, &*pin.replica, pin.family), (2, "a", first.family));
         // Another conversation's first turn after the same system prompt goes
         // no further than turn 1 went past it: it shares a prompt.
-        let other = t.lookup_longest(&[b(1), b(9)], 1);
+        let other = t.lookup_longest(&[b(1), b(9)], &[], 1);
         assert_eq!(other.continued, None);
-        assert_eq!(other.shared.map(|(i, p)| (i, p.replica)), Some((0, id("a"))));
+        assert_eq!(other.shared.map(|(at, p)| (at.key, p.replica)), Some((1, id("a"))));
         // A request's own pin is never made a mark, and a mark becomes a pin
         // where a request ends.
         served(&t, &[1, 2, 3, 4], "a", 20);
@@ -1062,11 +1082,62 @@ mod tests {
     }
 
     #[test]
+    fn a_lead_where_a_request_ended_continues_its_conversation_unless_another_ended_there_too() {
+        let t = PinTable::default();
+        let b = |key| Boundary { key, bytes: 0 };
+        // Turn 1 ends at a message with a reminder (key 2), whose lead is 50.
+        let first = served(&t, &[1, 2], "a", 10);
+        t.write_marks(t.passed_marks(
+            &[Passed { key: 50, tokens: 5, went_on: 0 }],
+            &id("a"),
+            (first.turns, first.family),
+            10,
+            1_000,
+            Dialect::Chat,
+        ));
+        // Turn 2 sends that message bare (key 20, the same lead) and goes on.
+        let turn2 = [b(1), b(20), b(21), b(22)];
+        let leads = [None, Some(b(50)), None, None];
+        let (at, pin) = t.lookup_longest(&turn2, &leads, 3).continued.unwrap();
+        assert_eq!((at.key, &*pin.replica, pin.family), (50, "a", first.family));
+        // Its own last message's lead is never asked: a request that ends
+        // where another ended with the same opening is not its next turn.
+        assert_eq!(t.lookup_longest(&turn2[..2], &leads[..2], 1).continued, None);
+        // Another conversation ended at a message opening the same way: shared.
+        let other = served(&t, &[1, 3], "b", 20);
+        t.write_marks(t.passed_marks(
+            &[Passed { key: 50, tokens: 5, went_on: 0 }],
+            &id("b"),
+            (other.turns, other.family),
+            20,
+            1_000,
+            Dialect::Chat,
+        ));
+        assert_eq!(t.get(50).unwrap().went_on, SHARED);
+        assert_eq!(t.lookup_longest(&turn2, &leads, 3).continued, None);
+        // A lead serves the next turn only: it goes after LEAD_TTL_MS, the
+        // conversation's boundaries with the TTL.
+        t.write_marks(vec![(60, Pin { went_on: 0, ..t.get(2).unwrap() })]);
+        t.write_marks(vec![(61, Pin { went_on: 1, origin: t.get(1).unwrap().origin, ..t.get(2).unwrap() })]);
+        assert_eq!(t.get(60).unwrap().origin.source, PinSource::Prefix, "a request's own pin: not a lead");
+        let lead = Pin {
+            went_on: 0,
+            origin: PinOrigin { source: PinSource::Passed, ..Default::default() },
+            ..t.get(2).unwrap()
+        };
+        t.write_marks(vec![(62, lead)]);
+        let hour = 3_600_000;
+        t.prune(20 + LEAD_TTL_MS + 1, hour, usize::MAX);
+        assert_eq!(t.get(62), None, "the lead went");
+        assert!(t.get(60).is_some() && t.get(61).is_some() && t.get(2).is_some(), "the rest stays");
+    }
+
+    #[test]
     fn marks_are_written_again_only_when_moved_or_stale_and_keep_their_conversation() {
         let t = PinTable::default();
         let first = served(&t, &[1, 2, 3], "a", 10);
         t.take_dirty();
-        let passed = [(1, 5), (2, 5)];
+        let passed = [Passed { key: 1, tokens: 5, went_on: 2 }, Passed { key: 2, tokens: 5, went_on: 1 }];
         let again = |replica, now| t.passed_marks(&passed, &id(replica), (9, first.family), now, 1_000, Dialect::Chat);
         assert!(again("a", 500).is_empty(), "fresh and on the same replica");
         let moved = again("b", 600);
@@ -1105,10 +1176,10 @@ mod tests {
         let t = PinTable::default();
         let b = |key| Boundary { key, bytes: 0 };
         served(&t, &[1, 2], "a", 10); // system, task A
-        assert!(t.lookup_longest(&[b(1), b(8), b(9), b(10)], 3).continued.is_some(), "one conversation passed it");
+        assert!(t.lookup_longest(&[b(1), b(8), b(9), b(10)], &[], 3).continued.is_some(), "one conversation passed it");
         served(&t, &[1, 3], "b", 20); // system, task B: another conversation
         assert_eq!(t.get(1).unwrap().went_on, SHARED);
-        let found = t.lookup_longest(&[b(1), b(8), b(9), b(10)], 3);
+        let found = t.lookup_longest(&[b(1), b(8), b(9), b(10)], &[], 3);
         assert_eq!(found.continued, None);
         assert_eq!(found.shared.map(|(_, p)| p.replica), Some(id("b")), "the latest holder");
         t.take_dirty();
@@ -1161,7 +1232,7 @@ mod tests {
             let name: Arc<str> = Arc::from(format!("pod-{i}"));
             let key = u128::from(i);
             t.record(key, &name, None, 1, u64::from(i), PinOrigin::default());
-            let found = t.lookup_longest(&[Boundary { key, ..one }], 0).continued;
+            let found = t.lookup_longest(&[Boundary { key, ..one }], &[], 0).continued;
             assert_eq!(found.map(|(_, p)| p.replica), Some(name));
             assert_eq!(t.remove_replica(&format!("pod-{i}")), 1);
         }

@@ -24,6 +24,16 @@
 //! - completions with a token-array prompt: a unit is a block of
 //!   `block_tokens` token ids (u32 LE).
 //! - Responses and Messages: see `responses.rs` and `messages.rs`.
+//!
+//! Beside each message's key, its *lead*: the chain before it, its role and
+//! how it begins (the first line of its text, up to 256 bytes; or its whole
+//! first content part when that is not text, a tool result). A served
+//! request marks its last message's lead; a later request whose message
+//! begins the same way after the same prefix, and goes on past it,
+//! continues that conversation: an agent appended a reminder to its latest
+//! message and strips it when it sends the next turn (`policy::continues`).
+//! Leads are never persisted as boundaries of their own: changing how they
+//! are made only loses marks, which the next turn writes again.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -100,6 +110,9 @@ pub struct RequestShape {
     pub model: Option<String>,
     /// Boundaries in prompt order; empty when the request has no prompt identity.
     pub boundaries: Vec<Boundary>,
+    /// Each boundary's message lead (see the header), beside it; empty
+    /// where units are not messages (completions' blocks).
+    pub leads: Vec<Option<Boundary>>,
     /// True when the request carries history (more than one message, or more
     /// than one block): only such requests may be continuations.
     pub multi_unit: bool,
@@ -132,10 +145,32 @@ impl RequestShape {
     /// The boundaries it passes on the way to its own pin, as keys and
     /// estimated tokens (its marks, `PinTable::passed_marks`): none when
     /// it has no pin or one boundary.
-    pub fn passed(&self) -> Vec<(PrefixKey, u64)> {
-        let upto = self.pin_index().unwrap_or(0);
-        self.boundaries[..upto].iter().map(|b| (b.key, crate::tokens::estimate_tokens(b.bytes))).collect()
+    ///
+    /// Then its last message's lead, marked as a boundary it ended at
+    /// (`went_on` 0): the next turn finds the conversation there when the
+    /// agent stripped what it appended to that message.
+    pub fn passed(&self) -> Vec<Passed> {
+        let Some(upto) = self.pin_index() else { return Vec::new() };
+        let tokens = |b: &Boundary| crate::tokens::estimate_tokens(b.bytes);
+        let marks = self.boundaries[..upto].iter().enumerate();
+        let mut passed: Vec<Passed> =
+            marks.map(|(i, b)| Passed { key: b.key, tokens: tokens(b), went_on: (upto - i) as u32 }).collect();
+        if let Some(Some(lead)) = self.leads.get(upto).filter(|_| upto > 0) {
+            passed.push(Passed { key: lead.key, tokens: tokens(lead), went_on: 0 });
+        }
+        passed
     }
+}
+
+/// A boundary a request passed on its way to its own pin, or its last
+/// message's lead: a mark to write (`PinTable::passed_marks`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Passed {
+    pub key: PrefixKey,
+    /// Estimated prompt tokens up to it.
+    pub tokens: u64,
+    /// How many boundaries the request went on past it (0: a lead).
+    pub went_on: u32,
 }
 
 /// Input the router cannot route; becomes a 400 with this message.
@@ -204,6 +239,54 @@ impl Chain {
         self.prev = self.h.digest128();
         self.prev
     }
+
+    /// The next unit's lead (call before `unit`): the chain so far, the
+    /// unit's role and how its content begins (`lead_of`), with the prompt
+    /// bytes up to there (`bytes`: the chain's, then the lead's own).
+    pub(super) fn lead(&self, role: &str, content: Option<&Json>, bytes: usize) -> Option<Boundary> {
+        let mut h = Xxh3::new();
+        h.update(b"prefixgate/lead\0");
+        h.update(&self.prev.to_le_bytes());
+        field(&mut h, b'r', role.as_bytes());
+        let seen = match content? {
+            Json::String(s) => {
+                let line = first_line(s)?;
+                field(&mut h, b'l', line.as_bytes());
+                line.len()
+            }
+            Json::Array(parts) => match parts.first()? {
+                part @ Json::Object(_) => match part.get("text").and_then(Json::as_str) {
+                    Some(text) => {
+                        let line = first_line(text)?;
+                        field(&mut h, b'l', line.as_bytes());
+                        line.len()
+                    }
+                    // A tool result, an image: the whole first part.
+                    None => {
+                        h.update(b"p");
+                        canonical(&mut h, part, &[])
+                    }
+                },
+                _ => return None,
+            },
+            _ => return None,
+        };
+        Some(Boundary { key: h.digest128(), bytes: bytes + role.len() + seen })
+    }
+}
+
+/// How many bytes of a unit's first line its lead reads: enough to tell
+/// messages apart, bounded so a one-line 50 KB tool output is not hashed twice.
+const LEAD_BYTES: usize = 256;
+
+/// A text's first line, at most `LEAD_BYTES` (None when it is empty).
+fn first_line(text: &str) -> Option<&str> {
+    let line = text.split('\n').next().unwrap_or("");
+    let mut end = line.len().min(LEAD_BYTES);
+    while !line.is_char_boundary(end) {
+        end -= 1;
+    }
+    Some(&line[..end]).filter(|l| !l.is_empty())
 }
 
 /// Hashes one message-like unit: role, then content (a string is the same
@@ -235,6 +318,7 @@ pub(super) fn shape(
         pin_at: boundaries.last().map(|b| b.key),
         multi_unit: boundaries.len() > 1,
         boundaries,
+        leads: Vec::new(),
         prompt_bytes,
         cache_key: cache_key.map(Cow::into_owned),
         previous_response: previous_response.map(Cow::into_owned),

@@ -90,8 +90,10 @@ pub(super) fn extract_chat(body: &[u8]) -> Result<RequestShape, ShapeError> {
     .read(Dialect::Chat);
     let mut chain = Chain::first_link(parsed.model.as_deref(), parsed.cache_salt.as_deref(), &[]);
     let mut boundaries = Vec::with_capacity(parsed.messages.len());
+    let mut leads = Vec::with_capacity(parsed.messages.len());
     let mut bytes = 0usize;
     for m in &parsed.messages {
+        leads.push(chain.lead(&m.role, m.content.as_ref(), bytes));
         let h = chain.unit();
         field(h, b'r', m.role.as_bytes());
         if let Some(name) = &m.name {
@@ -125,6 +127,7 @@ pub(super) fn extract_chat(body: &[u8]) -> Result<RequestShape, ShapeError> {
         pin_at: boundaries.last().map(|b| b.key),
         multi_unit: boundaries.len() > 1,
         boundaries,
+        leads,
         prompt_bytes: bytes,
         cache_key: parsed.prompt_cache_key.map(Cow::into_owned),
         previous_response: None,

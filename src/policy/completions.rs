@@ -181,6 +181,8 @@ pub(super) fn extract_completion(body: &[u8], blocks: IdentityBlocks) -> Result<
         multi_unit: boundaries.len() > 1,
         pin_at,
         boundaries,
+        // Blocks are not messages: no leads.
+        leads: Vec::new(),
         prompt_bytes,
         cache_key: parsed.prompt_cache_key.map(Cow::into_owned),
         previous_response: None,

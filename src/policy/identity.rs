@@ -8,7 +8,7 @@ use std::borrow::Cow;
 use serde::Deserialize;
 
 use super::chain::parse_body;
-pub use super::chain::{Boundary, Dialect, IdentityBlocks, PrefixKey, RequestShape, ShapeError};
+pub use super::chain::{Boundary, Dialect, IdentityBlocks, Passed, PrefixKey, RequestShape, ShapeError};
 
 /// Which extraction a path gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,6 +104,40 @@ mod tests {
         ] {
             assert_ne!(chat(other).pin_at, base, "{other}");
         }
+    }
+
+    #[test]
+    fn a_message_with_a_reminder_appended_leads_like_the_bare_message_and_passes_it_on() {
+        let lead = |body: &str, i: usize| chat(body).leads[i].map(|l| l.key);
+        let sys = r#"{"role":"system","content":"s"}"#;
+        let with_reminder = format!(
+            r#"{{"model":"m","messages":[{sys},{{"role":"user","content":"fix it\n<system-reminder>x</system-reminder>"}}]}}"#
+        );
+        let bare = format!(
+            r#"{{"model":"m","messages":[{sys},{{"role":"user","content":"fix it"}},{{"role":"assistant","content":"ok"}}]}}"#
+        );
+        let other = format!(r#"{{"model":"m","messages":[{sys},{{"role":"user","content":"fix that"}}]}}"#);
+        assert!(lead(&with_reminder, 1).is_some());
+        assert_eq!(lead(&with_reminder, 1), lead(&bare, 1));
+        assert_ne!(lead(&with_reminder, 1), lead(&other, 1), "another first line");
+        assert_ne!(chat(&with_reminder).boundaries[1].key, chat(&bare).boundaries[1].key);
+        // The served request marks its last message's lead as where it ended.
+        let served = chat(&with_reminder);
+        let passed = served.passed();
+        assert_eq!(passed.last().map(|p| (p.key, p.went_on)), Some((served.leads[1].unwrap().key, 0)));
+        // Parts: a reminder block after a tool result (Messages, as agents send it).
+        let blocks = |extra: &str| {
+            let body = format!(
+                r#"{{"model":"m","max_tokens":1,"messages":[{{"role":"user","content":[{{"type":"tool_result","tool_use_id":"t1","content":"out"}}{extra}]}}]}}"#
+            );
+            extract(Endpoint::Messages, body.as_bytes(), IdentityBlocks::default()).unwrap().leads[0].map(|l| l.key)
+        };
+        assert!(blocks("").is_some());
+        assert_eq!(blocks(r#",{"type":"text","text":"<system-reminder>x</system-reminder>"}"#), blocks(""));
+        // An empty first line, or a completion's blocks, lead nowhere.
+        assert_eq!(lead(r#"{"model":"m","messages":[{"role":"user","content":"\nx"}]}"#, 0), None);
+        let completion = extract(Endpoint::Completions, br#"{"model":"m","prompt":"abc"}"#, IdentityBlocks::default());
+        assert!(completion.unwrap().leads.is_empty());
     }
 
     #[test]

@@ -45,11 +45,13 @@ pub(super) fn extract_messages(body: &[u8]) -> Result<RequestShape, ShapeError> 
     let mut boundaries = Vec::with_capacity(b.messages.len() + 1);
     let mut bytes = b.system.as_ref().and_then(Json::as_str).map_or(0, str::len);
     boundaries.extend(chain.first_boundary(&extra, bytes));
+    let mut leads = vec![None; boundaries.len()];
     for m in &b.messages {
         let role = m
             .get("role")
             .and_then(Json::as_str)
             .ok_or_else(|| ShapeError("every message needs a string 'role'".into()))?;
+        leads.push(chain.lead(role, m.get("content"), bytes));
         bytes += message_unit(&mut chain, role, m.get("content"), MESSAGES_SKIP);
         boundaries.push(Boundary { key: chain.close(), bytes });
     }
@@ -58,6 +60,7 @@ pub(super) fn extract_messages(body: &[u8]) -> Result<RequestShape, ShapeError> 
     Ok(RequestShape {
         streamed: b.stream == Some(true),
         stream,
+        leads,
         ..shape(Dialect::Messages, b.model, boundaries, bytes, None, None)
     })
 }

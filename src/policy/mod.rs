@@ -22,7 +22,7 @@ pub mod tenancy;
 use arc_swap::ArcSwap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-pub use identity::{Boundary, Dialect, Endpoint, IdentityBlocks, PrefixKey, RequestShape, ShapeError};
+pub use identity::{Boundary, Dialect, Endpoint, IdentityBlocks, Passed, PrefixKey, RequestShape, ShapeError};
 pub use stream::{SeamRisk, StreamAsks};
 use xxhash_rust::xxh3::xxh3_128;
 

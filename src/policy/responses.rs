@@ -64,30 +64,37 @@ pub(super) fn extract_responses(body: &[u8]) -> Result<RequestShape, ShapeError>
     let mut chain = Chain::first_link(b.model.as_deref(), b.cache_salt.as_deref(), &extra);
     let mut bytes = b.instructions.as_ref().and_then(Json::as_str).map_or(0, str::len);
     let mut boundaries: Vec<Boundary> = chain.first_boundary(&extra, bytes).into_iter().collect();
-    let mut push = |chain: &mut Chain, n: usize| {
-        bytes += n;
-        boundaries.push(Boundary { key: chain.close(), bytes });
+    let mut leads = vec![None; boundaries.len()];
+    // A unit hashed (`n` content bytes): its boundary and its lead.
+    let mut push = |chain: &mut Chain, bytes: &mut usize, n: usize, lead: Option<Boundary>| {
+        *bytes += n;
+        boundaries.push(Boundary { key: chain.close(), bytes: *bytes });
+        leads.push(lead);
     };
     match &b.input {
         // A plain string is one user message.
         Some(text @ Json::String(_)) => {
+            let lead = chain.lead("user", Some(text), bytes);
             let unit = message_unit(&mut chain, "user", Some(text), RESPONSES_SKIP);
-            push(&mut chain, unit);
+            push(&mut chain, &mut bytes, unit, lead);
         }
         Some(Json::Array(items)) => {
             for item in items {
                 let message = Some(item)
                     .filter(|o| o.is_object() && o.get("type").is_none_or(|t| t.as_str() == Some("message")))
                     .and_then(|o| Some((o.get("role")?.as_str()?, o.get("content"))));
-                let unit = match message {
-                    Some((role, content)) => message_unit(&mut chain, role, content, RESPONSES_SKIP),
+                let (unit, lead) = match message {
+                    Some((role, content)) => {
+                        let lead = chain.lead(role, content, bytes);
+                        (message_unit(&mut chain, role, content, RESPONSES_SKIP), lead)
+                    }
                     None => {
                         let h = chain.unit();
                         h.update(b"j");
-                        canonical(h, item, RESPONSES_SKIP)
+                        (canonical(h, item, RESPONSES_SKIP), None)
                     }
                 };
-                push(&mut chain, unit);
+                push(&mut chain, &mut bytes, unit, lead);
             }
         }
         None | Some(Json::Null) => {}
@@ -100,6 +107,7 @@ pub(super) fn extract_responses(body: &[u8]) -> Result<RequestShape, ShapeError>
         // share it), so such a request has no prompt identity: its stored
         // response routes it.
         boundaries.clear();
+        leads.clear();
     }
     let instructions_bytes = b.instructions.as_ref().and_then(Json::as_str).map_or(0, str::len);
     let stores_response = b.store.unwrap_or(true);
@@ -111,5 +119,5 @@ pub(super) fn extract_responses(body: &[u8]) -> Result<RequestShape, ShapeError>
         b.prompt_cache_key,
         b.previous_response_id,
     );
-    Ok(RequestShape { stores_response, streamed: b.stream == Some(true), stream, ..shape })
+    Ok(RequestShape { stores_response, streamed: b.stream == Some(true), stream, leads, ..shape })
 }

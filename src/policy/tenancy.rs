@@ -89,7 +89,7 @@ impl Scope {
         if self.0.is_none() {
             return;
         }
-        for b in &mut shape.boundaries {
+        for b in shape.boundaries.iter_mut().chain(shape.leads.iter_mut().flatten()) {
             b.key = self.key(b.key);
         }
         shape.pin_at = shape.pin_at.map(|k| self.key(k));

@@ -8,7 +8,7 @@ use actix_web::HttpRequest;
 use crate::error::ApiError;
 use crate::pins::Pin;
 use crate::policy::tenancy::Scope;
-use crate::policy::{self, conversation, Dialect, Endpoint, Mode, PolicySettings, PrefixKey, PrefixMatch};
+use crate::policy::{self, conversation, Boundary, Dialect, Endpoint, Mode, PolicySettings, PrefixKey, PrefixMatch};
 use crate::sessions::gate::Ask;
 use crate::state::AppState;
 
@@ -91,11 +91,9 @@ pub(super) async fn look_up(
             return (None, None);
         }
         let ends_at = shape.pin_index().unwrap_or(shape.boundaries.len() - 1);
-        let found = state.pins.lookup_longest(&shape.boundaries, ends_at);
-        let matched = |(i, pin): (usize, Pin)| {
-            (PrefixMatch { key: shape.boundaries[i].key, bytes: shape.boundaries[i].bytes }, pin)
-        };
-        (found.continued.map(matched), found.shared.map(|(i, pin)| (shape.boundaries[i].key, pin.replica)))
+        let found = state.pins.lookup_longest(&shape.boundaries, &shape.leads, ends_at);
+        let matched = |(b, pin): (Boundary, Pin)| (PrefixMatch { key: b.key, bytes: b.bytes }, pin);
+        (found.continued.map(matched), found.shared.map(|(b, pin)| (b.key, pin.replica)))
     };
     let named_home = || session.and_then(|s| state.pins.replica_of(s.key));
     let ((mut pinned, mut shared), mut named) = (longest_pinned(), named_home());
@@ -105,7 +103,7 @@ pub(super) async fn look_up(
     if state.shared_store_answers() {
         let mut unknown = Vec::new();
         if shape.multi_unit && pinned.is_none() {
-            unknown.extend(shape.boundaries.iter().map(|b| b.key));
+            unknown.extend(shape.boundaries.iter().chain(shape.leads.iter().flatten()).map(|b| b.key));
         }
         if let Some(s) = session.filter(|_| named.is_none()) {
             unknown.push(s.key);

@@ -53,7 +53,7 @@ pub struct Turn {
     /// The boundaries it passed on the way there (keys and estimated
     /// tokens, in order): marked, so that a later turn whose tail was
     /// rewritten finds the conversation (`PinTable::passed_marks`).
-    pub passed: Arc<[(PrefixKey, u64)]>,
+    pub passed: Arc<[crate::policy::Passed]>,
     /// The longest pinned prefix the request carried.
     pub parent: Option<PrefixKey>,
     /// The conversation's explicit name, if it has one.

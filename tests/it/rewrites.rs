@@ -104,12 +104,9 @@ async fn every_rewritten_tail_form_continues_its_conversation_on_its_replica_in_
                     let r = post(&format!("{}{path}", gw.base), &body).await;
                     assert_eq!(r.status, 200, "{dialect:?} {form:?} turn {turn}: {}", r.body);
                     // A reminder's second turn sends its first user message
-                    // bare for the first time: nothing but the system prompt
-                    // (which every form's conversations share) is common
-                    // with the turn before, so the conversation is
-                    // recognised from its third turn on (docs/routing.md).
-                    let starts = turn == 0 || (matches!(form, Rewrite::Reminder) && turn == 1);
-                    if starts && !edited {
+                    // bare: the message's lead (how it begins) finds the
+                    // turn before, which ended at it with the reminder.
+                    if turn == 0 && !edited {
                         home = r.replica.clone();
                         continue;
                     }
