@@ -26,7 +26,7 @@
 //! - Responses and Messages: see `responses.rs` and `messages.rs`.
 //!
 //! Beside each message's key, its *lead*: the chain before it, its role and
-//! how it begins (the first line of its text, up to 256 bytes; or its whole
+//! how it begins (the first line of its text, up to 32 bytes; or its whole
 //! first content part when that is not text, a tool result). A served
 //! request marks its last message's lead; a later request whose message
 //! begins the same way after the same prefix, and goes on past it,
@@ -243,28 +243,30 @@ impl Chain {
     /// The next unit's lead (call before `unit`): the chain so far, the
     /// unit's role and how its content begins (`lead_of`), with the prompt
     /// bytes up to there (`bytes`: the chain's, then the lead's own).
-    pub(super) fn lead(&self, role: &str, content: Option<&Json>, bytes: usize) -> Option<Boundary> {
-        let mut h = Xxh3::new();
+    pub(super) fn lead(&mut self, role: &str, content: Option<&Json>, bytes: usize) -> Option<Boundary> {
+        // The chain's own hasher: `unit` resets it for the unit after.
+        let h = &mut self.h;
+        h.reset();
         h.update(b"prefixgate/lead\0");
         h.update(&self.prev.to_le_bytes());
-        field(&mut h, b'r', role.as_bytes());
+        field(h, b'r', role.as_bytes());
         let seen = match content? {
             Json::String(s) => {
                 let line = first_line(s)?;
-                field(&mut h, b'l', line.as_bytes());
+                field(h, b'l', line.as_bytes());
                 line.len()
             }
             Json::Array(parts) => match parts.first()? {
                 part @ Json::Object(_) => match part.get("text").and_then(Json::as_str) {
                     Some(text) => {
                         let line = first_line(text)?;
-                        field(&mut h, b'l', line.as_bytes());
+                        field(h, b'l', line.as_bytes());
                         line.len()
                     }
                     // A tool result, an image: the whole first part.
                     None => {
                         h.update(b"p");
-                        canonical(&mut h, part, &[])
+                        canonical(h, part, &[])
                     }
                 },
                 _ => return None,
@@ -275,9 +277,13 @@ impl Chain {
     }
 }
 
-/// How many bytes of a unit's first line its lead reads: enough to tell
-/// messages apart, bounded so a one-line 50 KB tool output is not hashed twice.
-const LEAD_BYTES: usize = 256;
+/// How many bytes of a unit's first line its lead reads. Short, because a
+/// message that lost its tail may have lost it before its first line ends:
+/// an agent cutting an old message, or a replay keeping a share of every
+/// text, so the bare message is a prefix of the one the reminder followed.
+/// The chain before it already names the conversation; the opening only
+/// tells this message from the next one there.
+const LEAD_BYTES: usize = 32;
 
 /// A text's first line, at most `LEAD_BYTES` (None when it is empty).
 fn first_line(text: &str) -> Option<&str> {

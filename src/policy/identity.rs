@@ -125,6 +125,13 @@ mod tests {
         let served = chat(&with_reminder);
         let passed = served.passed();
         assert_eq!(passed.last().map(|p| (p.key, p.went_on)), Some((served.leads[1].unwrap().key, 0)));
+        // A message cut short (a replay keeping a share of every text) still
+        // leads like the whole one, from its first 32 bytes on.
+        let long = "a".repeat(100);
+        let cut =
+            |n: usize| format!(r#"{{"model":"m","messages":[{sys},{{"role":"user","content":"{}"}}]}}"#, &long[..n]);
+        assert_eq!(lead(&cut(40), 1), lead(&cut(100), 1));
+        assert_ne!(lead(&cut(20), 1), lead(&cut(100), 1));
         // Parts: a reminder block after a tool result (Messages, as agents send it).
         let blocks = |extra: &str| {
             let body = format!(
