@@ -1085,16 +1085,15 @@ mod tests {
     fn a_lead_where_a_request_ended_continues_its_conversation_unless_another_ended_there_too() {
         let t = PinTable::default();
         let b = |key| Boundary { key, bytes: 0 };
-        // Turn 1 ends at a message with a reminder (key 2), whose lead is 50.
-        let first = served(&t, &[1, 2], "a", 10);
-        t.write_marks(t.passed_marks(
-            &[Passed { key: 50, tokens: 5, went_on: 0 }],
-            &id("a"),
-            (first.turns, first.family),
-            10,
-            1_000,
-            Dialect::Chat,
-        ));
+        // A turn that ended at a message whose lead is 50, as served.
+        let ended_at_lead_50 = |keys: &[u128], replica: &str, now| {
+            let turn = served(&t, keys, replica, now);
+            let lead = [Passed { key: 50, tokens: 5, went_on: 0 }];
+            t.write_marks(t.passed_marks(&lead, &id(replica), (turn.turns, turn.family), now, 1_000, Dialect::Chat));
+            turn
+        };
+        // Turn 1 ends at a message with a reminder (key 2).
+        let first = ended_at_lead_50(&[1, 2], "a", 10);
         // Turn 2 sends that message bare (key 20, the same lead) and goes on.
         let turn2 = [b(1), b(20), b(21), b(22)];
         let leads = [None, Some(b(50)), None, None];
@@ -1104,15 +1103,7 @@ mod tests {
         // where another ended with the same opening is not its next turn.
         assert_eq!(t.lookup_longest(&turn2[..2], &leads[..2], 1).continued, None);
         // Another conversation ended at a message opening the same way: shared.
-        let other = served(&t, &[1, 3], "b", 20);
-        t.write_marks(t.passed_marks(
-            &[Passed { key: 50, tokens: 5, went_on: 0 }],
-            &id("b"),
-            (other.turns, other.family),
-            20,
-            1_000,
-            Dialect::Chat,
-        ));
+        ended_at_lead_50(&[1, 3], "b", 20);
         assert_eq!(t.get(50).unwrap().went_on, SHARED);
         assert_eq!(t.lookup_longest(&turn2, &leads, 3).continued, None);
         // A lead serves the next turn only: it goes after LEAD_TTL_MS, the
