@@ -32,8 +32,8 @@
 //! begins the same way after the same prefix, and goes on past it,
 //! continues that conversation: an agent appended a reminder to its latest
 //! message and strips it when it sends the next turn (`policy::continues`).
-//! Leads are never persisted as boundaries of their own: changing how they
-//! are made only loses marks, which the next turn writes again.
+//! A lead is not part of the chain (no key above depends on it): changing
+//! how leads are made loses only lead marks, which expire in 15 minutes.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -144,7 +144,7 @@ impl RequestShape {
 
     /// The boundaries it passes on the way to its own pin, as keys and
     /// estimated tokens (its marks, `PinTable::passed_marks`): none when
-    /// it has no pin or one boundary.
+    /// it has no pin.
     ///
     /// Then its last message's lead, marked as a boundary it ended at
     /// (`went_on` 0): the next turn finds the conversation there when the
@@ -155,7 +155,9 @@ impl RequestShape {
         let marks = self.boundaries[..upto].iter().enumerate();
         let mut passed: Vec<Passed> =
             marks.map(|(i, b)| Passed { key: b.key, tokens: tokens(b), went_on: (upto - i) as u32 }).collect();
-        if let Some(Some(lead)) = self.leads.get(upto).filter(|_| upto > 0) {
+        // A first turn of one message too: an agent without a system
+        // prompt appends its reminder to it.
+        if let Some(Some(lead)) = self.leads.get(upto) {
             passed.push(Passed { key: lead.key, tokens: tokens(lead), went_on: 0 });
         }
         passed
@@ -241,8 +243,9 @@ impl Chain {
     }
 
     /// The next unit's lead (call before `unit`): the chain so far, the
-    /// unit's role and how its content begins (`lead_of`), with the prompt
-    /// bytes up to there (`bytes`: the chain's, then the lead's own).
+    /// unit's role and how its content begins (`first_line`, or its first
+    /// part), with the prompt bytes up to there (`bytes`: the chain's, then
+    /// the lead's own).
     pub(super) fn lead(&mut self, role: &str, content: Option<&Json>, bytes: usize) -> Option<Boundary> {
         // The chain's own hasher: `unit` resets it for the unit after.
         let h = &mut self.h;
@@ -287,12 +290,12 @@ const LEAD_BYTES: usize = 32;
 
 /// A text's first line, at most `LEAD_BYTES` (None when it is empty).
 fn first_line(text: &str) -> Option<&str> {
-    let line = text.split('\n').next().unwrap_or("");
-    let mut end = line.len().min(LEAD_BYTES);
-    while !line.is_char_boundary(end) {
+    let mut end = text.len().min(LEAD_BYTES);
+    while !text.is_char_boundary(end) {
         end -= 1;
     }
-    Some(&line[..end]).filter(|l| !l.is_empty())
+    let line = text[..end].split('\n').next().unwrap_or("");
+    Some(line).filter(|l| !l.is_empty())
 }
 
 /// Hashes one message-like unit: role, then content (a string is the same

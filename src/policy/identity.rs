@@ -125,6 +125,16 @@ mod tests {
         let served = chat(&with_reminder);
         let passed = served.passed();
         assert_eq!(passed.last().map(|p| (p.key, p.went_on)), Some((served.leads[1].unwrap().key, 0)));
+        // A first turn of one message marks its lead too (no system prompt:
+        // the reminder is on that one message).
+        let single = chat(r#"{"model":"m","messages":[{"role":"user","content":"fix it\n<r>x</r>"}]}"#);
+        let later = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":"fix it"},{"role":"assistant","content":"ok"}]}"#,
+        );
+        assert_eq!(
+            single.passed().iter().map(|p| (p.key, p.went_on)).collect::<Vec<_>>(),
+            [(later.leads[0].unwrap().key, 0)]
+        );
         // A message cut short (a replay keeping a share of every text) still
         // leads like the whole one, from its first 32 bytes on.
         let long = "a".repeat(100);

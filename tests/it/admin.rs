@@ -189,10 +189,10 @@ async fn pins_events_and_policy_through_the_api() {
     let turn2 = chat(&gw, &[("user", "conversation 0"), ("assistant", "x"), ("user", "y")]).await;
     let pins = format!("{}/admin/v1/pins", gw.admin);
     let (s, page) = admin("GET", &format!("{pins}?limit=2"), None, None).await;
-    // Three first turns, the second turn's own pin, the boundary it passed
-    // that no request ended at (the answer "x") and its last message's lead
-    // ("y"): two marks.
-    assert_eq!((s, page["total"].as_u64(), page["items"].as_array().unwrap().len()), (200, Some(6), 2));
+    // Three first turns, each with its message's lead; the second turn's
+    // own pin, the boundary it passed that no request ended at (the answer
+    // "x") and its last message's lead ("y").
+    assert_eq!((s, page["total"].as_u64(), page["items"].as_array().unwrap().len()), (200, Some(9), 2));
     let newest = &page["items"][0];
     assert_eq!((newest["replica"].as_str(), newest["turns"].as_u64()), (Some(turn2.replica.as_str()), Some(2)));
     let key = newest["key"].as_str().unwrap().to_string();

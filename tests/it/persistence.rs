@@ -48,11 +48,11 @@ async fn pins_replicas_admin_state_and_events_survive_a_graceful_restart() {
     let again = chat(&gw, &[("user", "persist me"), ("assistant", "ok"), ("user", "back after a restart")]).await;
     assert_eq!((again.route.as_str(), again.replica.as_str()), ("pinned", first.replica.as_str()));
     // Pins are read from disk as they are touched and in the background:
-    // once every page is read, the pin from before, the new turn's, the
-    // mark of the boundary it passed (the assistant's answer) and its last
-    // message's lead are there.
+    // once every page is read, the pin from before and its message's lead,
+    // the new turn's, the mark of the boundary it passed (the assistant's
+    // answer) and its last message's lead are there.
     gw.gw.pins.load_all();
-    assert_eq!((gw.gw.pins.len(), gw.gw.pins.pages_left()), (4, 0));
+    assert_eq!((gw.gw.pins.len(), gw.gw.pins.pages_left()), (5, 0));
     assert_eq!(gw.gw.events.count(EventKind::DrainStarted), 1);
     let all = gw.gw.events.query(&prefixgate::events::EventFilter { limit: 1000, ..Default::default() });
     assert!(all.len() >= events_before.len());
