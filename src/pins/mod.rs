@@ -154,6 +154,11 @@ struct Slot {
 }
 
 impl Slot {
+    /// A message's lead (`policy::chain`): a mark where a request ended.
+    fn is_lead(&self) -> bool {
+        self.source == PinSource::Passed.to_u8() && self.went_on == 0
+    }
+
     fn replica(&self) -> ReplicaRef {
         ReplicaRef { index: self.replica_index, generation: self.replica_generation }
     }
@@ -876,12 +881,11 @@ impl PinTable {
     pub fn prune(&self, now_ms: u64, ttl_ms: u64, max: usize) -> usize {
         let per_shard = if self.pages_left() > 0 { usize::MAX } else { max.div_ceil(SHARDS) };
         let lead_ttl_ms = ttl_ms.min(LEAD_TTL_MS);
-        let passed = PinSource::Passed.to_u8();
         let mut gone = 0;
         for shard in &self.shards {
             let mut shard = shard.write().expect("pins lock");
             gone += shard.retain(|_, s| {
-                let ttl = if s.source == passed && s.went_on == 0 { lead_ttl_ms } else { ttl_ms };
+                let ttl = if s.is_lead() { lead_ttl_ms } else { ttl_ms };
                 now_ms.saturating_sub(s.last_used_ms) <= ttl
             });
             if shard.map.len() > per_shard {

@@ -243,40 +243,50 @@ impl Chain {
     }
 
     /// The next unit's lead (call before `unit`): the chain so far, the
-    /// unit's role and how its content begins (`first_line`, or its first
-    /// part), with the prompt bytes up to there (`bytes`: the chain's, then
-    /// the lead's own).
+    /// unit's role and how its content begins (`Opening`), with the prompt
+    /// bytes up to there (`bytes`: the chain's, then the lead's own).
     pub(super) fn lead(&mut self, role: &str, content: Option<&Json>, bytes: usize) -> Option<Boundary> {
+        let opening = Opening::of(content?)?;
         // The chain's own hasher: `unit` resets it for the unit after.
         let h = &mut self.h;
         h.reset();
         h.update(b"prefixgate/lead\0");
         h.update(&self.prev.to_le_bytes());
         field(h, b'r', role.as_bytes());
-        let seen = match content? {
-            Json::String(s) => {
-                let line = first_line(s)?;
+        let seen = match opening {
+            Opening::Line(line) => {
                 field(h, b'l', line.as_bytes());
                 line.len()
             }
-            Json::Array(parts) => match parts.first()? {
-                part @ Json::Object(_) => match part.get("text").and_then(Json::as_str) {
-                    Some(text) => {
-                        let line = first_line(text)?;
-                        field(h, b'l', line.as_bytes());
-                        line.len()
-                    }
-                    // A tool result, an image: the whole first part.
-                    None => {
-                        h.update(b"p");
-                        canonical(h, part, &[])
-                    }
-                },
-                _ => return None,
-            },
-            _ => return None,
+            Opening::Part(part) => {
+                h.update(b"p");
+                canonical(h, part, &[])
+            }
         };
         Some(Boundary { key: h.digest128(), bytes: bytes + role.len() + seen })
+    }
+}
+
+/// How a message begins, for its lead: its text's first line (a string, or
+/// a first part with text), else its whole first part (a tool result, an image).
+enum Opening<'j> {
+    Line(&'j str),
+    Part(&'j Json<'j>),
+}
+
+impl<'j> Opening<'j> {
+    fn of(content: &'j Json<'j>) -> Option<Opening<'j>> {
+        match content {
+            Json::String(s) => first_line(s).map(Opening::Line),
+            Json::Array(parts) => {
+                let part = parts.first().filter(|p| p.is_object())?;
+                match part.get("text").and_then(Json::as_str) {
+                    Some(text) => first_line(text).map(Opening::Line),
+                    None => Some(Opening::Part(part)),
+                }
+            }
+            _ => None,
+        }
     }
 }
 
@@ -301,16 +311,24 @@ fn first_line(text: &str) -> Option<&str> {
 /// Hashes one message-like unit: role, then content (a string is the same
 /// content as one text part would be for the engine, but clients resend
 /// what they sent, so the two forms are kept apart rather than guessed at).
-/// Returns the unit's content bytes; `chain.close()` then gives its key.
-pub(super) fn message_unit(chain: &mut Chain, role: &str, content: Option<&Json>, skip: &[&str]) -> usize {
+/// Returns the unit's content bytes and its lead (`bytes`: the prompt's
+/// before it); `chain.close()` then gives its key.
+pub(super) fn message_unit(
+    chain: &mut Chain,
+    role: &str,
+    content: Option<&Json>,
+    skip: &[&str],
+    bytes: usize,
+) -> (usize, Option<Boundary>) {
+    let lead = chain.lead(role, content, bytes);
     let h = chain.unit();
     field(h, b'r', role.as_bytes());
-    let mut bytes = role.len();
+    let mut unit = role.len();
     if let Some(c) = content {
         h.update(b"c");
-        bytes += canonical(h, c, skip);
+        unit += canonical(h, c, skip);
     }
-    bytes
+    (unit, lead)
 }
 
 pub(super) fn shape(

@@ -51,8 +51,9 @@ pub(super) fn extract_messages(body: &[u8]) -> Result<RequestShape, ShapeError> 
             .get("role")
             .and_then(Json::as_str)
             .ok_or_else(|| ShapeError("every message needs a string 'role'".into()))?;
-        leads.push(chain.lead(role, m.get("content"), bytes));
-        bytes += message_unit(&mut chain, role, m.get("content"), MESSAGES_SKIP);
+        let (unit, lead) = message_unit(&mut chain, role, m.get("content"), MESSAGES_SKIP, bytes);
+        bytes += unit;
+        leads.push(lead);
         boundaries.push(Boundary { key: chain.close(), bytes });
     }
     let tools = matches!(&b.tools, Some(Json::Array(tools)) if !tools.is_empty());

@@ -74,8 +74,7 @@ pub(super) fn extract_responses(body: &[u8]) -> Result<RequestShape, ShapeError>
     match &b.input {
         // A plain string is one user message.
         Some(text @ Json::String(_)) => {
-            let lead = chain.lead("user", Some(text), bytes);
-            let unit = message_unit(&mut chain, "user", Some(text), RESPONSES_SKIP);
+            let (unit, lead) = message_unit(&mut chain, "user", Some(text), RESPONSES_SKIP, bytes);
             push(&mut chain, &mut bytes, unit, lead);
         }
         Some(Json::Array(items)) => {
@@ -84,10 +83,7 @@ pub(super) fn extract_responses(body: &[u8]) -> Result<RequestShape, ShapeError>
                     .filter(|o| o.is_object() && o.get("type").is_none_or(|t| t.as_str() == Some("message")))
                     .and_then(|o| Some((o.get("role")?.as_str()?, o.get("content"))));
                 let (unit, lead) = match message {
-                    Some((role, content)) => {
-                        let lead = chain.lead(role, content, bytes);
-                        (message_unit(&mut chain, role, content, RESPONSES_SKIP), lead)
-                    }
+                    Some((role, content)) => message_unit(&mut chain, role, content, RESPONSES_SKIP, bytes),
                     None => {
                         let h = chain.unit();
                         h.update(b"j");
