@@ -71,10 +71,12 @@ PY
     local events=target/replay/$arm-$round-events.json
     curl -sf "${GW_ADMIN[$arm]}/admin/v1/events?limit=1000" >"$events" || true
     curl -sf "${GW_ADMIN[$arm]}/admin/v1/capacity" >"target/replay/$arm-$round-capacity.json" || true
-    python3 - "$events" <<'PY' || true
+    python3 - "$events" "target/replay/$arm-$round-capacity.json" <<'PY' || true
 import collections, json, sys
 kinds = collections.Counter(e["kind"] for e in json.load(open(sys.argv[1]))["items"])
 print("  events", dict(sorted(kinds.items())))
+rates = {r["replica"]: r.get("prefill_tokens_per_s") for r in json.load(open(sys.argv[2]))["replicas"]}
+print("  measured prefill, tokens/s", rates)
 PY
   fi
   kill "$ROUTER_PID" 2>/dev/null || true; wait "$ROUTER_PID" 2>/dev/null || true

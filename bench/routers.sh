@@ -14,7 +14,8 @@
 # (real vLLM, bench/real-vllm.sh: emptied through POST /reset_prefix_cache,
 # served with VLLM_SERVER_DEV_MODE=1).
 # Arms: prefixgate (defaults), prefixgate-nohold (sessions.max_wait_ms=0),
-# prefixgate-counter (routing.spread=counter), vllm-router (--policy cache_aware).
+# prefixgate-counter (routing.spread=counter), vllm-router (--policy cache_aware),
+# prefixgate-base (BASE_BIN's defaults: another build, side by side in one run).
 
 ENGINE=${ENGINE:-sim}; REPLICA_URLS=${REPLICA_URLS:-}
 routers_venv=${VENV:-$PWD/target/routers-venv}
@@ -69,6 +70,7 @@ router_up() {
     prefixgate) start_gateway "$arm" "$bin" $reps ;;
     prefixgate-nohold) start_gateway "$arm" "$bin" $reps --set sessions.max_wait_ms=0 ;;
     prefixgate-counter) start_gateway "$arm" "$bin" $reps --set routing.spread=counter ;;
+    prefixgate-base) start_gateway "$arm" "${BASE_BIN:?prefixgate-base runs BASE_BIN}" $reps ;;
     vllm-router)
       local port; port=$(free_port)
       "$routers_venv/bin/vllm-router" --host 127.0.0.1 --port "$port" --prometheus-port "$(free_port)" \

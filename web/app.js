@@ -99,7 +99,8 @@ function learnedLabel(c) {
 
 function learnedTitle(c) {
   const e = c.evidence || {};
-  return `receipts: ${e.receipts_kept || 0} kept (the most resident when kept: ${e.kept_at_tokens || 0} tokens), ${e.receipts_lost || 0} lost`;
+  const rate = c.prefill_tokens_per_s !== undefined ? `; prefill measured at ${fmtTokens(c.prefill_tokens_per_s)} tokens/s` : "";
+  return `receipts: ${e.receipts_kept || 0} kept (the most resident when kept: ${e.kept_at_tokens || 0} tokens), ${e.receipts_lost || 0} lost${rate}`;
 }
 
 function renderReplicas(replicas, capacity) {

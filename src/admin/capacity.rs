@@ -25,6 +25,7 @@ async fn get_capacity(s: web::Data<AppState>) -> web::Json<CapacityReport> {
             r.room_tokens = s.sessions.room_shown(&replica);
             r.evidence = replica.residents.learned();
             r.learned_tokens = r.evidence.capacity(r.kv_tokens);
+            r.prefill_tokens_per_s = replica.residents.pace().prefill_tps.map(f64::round);
         }
     }
     let (settings, waits, projections) =

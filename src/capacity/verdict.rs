@@ -51,6 +51,11 @@ pub struct ReplicaCapacity {
     /// The receipts behind it.
     #[serde(default)]
     pub evidence: super::Learned,
+    /// The engine's prefill rate here, tokens a second, smoothed over
+    /// requests sent with nothing else in flight (a pause is bounded by
+    /// it, and a turn moves by it). Absent: not measured yet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_tokens_per_s: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -211,6 +216,7 @@ pub(super) fn compute(
             room_tokens: None,
             learned_tokens: None,
             evidence: Default::default(),
+            prefill_tokens_per_s: None,
         });
     }
     let known: Vec<&ReplicaCapacity> = out.iter().filter(|r| r.kv_tokens.is_some()).collect();

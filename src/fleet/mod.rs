@@ -539,13 +539,32 @@ impl Replica {
     /// tokens as outstanding work until its prefill ends
     /// (`InflightGuard::prefilled`) or it does.
     pub fn begin(self: &Arc<Self>, large: bool, uncached: u64) -> InflightGuard {
-        self.inflight.fetch_add(1, Ordering::AcqRel);
+        let alone = self.inflight.fetch_add(1, Ordering::AcqRel) == 0;
         if large {
             self.large_inflight.fetch_add(1, Ordering::AcqRel);
         }
-        self.attempts.fetch_add(1, Ordering::Relaxed);
+        let attempt = self.attempts.fetch_add(1, Ordering::Relaxed) + 1;
         self.work.add_prefill(uncached);
-        InflightGuard { replica: self.clone(), large, prefilling: uncached, decoding: false }
+        InflightGuard {
+            attempt,
+            replica: self.clone(),
+            large,
+            prefilling: uncached,
+            decoding: false,
+            sent: std::time::Instant::now(),
+            alone,
+            prefill_took: None,
+        }
+    }
+
+    /// Counts a stream that goes on here after it began elsewhere
+    /// (`proxy::resume`): in flight and decoding at once. Its first event
+    /// came on the other replica, so it says nothing of this one's prefill.
+    pub fn resume(self: &Arc<Self>, large: bool) -> InflightGuard {
+        let mut guard = self.begin(large, 0);
+        guard.alone = false;
+        guard.prefilled();
+        guard
     }
 
     /// Outstanding prefill work, for tests of placement.
@@ -615,6 +634,17 @@ pub struct InflightGuard {
     /// Its tokens still counted as prefilling (0 once its first token came).
     prefilling: u64,
     decoding: bool,
+    /// When it was sent (after any wait for admission).
+    sent: std::time::Instant,
+    /// Nothing else was in flight here when it was sent, and (once its
+    /// first event came) nothing else was sent here meanwhile: the time to
+    /// its first event is the engine's prefill, with no queue in it. Why
+    /// both: one sent a moment later can still reach the engine first.
+    alone: bool,
+    /// Its number among the attempts sent here (`Replica::attempts`).
+    attempt: u64,
+    /// From `sent` to its first event, once that came.
+    prefill_took: Option<std::time::Duration>,
 }
 
 impl InflightGuard {
@@ -629,7 +659,19 @@ impl InflightGuard {
         if !self.decoding {
             self.replica.work.prefilled(std::mem::take(&mut self.prefilling), true);
             self.decoding = true;
+            self.prefill_took = Some(self.sent.elapsed());
+            self.alone &= self.replica.attempts() == self.attempt;
         }
+    }
+
+    /// How long the engine took to its first event, when that measures its
+    /// prefill rate: the request was sent with nothing else in flight here.
+    /// Why only then: behind another request the time includes the queue
+    /// (a one-slot llama-server serves one at a time), and a rate read from
+    /// it would make every prefill look several times slower than it is;
+    /// a pause bounded by that rate would wait that much longer.
+    pub fn solo_prefill(&self) -> Option<std::time::Duration> {
+        self.prefill_took.filter(|_| self.alone)
     }
 }
 
@@ -727,6 +769,34 @@ impl Fleet {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_request_sent_alone_times_the_engines_prefill() {
+        let r = Arc::new(Replica::new(ReplicaSpec::new("a", "http://127.0.0.1:1"), AdminState::Active));
+        let mut alone = r.begin(false, 5_000);
+        assert_eq!(alone.solo_prefill(), None, "no first event yet");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        alone.prefilled();
+        let took = alone.solo_prefill().expect("nothing else in flight");
+        assert!(took >= std::time::Duration::from_millis(5), "{took:?}");
+        // Two sent together: the one sent first may reach the engine second.
+        let mut first = r.begin(false, 5_000);
+        let mut queued = r.begin(false, 5_000);
+        first.prefilled();
+        queued.prefilled();
+        assert_eq!(first.solo_prefill(), None, "another was sent before its first event");
+        assert_eq!(queued.solo_prefill(), None, "sent behind another: its time holds the queue");
+        drop((alone, first, queued));
+        // A stream that goes on here began elsewhere: it prefilled nothing here.
+        let resumed = r.resume(false);
+        assert_eq!(resumed.solo_prefill(), None);
+        assert_eq!(r.work.outstanding(), work::DECODING_STREAM_TOKENS, "counted as decoding at once");
+        drop(resumed);
+        assert_eq!((r.inflight(), r.work.outstanding()), (0, 0));
+        let mut next = r.begin(false, 100);
+        next.prefilled();
+        assert!(next.solo_prefill().is_some(), "alone again once the others ended");
+    }
 
     #[test]
     fn urls_and_ids_are_validated() {

@@ -492,7 +492,6 @@ impl Forwarding<'_> {
             held,
             trace: self.h.trace.clone(),
             scope: self.scope,
-            first_event: None,
             turn,
         };
         let idle = Duration::from_millis(self.h.state.config.timeouts.idle_stream_ms);

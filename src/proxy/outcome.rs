@@ -465,8 +465,6 @@ pub struct Outcome {
     pub trace: super::trace::RequestTrace,
     /// The tenant a response it stores is pinned for (`identity.scope`).
     pub scope: crate::policy::tenancy::Scope,
-    /// When a stream's first event came, after `started`.
-    pub first_event: Option<Duration>,
     /// Its turn: its pins move with a stream continued elsewhere.
     pub turn: Turn,
 }
@@ -491,8 +489,7 @@ impl BodyEnd for Outcome {
         }
         // Counted as decoding there at once: its next leg's prefill is not
         // estimated (the answer so far is on top of the prompt).
-        self.held.guard = to.begin(large, 0);
-        self.held.guard.prefilled();
+        self.held.guard = to.resume(large);
     }
 
     fn not_continued(&mut self, refused: super::resume::Refusal, why: super::resume::Break) {
@@ -505,7 +502,6 @@ impl BodyEnd for Outcome {
 
     fn first_event(&mut self) {
         let took = self.started.elapsed();
-        self.first_event = Some(took);
         self.held.guard.prefilled();
         let route = self.replica().series.route(self.recorder.metrics(), self.reason);
         route.first_token.observe(took.as_secs_f64());
@@ -545,8 +541,8 @@ impl BodyEnd for Outcome {
                     self.recorder.receipt(self.replica(), predicted, cached, session);
                 }
                 // The engine's prefill rate, for the wall's choices (`room::admit_and_pause`).
-                if let (Some(cached), Some(first)) = (u.cached_tokens, self.first_event) {
-                    self.replica().residents.observe_prefill(u.prompt_tokens.saturating_sub(cached), first);
+                if let (Some(cached), Some(took)) = (u.cached_tokens, self.held.guard.solo_prefill()) {
+                    self.replica().residents.observe_prefill(u.prompt_tokens.saturating_sub(cached), took);
                 }
                 route.prompt_tokens.inc_by(u.prompt_tokens);
                 route.cached_tokens.inc_by(u.cached_tokens.unwrap_or(0));

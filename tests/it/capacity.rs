@@ -285,3 +285,39 @@ async fn a_prompt_evicted_from_the_pool_is_restored_from_the_host_tier_and_repor
         }
     }
 }
+
+/// The engine's prefill rate (shown, and the bound of a pause) is read
+/// from requests sent with nothing else in flight: a cold prompt sent
+/// alone measures the card; three sent together to a card that prefills
+/// one at a time do not drag it down with the queue behind the first. Read
+/// from every request, their waits made the card look 0.6x as fast here;
+/// on a one-slot llama-server, several times slower, and pauses that long.
+#[actix_web::test]
+async fn the_prefill_rate_shown_is_the_engines_not_its_queue() {
+    // 4,100 tokens a simulated second, at 0.05 of real time: 82,000 a second.
+    let card = prefixgate::sim::SimConfig { time_scale: 0.05, ..fast_sim() };
+    let engine_rate = card.prefill_tps / card.time_scale;
+    let sim = start_sim("a", card).await;
+    let gw = start_gateway(test_config(&[&sim])).await;
+    let url = format!("{}/v1/chat/completions", gw.base);
+    let cold = |tag: String| {
+        let options = json!({"stream": true, "stream_options": {"include_usage": true}, "max_tokens": 2});
+        let body = chat_body(&[("user", &text(&tag, 8_000))], options);
+        let url = url.clone();
+        async move {
+            let reply = post(&url, &body).await;
+            assert_eq!(reply.status, 200, "{:?}", reply.body);
+        }
+    };
+    let measured = || async {
+        let (_, report) = admin("GET", &format!("{}/admin/v1/capacity", gw.admin), None, None).await;
+        report["replicas"][0]["prefill_tokens_per_s"].as_f64().unwrap_or_else(|| panic!("not measured: {report}"))
+    };
+    let near = |rate: f64| rate > 0.8 * engine_rate && rate < 1.25 * engine_rate;
+    cold("alone".into()).await;
+    let alone = measured().await;
+    assert!(near(alone), "alone: {alone:.0} tokens/s against the engine's {engine_rate:.0}");
+    futures_util::future::join_all((0..3).map(|i| cold(format!("together {i}")))).await;
+    let after = measured().await;
+    assert!(near(after), "after three together: {after:.0} tokens/s against the engine's {engine_rate:.0}");
+}
