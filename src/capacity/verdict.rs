@@ -51,9 +51,10 @@ pub struct ReplicaCapacity {
     /// The receipts behind it.
     #[serde(default)]
     pub evidence: super::Learned,
-    /// The engine's prefill rate here, tokens a second, smoothed over
-    /// requests sent with nothing else in flight (a pause is bounded by
-    /// it, and a turn moves by it). Absent: not measured yet.
+    /// The engine's prefill rate here, tokens a second: uncached prompt
+    /// tokens over the engine's time to their first events, queues left
+    /// out, smoothed (a pause is bounded by it, and a turn moves by it).
+    /// Absent: not measured yet.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefill_tokens_per_s: Option<f64>,
 }

@@ -411,6 +411,9 @@ pub struct Replica {
     /// and saw fewer moves to another replica (`proxy::body`).
     handoffs: AtomicU64,
     attempts: AtomicU64,
+    /// When a response's first event last came from here: a request
+    /// queued behind it began its prefill then (`InflightGuard::prefilled`).
+    last_first_event: Mutex<Option<std::time::Instant>>,
     /// Only `health::HealthTracker` locks this (with `health` changes under it).
     probe: Mutex<ProbeState>,
     /// Its bytes per token, from its own usage reports.
@@ -452,6 +455,7 @@ impl Replica {
             large_inflight: AtomicI64::new(0),
             handoffs: AtomicU64::new(0),
             attempts: AtomicU64::new(0),
+            last_first_event: Mutex::new(None),
             probe: Mutex::new(ProbeState::default()),
             calibration: Default::default(),
             large_slots: Default::default(),
@@ -539,32 +543,39 @@ impl Replica {
     /// tokens as outstanding work until its prefill ends
     /// (`InflightGuard::prefilled`) or it does.
     pub fn begin(self: &Arc<Self>, large: bool, uncached: u64) -> InflightGuard {
-        let alone = self.inflight.fetch_add(1, Ordering::AcqRel) == 0;
+        self.inflight.fetch_add(1, Ordering::AcqRel);
         if large {
             self.large_inflight.fetch_add(1, Ordering::AcqRel);
         }
-        let attempt = self.attempts.fetch_add(1, Ordering::Relaxed) + 1;
+        self.attempts.fetch_add(1, Ordering::Relaxed);
         self.work.add_prefill(uncached);
         InflightGuard {
-            attempt,
             replica: self.clone(),
             large,
             prefilling: uncached,
             decoding: false,
             sent: std::time::Instant::now(),
-            alone,
             prefill_took: None,
         }
     }
 
     /// Counts a stream that goes on here after it began elsewhere
     /// (`proxy::resume`): in flight and decoding at once. Its first event
-    /// came on the other replica, so it says nothing of this one's prefill.
+    /// came on the other replica: it times no prefill here.
     pub fn resume(self: &Arc<Self>, large: bool) -> InflightGuard {
         let mut guard = self.begin(large, 0);
-        guard.alone = false;
-        guard.prefilled();
+        guard.decoding = true;
+        self.work.prefilled(0, true);
         guard
+    }
+
+    /// A first event came here at `now`: returns when the one before it
+    /// came (None: none yet).
+    fn first_event_at(&self, now: std::time::Instant) -> Option<std::time::Instant> {
+        let mut last = self.last_first_event.lock().unwrap_or_else(|p| p.into_inner());
+        let before = *last;
+        *last = Some(before.map_or(now, |b| b.max(now)));
+        before
     }
 
     /// Outstanding prefill work, for tests of placement.
@@ -636,14 +647,7 @@ pub struct InflightGuard {
     decoding: bool,
     /// When it was sent (after any wait for admission).
     sent: std::time::Instant,
-    /// Nothing else was in flight here when it was sent, and (once its
-    /// first event came) nothing else was sent here meanwhile: the time to
-    /// its first event is the engine's prefill, with no queue in it. Why
-    /// both: one sent a moment later can still reach the engine first.
-    alone: bool,
-    /// Its number among the attempts sent here (`Replica::attempts`).
-    attempt: u64,
-    /// From `sent` to its first event, once that came.
+    /// The engine's time on its prefill, once its first event came.
     prefill_took: Option<std::time::Duration>,
 }
 
@@ -659,19 +663,26 @@ impl InflightGuard {
         if !self.decoding {
             self.replica.work.prefilled(std::mem::take(&mut self.prefilling), true);
             self.decoding = true;
-            self.prefill_took = Some(self.sent.elapsed());
-            self.alone &= self.replica.attempts() == self.attempt;
+            // The engine began its prefill when it was sent, or, queued
+            // behind another request, when that one's first event came
+            // (an engine prefills one prompt after another: a one-slot
+            // llama-server, vLLM's first-come steps). Why not the time
+            // since it was sent: that holds the queue, and a rate read from
+            // it made a busy one-slot engine look several times slower (a
+            // pause bounded by the rate lasted that much longer). Prompts
+            // prefilled in one step together count their tokens in a sum
+            // over their time (`Residents::observe_prefill`), so the one
+            // timed from the other's first event is not a faster engine.
+            let now = std::time::Instant::now();
+            let began = self.replica.first_event_at(now).map_or(self.sent, |ahead| ahead.max(self.sent));
+            self.prefill_took = Some(now.saturating_duration_since(began));
         }
     }
 
-    /// How long the engine took to its first event, when that measures its
-    /// prefill rate: the request was sent with nothing else in flight here.
-    /// Why only then: behind another request the time includes the queue
-    /// (a one-slot llama-server serves one at a time), and a rate read from
-    /// it would make every prefill look several times slower than it is;
-    /// a pause bounded by that rate would wait that much longer.
-    pub fn solo_prefill(&self) -> Option<std::time::Duration> {
-        self.prefill_took.filter(|_| self.alone)
+    /// The engine's time on this request's prefill (None: no first event
+    /// here yet, or the stream began on another replica).
+    pub fn prefill_took(&self) -> Option<std::time::Duration> {
+        self.prefill_took
     }
 }
 
@@ -771,31 +782,37 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_a_request_sent_alone_times_the_engines_prefill() {
+    fn a_request_queued_behind_another_is_timed_from_the_others_first_event() {
+        use std::time::{Duration, Instant};
         let r = Arc::new(Replica::new(ReplicaSpec::new("a", "http://127.0.0.1:1"), AdminState::Active));
-        let mut alone = r.begin(false, 5_000);
-        assert_eq!(alone.solo_prefill(), None, "no first event yet");
-        std::thread::sleep(std::time::Duration::from_millis(5));
-        alone.prefilled();
-        let took = alone.solo_prefill().expect("nothing else in flight");
-        assert!(took >= std::time::Duration::from_millis(5), "{took:?}");
-        // Two sent together: the one sent first may reach the engine second.
-        let mut first = r.begin(false, 5_000);
+        let sent = Instant::now();
+        let mut ahead = r.begin(false, 5_000);
         let mut queued = r.begin(false, 5_000);
-        first.prefilled();
+        assert_eq!(ahead.prefill_took(), None, "no first event yet");
+        std::thread::sleep(Duration::from_millis(5));
+        ahead.prefilled();
+        let ahead_took = ahead.prefill_took().expect("timed from its send");
+        assert!(ahead_took >= Duration::from_millis(5), "{ahead_took:?}");
+        std::thread::sleep(Duration::from_millis(5));
         queued.prefilled();
-        assert_eq!(first.solo_prefill(), None, "another was sent before its first event");
-        assert_eq!(queued.solo_prefill(), None, "sent behind another: its time holds the queue");
-        drop((alone, first, queued));
+        let queued_took = queued.prefill_took().unwrap();
+        assert!(queued_took >= Duration::from_millis(5), "{queued_took:?}");
+        assert!(
+            ahead_took + queued_took <= sent.elapsed(),
+            "the queued one's time starts where the one ahead ended: {ahead_took:?} + {queued_took:?}"
+        );
+        drop((ahead, queued));
         // A stream that goes on here began elsewhere: it prefilled nothing here.
         let resumed = r.resume(false);
-        assert_eq!(resumed.solo_prefill(), None);
+        assert_eq!(resumed.prefill_took(), None);
         assert_eq!(r.work.outstanding(), work::DECODING_STREAM_TOKENS, "counted as decoding at once");
         drop(resumed);
         assert_eq!((r.inflight(), r.work.outstanding()), (0, 0));
+        // Sent after the last first event: timed from its own send.
         let mut next = r.begin(false, 100);
+        std::thread::sleep(Duration::from_millis(5));
         next.prefilled();
-        assert!(next.solo_prefill().is_some(), "alone again once the others ended");
+        assert!(next.prefill_took().unwrap() >= Duration::from_millis(5));
     }
 
     #[test]

@@ -187,9 +187,9 @@ pub struct Residents {
     wall_lesson: AtomicBool,
     /// A session turn's duration here, ms, smoothed (0: none ended yet).
     turn_ms: AtomicU64,
-    /// The engine's prefill rate here, tokens a second, smoothed (an f64's
-    /// bits; 0: not measured yet).
-    prefill_tps: AtomicU64,
+    /// The engine's prefill rate here: tokens prefilled over the time spent,
+    /// both smoothed (`observe_prefill`).
+    prefill: Mutex<Prefilled>,
     /// Receipts read here: kept (a returning session found its prefix),
     /// lost (found less than half of it), and the highest load a kept
     /// one was read at: the evidence of what the replica keeps (`learned`).
@@ -213,6 +213,14 @@ pub struct Pace {
     pub turn_ms: Option<u64>,
     /// The engine's prefill rate, tokens a second (None: not measured yet).
     pub prefill_tps: Option<f64>,
+}
+
+/// Uncached prompt tokens prefilled and the engine's seconds on them, each
+/// an exponentially smoothed sum (`PACE_WEIGHT`): their ratio is the rate.
+#[derive(Debug, Default)]
+struct Prefilled {
+    tokens: f64,
+    secs: f64,
 }
 
 /// Each new reading weighs this much in a smoothed figure (`Pace`).
@@ -475,22 +483,28 @@ impl Residents {
         r.at_peak
     }
 
-    /// A response here prefilled `uncached` tokens and sent its first
-    /// event `first_event` after the request went: the engine's prefill rate.
-    pub fn observe_prefill(&self, uncached: u64, first_event: std::time::Duration) {
-        let secs = first_event.as_secs_f64();
-        if uncached < MIN_PREFILL_TOKENS || secs <= 0.0 {
+    /// A response here prefilled `uncached` tokens in `took` of the
+    /// engine's time (`InflightGuard::prefilled`): the engine's prefill
+    /// rate. Tokens and time are summed, not rates averaged: two prompts
+    /// prefilled in one step come out as the engine's rate, where the
+    /// second, timed from the first's first event, alone would read as
+    /// almost instant.
+    pub fn observe_prefill(&self, uncached: u64, took: std::time::Duration) {
+        if uncached < MIN_PREFILL_TOKENS {
             return;
         }
-        let before = f64::from_bits(self.prefill_tps.load(Ordering::Relaxed));
-        self.prefill_tps.store(smoothed(before, uncached as f64 / secs).to_bits(), Ordering::Relaxed);
+        let mut p = self.prefill.lock().unwrap_or_else(|e| e.into_inner());
+        let keep = 1.0 - PACE_WEIGHT;
+        p.tokens = p.tokens * keep + uncached as f64;
+        p.secs = p.secs * keep + took.as_secs_f64();
     }
 
     /// What was measured of this replica's pace.
     pub fn pace(&self) -> Pace {
         let turn_ms = Some(self.turn_ms.load(Ordering::Relaxed)).filter(|t| *t > 0);
-        let tps = f64::from_bits(self.prefill_tps.load(Ordering::Relaxed));
-        Pace { turn_ms, prefill_tps: (tps > 0.0).then_some(tps) }
+        let p = self.prefill.lock().unwrap_or_else(|e| e.into_inner());
+        let prefill_tps = (p.secs > 0.0).then(|| p.tokens / p.secs);
+        Pace { turn_ms, prefill_tps }
     }
 
     /// Another instance's pins say of `session` what `heard` holds: resident
@@ -934,6 +948,27 @@ mod tests {
         r.lock().retain(|s, _| *s <= 2);
         assert_eq!(r.receipt(2_800, 0, false, 3), Receipt::Lost { load: 6_000 });
         assert_eq!(r.learned().capacity(declared), Some(6_000));
+    }
+
+    #[test]
+    fn the_prefill_rate_sums_tokens_over_time_so_prompts_prefilled_together_read_as_the_engine() {
+        use std::time::Duration;
+        let r = Residents::default();
+        assert_eq!(r.pace().prefill_tps, None);
+        r.observe_prefill(MIN_PREFILL_TOKENS - 1, Duration::from_secs(1));
+        assert_eq!(r.pace().prefill_tps, None, "too short to say");
+        r.observe_prefill(1_000, Duration::from_secs(1));
+        assert_eq!(r.pace().prefill_tps, Some(1_000.0));
+        // A second prompt of the same step: its first event right after the
+        // first's. Averaged as rates it would read as unbounded.
+        r.observe_prefill(1_000, Duration::ZERO);
+        let rate = r.pace().prefill_tps.unwrap();
+        assert!((rate - 1_750.0 / 0.75).abs() < 1e-9, "{rate}");
+        // Older readings fade: a slower engine shows through.
+        for _ in 0..40 {
+            r.observe_prefill(1_000, Duration::from_secs(4));
+        }
+        assert!((r.pace().prefill_tps.unwrap() - 250.0).abs() < 1.0);
     }
 
     #[test]

@@ -245,7 +245,8 @@ impl Chain {
     /// The next unit's lead (call before `unit`): the chain so far, the
     /// unit's role and how its content begins (`Opening`), with the prompt
     /// bytes up to there (`bytes`: the chain's, then the lead's own).
-    pub(super) fn lead(&mut self, role: &str, content: Option<&Json>, bytes: usize) -> Option<Boundary> {
+    /// `skip`: the keys the unit's own hash leaves out (`message_unit`).
+    pub(super) fn lead(&mut self, role: &str, content: Option<&Json>, skip: &[&str], bytes: usize) -> Option<Boundary> {
         let opening = Opening::of(content?)?;
         // The chain's own hasher: `unit` resets it for the unit after.
         let h = &mut self.h;
@@ -260,7 +261,7 @@ impl Chain {
             }
             Opening::Part(part) => {
                 h.update(b"p");
-                canonical(h, part, &[])
+                canonical(h, part, skip)
             }
         };
         Some(Boundary { key: h.digest128(), bytes: bytes + role.len() + seen })
@@ -320,7 +321,7 @@ pub(super) fn message_unit(
     skip: &[&str],
     bytes: usize,
 ) -> (usize, Option<Boundary>) {
-    let lead = chain.lead(role, content, bytes);
+    let lead = chain.lead(role, content, skip, bytes);
     let h = chain.unit();
     field(h, b'r', role.as_bytes());
     let mut unit = role.len();

@@ -64,6 +64,12 @@ struct Message<'a> {
     tool_call_id: Option<Cow<'a, str>>,
 }
 
+/// Left out of a message's content parts: `cache_control` markers, which
+/// clients writing for Anthropic models through OpenAI-compatible proxies
+/// put on parts and move to the newest message each turn; the engine's
+/// prompt is the same without them.
+const CHAT_SKIP: &[&str] = &["cache_control"];
+
 pub(super) fn extract_chat(body: &[u8]) -> Result<RequestShape, ShapeError> {
     let parsed: ChatBody = parse_body(body)?;
     if parsed.messages.is_empty() {
@@ -93,7 +99,7 @@ pub(super) fn extract_chat(body: &[u8]) -> Result<RequestShape, ShapeError> {
     let mut leads = Vec::with_capacity(parsed.messages.len());
     let mut bytes = 0usize;
     for m in &parsed.messages {
-        leads.push(chain.lead(&m.role, m.content.as_ref(), bytes));
+        leads.push(chain.lead(&m.role, m.content.as_ref(), CHAT_SKIP, bytes));
         let h = chain.unit();
         field(h, b'r', m.role.as_bytes());
         if let Some(name) = &m.name {
@@ -106,7 +112,7 @@ pub(super) fn extract_chat(body: &[u8]) -> Result<RequestShape, ShapeError> {
             }
             Some(parts @ (Json::Array(_) | Json::Object(_))) => {
                 h.update(b"p");
-                bytes += canonical(h, parts, &[]);
+                bytes += canonical(h, parts, CHAT_SKIP);
             }
             Some(_) => return Err(ShapeError("'content' must be a string or an array of content parts".into())),
             None => {}

@@ -107,6 +107,32 @@ mod tests {
     }
 
     #[test]
+    fn a_chat_turn_extends_the_previous_one_when_cache_control_moves() {
+        let t1 = chat(
+            r#"{"model":"m","messages":[{"role":"system","content":"s"},
+                {"role":"user","content":[{"type":"text","text":"q1","cache_control":{"type":"ephemeral"}}]}]}"#,
+        );
+        let t2 = chat(
+            r#"{"model":"m","messages":[{"role":"system","content":"s"},
+                {"role":"user","content":[{"type":"text","text":"q1"}]},
+                {"role":"assistant","content":"a1"},
+                {"role":"user","content":[{"type":"text","text":"q2","cache_control":{"type":"ephemeral"}}]}]}"#,
+        );
+        assert_eq!(t2.boundaries[1].key, t1.pin_at.unwrap());
+        assert_eq!(t2.boundaries[1].bytes, t1.prompt_bytes);
+        // A first part that is not text leads alike with or without its marker.
+        let image = |marker: &str| {
+            chat(&format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":[{{"type":"image_url","image_url":{{"url":"u"}}{marker}}}]}}]}}"#
+            ))
+            .leads[0]
+            .map(|l| l.key)
+        };
+        assert!(image("").is_some());
+        assert_eq!(image(r#","cache_control":{"type":"ephemeral"}"#), image(""));
+    }
+
+    #[test]
     fn a_message_with_a_reminder_appended_leads_like_the_bare_message_and_passes_it_on() {
         let lead = |body: &str, i: usize| chat(body).leads[i].map(|l| l.key);
         let sys = r#"{"role":"system","content":"s"}"#;

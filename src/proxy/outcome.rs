@@ -541,7 +541,7 @@ impl BodyEnd for Outcome {
                     self.recorder.receipt(self.replica(), predicted, cached, session);
                 }
                 // The engine's prefill rate, for the wall's choices (`room::admit_and_pause`).
-                if let (Some(cached), Some(took)) = (u.cached_tokens, self.held.guard.solo_prefill()) {
+                if let (Some(cached), Some(took)) = (u.cached_tokens, self.held.guard.prefill_took()) {
                     self.replica().residents.observe_prefill(u.prompt_tokens.saturating_sub(cached), took);
                 }
                 route.prompt_tokens.inc_by(u.prompt_tokens);

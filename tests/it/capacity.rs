@@ -286,12 +286,12 @@ async fn a_prompt_evicted_from_the_pool_is_restored_from_the_host_tier_and_repor
     }
 }
 
-/// The engine's prefill rate (shown, and the bound of a pause) is read
-/// from requests sent with nothing else in flight: a cold prompt sent
-/// alone measures the card; three sent together to a card that prefills
-/// one at a time do not drag it down with the queue behind the first. Read
-/// from every request, their waits made the card look 0.6x as fast here;
-/// on a one-slot llama-server, several times slower, and pauses that long.
+/// The engine's prefill rate (shown, and the bound of a pause) leaves the
+/// queue out: a cold prompt sent alone measures the card, and three sent
+/// together to a card that prefills one at a time do not drag it down
+/// with the waits behind the first. Timed from their sends, their waits
+/// made the card look 0.6x as fast here; on a one-slot llama-server,
+/// several times slower, and pauses that long.
 #[actix_web::test]
 async fn the_prefill_rate_shown_is_the_engines_not_its_queue() {
     // 4,100 tokens a simulated second, at 0.05 of real time: 82,000 a second.
