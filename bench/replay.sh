@@ -17,10 +17,14 @@
 # and its events by kind. Reports kept under target/replay/ (prefixgate's
 # events and capacity view beside them).
 #
-# Usage: [ENGINE=sim|llama] [ARMS=...] [ROUNDS=1] [TRACE=...] [KEEP_TEXT=0.06] [BIN=...] bench/replay.sh
+# PAUSE_SCALE (1): the recorded tool pauses times this (0: none, so the
+# engines, not the tools, set the wall).
+#
+# Usage: [ENGINE=sim|llama] [ARMS=...] [ROUNDS=1] [TRACE=...] [KEEP_TEXT=0.06] [PAUSE_SCALE=1] [BIN=...] bench/replay.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ARMS=${ARMS:-prefixgate vllm-router}; ROUNDS=${ROUNDS:-1}; KEEP_TEXT=${KEEP_TEXT:-0.06}; MAX_TOKENS=${MAX_TOKENS:-16}
+PAUSE_SCALE=${PAUSE_SCALE:-1}
 if [ -z "${BIN:-}" ]; then cargo build --release -q; BIN=$PWD/target/release/prefixgate; fi
 bin=$BIN
 trace=${TRACE:-$PWD/target/agent-trace.jsonl}
@@ -36,7 +40,7 @@ run_arm() {
   local arm=$1 round=$2 out=$BENCH_TMP/$1-$2.json
   router_up "$arm"
   "$bin" bench replay --base-url "$ROUTER_URL" --model "$model" --max-tokens "$MAX_TOKENS" --trace "$trace" \
-    --keep-text "$KEEP_TEXT" --label "$arm" --json >"$out"
+    --keep-text "$KEEP_TEXT" --pause-scale "$PAUSE_SCALE" --label "$arm" --json >"$out"
   python3 - "$out" "$arm" <<'PY'
 import json, statistics, sys
 r = json.load(open(sys.argv[1]))
@@ -84,7 +88,7 @@ PY
 
 replicas=$ENGINE
 [ -n "$REPLICA_URLS" ] && replicas="$REPLICA_URLS ($model)"
-echo "=== replay of $trace ($(wc -l <"$trace") calls), text kept $KEEP_TEXT, replicas $replicas, $(date -u +%F)"
+echo "=== replay of $trace ($(wc -l <"$trace") calls), text kept $KEEP_TEXT, pauses x$PAUSE_SCALE, replicas $replicas, $(date -u +%F)"
 arms=($ARMS)
 for r in $(seq 1 "$ROUNDS"); do
   order=("${arms[@]}")
