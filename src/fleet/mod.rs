@@ -564,8 +564,7 @@ impl Replica {
     /// came on the other replica: it times no prefill here.
     pub fn resume(self: &Arc<Self>, large: bool) -> InflightGuard {
         let mut guard = self.begin(large, 0);
-        guard.decoding = true;
-        self.work.prefilled(0, true);
+        guard.start_decoding();
         guard
     }
 
@@ -660,9 +659,7 @@ impl InflightGuard {
     /// Its first token came: its prefill leaves the replica's outstanding
     /// work, and it counts as a stream decoding until it ends.
     pub fn prefilled(&mut self) {
-        if !self.decoding {
-            self.replica.work.prefilled(std::mem::take(&mut self.prefilling), true);
-            self.decoding = true;
+        if self.start_decoding() {
             // The engine began its prefill when it was sent, or, queued
             // behind another request, when that one's first event came
             // (an engine prefills one prompt after another: a one-slot
@@ -677,6 +674,17 @@ impl InflightGuard {
             let began = self.replica.first_event_at(now).map_or(self.sent, |ahead| ahead.max(self.sent));
             self.prefill_took = Some(now.saturating_duration_since(began));
         }
+    }
+
+    /// Moves its prefill out of the replica's outstanding work and counts
+    /// it decoding; false when it already was.
+    fn start_decoding(&mut self) -> bool {
+        if self.decoding {
+            return false;
+        }
+        self.replica.work.prefilled(std::mem::take(&mut self.prefilling), true);
+        self.decoding = true;
+        true
     }
 
     /// The engine's time on this request's prefill (None: no first event
