@@ -203,6 +203,18 @@ pub struct Residents {
     /// not the replica's wall (`Receipt::Missed`).
     kept_beside_high: AtomicU64,
     kept_beside_ms: AtomicU64,
+    /// The most sessions resident at such a receipt: more than the replica
+    /// has slots says it keeps prompts beyond them (`KeptBeside`).
+    kept_beside_sessions: AtomicU64,
+}
+
+/// The most resident, in tokens and in sessions, when a session found its
+/// prefix after other sessions' turns here, within `WALL_MEMORY_MS`
+/// (`Residents::kept_beside`; zeros: none).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KeptBeside {
+    pub tokens: u64,
+    pub sessions: u64,
 }
 
 /// What the gateway measured of a replica's pace, for the choice between
@@ -779,22 +791,27 @@ impl Residents {
     }
 
     /// The most resident when a session found its prefix after others'
-    /// turns, within `WALL_MEMORY_MS` of `now_ms` (0: none).
-    fn kept_beside(&self, now_ms: u64) -> u64 {
+    /// turns, within `WALL_MEMORY_MS` of `now_ms` (zeros: none).
+    pub fn kept_beside(&self, now_ms: u64) -> KeptBeside {
         let at = self.kept_beside_ms.load(Ordering::Relaxed);
         if now_ms.saturating_sub(at) > WALL_MEMORY_MS {
-            return 0;
+            return KeptBeside::default();
         }
-        self.kept_beside_high.load(Ordering::Relaxed)
+        KeptBeside {
+            tokens: self.kept_beside_high.load(Ordering::Relaxed),
+            sessions: self.kept_beside_sessions.load(Ordering::Relaxed),
+        }
     }
 
-    fn kept_beside_at(&self, load: u64, now_ms: u64) {
+    fn kept_beside_at(&self, load: u64, sessions: u64, now_ms: u64) {
         // An old high is forgotten, not kept: what the replica kept then
         // may be gone (a restart, a smaller cache).
-        if self.kept_beside(now_ms) == 0 {
+        if self.kept_beside(now_ms).tokens == 0 {
             self.kept_beside_high.store(load, Ordering::Relaxed);
+            self.kept_beside_sessions.store(sessions, Ordering::Relaxed);
         } else {
             self.kept_beside_high.fetch_max(load, Ordering::Relaxed);
+            self.kept_beside_sessions.fetch_max(sessions, Ordering::Relaxed);
         }
         self.kept_beside_ms.store(now_ms, Ordering::Relaxed);
     }
@@ -814,10 +831,13 @@ impl Residents {
         if predicted < MIN_RECEIPT_TOKENS {
             return Receipt::Unclear;
         }
-        let load = self.load();
+        let (load, sessions) = {
+            let on = self.lock();
+            (on.values().map(|r| r.tokens).sum::<u64>(), on.len() as u64)
+        };
         if cached.saturating_mul(2) < predicted {
             self.lost.fetch_add(1, Ordering::Relaxed);
-            let kept_beside = self.kept_beside(now_ms);
+            let kept_beside = self.kept_beside(now_ms).tokens;
             if kept_beside.saturating_mul(10) >= load.saturating_mul(9) {
                 return Receipt::Missed { load, kept_beside };
             }
@@ -827,7 +847,7 @@ impl Residents {
             self.kept.fetch_add(1, Ordering::Relaxed);
             self.kept_high.fetch_max(load, Ordering::Relaxed);
             if after_others {
-                self.kept_beside_at(load, now_ms);
+                self.kept_beside_at(load, sessions, now_ms);
             }
             // Above the wall: kept beside others' turns, the wall was not
             // the replica's; kept with nothing run between, it holds at

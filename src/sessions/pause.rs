@@ -2,8 +2,9 @@
 //! turn boundary, while the sessions on its replica are over its pool and
 //! it is the one to give way (`room::must_pause`: the lowest class, the
 //! client with most sessions, the youngest). A turn that started is never
-//! cut; a pause is bounded by `max_wait_ms`, and by what re-prefilling the
-//! turn would cost (`Sessions::pause_bound`).
+//! cut; a pause is bounded by `max_wait_ms`, and, where the replica keeps
+//! prompts beyond its room, by what re-prefilling the turn would cost
+//! (`Sessions::pause_bound`).
 
 use std::time::Duration;
 
@@ -132,19 +133,31 @@ impl Sessions {
         started.elapsed()
     }
 
-    /// How long a turn of `tokens` may pause on `replica`: `max_wait_ms`,
-    /// and never longer than re-prefilling the whole turn would take at the
-    /// replica's measured prefill rate. Past that, waiting costs the agent
-    /// more than the cold turn the pause saves it. Why it matters: a wall
-    /// learned from a miss the engine's own choice caused (llama-server
-    /// keeps its slot's prompt when it shares half of it with the next,
-    /// instead of restoring the returning one from RAM) paused turns of a
-    /// few hundred tokens for a minute, where a re-prefill took seconds.
+    /// How long a turn of `tokens` may pause on `replica`: `max_wait_ms`;
+    /// where the replica keeps prompts beyond its room
+    /// (`keeps_beyond_its_room`), never longer than re-prefilling the whole
+    /// turn would take at its measured prefill rate.
+    ///
+    /// Why the two: where the engine keeps prompts in host memory
+    /// (llama-server's `--cache-ram`, vLLM's CPU offload), the walls the
+    /// receipts find are misses of the engine's own choosing (llama-server
+    /// keeps its slot's prompt when the next shares half of it, instead of
+    /// restoring the returning one), a turn let through displaces nothing
+    /// for good, and waiting longer than its cold turn only costs the agent:
+    /// unbounded, such pauses lasted a minute for turns of a few hundred
+    /// tokens. Where the slot or the pool is all the engine keeps, a turn let
+    /// through takes the room of a resident session, whose next turn
+    /// re-prefills too, and so on each turn after: the pause is for the
+    /// others' sake, and lasts until room opens. Bounded by its own
+    /// re-prefill there, the second set at llama-server's wall took 1.10x
+    /// the cold set's time; waiting for room, 0.55x (docs/benchmarks-agent-traffic.md).
     /// A turn that gave its room to a higher class waits the whole
     /// `max_wait_ms`: that wait is for the other session's sake.
     pub fn pause_bound(&self, replica: &Replica, session: PrefixKey, tokens: u64) -> Duration {
         let max = Duration::from_millis(self.settings.max_wait_ms);
-        if replica.residents.get(session).is_some_and(|r| r.preempted) {
+        if replica.residents.get(session).is_some_and(|r| r.preempted)
+            || !keeps_beyond_its_room(replica, crate::clock::now_ms())
+        {
             return max;
         }
         match replica.residents.pace().prefill_tps {
@@ -162,6 +175,20 @@ impl Sessions {
     /// background: `Class::ALL`'s order).
     pub fn paused_by_class(replica: &Replica) -> [usize; 3] {
         replica.residents.paused_by_class()
+    }
+}
+
+/// Whether `replica` was seen, within `WALL_MEMORY_MS` of `now_ms`, keeping
+/// more than its room: a session found its prefix after other sessions'
+/// turns with more sessions resident than it has slots (a slot holds one
+/// prompt), or more tokens than its pool. That is a host tier. With no room
+/// declared, taken as kept (the bounded pause, the cautious side).
+fn keeps_beyond_its_room(replica: &Replica, now_ms: u64) -> bool {
+    let kept = replica.residents.kept_beside(now_ms);
+    match (replica.slot_tokens(), replica.kv_capacity()) {
+        (Some(slot), Some(pool)) => kept.sessions > (pool / slot).max(1),
+        (None, Some(pool)) => kept.tokens > pool,
+        (_, None) => true,
     }
 }
 
@@ -184,15 +211,25 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_pause_lasts_no_longer_than_re_prefilling_the_turn_would() {
+    async fn a_pause_waits_for_room_at_a_wall_and_no_longer_than_a_re_prefill_where_the_engine_keeps_more() {
         let (s, a) = instance();
         let _older = two_crossing_the_pool(&s, &a);
         assert!(s.must_pause(&a, 2, 6_500, u64::MAX));
         let max = std::time::Duration::from_millis(s.settings().max_wait_ms);
         assert_eq!(s.pause_bound(&a, 2, 6_500), max, "no rate measured: max_wait_ms");
-        // The engine prefills 2,000 tokens a second: the turn re-prefilled
-        // cold would take 3.25 s, so it waits no longer than that.
+        // The engine prefills 2,000 tokens a second, but nothing says it
+        // keeps more than its pool: a turn let through would take the
+        // older's room, so the pause waits for room, re-prefill or not.
         a.residents.observe_prefill(2_000, std::time::Duration::from_secs(1));
+        assert_eq!(s.pause_bound(&a, 2, 6_500), max, "no host tier seen: max_wait_ms");
+        // An older session found its prefix after others' turns with 13,000
+        // tokens resident, more than the 12,000-token pool: the engine
+        // keeps prompts beyond it, so the turn re-prefilled cold (3.25 s)
+        // is the most it waits.
+        let now = crate::clock::now_ms();
+        drop(s.begin_turn(&a, 3, None, 3_000, &Who::default(), now - 60_000));
+        let _ = a.residents.receipt(3_000, 3_000, true, now);
+        assert!(s.must_pause(&a, 2, 6_500, u64::MAX), "2 is still the youngest");
         let bound = std::time::Duration::from_millis(3_250);
         assert!(bound < max);
         assert_eq!(s.pause_bound(&a, 2, 6_500), bound);
@@ -201,6 +238,30 @@ mod tests {
         // A turn that gave its room to a higher class waits for it whole.
         a.residents.preempt(&[2], Class::Interactive, |_, _| true);
         assert_eq!(s.pause_bound(&a, 2, 6_500), max);
+    }
+
+    #[test]
+    fn a_slot_engine_keeps_beyond_its_room_when_more_sessions_than_slots_were_kept_beside_each_other() {
+        let s = Sessions::new(settings());
+        let a = replica("a");
+        a.set_observed_kv(Some(16_384));
+        a.set_slot_tokens(Some(8_192)); // two slots
+        let now = crate::clock::now_ms();
+        assert!(!super::keeps_beyond_its_room(&a, now), "nothing seen");
+        // Two sessions, each in its own slot, found their prefixes after
+        // each other's turns: that is what the slots keep.
+        drop(s.begin_turn(&a, 1, None, 2_000, &Who::default(), now));
+        drop(s.begin_turn(&a, 2, None, 2_000, &Who::default(), now + 1));
+        let _ = a.residents.receipt(1_500, 1_500, true, now + 2);
+        assert!(!super::keeps_beyond_its_room(&a, now + 2));
+        // A third, and one of the three kept after the others' turns: two
+        // slots hold two prompts, so the engine kept one elsewhere.
+        drop(s.begin_turn(&a, 3, None, 2_000, &Who::default(), now + 3));
+        let _ = a.residents.receipt(1_500, 1_500, true, now + 4);
+        assert!(super::keeps_beyond_its_room(&a, now + 4));
+        // Evidence that old says nothing now.
+        let later = now + 4 + crate::fleet::residents::WALL_MEMORY_MS + 1;
+        assert!(!super::keeps_beyond_its_room(&a, later));
     }
 
     #[test]
