@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use prefixgate::pins::{Pin, PinTable};
-use prefixgate::policy::{self, Candidate, Endpoint, IdentityBlocks, Mode, PrefixMatch};
+use prefixgate::policy::{self, Candidate, Endpoint, IdentityBlocks, Mode};
 
 /// An agent-loop body of about `bytes`: a system prompt and alternating turns
 /// with realistic escapes (newlines, quotes).
@@ -124,7 +124,7 @@ fn decision(c: &mut Criterion) {
     let candidates: Vec<Candidate> = ids.iter().map(|id| Candidate::idle(id)).collect();
     let route = |s: &policy::RequestShape| {
         let found = pins.lookup_longest(&s.boundaries, &s.leads, s.boundaries.len() - 1).continued;
-        let pinned = found.as_ref().map(|(b, p)| (PrefixMatch { key: b.key, bytes: b.bytes }, &*p.replica));
+        let pinned = found.as_ref().map(|(b, p)| (*b, &*p.replica));
         policy::decide(Mode::Shape, policy::Spread::Load, s, &candidates, pinned, None).unwrap()
     };
     c.bench_function("decide_pinned_400KB", |b| b.iter(|| route(black_box(&shape))));

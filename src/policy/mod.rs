@@ -213,20 +213,14 @@ pub enum Spread {
     Counter,
 }
 
-/// The prefix a continuation matched.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PrefixMatch {
-    pub key: PrefixKey,
-    /// Prompt bytes covered by the match (the cache the replica should hold).
-    pub bytes: usize,
-}
-
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Decision {
     pub target: Target,
     pub reason: RouteReason,
-    /// The longest pinned prefix found, whether or not it was followed.
-    pub matched: Option<PrefixMatch>,
+    /// The longest pinned prefix found (the request's boundary it ends
+    /// at: its bytes are the cache the replica should hold), whether or
+    /// not it was followed.
+    pub matched: Option<Boundary>,
 }
 
 /// Where a decision sends the request.
@@ -283,7 +277,7 @@ pub fn decide(
     spread_by: Spread,
     shape: &RequestShape,
     candidates: &[Candidate],
-    pinned: Option<(PrefixMatch, &str)>,
+    pinned: Option<(Boundary, &str)>,
     named: Option<&str>,
 ) -> Option<Decision> {
     if !candidates.iter().any(|c| c.routable) {

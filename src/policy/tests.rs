@@ -17,7 +17,7 @@ fn decide(
     mode: Mode,
     shape: &RequestShape,
     candidates: &[Candidate],
-    pinned: Option<(PrefixMatch, &str)>,
+    pinned: Option<(Boundary, &str)>,
     named: Option<&str>,
     counter: &SpreadCounter,
 ) -> Option<Picked> {
@@ -71,8 +71,8 @@ impl Router {
 }
 
 /// The longest pinned boundary, as `PinTable::lookup_longest` finds it.
-fn longest<R: AsRef<str>>(shape: &RequestShape, pin_of: impl Fn(PrefixKey) -> Option<R>) -> Option<(PrefixMatch, R)> {
-    shape.boundaries.iter().rev().find_map(|b| pin_of(b.key).map(|r| (PrefixMatch { key: b.key, bytes: b.bytes }, r)))
+fn longest<R: AsRef<str>>(shape: &RequestShape, pin_of: impl Fn(PrefixKey) -> Option<R>) -> Option<(Boundary, R)> {
+    shape.boundaries.iter().rev().find_map(|b| pin_of(b.key).map(|r| (*b, r)))
 }
 
 fn single(i: usize) -> String {
@@ -341,7 +341,7 @@ fn a_pinned_turn_moves_only_when_its_replicas_queue_outweighs_a_whole_prefill_el
     // Through `decide`: moved with load placement, never with the counter.
     let mut shape = RequestShape { multi_unit: true, prompt_bytes: 20_000, ..Default::default() };
     shape.boundaries = vec![Boundary { key: 1, bytes: 16_000 }, Boundary { key: 2, bytes: 20_000 }];
-    let m = PrefixMatch { key: 1, bytes: 16_000 };
+    let m = Boundary { key: 1, bytes: 16_000 };
     let busy = [c("a", 20_000, None), c("b", 0, None)];
     let d = super::decide(Mode::Shape, Spread::Load, &shape, &busy, Some((m, "a")), None).unwrap();
     assert_eq!((d.target, d.reason), (Target::Candidate(1), RouteReason::Moved));

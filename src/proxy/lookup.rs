@@ -8,7 +8,7 @@ use actix_web::HttpRequest;
 use crate::error::ApiError;
 use crate::pins::Pin;
 use crate::policy::tenancy::Scope;
-use crate::policy::{self, conversation, Boundary, Dialect, Endpoint, Mode, PolicySettings, PrefixKey, PrefixMatch};
+use crate::policy::{self, conversation, Boundary, Dialect, Endpoint, Mode, PolicySettings, PrefixKey};
 use crate::sessions::gate::Ask;
 use crate::state::AppState;
 
@@ -30,7 +30,7 @@ pub(super) struct Lookup {
     /// Counts against `max_large_inflight`.
     pub(super) large: bool,
     /// The longest pinned prefix of the request: the conversation it continues.
-    pub(super) pinned: Option<(PrefixMatch, Pin)>,
+    pub(super) pinned: Option<(Boundary, Pin)>,
     /// The longest prompt it shares with conversations it does not
     /// continue (`policy::continues`), and the latest replica to serve it;
     /// its holders (`PinTable::holds`) are preferred among equals.
@@ -92,8 +92,7 @@ pub(super) async fn look_up(
         }
         let ends_at = shape.pin_index().unwrap_or(shape.boundaries.len() - 1);
         let found = state.pins.lookup_longest(&shape.boundaries, &shape.leads, ends_at);
-        let matched = |(b, pin): (Boundary, Pin)| (PrefixMatch { key: b.key, bytes: b.bytes }, pin);
-        (found.continued.map(matched), found.shared.map(|(b, pin)| (b.key, pin.replica)))
+        (found.continued, found.shared.map(|(b, pin)| (b.key, pin.replica)))
     };
     let named_home = || session.and_then(|s| state.pins.replica_of(s.key));
     let ((mut pinned, mut shared), mut named) = (longest_pinned(), named_home());

@@ -22,7 +22,7 @@ use crate::fleet::{InflightGuard, Replica};
 use crate::metrics::{ClassLabels, Metrics, ResultLabels, WorkerMetrics};
 use crate::pins::{Pin, PinOrigin, PinSource, PinTable};
 use crate::policy::conversation::{response_key, KeyKind, SessionKey};
-use crate::policy::{Dialect, PrefixKey, PrefixMatch, RouteReason};
+use crate::policy::{Boundary, Dialect, PrefixKey, RouteReason};
 use crate::priority::Who;
 use crate::sessions::gate::Happened;
 use crate::state::AppState;
@@ -79,14 +79,14 @@ pub struct Responded<'a> {
     pub failed_from: Option<&'a (Arc<str>, bool)>,
     pub turn: Turn,
     /// The longest pinned prefix the request carried, and its pin.
-    pub pinned: Option<&'a (PrefixMatch, Pin)>,
+    pub pinned: Option<&'a (Boundary, Pin)>,
 }
 
 /// A routing decision, before the request is sent.
 pub struct Routed<'a> {
     pub replica: &'a Arc<str>,
     pub turn: Turn,
-    pub pinned: Option<&'a (PrefixMatch, Pin)>,
+    pub pinned: Option<&'a (Boundary, Pin)>,
 }
 
 fn result(r: &'static str) -> ResultLabels {

@@ -9,7 +9,7 @@ use smallvec::SmallVec;
 
 use crate::fleet::Replica;
 use crate::pins::Pin;
-use crate::policy::{self, Candidate, Mode, PrefixMatch, RequestShape, RouteReason, SpreadCounter};
+use crate::policy::{self, Boundary, Candidate, Mode, RequestShape, RouteReason, SpreadCounter};
 use crate::sessions::room::{most_room, Room};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -34,7 +34,7 @@ pub struct PlanInput<'a> {
     pub mode: Mode,
     pub shape: &'a RequestShape,
     /// The longest pinned prefix of the request, looked up once per request.
-    pub pinned: Option<&'a (PrefixMatch, Pin)>,
+    pub pinned: Option<&'a (Boundary, Pin)>,
     /// The replica the request's session key points at.
     pub named: Option<&'a str>,
     /// Whether a replica holds the longest prompt the request shares with
