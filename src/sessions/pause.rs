@@ -130,7 +130,12 @@ impl Sessions {
         let _busy = PausedTurn::start(self, replica, session);
         let started = tokio::time::Instant::now();
         let deadline = started + self.pause_bound(replica, session, tokens);
-        self.wait_for(deadline, || !self.must_pause(replica, session, tokens, came_ms)).await;
+        // The bound is read again while the turn waits (it can end the wait
+        // sooner, never later than the bound at the start): the turns
+        // running meanwhile can show the engine keeps more than its slots,
+        // or give its first measured prefill rate.
+        let bound_passed = || started.elapsed() >= self.pause_bound(replica, session, tokens);
+        self.wait_for(deadline, || bound_passed() || !self.must_pause(replica, session, tokens, came_ms)).await;
         started.elapsed()
     }
 
@@ -260,6 +265,35 @@ mod tests {
         let later = now + 4 + crate::fleet::residents::WALL_MEMORY_MS + 1;
         assert!(!super::let_through_evicts_a_prompt(&a, now + 4));
         assert!(super::let_through_evicts_a_prompt(&a, later));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pause_ends_at_its_re_prefill_once_the_engine_is_seen_keeping_more_than_its_slots() {
+        let s = Sessions::new(settings()); // max_wait_ms 10 s
+        let a = replica("a");
+        a.set_observed_kv(Some(4_000));
+        a.set_slot_tokens(Some(4_000)); // one slot, its capacity declared
+        a.residents.observe_prefill(2_000, std::time::Duration::from_secs(1));
+        let now = crate::clock::now_ms() - 100;
+        drop(s.begin_turn(&a, 1, None, 2_000, &Who::default(), now));
+        drop(s.begin_turn(&a, 2, None, 2_000, &Who::default(), now + 1));
+        drop(s.begin_turn(&a, 1, None, 2_000, &Who::default(), now + 2)); // 1 continued first
+        assert!(s.must_pause(&a, 2, 2_500, u64::MAX));
+        let paused = tokio::spawn({
+            let (s, a) = (s.clone(), a.clone());
+            async move { s.pause_if_over(&a, 2, 2_500).await }
+        });
+        // Nothing says the slot is not all it keeps: past the turn's
+        // re-prefill (1.25 s), it still waits for room.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert_eq!(s.paused(), 1);
+        // A turn running meanwhile finds its prefix after the other's, two
+        // sessions on one slot: a host tier. The pause is past its bound,
+        // and ends at the next look, with no room made.
+        let _ = a.residents.receipt(1_500, 1_500, true, crate::clock::now_ms());
+        let waited = paused.await.unwrap().expect("it paused");
+        assert!(waited >= Duration::from_secs(3) && waited <= Duration::from_secs(3) + RECHECK, "{waited:?}");
+        assert!(s.must_pause(&a, 2, 2_500, u64::MAX), "ended by its bound, not by room");
     }
 
     #[test]
