@@ -756,7 +756,13 @@ impl Residents {
     }
 
     fn load(&self) -> u64 {
-        self.lock().values().map(|r| r.tokens).sum()
+        self.load_and_sessions().0
+    }
+
+    /// Tokens resident, and how many sessions hold them.
+    fn load_and_sessions(&self) -> (u64, u64) {
+        let on = self.lock();
+        (on.values().map(|r| r.tokens).sum(), on.len() as u64)
     }
 
     /// Sets the wall at `load` when none was seen or it is lower; a wall
@@ -831,10 +837,7 @@ impl Residents {
         if predicted < MIN_RECEIPT_TOKENS {
             return Receipt::Unclear;
         }
-        let (load, sessions) = {
-            let on = self.lock();
-            (on.values().map(|r| r.tokens).sum::<u64>(), on.len() as u64)
-        };
+        let (load, sessions) = self.load_and_sessions();
         if cached.saturating_mul(2) < predicted {
             self.lost.fetch_add(1, Ordering::Relaxed);
             let kept_beside = self.kept_beside(now_ms).tokens;
