@@ -166,15 +166,19 @@ impl Resident {
 #[derive(Debug, Default)]
 pub struct Residents {
     sessions: Mutex<foldhash::HashMap<PrefixKey, Resident>>,
+    /// One slot's context in tokens, where the replica's capacity is slots
+    /// (llama.cpp's `/props`; 0: not slots): the loads a receipt reads are
+    /// then whole slots (`footprint`), the unit the room counts in.
+    slot_tokens: AtomicU64,
     /// Conversations that came back here and idled out, by id: the working
     /// set's memory (`working_set`). Locked after `sessions`, never before.
     ended: Mutex<foldhash::HashMap<PrefixKey, Ended>>,
     /// With a shared store: the footprints of every instance's live
     /// sessions here, as last read (`store.session_loads`).
     fleet_load: AtomicU64,
-    /// The load (tokens of resident context) at which this replica was seen
-    /// to lose a resident session's prefix: its wall in practice, whatever
-    /// its capacity says (0: none seen). Receipts set and raise it.
+    /// The load (the resident sessions' footprints) at which this replica
+    /// was seen to lose a resident session's prefix: its wall in practice,
+    /// whatever its capacity says (0: none seen). Receipts set and raise it.
     wall: AtomicU64,
     /// The engine's preemption counter as last read, plus one (0: never read).
     preemptions_seen: AtomicU64,
@@ -360,7 +364,25 @@ pub struct SweptOne {
     pub crossed: Option<(Option<PrefixKey>, u64)>,
 }
 
+/// What a session of `tokens` takes of a replica: its context, or whole
+/// slots where the capacity is slots of `slot_tokens` (llama.cpp: one slot
+/// keeps one conversation's prefix, however short).
+pub fn footprint(tokens: u64, slot_tokens: Option<u64>) -> u64 {
+    match slot_tokens {
+        Some(slot) if slot > 0 => tokens.max(1).div_ceil(slot) * slot,
+        _ => tokens,
+    }
+}
+
 impl Residents {
+    pub fn slot_tokens(&self) -> Option<u64> {
+        Some(self.slot_tokens.load(Ordering::Acquire)).filter(|t| *t > 0)
+    }
+
+    pub fn set_slot_tokens(&self, tokens: Option<u64>) {
+        self.slot_tokens.store(tokens.unwrap_or(0), Ordering::Release);
+    }
+
     /// The sessions resident here. Private: every reading and change is a
     /// method, so none holds it across another lock. `Sessions` calls
     /// these with its own lock held, never the other way round.
@@ -759,10 +781,16 @@ impl Residents {
         self.load_and_sessions().0
     }
 
-    /// Tokens resident, and how many sessions hold them.
+    /// The resident sessions' footprints, and how many sessions there are.
+    /// Why footprints: the wall and what was kept are read against the room,
+    /// which counts whole slots on slots; in raw tokens, two 2,900-token
+    /// sessions lost on one 8,192-token slot set a wall of 5,800, below
+    /// the slot any session takes, and every new session was then held as
+    /// larger than the replica (on four slots, the replica took one session).
     fn load_and_sessions(&self) -> (u64, u64) {
+        let slot = self.slot_tokens();
         let on = self.lock();
-        (on.values().map(|r| r.tokens).sum(), on.len() as u64)
+        (on.values().map(|r| footprint(r.tokens, slot)).sum(), on.len() as u64)
     }
 
     /// Sets the wall at `load` when none was seen or it is lower; a wall

@@ -979,6 +979,47 @@ mod tests {
     }
 
     #[test]
+    fn on_slots_a_wall_is_read_in_whole_slots_so_four_slots_still_take_four_sessions() {
+        use crate::fleet::residents::Receipt;
+        use crate::sessions::room::{entry, Entry};
+        let s = Sessions::new(settings()); // idle_ms 1 s
+        let a = replica("a");
+        a.set_observed_kv(Some(16_384));
+        a.set_slot_tokens(Some(4_096)); // four slots
+        let now = crate::clock::now_ms();
+        for id in 1..=5 {
+            drop(s.begin_turn(&a, id, None, 1_000, &Who::default(), now + id as u64));
+        }
+        // Five sessions on four slots: a returning one lost its prefix.
+        // They held 5,000 tokens, but took five slots.
+        assert_eq!(a.residents.receipt(900, 0, false, now + 10), Receipt::Lost { load: 5 * 4_096 });
+        assert_eq!(s.wall_of(&a), Some(16_384), "the four slots, not the 5,000 tokens the five held");
+        // They leave, and three come: a fourth still has its slot.
+        assert!(s.sweep(now + 60_000).any);
+        for id in 6..=8 {
+            drop(s.begin_turn(&a, id, None, 1_000, &Who::default(), now + 60_000 + id as u64));
+        }
+        assert_eq!(entry(&[s.room_of(&a)], 1_000, 0), Entry::Admit);
+        drop(s.begin_turn(&a, 9, None, 1_000, &Who::default(), now + 60_010));
+        assert_eq!(entry(&[s.room_of(&a)], 1_000, 0), Entry::Hold, "a fifth waits for a slot");
+    }
+
+    #[test]
+    fn on_one_slot_a_wall_seen_holds_a_short_session_for_room_not_as_larger_than_the_replica() {
+        use crate::sessions::room::{entry, Entry};
+        let s = Sessions::new(settings());
+        let a = replica("a");
+        a.set_observed_kv(Some(8_192));
+        a.set_slot_tokens(Some(8_192));
+        let now = crate::clock::now_ms();
+        drop(s.begin_turn(&a, 1, None, 2_900, &Who::default(), now));
+        drop(s.begin_turn(&a, 2, None, 2_900, &Who::default(), now + 1));
+        let _ = a.residents.receipt(2_500, 0, false, now + 2);
+        assert_eq!(s.wall_of(&a), Some(8_192), "one slot: 5,800 tokens were two slots' worth");
+        assert_eq!(entry(&[s.room_of(&a)], 2_900, 0), Entry::Hold, "it fits the slot once the slot is free");
+    }
+
+    #[test]
     fn a_session_whose_next_turn_began_elsewhere_is_released_by_that_instance_not_here() {
         let s = Sessions::new(settings()); // idle_ms 1 s
         let a = replica("a");

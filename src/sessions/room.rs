@@ -36,10 +36,7 @@ impl Room {
 
     /// What a session of `tokens` takes here.
     pub fn footprint(&self, tokens: u64) -> u64 {
-        match self.slot_tokens {
-            Some(slot) if slot > 0 => tokens.max(1).div_ceil(slot) * slot,
-            _ => tokens,
-        }
+        crate::fleet::residents::footprint(tokens, self.slot_tokens)
     }
 
     pub fn fits(&self, tokens: u64) -> bool {
