@@ -27,6 +27,8 @@
 # HOLD_MIN_TOKENS=N: sets sessions.hold_min_tokens.
 # CACHE_RAM=MiB: llama-server's host-RAM prompt cache (default 0: the one
 # slot is all it keeps; 8192 is llama-server as shipped).
+# SLOTS=N (1): slots per llama-server (`-np N`, 8,192 tokens each; with
+# SLOTS=2, FAMILIES=8 meets the same wall: twice the sessions a replica keeps).
 # PRIORITY=1: an arm more, four background families and an interactive one
 # two seconds later (its first-turn hold against theirs); PRIORITY=only: that
 # arm alone.
@@ -86,9 +88,12 @@ if [ -n "$REPLICA_URLS" ]; then
   read -r LLAMA_URL[0] LLAMA_URL[1] <<<"$REPLICA_URLS"
   model=${MODEL_NAME:-smollm2}
 elif [ -z "$SIM" ]; then
+  # One slot: 16,384 (SmolLM2 caps a slot at its 8,192-token training
+  # context); more: 8,192 each.
+  slots=${SLOTS:-1}; ctx=$((slots > 1 ? 8192 * slots : 16384))
   for i in 0 1; do
     port=$(free_port)
-    taskset -c "$i" "$LLAMA_SERVER" -m "$MODEL" --host 127.0.0.1 --port "$port" -t 1 -c 16384 -np 1 \
+    taskset -c "$i" "$LLAMA_SERVER" -m "$MODEL" --host 127.0.0.1 --port "$port" -t 1 -c "$ctx" -np "$slots" \
       --cache-ram "${CACHE_RAM:-0}" --jinja -a smollm2 --metrics >"$BENCH_TMP/llama-$i.log" 2>&1 &
     LLAMA_URL[$i]="http://127.0.0.1:$port"
   done
