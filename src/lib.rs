@@ -218,7 +218,7 @@ async fn sample_timeline(state: Arc<AppState>) {
                 id: r.id.clone(),
                 resident_tokens: sessions::Sessions::resident(r).counted_tokens,
                 capacity_tokens: r.kv_capacity(),
-                wall_tokens: r.residents.wall(),
+                wall_tokens: r.residents.evidence.wall(),
                 inflight: r.inflight(),
                 paused_by_class: sessions::Sessions::paused_by_class(r),
                 totals: r.series.totals(),

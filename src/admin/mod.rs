@@ -277,7 +277,7 @@ async fn metrics(s: web::Data<AppState>) -> HttpResponse {
                 resident_sessions: resident.sessions,
                 room_tokens: s.sessions.room_shown(r),
                 resident_tokens: resident.counted_tokens,
-                wall_tokens: r.residents.wall(),
+                wall_tokens: r.residents.evidence.wall(),
             }
         })
         .collect();

@@ -173,7 +173,7 @@ impl Capacity {
     }
 }
 
-/// What a replica's receipts say of what it keeps (`fleet::residents::Residents::learned`).
+/// What a replica's receipts say of what it keeps (`fleet::wall::WallEvidence::learned`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
 pub struct Learned {
     /// Where it lost a returning session's prefix (or its engine

@@ -74,9 +74,9 @@ impl HealthTracker {
         self.events.record(EventKind::KvWallSeen, Some(&r.id), None, detail);
     }
 
-    /// A wall no loss confirmed for `residents::WALL_MEMORY_MS` was forgotten.
+    /// A wall no loss confirmed for `wall::WALL_MEMORY_MS` was forgotten.
     pub fn wall_forgotten(&self, r: &Replica, wall: u64) {
-        let minutes = crate::fleet::residents::WALL_MEMORY_MS / 60_000;
+        let minutes = crate::fleet::wall::WALL_MEMORY_MS / 60_000;
         let detail = format!(
             "no lost prefix confirmed the wall at ~{wall} tokens for {minutes} minutes: forgotten, new sessions \
              are admitted up to the replica's capacity again"
@@ -241,7 +241,7 @@ pub async fn check(tracker: &HealthTracker, client: &awc::Client, r: Arc<Replica
             );
         }
     }
-    if let Some(wall) = r.residents.forget_stale_wall(now) {
+    if let Some(wall) = r.residents.evidence.forget_stale_wall(now) {
         tracker.wall_forgotten(&r, wall);
     }
     if result == ProbeResult::Ok && !busy {

@@ -5,6 +5,7 @@
 
 pub mod health;
 pub mod residents;
+pub mod wall;
 pub mod work;
 
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicU8, Ordering};

@@ -1,16 +1,17 @@
 //! The conversations one replica holds: the one record of where a
 //! conversation lives, read by the hold and placement (`sessions/`: who is
-//! resident, their footprints, projections, gaps, the wall receipts found)
+//! resident, their footprints, projections, gaps; the wall receipts found
+//! is `wall::WallEvidence`, kept here beside the load it is read at)
 //! and by the capacity verdict (the working set: conversations that came
 //! back, resident now or ended within the verdict's window). Kept on the
 //! replica's record, so it leaves with it. `Sessions` decides who is
 //! resident where and keeps the index from a session to its replica; this
 //! is only the replica's side of it.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
-use crate::capacity::Learned;
+use super::wall::{Load, Receipt, WallEvidence};
 use crate::policy::PrefixKey;
 
 /// One resident session.
@@ -176,49 +177,15 @@ pub struct Residents {
     /// With a shared store: the footprints of every instance's live
     /// sessions here, as last read (`store.session_loads`).
     fleet_load: AtomicU64,
-    /// The load (the resident sessions' footprints) at which this replica
-    /// was seen to lose a resident session's prefix: its wall in practice,
-    /// whatever its capacity says (0: none seen). Receipts set and raise it.
-    wall: AtomicU64,
-    /// The engine's preemption counter as last read, plus one (0: never read).
-    preemptions_seen: AtomicU64,
-    /// When a loss last said the wall is there (lowered it, or found it at
-    /// or above it), ms: a wall not confirmed for `WALL_MEMORY_MS` is
-    /// forgotten (`forget_stale_wall`).
-    wall_confirmed_ms: AtomicU64,
-    /// The wall was set or lowered since the projections last learned from
-    /// the sessions resident here (`take_wall_lesson`).
-    wall_lesson: AtomicBool,
     /// A session turn's duration here, ms, smoothed (0: none ended yet).
     turn_ms: AtomicU64,
     /// The engine's prefill rate here: tokens prefilled over the time spent,
     /// both smoothed (`observe_prefill`).
     prefill: Mutex<Prefilled>,
-    /// Receipts read here: kept (a returning session found its prefix),
-    /// lost (found less than half of it), and the highest load a kept
-    /// one was read at: the evidence of what the replica keeps (`learned`).
-    kept: AtomicU64,
-    lost: AtomicU64,
-    kept_high: AtomicU64,
     /// Session turns begun here: whether others ran between two turns of one.
     begun: AtomicU64,
-    /// The most resident when a returning session found its prefix after
-    /// other sessions' turns, and when (ms): a loss at about that load is
-    /// not the replica's wall (`Receipt::Missed`).
-    kept_beside_high: AtomicU64,
-    kept_beside_ms: AtomicU64,
-    /// The most sessions resident at such a receipt: more than the replica
-    /// has slots says it keeps prompts beyond them (`KeptBeside`).
-    kept_beside_sessions: AtomicU64,
-}
-
-/// The most resident, in tokens and in sessions, when a session found its
-/// prefix after other sessions' turns here, within `WALL_MEMORY_MS`
-/// (`Residents::kept_beside`; zeros: none).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct KeptBeside {
-    pub tokens: u64,
-    pub sessions: u64,
+    /// Where its cache ends, as its receipts showed it.
+    pub evidence: WallEvidence,
 }
 
 /// What the gateway measured of a replica's pace, for the choice between
@@ -253,43 +220,6 @@ fn smoothed(before: f64, reading: f64) -> f64 {
 /// A prefill shorter than this many uncached tokens says little of the rate
 /// (the time to first token is then mostly the queue and the first decode step).
 pub const MIN_PREFILL_TOKENS: u64 = 256;
-
-/// What a pinned turn's receipt says about its replica.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Receipt {
-    /// The turn found less than half the prefix it should have: the
-    /// replica did not keep the session (at `load` tokens resident).
-    Lost { load: u64 },
-    /// The turn found its prefix: the replica holds `load` tokens resident.
-    Kept { load: u64 },
-    /// The turn found its prefix after other sessions' turns ran here, at
-    /// `load` tokens resident, above the wall (`wall`): the replica keeps
-    /// more than one session above it, so the wall was not its capacity
-    /// (a miss of the engine's own choosing: llama-server keeps its slot's
-    /// prompt, instead of restoring the returning one from host memory,
-    /// when the two share half of the slot's). Forgotten; a real one is
-    /// found again by the next loss.
-    Unwalled { wall: u64, load: u64 },
-    /// The turn found less than half its prefix at `load` tokens resident,
-    /// but within `WALL_MEMORY_MS` a session found its prefix after others'
-    /// turns with as much resident, or 10 % less (`kept_beside`): a miss,
-    /// not the replica's wall.
-    Missed { load: u64, kept_beside: u64 },
-    /// Too small to say, or in between.
-    Unclear,
-}
-
-/// A wall no loss confirmed for this long is forgotten. Why: with a wall,
-/// the replica takes no new session above it, so no receipt ever comes from
-/// above it to raise it; a wall lowered by a passing cause (a thrash the
-/// hold since ended, an engine that restarted and lost every prefix at a
-/// small load) would cap the replica for the life of the process. A wall
-/// that is real is found again by the next loss: one turn's prefill every
-/// ten minutes at most.
-pub const WALL_MEMORY_MS: u64 = 10 * 60_000;
-
-/// A receipt below this many predicted cached tokens says nothing.
-pub const MIN_RECEIPT_TOKENS: u64 = 256;
 
 /// What another instance's pins say of a session (`Residents::heard`,
 /// `Sessions::seen_elsewhere`).
@@ -730,55 +660,23 @@ impl Residents {
         out
     }
 
-    /// The wall receipts found (None: none seen).
-    pub fn wall(&self) -> Option<u64> {
-        Some(self.wall.load(Ordering::Relaxed)).filter(|w| *w > 0)
-    }
-
-    /// What the receipts taught of this replica (the capacity view).
-    pub fn learned(&self) -> Learned {
-        Learned {
-            wall_tokens: self.wall(),
-            kept_at_tokens: self.kept_high.load(Ordering::Relaxed),
-            receipts_kept: self.kept.load(Ordering::Relaxed),
-            receipts_lost: self.lost.load(Ordering::Relaxed),
-        }
-    }
-
-    /// Reads the engine's preemption counter (`total`, as vLLM reports it).
-    /// Preemptions since the last read mean the engine ran out of KV with
-    /// the sessions resident now: the wall is lowered to their load, as a
-    /// lost receipt does. Returns that load when it was; the first read
-    /// only notes the counter, and a counter that went back (an engine
-    /// restarted) starts over.
+    /// The engine's preemption counter read (`total`, vLLM's): the wall
+    /// lowered to the load resident now when it rose
+    /// (`WallEvidence::engine_preemptions`).
     pub fn engine_preemptions(&self, total: u64, now_ms: u64) -> Option<u64> {
-        let before = self.preemptions_seen.swap(total.saturating_add(1), Ordering::Relaxed);
-        if before == 0 || total < before {
-            return None;
-        }
-        self.over_wall_now(now_ms)
+        self.evidence.engine_preemptions(total, self.load().tokens, now_ms)
     }
 
-    /// The engine says its pool is full now (`vllm:kv_cache_usage_perc`
-    /// near 1 with requests waiting): the wall is lowered to the load
-    /// resident now. Returns that load when the wall moved (a full pool
-    /// read again at the same load says nothing new).
+    /// The engine says its pool is full now: the wall lowered to the load
+    /// resident now (`WallEvidence::engine_full`).
     pub fn engine_full(&self, now_ms: u64) -> Option<u64> {
-        let before = self.wall();
-        self.over_wall_now(now_ms).filter(|load| before.is_none_or(|w| *load < w))
+        self.evidence.engine_full(self.load().tokens, now_ms)
     }
 
-    /// Lowers the wall to the load resident now; None when nothing is.
-    fn over_wall_now(&self, now_ms: u64) -> Option<u64> {
-        let load = self.load();
-        (load > 0).then(|| {
-            self.lower_wall(load, now_ms);
-            load
-        })
-    }
-
-    fn load(&self) -> u64 {
-        self.load_and_sessions().0
+    /// Reads a pinned turn's receipt against the load resident now
+    /// (`WallEvidence::receipt`).
+    pub fn receipt(&self, predicted: u64, cached: u64, after_others: bool, now_ms: u64) -> Receipt {
+        self.evidence.receipt(self.load(), predicted, cached, after_others, now_ms)
     }
 
     /// The resident sessions' footprints, and how many sessions there are.
@@ -787,112 +685,16 @@ impl Residents {
     /// sessions lost on one 8,192-token slot set a wall of 5,800, below
     /// the slot any session takes, and every new session was then held as
     /// larger than the replica (on four slots, the replica took one session).
-    fn load_and_sessions(&self) -> (u64, u64) {
+    fn load(&self) -> Load {
         let slot = self.slot_tokens();
         let on = self.lock();
-        (on.values().map(|r| footprint(r.tokens, slot)).sum(), on.len() as u64)
-    }
-
-    /// Sets the wall at `load` when none was seen or it is lower; a wall
-    /// that moved leaves a lesson (the same wall seen again teaches nothing).
-    /// Either way the wall is confirmed now.
-    fn lower_wall(&self, load: u64, now_ms: u64) {
-        let before = self.wall.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| match w {
-            0 => Some(load),
-            w => (load < w).then_some(load),
-        });
-        if before.is_ok() {
-            self.wall_lesson.store(true, Ordering::Relaxed);
-        }
-        self.wall_confirmed_ms.fetch_max(now_ms, Ordering::Relaxed);
-    }
-
-    /// Forgets a wall no loss confirmed for `WALL_MEMORY_MS`; returns it
-    /// when it was forgotten.
-    pub fn forget_stale_wall(&self, now_ms: u64) -> Option<u64> {
-        let confirmed = self.wall_confirmed_ms.load(Ordering::Relaxed);
-        if now_ms.saturating_sub(confirmed) < WALL_MEMORY_MS {
-            return None;
-        }
-        Some(self.wall.swap(0, Ordering::Relaxed)).filter(|w| *w > 0)
-    }
-
-    /// Whether a wall was seen here since the last call: the sessions
-    /// resident now are what crossed it, and the projections learn from
-    /// them before they end (`Sessions::sweep`).
-    pub fn take_wall_lesson(&self) -> bool {
-        self.wall_lesson.swap(false, Ordering::Relaxed)
-    }
-
-    /// The most resident when a session found its prefix after others'
-    /// turns, within `WALL_MEMORY_MS` of `now_ms` (zeros: none).
-    pub fn kept_beside(&self, now_ms: u64) -> KeptBeside {
-        let at = self.kept_beside_ms.load(Ordering::Relaxed);
-        if now_ms.saturating_sub(at) > WALL_MEMORY_MS {
-            return KeptBeside::default();
-        }
-        KeptBeside {
-            tokens: self.kept_beside_high.load(Ordering::Relaxed),
-            sessions: self.kept_beside_sessions.load(Ordering::Relaxed),
-        }
-    }
-
-    fn kept_beside_at(&self, load: u64, sessions: u64, now_ms: u64) {
-        // An old high is forgotten, not kept: what the replica kept then
-        // may be gone (a restart, a smaller cache).
-        if self.kept_beside(now_ms).tokens == 0 {
-            self.kept_beside_high.store(load, Ordering::Relaxed);
-            self.kept_beside_sessions.store(sessions, Ordering::Relaxed);
-        } else {
-            self.kept_beside_high.fetch_max(load, Ordering::Relaxed);
-            self.kept_beside_sessions.fetch_max(sessions, Ordering::Relaxed);
-        }
-        self.kept_beside_ms.store(now_ms, Ordering::Relaxed);
+        Load { tokens: on.values().map(|r| footprint(r.tokens, slot)).sum(), sessions: on.len() as u64 }
     }
 
     /// Whether other sessions' turns began here between `session`'s
     /// previous turn and its latest (`Resident::after_others`).
     pub fn after_others(&self, session: PrefixKey) -> bool {
         self.lock().get(&session).is_some_and(|r| r.after_others)
-    }
-
-    /// Reads a pinned turn's receipt: `predicted` cached tokens (the prefix
-    /// it should have found on its home) against the `cached` tokens the
-    /// engine reported. A lost prefix lowers the wall to the load it was
-    /// lost at (the replica takes no new session above it); a kept one at
-    /// a higher load raises it. Returns what it read.
-    pub fn receipt(&self, predicted: u64, cached: u64, after_others: bool, now_ms: u64) -> Receipt {
-        if predicted < MIN_RECEIPT_TOKENS {
-            return Receipt::Unclear;
-        }
-        let (load, sessions) = self.load_and_sessions();
-        if cached.saturating_mul(2) < predicted {
-            self.lost.fetch_add(1, Ordering::Relaxed);
-            let kept_beside = self.kept_beside(now_ms).tokens;
-            if kept_beside.saturating_mul(10) >= load.saturating_mul(9) {
-                return Receipt::Missed { load, kept_beside };
-            }
-            self.lower_wall(load, now_ms);
-            Receipt::Lost { load }
-        } else if cached.saturating_mul(10) >= predicted.saturating_mul(9) {
-            self.kept.fetch_add(1, Ordering::Relaxed);
-            self.kept_high.fetch_max(load, Ordering::Relaxed);
-            if after_others {
-                self.kept_beside_at(load, sessions, now_ms);
-            }
-            // Above the wall: kept beside others' turns, the wall was not
-            // the replica's; kept with nothing run between, it holds at
-            // least this load.
-            let raised = self.wall.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| {
-                (w > 0 && load > w).then_some(if after_others { 0 } else { load })
-            });
-            match raised {
-                Ok(wall) if after_others => Receipt::Unwalled { wall, load },
-                _ => Receipt::Kept { load },
-            }
-        } else {
-            Receipt::Unclear
-        }
     }
 }
 
@@ -921,14 +723,14 @@ mod tests {
         begin(1, 1_000, 0);
         begin(2, 1_000, 1);
         assert_eq!(r.receipt(900, 100, false, 2), Receipt::Lost { load: 2_000 });
-        assert_eq!(r.wall(), Some(2_000));
+        assert_eq!(r.evidence.wall(), Some(2_000));
         // Session 1 comes back after session 2's turn, above the wall, and
         // finds its prefix: the replica keeps both (llama-server restoring
         // it from host memory); the loss was not its capacity.
         begin(1, 1_500, 3);
         assert!(r.after_others(1));
         assert_eq!(r.receipt(1_000, 1_000, r.after_others(1), 4), Receipt::Unwalled { wall: 2_000, load: 2_500 });
-        assert_eq!(r.wall(), None);
+        assert_eq!(r.evidence.wall(), None);
         // A loss with more resident sets it again (at 2,500 it is a miss:
         // sessions were kept beside others' there); a session whose turns
         // follow each other with nothing between proves only its load.
@@ -938,67 +740,12 @@ mod tests {
         begin(2, 1_400, 7);
         assert!(!r.after_others(2));
         assert_eq!(r.receipt(1_000, 1_000, r.after_others(2), 8), Receipt::Kept { load: 3_400 });
-        assert_eq!(r.wall(), Some(3_400));
+        assert_eq!(r.evidence.wall(), Some(3_400));
         // Kept beside others' turns at the wall, not above it: it stands.
         begin(1, 1_500, 9);
         assert!(r.after_others(1));
         assert_eq!(r.receipt(1_000, 1_000, true, 10), Receipt::Kept { load: 3_400 });
-        assert_eq!(r.wall(), Some(3_400));
-    }
-
-    #[test]
-    fn a_loss_where_sessions_were_kept_beside_others_is_a_miss_not_a_wall() {
-        let r = Residents::default();
-        for s in 1..=3 {
-            r.lock().insert(s, Resident { tokens: 1_000, ..Default::default() });
-        }
-        // A prefix kept after others' turns at 3,000 resident.
-        assert_eq!(r.receipt(900, 900, true, 0), Receipt::Kept { load: 3_000 });
-        // A loss at 3,000 (or up to a ninth more) is the engine's miss.
-        assert_eq!(r.receipt(900, 100, false, 1), Receipt::Missed { load: 3_000, kept_beside: 3_000 });
-        r.lock().insert(4, Resident { tokens: 333, ..Default::default() });
-        assert_eq!(r.receipt(900, 100, false, 2), Receipt::Missed { load: 3_333, kept_beside: 3_000 });
-        assert_eq!(r.wall(), None);
-        // Past that load, a loss is a wall.
-        r.lock().insert(5, Resident { tokens: 1_000, ..Default::default() });
-        assert_eq!(r.receipt(900, 100, false, 3), Receipt::Lost { load: 4_333 });
-        assert_eq!(r.wall(), Some(4_333));
-        // What was kept long ago says nothing now.
-        let r = Residents::default();
-        r.lock().insert(1, Resident { tokens: 3_000, ..Default::default() });
-        assert_eq!(r.receipt(900, 900, true, 0), Receipt::Kept { load: 3_000 });
-        assert_eq!(r.receipt(900, 100, false, WALL_MEMORY_MS + 1), Receipt::Lost { load: 3_000 });
-    }
-
-    #[test]
-    fn learned_capacity_grows_on_kept_receipts_and_falls_to_the_wall_on_a_miss() {
-        let r = Residents::default();
-        let declared = Some(4_096); // one slot of 4,096 tokens
-        assert_eq!(r.learned().capacity(declared), declared, "learning starts from what is declared");
-        // Three sessions of 3,000 tokens resident, a returning one finds its
-        // prefix: the engine keeps more than its slot (host memory).
-        for s in 1..=3 {
-            r.lock().insert(s, Resident { tokens: 3_000, ..Default::default() });
-        }
-        assert_eq!(r.receipt(2_800, 2_800, false, 0), Receipt::Kept { load: 9_000 });
-        let kept = r.learned();
-        assert_eq!((kept.wall_tokens, kept.kept_at_tokens, kept.receipts_kept), (None, 9_000, 1));
-        assert_eq!(kept.capacity(declared), Some(9_000));
-        // Two more resident, and a returning session finds less than half:
-        // the wall is where it was lost.
-        for s in 4..=5 {
-            r.lock().insert(s, Resident { tokens: 3_000, ..Default::default() });
-        }
-        assert_eq!(r.receipt(2_800, 1_000, false, 1), Receipt::Lost { load: 15_000 });
-        r.lock().remove(&5);
-        assert_eq!(r.receipt(2_800, 0, false, 2), Receipt::Lost { load: 12_000 });
-        let lost = r.learned();
-        assert_eq!((lost.wall_tokens, lost.receipts_lost), (Some(12_000), 2));
-        assert_eq!(lost.capacity(declared), Some(9_000), "between kept at 9,000 and lost at 12,000: the kept");
-        // A later loss below what was kept lowers it.
-        r.lock().retain(|s, _| *s <= 2);
-        assert_eq!(r.receipt(2_800, 0, false, 3), Receipt::Lost { load: 6_000 });
-        assert_eq!(r.learned().capacity(declared), Some(6_000));
+        assert_eq!(r.evidence.wall(), Some(3_400));
     }
 
     #[test]
@@ -1020,23 +767,6 @@ mod tests {
             r.observe_prefill(1_000, Duration::from_secs(4));
         }
         assert!((r.pace().prefill_tps.unwrap() - 250.0).abs() < 1.0);
-    }
-
-    #[test]
-    fn engine_preemptions_since_the_last_read_set_the_wall_at_the_load_now() {
-        let r = Residents::default();
-        r.lock().insert(1, Resident { tokens: 6_000, ..Default::default() });
-        assert_eq!(r.engine_preemptions(4, 0), None, "the first read only notes the counter");
-        assert_eq!(r.engine_preemptions(4, 0), None, "none since");
-        r.lock().insert(2, Resident { tokens: 5_000, ..Default::default() });
-        assert_eq!(r.engine_preemptions(6, 0), Some(11_000));
-        assert_eq!(r.wall(), Some(11_000));
-        // An engine restarted: its counter starts over, and says nothing yet.
-        assert_eq!(r.engine_preemptions(0, 0), None);
-        assert_eq!(r.engine_preemptions(0, 0), None);
-        r.lock().remove(&2);
-        assert_eq!(r.engine_preemptions(1, 0), Some(6_000));
-        assert_eq!(r.wall(), Some(6_000), "lower: the wall follows");
     }
 
     #[test]
@@ -1071,60 +801,6 @@ mod tests {
         r.remember(5, 1_000, 5_000);
         r.forget_ended();
         assert_eq!(r.working_set(0), vec![(3, 4_500)], "the resident stays");
-    }
-
-    #[test]
-    fn a_full_pool_sets_the_wall_once_per_lowering_and_leaves_a_lesson() {
-        let r = Residents::default();
-        assert_eq!(r.engine_full(0), None, "nothing resident: nothing to say");
-        assert!(!r.take_wall_lesson());
-        r.lock().insert(1, Resident { tokens: 6_000, ..Default::default() });
-        r.lock().insert(2, Resident { tokens: 5_000, ..Default::default() });
-        assert_eq!(r.engine_full(0), Some(11_000));
-        assert_eq!(r.wall(), Some(11_000));
-        assert_eq!(r.engine_full(0), None, "the same load again: nothing new");
-        assert!(r.take_wall_lesson(), "the projections learn from who crossed it");
-        assert!(!r.take_wall_lesson(), "once");
-        r.lock().remove(&1);
-        assert_eq!(r.engine_full(0), Some(5_000));
-    }
-
-    #[test]
-    fn a_wall_no_loss_confirmed_for_ten_minutes_is_forgotten() {
-        let r = Residents::default();
-        r.lock().insert(1, Resident { tokens: 4_000, ..Default::default() });
-        let t0 = 1_000_000;
-        assert_eq!(r.receipt(3_000, 0, false, t0), Receipt::Lost { load: 4_000 });
-        assert_eq!(r.forget_stale_wall(t0 + WALL_MEMORY_MS - 1), None, "still fresh");
-        // A loss at the wall again confirms it, though it does not move it.
-        r.lock().insert(2, Resident { tokens: 1_000, ..Default::default() });
-        assert_eq!(r.engine_full(t0 + 60_000), None, "not lower: nothing new to say");
-        assert_eq!(r.forget_stale_wall(t0 + WALL_MEMORY_MS), None, "confirmed a minute later");
-        assert_eq!(r.wall(), Some(4_000));
-        assert_eq!(r.forget_stale_wall(t0 + 60_000 + WALL_MEMORY_MS), Some(4_000));
-        assert_eq!(r.wall(), None, "new sessions go up to the capacity again");
-        assert_eq!(r.forget_stale_wall(t0 + 60_000 + 2 * WALL_MEMORY_MS), None, "forgotten once");
-        // The next loss finds it again.
-        assert_eq!(r.receipt(3_000, 0, false, t0 + 3 * WALL_MEMORY_MS), Receipt::Lost { load: 5_000 });
-        assert_eq!(r.wall(), Some(5_000));
-    }
-
-    #[test]
-    fn a_lost_prefix_sets_the_wall_at_the_load_it_was_lost_at_and_a_kept_one_raises_it() {
-        let r = Residents::default();
-        r.lock().insert(1, Resident { tokens: 6_000, ..Default::default() });
-        r.lock().insert(2, Resident { tokens: 5_000, ..Default::default() });
-        assert_eq!(r.receipt(100, 0, false, 0), Receipt::Unclear, "too small to say");
-        assert_eq!(r.receipt(5_000, 4_900, false, 0), Receipt::Kept { load: 11_000 });
-        assert_eq!(r.wall(), None, "no loss seen: no wall");
-        assert_eq!(r.receipt(5_000, 1_000, false, 0), Receipt::Lost { load: 11_000 });
-        assert_eq!(r.wall(), Some(11_000));
-        r.lock().insert(3, Resident { tokens: 2_000, ..Default::default() });
-        assert_eq!(r.receipt(5_000, 5_000, false, 0), Receipt::Kept { load: 13_000 });
-        assert_eq!(r.wall(), Some(13_000), "kept at a higher load: the wall is higher");
-        r.lock().remove(&3);
-        assert_eq!(r.receipt(5_000, 0, false, 0), Receipt::Lost { load: 11_000 });
-        assert_eq!(r.wall(), Some(11_000));
     }
 
     #[test]

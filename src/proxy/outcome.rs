@@ -323,8 +323,8 @@ impl OutcomeRecorder {
     /// `session`: the turn's, when it is a session's (others' turns ran
     /// between its last two here: a prefix kept then was kept beside theirs).
     fn receipt(&self, replica: &Replica, predicted: u64, cached: u64, session: Option<PrefixKey>) {
-        use crate::fleet::residents::Receipt;
-        let before = replica.residents.wall();
+        use crate::fleet::wall::Receipt;
+        let before = replica.residents.evidence.wall();
         let after_others = session.is_some_and(|s| replica.residents.after_others(s));
         match replica.residents.receipt(predicted, cached, after_others, crate::clock::now_ms()) {
             Receipt::Lost { load } if before.is_none_or(|w| load < w) => {

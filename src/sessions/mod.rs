@@ -499,7 +499,7 @@ impl Sessions {
                 return false;
             };
             let seen = |walls: &[Arc<Replica>]| walls.iter().any(|w| Arc::ptr_eq(w, &replica));
-            if !seen(&walls) && replica.residents.take_wall_lesson() {
+            if !seen(&walls) && replica.residents.evidence.take_wall_lesson() {
                 walls.push(replica.clone());
             }
             let lesson = seen(&walls);
@@ -577,7 +577,7 @@ impl Sessions {
     pub fn room_shown(&self, r: &Replica) -> Option<i64> {
         let room = self.room_of(r);
         room.left().or_else(|| {
-            let capacity = r.residents.learned().capacity(r.kv_capacity());
+            let capacity = r.residents.evidence.learned().capacity(r.kv_capacity());
             Room { capacity, ..room }.left()
         })
     }
@@ -618,7 +618,7 @@ impl Sessions {
     /// holds as learned (`Learned::capacity`: the declared capacity raised
     /// by kept receipts, no more than the wall). None: nothing waits there.
     pub fn wall_of(&self, r: &Replica) -> Option<u64> {
-        let learned = r.residents.learned();
+        let learned = r.residents.evidence.learned();
         match self.wall_at(r) {
             // A pool's blocks are its wall: a kept receipt above them says
             // more of the count (a shared system prompt counted per
@@ -685,7 +685,7 @@ impl Sessions {
                 session: format!("{session:032x}"),
                 footprint: match r.preempted {
                     true => 0,
-                    false => self.room_of(&replica).footprint(r.counted_tokens()),
+                    false => crate::fleet::residents::footprint(r.counted_tokens(), replica.slot_tokens()),
                 },
                 until_ms: from + r.idle_after_ms(idle_ms) + STORE_SLACK_MS,
             });
@@ -972,7 +972,7 @@ mod tests {
         let (s, a) = pool_of(3_000);
         let now = crate::clock::now_ms();
         drop(s.begin_turn(&a, 1, None, 800, &Who::default(), now));
-        assert_eq!(a.residents.receipt(1_000, 0, false, 0), crate::fleet::residents::Receipt::Lost { load: 800 });
+        assert_eq!(a.residents.receipt(1_000, 0, false, 0), crate::fleet::wall::Receipt::Lost { load: 800 });
         assert_eq!(s.room_of(&a).left(), Some(0), "lost a prefix at 800: no room above it");
         assert!(s.sweep(now + 60_000).any);
         assert_eq!(s.room_of(&a).left(), Some(3_000), "empty: no session loses its prefix to another's");
@@ -980,7 +980,7 @@ mod tests {
 
     #[test]
     fn on_slots_a_wall_is_read_in_whole_slots_so_four_slots_still_take_four_sessions() {
-        use crate::fleet::residents::Receipt;
+        use crate::fleet::wall::Receipt;
         use crate::sessions::room::{entry, Entry};
         let s = Sessions::new(settings()); // idle_ms 1 s
         let a = replica("a");

@@ -196,7 +196,7 @@ impl Sessions {
 fn let_through_evicts_a_prompt(replica: &Replica, now_ms: u64) -> bool {
     let Some(slot) = replica.slot_tokens() else { return false };
     let slots = replica.kv_capacity().map_or(1, |kv| (kv / slot).max(1));
-    replica.residents.kept_beside(now_ms).sessions <= slots
+    replica.residents.evidence.kept_beside(now_ms).sessions <= slots
 }
 
 #[cfg(test)]
@@ -262,7 +262,7 @@ mod tests {
         let _ = a.residents.receipt(1_500, 1_500, true, now + 4);
         assert_eq!(s.pause_bound(&a, 2, 6_500), std::time::Duration::from_millis(3_250));
         // Evidence that old says nothing now.
-        let later = now + 4 + crate::fleet::residents::WALL_MEMORY_MS + 1;
+        let later = now + 4 + crate::fleet::wall::WALL_MEMORY_MS + 1;
         assert!(!super::let_through_evicts_a_prompt(&a, now + 4));
         assert!(super::let_through_evicts_a_prompt(&a, later));
     }

@@ -516,7 +516,7 @@ async fn a_receipt_that_shows_a_lost_prefix_closes_the_replica_to_new_sessions()
     assert_eq!((second.status, second.route.as_str()), (200, "pinned"));
     assert!(cached_tokens(&second) < 1_000, "the prefix was lost: {} cached", cached_tokens(&second));
     assert_eq!(events_of(&gw, prefixgate::events::EventKind::KvWallSeen), 1);
-    let wall = gw.gw.fleet.get("a").unwrap().residents.wall().expect("a wall seen");
+    let wall = gw.gw.fleet.get("a").unwrap().residents.evidence.wall().expect("a wall seen");
     assert!((12_000..13_000).contains(&wall), "the load it was lost at: {wall}");
     // A new ~6,000-token session would fit the capacity (20,000), not the wall.
     let newcomer = spawn_turn_of(&gw, "newcomer", 6_000);
@@ -652,10 +652,10 @@ async fn a_full_pool_with_requests_waiting_sets_the_wall() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let second = actix_web::rt::spawn(async move { post(&u2, &small).await });
-    wait_until("the wall seen", Duration::from_secs(10), || replica.residents.wall().is_some()).await;
+    wait_until("the wall seen", Duration::from_secs(10), || replica.residents.evidence.wall().is_some()).await;
     let load: u64 = replica.residents.snapshot().iter().map(|(_, r)| r.tokens).sum();
     assert!(load >= 21_000, "both resident when it was read: {load}");
-    assert_eq!(replica.residents.wall(), Some(load));
+    assert_eq!(replica.residents.evidence.wall(), Some(load));
     let kind = Some(prefixgate::events::EventKind::KvWallSeen);
     let said = gw.gw.events.query(&prefixgate::events::EventFilter { kind, limit: 100, ..Default::default() });
     assert_eq!(said.len(), 1, "once: the same full pool read again says nothing new");
@@ -691,10 +691,10 @@ async fn engine_preemptions_set_the_wall_at_the_load_they_happened_at() {
     let (u1, u2) = (url.clone(), url.clone());
     let first = actix_web::rt::spawn(async move { post(&u1, &one).await });
     let second = actix_web::rt::spawn(async move { post(&u2, &two).await });
-    wait_until("the wall seen", Duration::from_secs(10), || replica.residents.wall().is_some()).await;
+    wait_until("the wall seen", Duration::from_secs(10), || replica.residents.evidence.wall().is_some()).await;
     let load: u64 = replica.residents.snapshot().iter().map(|(_, r)| r.tokens).sum();
     assert!(load >= 20_000, "both sessions resident: {load}");
-    assert_eq!(replica.residents.wall(), Some(load));
+    assert_eq!(replica.residents.evidence.wall(), Some(load));
     assert_eq!(events_of(&gw, prefixgate::events::EventKind::KvWallSeen), 1);
     assert_eq!((first.await.unwrap().status, second.await.unwrap().status), (200, 200));
     gw.stop().await;
