@@ -972,7 +972,7 @@ mod tests {
         let (s, a) = pool_of(3_000);
         let now = crate::clock::now_ms();
         drop(s.begin_turn(&a, 1, None, 800, &Who::default(), now));
-        assert_eq!(a.residents.receipt(1_000, 0, false, 0), crate::fleet::wall::Receipt::Lost { load: 800 });
+        assert_eq!(a.residents.receipt(1_000, 0, 0, 0), crate::fleet::wall::Receipt::Lost { load: 800 });
         assert_eq!(s.room_of(&a).left(), Some(0), "lost a prefix at 800: no room above it");
         assert!(s.sweep(now + 60_000).any);
         assert_eq!(s.room_of(&a).left(), Some(3_000), "empty: no session loses its prefix to another's");
@@ -992,7 +992,7 @@ mod tests {
         }
         // Five sessions on four slots: a returning one lost its prefix.
         // They held 5,000 tokens, but took five slots.
-        assert_eq!(a.residents.receipt(900, 0, false, now + 10), Receipt::Lost { load: 5 * 4_096 });
+        assert_eq!(a.residents.receipt(900, 0, 0, now + 10), Receipt::Lost { load: 5 * 4_096 });
         assert_eq!(s.wall_of(&a), Some(16_384), "the four slots, not the 5,000 tokens the five held");
         // They leave, and three come: a fourth still has its slot.
         assert!(s.sweep(now + 60_000).any);
@@ -1014,7 +1014,7 @@ mod tests {
         let now = crate::clock::now_ms();
         drop(s.begin_turn(&a, 1, None, 2_900, &Who::default(), now));
         drop(s.begin_turn(&a, 2, None, 2_900, &Who::default(), now + 1));
-        let _ = a.residents.receipt(2_500, 0, false, now + 2);
+        let _ = a.residents.receipt(2_500, 0, 0, now + 2);
         assert_eq!(s.wall_of(&a), Some(8_192), "one slot: 5,800 tokens were two slots' worth");
         assert_eq!(entry(&[s.room_of(&a)], 2_900, 0), Entry::Hold, "it fits the slot once the slot is free");
     }
