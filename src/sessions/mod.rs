@@ -78,8 +78,9 @@ pub struct SessionConfig {
     /// matters is a session's share of a pool, not its size.
     pub hold_min_tokens: Option<u64>,
     /// When a replica's resident sessions outgrow its KV anyway (their
-    /// projections fell short, or nothing was learned yet), the next turn of
-    /// the youngest one there waits, at a turn boundary, until room opens
+    /// projections fell short, or nothing was learned yet), the next turns of
+    /// the youngest ones there (as many as run over it, the oldest kept
+    /// first) wait, at a turn boundary, until room opens
     /// (at most `max_wait_ms`), so the older ones stay warm instead of all
     /// evicting each other. A paused agent waits for others' work: turn it
     /// off where one agent's latency matters more than the fleet's.
