@@ -303,6 +303,19 @@ mod tests {
         Room { capacity: Some(capacity), taken, slot_tokens: None }
     }
 
+    /// A resident of the default class, alone of its client, that arrived
+    /// and continued at `arrived_ms` (its id too), at `tokens` of context.
+    fn at(arrived_ms: u64, tokens: u64) -> Occupant {
+        Occupant {
+            arrived_ms,
+            continued_ms: arrived_ms,
+            id: u128::from(arrived_ms),
+            tokens,
+            class: Class::Default,
+            client_sessions: 1,
+        }
+    }
+
     #[test]
     fn a_new_session_goes_where_the_most_room_is_and_ties_or_unknowns_go_to_the_counter() {
         assert_eq!(most_room(&[room(100, 80), room(100, 10), room(100, 50)]), vec![1]);
@@ -347,14 +360,6 @@ mod tests {
     #[test]
     fn only_the_youngest_resident_pauses_and_only_over_the_pool() {
         let pool = room(12_000, 0);
-        let at = |arrived_ms, tokens| Occupant {
-            arrived_ms,
-            continued_ms: arrived_ms,
-            id: u128::from(arrived_ms),
-            tokens,
-            class: Class::Default,
-            client_sessions: 1,
-        };
         // Three sessions at 4,000 fit; the youngest growing to 5,000 crosses the pool.
         assert!(!must_pause(&pool, at(3, 4_000), [at(1, 4_000), at(2, 4_000)]));
         assert!(must_pause(&pool, at(3, 5_000), [at(1, 4_000), at(2, 4_000)]));
@@ -376,14 +381,6 @@ mod tests {
 
     #[test]
     fn past_what_the_capacity_holds_every_later_session_pauses_not_only_the_youngest() {
-        let at = |arrived_ms, tokens| Occupant {
-            arrived_ms,
-            continued_ms: arrived_ms,
-            id: u128::from(arrived_ms),
-            tokens,
-            class: Class::Default,
-            client_sessions: 1,
-        };
         // Four sessions on two slots: the two oldest keep theirs, both
         // younger ones pause (with only the youngest paused, the third
         // would evict one of the first two every turn).
