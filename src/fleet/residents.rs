@@ -691,8 +691,9 @@ impl Residents {
     /// counted, a prefix kept beside two running sessions while two more
     /// waited read as four sessions kept on two slots, and the learned
     /// capacity let four in (real llama-server, the second set of families
-    /// 347 s instead of 110 s). Why footprints: the wall and what was kept are read against the room,
-    /// which counts whole slots on slots; in raw tokens, two 2,900-token
+    /// 347 s instead of 110 s). Why footprints: the wall and what was kept
+    /// are read against the room, which counts whole slots on slots; in
+    /// raw tokens, two 2,900-token
     /// sessions lost on one 8,192-token slot set a wall of 5,800, below
     /// the slot any session takes, and every new session was then held as
     /// larger than the replica (on four slots, the replica took one session).
