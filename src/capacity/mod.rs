@@ -177,8 +177,7 @@ impl Capacity {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
 pub struct Learned {
     /// Where it lost a returning session's prefix (or its engine
-    /// preempted, or said its pool was full), tokens resident (on slots,
-    /// each session's whole slots: `residents::footprint`); absent: no
+    /// preempted, or said its pool was full), tokens resident; absent: no
     /// wall seen, and nothing waits for room there (`sessions.wall = "learned"`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wall_tokens: Option<u64>,

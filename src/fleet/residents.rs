@@ -11,7 +11,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
-use super::wall::{Receipt, WallEvidence};
+use super::wall::{Load, Receipt, WallEvidence};
 use crate::policy::PrefixKey;
 
 /// One resident session.
@@ -66,12 +66,9 @@ pub struct Resident {
     pub turns: u32,
     /// The replica's turn count (`Residents::begun`) when its latest turn began.
     pub begun_seq: u64,
-    /// How many other sessions began a turn here between its previous
-    /// turn and its latest: a prefix it then finds was kept beside theirs.
-    /// Sessions, not turns, and not every resident: a paused or idle
-    /// resident took no slot meanwhile, so counting it would read two
-    /// slots as keeping four sessions (a host tier that is not there).
-    pub others_between: u32,
+    /// Other sessions' turns began here between its previous turn and its
+    /// latest: a prefix it then finds was kept beside theirs.
+    pub after_others: bool,
     /// Its turns paused now at the wall (`sessions/pause.rs`), and since
     /// when the first of them waits, ms.
     pub paused: u32,
@@ -171,8 +168,8 @@ impl Resident {
 pub struct Residents {
     sessions: Mutex<foldhash::HashMap<PrefixKey, Resident>>,
     /// One slot's context in tokens, where the replica's capacity is slots
-    /// (llama.cpp's `/props`; 0: not slots): the loads a receipt reads are
-    /// then whole slots (`footprint`), the unit the room counts in.
+    /// (llama.cpp's `/props`; 0: not slots): a session there takes whole
+    /// slots (`footprint`).
     slot_tokens: AtomicU64,
     /// Conversations that came back here and idled out, by id: the working
     /// set's memory (`working_set`). Locked after `sessions`, never before.
@@ -387,10 +384,6 @@ impl Residents {
         // One that ended here and came back has had a turn here already.
         let returned = u32::from(self.back(session));
         let fresh = !on.contains_key(&session);
-        let others_between = match on.get(&session) {
-            Some(me) => on.iter().filter(|(id, o)| **id != session && o.begun_seq > me.begun_seq).count() as u32,
-            None => 0,
-        };
         let r = on.entry(session).or_insert(match b.moved {
             Some(m) => Resident { last_ms: b.now_ms, arrived_ms: b.now_ms, running: 0, ours: true, ..m },
             None => Resident {
@@ -424,8 +417,9 @@ impl Residents {
         r.peak_tokens = r.peak_tokens.max(r.tokens);
         r.last_ms = b.now_ms;
         r.began_ms = b.now_ms;
-        r.others_between = others_between;
-        r.begun_seq = self.begun.fetch_add(1, Ordering::Relaxed) + 1;
+        let seq = self.begun.fetch_add(1, Ordering::Relaxed) + 1;
+        r.after_others = !fresh && seq.saturating_sub(r.begun_seq) > 1;
+        r.begun_seq = seq;
         r.running += 1;
         r.turns = r.turns.saturating_add(1);
         if r.turns >= 2 && r.continued_ms == 0 {
@@ -670,42 +664,36 @@ impl Residents {
     /// lowered to the load resident now when it rose
     /// (`WallEvidence::engine_preemptions`).
     pub fn engine_preemptions(&self, total: u64, now_ms: u64) -> Option<u64> {
-        self.evidence.engine_preemptions(total, self.load(), now_ms)
+        self.evidence.engine_preemptions(total, self.load().tokens, now_ms)
     }
 
     /// The engine says its pool is full now: the wall lowered to the load
     /// resident now (`WallEvidence::engine_full`).
     pub fn engine_full(&self, now_ms: u64) -> Option<u64> {
-        self.evidence.engine_full(self.load(), now_ms)
+        self.evidence.engine_full(self.load().tokens, now_ms)
     }
 
     /// Reads a pinned turn's receipt against the load resident now
-    /// (`WallEvidence::receipt`); `others_between`: other sessions whose
-    /// turns began here since the session's previous turn.
-    pub fn receipt(&self, predicted: u64, cached: u64, others_between: u32, now_ms: u64) -> Receipt {
-        self.evidence.receipt(self.load(), predicted, cached, others_between, now_ms)
+    /// (`WallEvidence::receipt`).
+    pub fn receipt(&self, predicted: u64, cached: u64, after_others: bool, now_ms: u64) -> Receipt {
+        self.evidence.receipt(self.load(), predicted, cached, after_others, now_ms)
     }
 
-    /// The footprints of the resident sessions not paused now. Why not the
-    /// paused: their turns wait and take nothing of the engine meanwhile;
-    /// counted, a prefix kept beside two running sessions while two more
-    /// waited read as four sessions kept on two slots, and the learned
-    /// capacity let four in (real llama-server, the second set of families
-    /// 347 s instead of 110 s). Why footprints: the wall and what was kept
-    /// are read against the room, which counts whole slots on slots; in
-    /// raw tokens, two 2,900-token
-    /// sessions lost on one 8,192-token slot set a wall of 5,800, below
-    /// the slot any session takes, and every new session was then held as
-    /// larger than the replica (on four slots, the replica took one session).
-    fn load(&self) -> u64 {
-        let slot = self.slot_tokens();
-        self.lock().values().filter(|r| r.paused == 0).map(|r| footprint(r.tokens, slot)).sum()
+    /// Tokens resident, and how many sessions hold them. Raw tokens, not
+    /// footprints (whole slots): read in footprints, a loss on a slot
+    /// engine at as many sessions as were once kept beside others always
+    /// read as the engine's miss, no wall was ever learned on llama-server
+    /// as shipped, and the agent-traffic replay there took 1.12-1.20x of
+    /// vllm-router's wall instead of 0.73-0.84x (docs/benchmarks-agent-traffic.md).
+    fn load(&self) -> Load {
+        let on = self.lock();
+        Load { tokens: on.values().map(|r| r.tokens).sum(), sessions: on.len() as u64 }
     }
 
-    /// How many other sessions began a turn here between `session`'s
-    /// previous turn and its latest (`Resident::others_between`).
-    pub fn others_between(&self, session: PrefixKey) -> u32 {
-        self.lock().get(&session).map_or(0, |r| r.others_between)
+    /// Whether other sessions' turns began here between `session`'s
+    /// previous turn and its latest (`Resident::after_others`).
+    pub fn after_others(&self, session: PrefixKey) -> bool {
+        self.lock().get(&session).is_some_and(|r| r.after_others)
     }
 }
 
@@ -733,45 +721,30 @@ mod tests {
         };
         begin(1, 1_000, 0);
         begin(2, 1_000, 1);
-        assert_eq!(r.receipt(900, 100, 0, 2), Receipt::Lost { load: 2_000 });
+        assert_eq!(r.receipt(900, 100, false, 2), Receipt::Lost { load: 2_000 });
         assert_eq!(r.evidence.wall(), Some(2_000));
         // Session 1 comes back after session 2's turn, above the wall, and
         // finds its prefix: the replica keeps both (llama-server restoring
         // it from host memory); the loss was not its capacity.
         begin(1, 1_500, 3);
-        assert_eq!(r.others_between(1), 1);
-        assert_eq!(r.receipt(1_000, 1_000, r.others_between(1), 4), Receipt::Unwalled { wall: 2_000, load: 2_500 });
+        assert!(r.after_others(1));
+        assert_eq!(r.receipt(1_000, 1_000, r.after_others(1), 4), Receipt::Unwalled { wall: 2_000, load: 2_500 });
         assert_eq!(r.evidence.wall(), None);
         // A loss with more resident sets it again (at 2,500 it is a miss:
         // sessions were kept beside others' there); a session whose turns
         // follow each other with nothing between proves only its load.
         begin(3, 500, 5);
-        assert_eq!(r.receipt(900, 0, 0, 5), Receipt::Lost { load: 3_000 });
+        assert_eq!(r.receipt(900, 0, false, 5), Receipt::Lost { load: 3_000 });
         begin(2, 1_200, 6);
         begin(2, 1_400, 7);
-        assert_eq!(r.others_between(2), 0);
-        assert_eq!(r.receipt(1_000, 1_000, r.others_between(2), 8), Receipt::Kept { load: 3_400 });
+        assert!(!r.after_others(2));
+        assert_eq!(r.receipt(1_000, 1_000, r.after_others(2), 8), Receipt::Kept { load: 3_400 });
         assert_eq!(r.evidence.wall(), Some(3_400));
         // Kept beside others' turns at the wall, not above it: it stands.
         begin(1, 1_500, 9);
-        assert_eq!(r.others_between(1), 2, "3 and 2 began turns since its last");
-        assert_eq!(r.receipt(1_000, 1_000, 2, 10), Receipt::Kept { load: 3_400 });
+        assert!(r.after_others(1));
+        assert_eq!(r.receipt(1_000, 1_000, true, 10), Receipt::Kept { load: 3_400 });
         assert_eq!(r.evidence.wall(), Some(3_400));
-    }
-
-    #[test]
-    fn a_receipt_reads_the_load_of_the_sessions_not_paused_in_whole_slots() {
-        let r = Residents::default();
-        r.set_slot_tokens(Some(8_192));
-        for s in 1..=4 {
-            r.lock().insert(s, Resident { tokens: 2_000, ..Default::default() });
-        }
-        // Two of the four wait at the wall: the engine keeps what the two
-        // others hold, two slots, not four.
-        let paused = [r.paused_turn(3), r.paused_turn(4)];
-        assert_eq!(r.receipt(1_500, 1_500, 1, 0), Receipt::Kept { load: 2 * 8_192 });
-        drop(paused);
-        assert_eq!(r.receipt(1_500, 0, 0, 1), Receipt::Lost { load: 4 * 8_192 });
     }
 
     #[test]

@@ -78,9 +78,8 @@ pub struct SessionConfig {
     /// matters is a session's share of a pool, not its size.
     pub hold_min_tokens: Option<u64>,
     /// When a replica's resident sessions outgrow its KV anyway (their
-    /// projections fell short, or nothing was learned yet), the next turns of
-    /// the youngest ones there (as many as run over it, the oldest kept
-    /// first) wait, at a turn boundary, until room opens
+    /// projections fell short, or nothing was learned yet), the next turn of
+    /// the youngest one there waits, at a turn boundary, until room opens
     /// (at most `max_wait_ms`), so the older ones stay warm instead of all
     /// evicting each other. A paused agent waits for others' work: turn it
     /// off where one agent's latency matters more than the fleet's.
@@ -973,51 +972,10 @@ mod tests {
         let (s, a) = pool_of(3_000);
         let now = crate::clock::now_ms();
         drop(s.begin_turn(&a, 1, None, 800, &Who::default(), now));
-        assert_eq!(a.residents.receipt(1_000, 0, 0, 0), crate::fleet::wall::Receipt::Lost { load: 800 });
+        assert_eq!(a.residents.receipt(1_000, 0, false, 0), crate::fleet::wall::Receipt::Lost { load: 800 });
         assert_eq!(s.room_of(&a).left(), Some(0), "lost a prefix at 800: no room above it");
         assert!(s.sweep(now + 60_000).any);
         assert_eq!(s.room_of(&a).left(), Some(3_000), "empty: no session loses its prefix to another's");
-    }
-
-    #[test]
-    fn on_slots_a_wall_is_read_in_whole_slots_so_four_slots_still_take_four_sessions() {
-        use crate::fleet::wall::Receipt;
-        use crate::sessions::room::{entry, Entry};
-        let s = Sessions::new(settings()); // idle_ms 1 s
-        let a = replica("a");
-        a.set_observed_kv(Some(16_384));
-        a.set_slot_tokens(Some(4_096)); // four slots
-        let now = crate::clock::now_ms();
-        for id in 1..=5 {
-            drop(s.begin_turn(&a, id, None, 1_000, &Who::default(), now + id as u64));
-        }
-        // Five sessions on four slots: a returning one lost its prefix.
-        // They held 5,000 tokens, but took five slots.
-        assert_eq!(a.residents.receipt(900, 0, 0, now + 10), Receipt::Lost { load: 5 * 4_096 });
-        assert_eq!(s.wall_of(&a), Some(16_384), "the four slots, not the 5,000 tokens the five held");
-        // They leave, and three come: a fourth still has its slot.
-        assert!(s.sweep(now + 60_000).any);
-        for id in 6..=8 {
-            drop(s.begin_turn(&a, id, None, 1_000, &Who::default(), now + 60_000 + id as u64));
-        }
-        assert_eq!(entry(&[s.room_of(&a)], 1_000, 0), Entry::Admit);
-        drop(s.begin_turn(&a, 9, None, 1_000, &Who::default(), now + 60_010));
-        assert_eq!(entry(&[s.room_of(&a)], 1_000, 0), Entry::Hold, "a fifth waits for a slot");
-    }
-
-    #[test]
-    fn on_one_slot_a_wall_seen_holds_a_short_session_for_room_not_as_larger_than_the_replica() {
-        use crate::sessions::room::{entry, Entry};
-        let s = Sessions::new(settings());
-        let a = replica("a");
-        a.set_observed_kv(Some(8_192));
-        a.set_slot_tokens(Some(8_192));
-        let now = crate::clock::now_ms();
-        drop(s.begin_turn(&a, 1, None, 2_900, &Who::default(), now));
-        drop(s.begin_turn(&a, 2, None, 2_900, &Who::default(), now + 1));
-        let _ = a.residents.receipt(2_500, 0, 0, now + 2);
-        assert_eq!(s.wall_of(&a), Some(8_192), "one slot: 5,800 tokens were two slots' worth");
-        assert_eq!(entry(&[s.room_of(&a)], 2_900, 0), Entry::Hold, "it fits the slot once the slot is free");
     }
 
     #[test]

@@ -207,27 +207,22 @@ impl Occupant {
 }
 
 /// Whether the next turn of `me` (a resident of `room`'s replica, now at
-/// `tokens` of context) must pause: the residents are kept in the order
-/// they give way in (`Occupant::yield_order`: the highest class, the
-/// client with the fewest sessions, the oldest first), as many as the
-/// capacity holds, and `me` is past it: its context and those of every
-/// resident kept before it exceed the capacity. Pausing those keeps the
-/// others warm; pausing all would thrash every one. Why not only the
-/// first to give way: on two slots with four sessions, pausing the
-/// youngest left three taking turns on two slots, each turn evicting a
-/// whole prompt (a pause of 120 s on real llama-server while the other
-/// three thrashed). `others` are the other residents. The first kept
-/// never pauses, however large: no room would ever open for it. Unknown
-/// capacity: never.
+/// `tokens` of context) must pause: the residents' contexts with this turn
+/// exceed the replica's capacity, and `me` is the first to give way there
+/// (`Occupant::yield_order`: the lowest class, the client with the most
+/// sessions, the youngest). Pausing one keeps the others warm; pausing all
+/// would thrash every one. `others` are the other residents. Alone, a
+/// session never pauses, however large: no room would ever open for it.
+/// Unknown capacity: never.
 pub fn must_pause(room: &Room, me: Occupant, others: impl IntoIterator<Item = Occupant>) -> bool {
     let Some(capacity) = room.capacity else { return false };
-    let mine = me.yield_order();
-    let (mut kept, mut first_kept) = (room.footprint(me.tokens), true);
-    for o in others.into_iter().filter(|o| o.yield_order() > mine) {
-        kept += room.footprint(o.tokens);
-        first_kept = false;
+    let (mut taken, mut first, mut alone) = (room.footprint(me.tokens), true, true);
+    for o in others {
+        taken += room.footprint(o.tokens);
+        first &= me.yield_order() < o.yield_order();
+        alone = false;
     }
-    kept > capacity && !first_kept
+    taken > capacity && first && !alone
 }
 
 /// Which lower-class residents give their room to a waiting session of
@@ -303,19 +298,6 @@ mod tests {
         Room { capacity: Some(capacity), taken, slot_tokens: None }
     }
 
-    /// A resident of the default class, alone of its client, that arrived
-    /// and continued at `arrived_ms` (its id too), at `tokens` of context.
-    fn at(arrived_ms: u64, tokens: u64) -> Occupant {
-        Occupant {
-            arrived_ms,
-            continued_ms: arrived_ms,
-            id: u128::from(arrived_ms),
-            tokens,
-            class: Class::Default,
-            client_sessions: 1,
-        }
-    }
-
     #[test]
     fn a_new_session_goes_where_the_most_room_is_and_ties_or_unknowns_go_to_the_counter() {
         assert_eq!(most_room(&[room(100, 80), room(100, 10), room(100, 50)]), vec![1]);
@@ -360,6 +342,14 @@ mod tests {
     #[test]
     fn only_the_youngest_resident_pauses_and_only_over_the_pool() {
         let pool = room(12_000, 0);
+        let at = |arrived_ms, tokens| Occupant {
+            arrived_ms,
+            continued_ms: arrived_ms,
+            id: u128::from(arrived_ms),
+            tokens,
+            class: Class::Default,
+            client_sessions: 1,
+        };
         // Three sessions at 4,000 fit; the youngest growing to 5,000 crosses the pool.
         assert!(!must_pause(&pool, at(3, 4_000), [at(1, 4_000), at(2, 4_000)]));
         assert!(must_pause(&pool, at(3, 5_000), [at(1, 4_000), at(2, 4_000)]));
@@ -377,25 +367,6 @@ mod tests {
         // Two that arrived in the same millisecond: exactly one pauses.
         let (x, y) = (Occupant { id: 1, ..at(5, 7_000) }, Occupant { id: 2, ..at(5, 7_000) });
         assert!(must_pause(&pool, y, [x]) != must_pause(&pool, x, [y]));
-    }
-
-    #[test]
-    fn past_what_the_capacity_holds_every_later_session_pauses_not_only_the_youngest() {
-        // Four sessions on two slots: the two oldest keep theirs, both
-        // younger ones pause (with only the youngest paused, the third
-        // would evict one of the first two every turn).
-        let slots = Room { capacity: Some(16_384), taken: 0, slot_tokens: Some(8_192) };
-        let all = [at(1_000, 2_000), at(2_000, 2_000), at(3_000, 2_000), at(4_000, 2_000)];
-        let pauses = |i: usize| {
-            let others = all.iter().enumerate().filter(|(j, _)| *j != i).map(|(_, o)| *o);
-            must_pause(&slots, all[i], others)
-        };
-        assert_eq!((0..4).map(pauses).collect::<Vec<_>>(), [false, false, true, true]);
-        // On a pool: an older session grown past what it and the oldest
-        // fit pauses too; the oldest, first kept, never does.
-        let pool = room(12_000, 0);
-        assert!(must_pause(&pool, at(2_000, 9_000), [at(1_000, 4_000), at(3_000, 1_000)]));
-        assert!(!must_pause(&pool, at(1_000, 13_000), [at(2_000, 4_000)]));
     }
 
     #[test]
