@@ -401,6 +401,9 @@ pub struct Replica {
     /// KV capacity in tokens as the prober read it from the replica's own
     /// metrics (0: none read).
     observed_kv: AtomicU64,
+    /// One slot's context in tokens, where the capacity read is slots
+    /// (llama.cpp's `/props`; 0: not slots).
+    slot_tokens: AtomicU64,
     // Written on every request. Plain atomics: striping them per thread
     // measured inside the noise on two cores (docs/benchmarks-log.md).
     inflight: AtomicI64,
@@ -448,6 +451,7 @@ impl Replica {
             health: AtomicU8::new(Health::Unknown as u8),
             models: ArcSwap::from_pointee(Vec::new()),
             observed_kv: AtomicU64::new(0),
+            slot_tokens: AtomicU64::new(0),
             inflight: AtomicI64::new(0),
             large_inflight: AtomicI64::new(0),
             handoffs: AtomicU64::new(0),
@@ -594,13 +598,12 @@ impl Replica {
     }
 
     /// One slot's context, when the capacity read is slots (llama.cpp).
-    /// Kept with the residents, whose loads it shapes (`residents::footprint`).
     pub fn slot_tokens(&self) -> Option<u64> {
-        self.residents.slot_tokens()
+        Some(self.slot_tokens.load(Ordering::Acquire)).filter(|t| *t > 0)
     }
 
     pub fn set_slot_tokens(&self, tokens: Option<u64>) {
-        self.residents.set_slot_tokens(tokens);
+        self.slot_tokens.store(tokens.unwrap_or(0), Ordering::Release);
     }
 
     /// KV capacity in tokens: what the replica reports (vLLM's metrics,

@@ -167,10 +167,6 @@ impl Resident {
 #[derive(Debug, Default)]
 pub struct Residents {
     sessions: Mutex<foldhash::HashMap<PrefixKey, Resident>>,
-    /// One slot's context in tokens, where the replica's capacity is slots
-    /// (llama.cpp's `/props`; 0: not slots): a session there takes whole
-    /// slots (`footprint`).
-    slot_tokens: AtomicU64,
     /// Conversations that came back here and idled out, by id: the working
     /// set's memory (`working_set`). Locked after `sessions`, never before.
     ended: Mutex<foldhash::HashMap<PrefixKey, Ended>>,
@@ -294,25 +290,7 @@ pub struct SweptOne {
     pub crossed: Option<(Option<PrefixKey>, u64)>,
 }
 
-/// What a session of `tokens` takes of a replica: its context, or whole
-/// slots where the capacity is slots of `slot_tokens` (llama.cpp: one slot
-/// keeps one conversation's prefix, however short).
-pub fn footprint(tokens: u64, slot_tokens: Option<u64>) -> u64 {
-    match slot_tokens {
-        Some(slot) if slot > 0 => tokens.max(1).div_ceil(slot) * slot,
-        _ => tokens,
-    }
-}
-
 impl Residents {
-    pub fn slot_tokens(&self) -> Option<u64> {
-        Some(self.slot_tokens.load(Ordering::Acquire)).filter(|t| *t > 0)
-    }
-
-    pub fn set_slot_tokens(&self, tokens: Option<u64>) {
-        self.slot_tokens.store(tokens.unwrap_or(0), Ordering::Release);
-    }
-
     /// The sessions resident here. Private: every reading and change is a
     /// method, so none holds it across another lock. `Sessions` calls
     /// these with its own lock held, never the other way round.

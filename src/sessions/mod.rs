@@ -685,7 +685,7 @@ impl Sessions {
                 session: format!("{session:032x}"),
                 footprint: match r.preempted {
                     true => 0,
-                    false => crate::fleet::residents::footprint(r.counted_tokens(), replica.slot_tokens()),
+                    false => room::footprint(r.counted_tokens(), replica.slot_tokens()),
                 },
                 until_ms: from + r.idle_after_ms(idle_ms) + STORE_SLACK_MS,
             });

@@ -36,11 +36,21 @@ impl Room {
 
     /// What a session of `tokens` takes here.
     pub fn footprint(&self, tokens: u64) -> u64 {
-        crate::fleet::residents::footprint(tokens, self.slot_tokens)
+        footprint(tokens, self.slot_tokens)
     }
 
     pub fn fits(&self, tokens: u64) -> bool {
         self.left().is_some_and(|left| left >= self.footprint(tokens) as i64)
+    }
+}
+
+/// What a session of `tokens` takes of a replica: its context, or whole
+/// slots where the capacity is slots of `slot_tokens` (llama.cpp: one slot
+/// keeps one conversation's prefix, however short).
+pub fn footprint(tokens: u64, slot_tokens: Option<u64>) -> u64 {
+    match slot_tokens {
+        Some(slot) if slot > 0 => tokens.max(1).div_ceil(slot) * slot,
+        _ => tokens,
     }
 }
 
