@@ -93,7 +93,8 @@ async function action(id, verb, confirmText, query = "") {
 // kv_tokens declared, learned_tokens, evidence).
 function learnedLabel(c) {
   const e = c.evidence || {};
-  const wall = e.wall_tokens !== undefined ? `wall seen at ${fmtTokens(e.wall_tokens)}` : "no wall seen";
+  const held = e.wall_sessions !== undefined ? ` (${e.wall_sessions} session${e.wall_sessions === 1 ? "" : "s"} held)` : "";
+  const wall = e.wall_tokens !== undefined ? `wall seen at ${fmtTokens(e.wall_tokens)}${held}` : "no wall seen";
   return `declared ${fmtTokens(c.kv_tokens)} · learned ${fmtTokens(c.learned_tokens)} · ${wall}`;
 }
 

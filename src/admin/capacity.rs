@@ -24,7 +24,7 @@ async fn get_capacity(s: web::Data<AppState>) -> web::Json<CapacityReport> {
             (r.resident_sessions, r.resident_tokens) = (resident.sessions, resident.counted_tokens);
             r.room_tokens = s.sessions.room_shown(&replica);
             r.evidence = replica.residents.evidence.learned();
-            r.learned_tokens = r.evidence.capacity(r.kv_tokens);
+            r.learned_tokens = r.evidence.capacity(r.kv_tokens, replica.slot_tokens());
             r.prefill_tokens_per_s = replica.residents.pace().prefill_tps.map(f64::round);
         }
     }

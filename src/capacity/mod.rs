@@ -181,6 +181,12 @@ pub struct Learned {
     /// wall seen, and nothing waits for room there (`sessions.wall = "learned"`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wall_tokens: Option<u64>,
+    /// How many sessions it held at that wall: one fewer than were
+    /// resident when a prefix was lost (at least one), or as many as a
+    /// kept receipt above it found. On slots (llama.cpp) the wall the hold
+    /// uses is this many whole slots, the unit the room counts in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wall_sessions: Option<u64>,
     /// The most tokens resident when a returning session still found its
     /// prefix: it keeps at least this much (more than its slot or pool,
     /// where the engine keeps prompts in host memory).
@@ -191,14 +197,30 @@ pub struct Learned {
 }
 
 impl Learned {
+    /// The wall in the unit the room counts (`sessions::room::footprint`):
+    /// tokens on a pool; on slots of `slot_tokens`, the slots its sessions
+    /// held there. Why not the tokens on slots: sessions shorter than a
+    /// slot still take a whole one, so three sessions lost on two slots at
+    /// 7,700 tokens set a wall below one slot, and every new session was
+    /// held as larger than the replica (one session where two were kept:
+    /// docs/benchmarks-agent-traffic.md). The loss itself is still judged
+    /// in tokens (`fleet::wall::WallEvidence::receipt`).
+    pub fn wall(&self, slot_tokens: Option<u64>) -> Option<u64> {
+        match (slot_tokens, self.wall_sessions) {
+            (Some(slot), Some(sessions)) if slot > 0 => self.wall_tokens.map(|_| sessions * slot),
+            _ => self.wall_tokens,
+        }
+    }
+
     /// What the replica holds as learned, starting from `declared`: the
     /// most it was seen to keep (the declared capacity, raised by kept
-    /// receipts), and no more than where it was seen to lose a prefix.
-    /// Why the lower of the two: a loss is read at the load resident when
-    /// it was found, which can be above what the replica keeps.
-    pub fn capacity(&self, declared: Option<u64>) -> Option<u64> {
+    /// receipts), and no more than where it was seen to lose a prefix
+    /// (`wall`, on slots of `slot_tokens` in whole slots). Why the lower
+    /// of the two: a loss is read at the load resident when it was found,
+    /// which can be above what the replica keeps.
+    pub fn capacity(&self, declared: Option<u64>, slot_tokens: Option<u64>) -> Option<u64> {
         let kept = Some(declared.map_or(self.kept_at_tokens, |d| d.max(self.kept_at_tokens))).filter(|k| *k > 0);
-        match (self.wall_tokens, kept) {
+        match (self.wall(slot_tokens), kept) {
             (Some(wall), Some(kept)) => Some(wall.min(kept)),
             (wall, kept) => wall.or(kept),
         }

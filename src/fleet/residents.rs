@@ -642,13 +642,13 @@ impl Residents {
     /// lowered to the load resident now when it rose
     /// (`WallEvidence::engine_preemptions`).
     pub fn engine_preemptions(&self, total: u64, now_ms: u64) -> Option<u64> {
-        self.evidence.engine_preemptions(total, self.load().tokens, now_ms)
+        self.evidence.engine_preemptions(total, self.load(), now_ms)
     }
 
     /// The engine says its pool is full now: the wall lowered to the load
     /// resident now (`WallEvidence::engine_full`).
     pub fn engine_full(&self, now_ms: u64) -> Option<u64> {
-        self.evidence.engine_full(self.load().tokens, now_ms)
+        self.evidence.engine_full(self.load(), now_ms)
     }
 
     /// Reads a pinned turn's receipt against the load resident now

@@ -71,6 +71,11 @@ pub struct WallEvidence {
     /// session's prefix: its wall in practice, whatever its capacity says
     /// (0: none seen). Receipts set and raise it.
     wall: AtomicU64,
+    /// How many sessions the replica held at its wall (0: none seen): at a
+    /// loss, one fewer than were resident (at least one); raised by a kept
+    /// receipt above the wall. On slots the room counts whole slots, and
+    /// the wall is this many slots (`Learned::wall`).
+    wall_sessions: AtomicU64,
     /// The engine's preemption counter as last read, plus one (0: never read).
     preemptions_seen: AtomicU64,
     /// When a loss last said the wall is there (lowered it, or found it at
@@ -104,8 +109,10 @@ impl WallEvidence {
 
     /// What the receipts taught of this replica (the capacity view).
     pub fn learned(&self) -> Learned {
+        let wall_tokens = self.wall();
         Learned {
-            wall_tokens: self.wall(),
+            wall_tokens,
+            wall_sessions: wall_tokens.and(Some(self.wall_sessions.load(Ordering::Relaxed)).filter(|s| *s > 0)),
             kept_at_tokens: self.kept_high.load(Ordering::Relaxed),
             receipts_kept: self.kept.load(Ordering::Relaxed),
             receipts_lost: self.lost.load(Ordering::Relaxed),
@@ -118,7 +125,7 @@ impl WallEvidence {
     /// Returns that load when it was; the first read only notes the
     /// counter, and a counter that went back (an engine restarted) starts
     /// over.
-    pub fn engine_preemptions(&self, total: u64, load: u64, now_ms: u64) -> Option<u64> {
+    pub fn engine_preemptions(&self, total: u64, load: Load, now_ms: u64) -> Option<u64> {
         let before = self.preemptions_seen.swap(total.saturating_add(1), Ordering::Relaxed);
         if before == 0 || total < before {
             return None;
@@ -130,30 +137,37 @@ impl WallEvidence {
     /// (`vllm:kv_cache_usage_perc` near 1 with requests waiting): the wall
     /// is lowered to it. Returns that load when the wall moved (a full
     /// pool read again at the same load says nothing new).
-    pub fn engine_full(&self, load: u64, now_ms: u64) -> Option<u64> {
+    pub fn engine_full(&self, load: Load, now_ms: u64) -> Option<u64> {
         let before = self.wall();
         self.over_wall(load, now_ms).filter(|load| before.is_none_or(|w| *load < w))
     }
 
     /// Lowers the wall to `load`; None when nothing is resident.
-    fn over_wall(&self, load: u64, now_ms: u64) -> Option<u64> {
-        (load > 0).then(|| {
+    fn over_wall(&self, load: Load, now_ms: u64) -> Option<u64> {
+        (load.tokens > 0).then(|| {
             self.lower_wall(load, now_ms);
-            load
+            load.tokens
         })
     }
 
     /// Sets the wall at `load` when none was seen or it is lower; a wall
     /// that moved leaves a lesson (the same wall seen again teaches nothing).
-    /// Either way the wall is confirmed now.
-    fn lower_wall(&self, load: u64, now_ms: u64) {
-        let before = self.wall.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| match w {
-            0 => Some(load),
-            w => (load < w).then_some(load),
-        });
+    /// Either way the wall is confirmed now. The sessions held there are
+    /// one fewer than were resident: the one that lost its prefix is what
+    /// did not fit.
+    fn lower_wall(&self, load: Load, now_ms: u64) {
+        let lower = |at: u64| {
+            move |w: u64| match w {
+                0 => Some(at),
+                w => (at < w).then_some(at),
+            }
+        };
+        let before = self.wall.fetch_update(Ordering::Relaxed, Ordering::Relaxed, lower(load.tokens));
         if before.is_ok() {
             self.wall_lesson.store(true, Ordering::Relaxed);
         }
+        let held = load.sessions.saturating_sub(1).max(1);
+        let _ = self.wall_sessions.fetch_update(Ordering::Relaxed, Ordering::Relaxed, lower(held));
         self.wall_confirmed_ms.fetch_max(now_ms, Ordering::Relaxed);
     }
 
@@ -164,6 +178,7 @@ impl WallEvidence {
         if now_ms.saturating_sub(confirmed) < WALL_MEMORY_MS {
             return None;
         }
+        self.wall_sessions.store(0, Ordering::Relaxed);
         Some(self.wall.swap(0, Ordering::Relaxed)).filter(|w| *w > 0)
     }
 
@@ -218,7 +233,7 @@ impl WallEvidence {
             if kept_beside.saturating_mul(10) >= tokens.saturating_mul(9) {
                 return Receipt::Missed { load: tokens, kept_beside };
             }
-            self.lower_wall(tokens, now_ms);
+            self.lower_wall(load, now_ms);
             Receipt::Lost { load: tokens }
         } else if cached.saturating_mul(10) >= predicted.saturating_mul(9) {
             self.kept.fetch_add(1, Ordering::Relaxed);
@@ -233,8 +248,15 @@ impl WallEvidence {
                 (w > 0 && tokens > w).then_some(if after_others { 0 } else { tokens })
             });
             match raised {
-                Ok(wall) if after_others => Receipt::Unwalled { wall, load: tokens },
-                _ => Receipt::Kept { load: tokens },
+                Ok(wall) if after_others => {
+                    self.wall_sessions.store(0, Ordering::Relaxed);
+                    Receipt::Unwalled { wall, load: tokens }
+                }
+                Ok(_) => {
+                    self.wall_sessions.fetch_max(load.sessions, Ordering::Relaxed);
+                    Receipt::Kept { load: tokens }
+                }
+                Err(_) => Receipt::Kept { load: tokens },
             }
         } else {
             Receipt::Unclear
@@ -284,50 +306,72 @@ mod tests {
     fn learned_capacity_grows_on_kept_receipts_and_falls_to_the_wall_on_a_miss() {
         let w = WallEvidence::default();
         let declared = Some(4_096); // one slot of 4,096 tokens
-        assert_eq!(w.learned().capacity(declared), declared, "learning starts from what is declared");
+        assert_eq!(w.learned().capacity(declared, None), declared, "learning starts from what is declared");
         // 9,000 tokens resident, a returning session finds its prefix: the
         // engine keeps more than its slot (host memory).
         assert_eq!(w.receipt(at(9_000), 2_800, 2_800, false, 0), Receipt::Kept { load: 9_000 });
         let kept = w.learned();
         assert_eq!((kept.wall_tokens, kept.kept_at_tokens, kept.receipts_kept), (None, 9_000, 1));
-        assert_eq!(kept.capacity(declared), Some(9_000));
+        assert_eq!(kept.capacity(declared, None), Some(9_000));
         // More resident, and a returning session finds less than half: the
         // wall is where it was lost.
         assert_eq!(w.receipt(at(15_000), 2_800, 1_000, false, 1), Receipt::Lost { load: 15_000 });
         assert_eq!(w.receipt(at(12_000), 2_800, 0, false, 2), Receipt::Lost { load: 12_000 });
         let lost = w.learned();
         assert_eq!((lost.wall_tokens, lost.receipts_lost), (Some(12_000), 2));
-        assert_eq!(lost.capacity(declared), Some(9_000), "between kept at 9,000 and lost at 12,000: the kept");
+        assert_eq!(lost.capacity(declared, None), Some(9_000), "between kept at 9,000 and lost at 12,000: the kept");
         // A later loss below what was kept lowers it.
         assert_eq!(w.receipt(at(6_000), 2_800, 0, false, 3), Receipt::Lost { load: 6_000 });
-        assert_eq!(w.learned().capacity(declared), Some(6_000));
+        assert_eq!(w.learned().capacity(declared, None), Some(6_000));
+    }
+
+    #[test]
+    fn the_wall_keeps_the_sessions_held_there_one_fewer_than_at_a_loss_and_a_pool_reads_tokens() {
+        let w = WallEvidence::default();
+        assert_eq!(w.learned().wall_sessions, None, "no wall: no sessions");
+        // Three sessions on two slots of 8,192: one lost its prefix at 7,700.
+        let _ = w.receipt(Load { tokens: 7_700, sessions: 3 }, 2_000, 0, false, 0);
+        let learned = w.learned();
+        assert_eq!((learned.wall_tokens, learned.wall_sessions), (Some(7_700), Some(2)));
+        assert_eq!(learned.wall(Some(8_192)), Some(16_384), "two slots held, not a wall below one slot");
+        assert_eq!(learned.wall(None), Some(7_700), "a pool reads tokens");
+        assert_eq!(learned.capacity(Some(16_384), Some(8_192)), Some(16_384));
+        // Kept above it with nothing between: it held that many.
+        let _ = w.receipt(Load { tokens: 9_000, sessions: 3 }, 2_000, 2_000, false, 1);
+        assert_eq!((w.learned().wall_tokens, w.learned().wall_sessions), (Some(9_000), Some(3)));
+        // A lone session lost (an engine restarted): still one slot, never none.
+        let _ = w.receipt(Load { tokens: 1_000, sessions: 1 }, 900, 0, false, 2);
+        assert_eq!(w.learned().wall(Some(8_192)), Some(8_192));
+        // Kept beside others above it: forgotten, sessions and all.
+        let _ = w.receipt(Load { tokens: 2_000, sessions: 2 }, 900, 900, true, 3);
+        assert_eq!((w.learned().wall_tokens, w.learned().wall_sessions), (None, None));
     }
 
     #[test]
     fn engine_preemptions_since_the_last_read_set_the_wall_at_the_load_now() {
         let w = WallEvidence::default();
-        assert_eq!(w.engine_preemptions(4, 6_000, 0), None, "the first read only notes the counter");
-        assert_eq!(w.engine_preemptions(4, 6_000, 0), None, "none since");
-        assert_eq!(w.engine_preemptions(6, 11_000, 0), Some(11_000));
+        assert_eq!(w.engine_preemptions(4, at(6_000), 0), None, "the first read only notes the counter");
+        assert_eq!(w.engine_preemptions(4, at(6_000), 0), None, "none since");
+        assert_eq!(w.engine_preemptions(6, at(11_000), 0), Some(11_000));
         assert_eq!(w.wall(), Some(11_000));
         // An engine restarted: its counter starts over, and says nothing yet.
-        assert_eq!(w.engine_preemptions(0, 11_000, 0), None);
-        assert_eq!(w.engine_preemptions(0, 11_000, 0), None);
-        assert_eq!(w.engine_preemptions(1, 6_000, 0), Some(6_000));
+        assert_eq!(w.engine_preemptions(0, at(11_000), 0), None);
+        assert_eq!(w.engine_preemptions(0, at(11_000), 0), None);
+        assert_eq!(w.engine_preemptions(1, at(6_000), 0), Some(6_000));
         assert_eq!(w.wall(), Some(6_000), "lower: the wall follows");
     }
 
     #[test]
     fn a_full_pool_sets_the_wall_once_per_lowering_and_leaves_a_lesson() {
         let w = WallEvidence::default();
-        assert_eq!(w.engine_full(0, 0), None, "nothing resident: nothing to say");
+        assert_eq!(w.engine_full(at(0), 0), None, "nothing resident: nothing to say");
         assert!(!w.take_wall_lesson());
-        assert_eq!(w.engine_full(11_000, 0), Some(11_000));
+        assert_eq!(w.engine_full(at(11_000), 0), Some(11_000));
         assert_eq!(w.wall(), Some(11_000));
-        assert_eq!(w.engine_full(11_000, 0), None, "the same load again: nothing new");
+        assert_eq!(w.engine_full(at(11_000), 0), None, "the same load again: nothing new");
         assert!(w.take_wall_lesson(), "the projections learn from who crossed it");
         assert!(!w.take_wall_lesson(), "once");
-        assert_eq!(w.engine_full(5_000, 0), Some(5_000));
+        assert_eq!(w.engine_full(at(5_000), 0), Some(5_000));
     }
 
     #[test]
@@ -337,7 +381,7 @@ mod tests {
         assert_eq!(w.receipt(at(4_000), 3_000, 0, false, t0), Receipt::Lost { load: 4_000 });
         assert_eq!(w.forget_stale_wall(t0 + WALL_MEMORY_MS - 1), None, "still fresh");
         // A loss at the wall again confirms it, though it does not move it.
-        assert_eq!(w.engine_full(5_000, t0 + 60_000), None, "not lower: nothing new to say");
+        assert_eq!(w.engine_full(at(5_000), t0 + 60_000), None, "not lower: nothing new to say");
         assert_eq!(w.forget_stale_wall(t0 + WALL_MEMORY_MS), None, "confirmed a minute later");
         assert_eq!(w.wall(), Some(4_000));
         assert_eq!(w.forget_stale_wall(t0 + 60_000 + WALL_MEMORY_MS), Some(4_000));

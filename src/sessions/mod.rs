@@ -577,7 +577,7 @@ impl Sessions {
     pub fn room_shown(&self, r: &Replica) -> Option<i64> {
         let room = self.room_of(r);
         room.left().or_else(|| {
-            let capacity = r.residents.evidence.learned().capacity(r.kv_capacity());
+            let capacity = r.residents.evidence.learned().capacity(r.kv_capacity(), r.slot_tokens());
             Room { capacity, ..room }.left()
         })
     }
@@ -619,13 +619,14 @@ impl Sessions {
     /// by kept receipts, no more than the wall). None: nothing waits there.
     pub fn wall_of(&self, r: &Replica) -> Option<u64> {
         let learned = r.residents.evidence.learned();
+        let wall = learned.wall(r.slot_tokens());
         match self.wall_at(r) {
             // A pool's blocks are its wall: a kept receipt above them says
             // more of the count (a shared system prompt counted per
             // session) than of the pool, so only a wall seen lowers it.
-            WallAt::Declared => r.kv_capacity().map(|c| learned.wall_tokens.map_or(c, |w| c.min(w))),
-            _ if learned.wall_tokens.is_none() => None,
-            _ => learned.capacity(r.kv_capacity()),
+            WallAt::Declared => r.kv_capacity().map(|c| wall.map_or(c, |w| c.min(w))),
+            _ if wall.is_none() => None,
+            _ => learned.capacity(r.kv_capacity(), r.slot_tokens()),
         }
     }
 
@@ -976,6 +977,48 @@ mod tests {
         assert_eq!(s.room_of(&a).left(), Some(0), "lost a prefix at 800: no room above it");
         assert!(s.sweep(now + 60_000).any);
         assert_eq!(s.room_of(&a).left(), Some(3_000), "empty: no session loses its prefix to another's");
+    }
+
+    #[test]
+    fn on_slots_a_wall_counts_the_slots_its_sessions_held_so_four_slots_still_take_four_sessions() {
+        use crate::fleet::wall::Receipt;
+        use crate::sessions::room::{entry, Entry};
+        let s = Sessions::new(settings()); // idle_ms 1 s
+        let a = replica("a");
+        a.set_observed_kv(Some(16_384));
+        a.set_slot_tokens(Some(4_096)); // four slots
+        let now = crate::clock::now_ms();
+        for id in 1..=5 {
+            drop(s.begin_turn(&a, id, None, 1_000, &Who::default(), now + id as u64));
+        }
+        // Five sessions on four slots: a returning one lost its prefix. The
+        // loss is read in tokens (5,000), the wall in the slots held (four).
+        assert_eq!(a.residents.receipt(900, 0, false, now + 10), Receipt::Lost { load: 5_000 });
+        assert_eq!(s.wall_of(&a), Some(16_384), "the four slots, not the 5,000 tokens the five held");
+        // They leave, and three come: a fourth still has its slot.
+        assert!(s.sweep(now + 60_000).any);
+        for id in 6..=8 {
+            drop(s.begin_turn(&a, id, None, 1_000, &Who::default(), now + 60_000 + id as u64));
+        }
+        assert_eq!(entry(&[s.room_of(&a)], 1_000, 0), Entry::Admit);
+        drop(s.begin_turn(&a, 9, None, 1_000, &Who::default(), now + 60_010));
+        assert_eq!(entry(&[s.room_of(&a)], 1_000, 0), Entry::Hold, "a fifth waits for a slot");
+    }
+
+    #[test]
+    fn on_one_slot_a_wall_seen_holds_a_short_session_for_room_not_as_larger_than_the_replica() {
+        use crate::sessions::room::{entry, Entry};
+        let s = Sessions::new(settings());
+        let a = replica("a");
+        a.set_observed_kv(Some(8_192));
+        a.set_slot_tokens(Some(8_192));
+        let now = crate::clock::now_ms();
+        drop(s.begin_turn(&a, 1, None, 2_900, &Who::default(), now));
+        drop(s.begin_turn(&a, 2, None, 2_900, &Who::default(), now + 1));
+        let _ = a.residents.receipt(2_500, 0, false, now + 2);
+        assert_eq!(a.residents.evidence.wall(), Some(5_800), "lost at 5,800 tokens resident");
+        assert_eq!(s.wall_of(&a), Some(8_192), "one slot held: 5,800 tokens were two slots' worth");
+        assert_eq!(entry(&[s.room_of(&a)], 2_900, 0), Entry::Hold, "it fits the slot once the slot is free");
     }
 
     #[test]

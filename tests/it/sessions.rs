@@ -855,5 +855,6 @@ async fn with_the_wall_learned_nothing_waits_until_a_returning_session_loses_its
     // What it holds as learned: no more than its wall, nor than it was seen to keep.
     assert_eq!(card["learned_tokens"].as_u64(), Some(wall.min(20_000)), "{card}");
     assert!((20_000..=30_000).contains(&wall), "lost with both sessions resident: {wall}");
+    assert_eq!(card["evidence"]["wall_sessions"], 1, "two resident at the loss, so one held: {card}");
     gw.stop().await;
 }
