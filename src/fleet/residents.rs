@@ -66,9 +66,12 @@ pub struct Resident {
     pub turns: u32,
     /// The replica's turn count (`Residents::begun`) when its latest turn began.
     pub begun_seq: u64,
-    /// Other sessions' turns began here between its previous turn and its
-    /// latest: a prefix it then finds was kept beside theirs.
-    pub after_others: bool,
+    /// How many other sessions began a turn here between its previous
+    /// turn and its latest: a prefix it then finds was kept beside theirs.
+    /// Sessions, not turns, and not every resident: a paused or idle
+    /// resident took no slot meanwhile, so counting it would read two
+    /// slots as keeping four sessions (a host tier that is not there).
+    pub others_between: u32,
     /// Its turns paused now at the wall (`sessions/pause.rs`), and since
     /// when the first of them waits, ms.
     pub paused: u32,
@@ -362,6 +365,10 @@ impl Residents {
         // One that ended here and came back has had a turn here already.
         let returned = u32::from(self.back(session));
         let fresh = !on.contains_key(&session);
+        let others_between = match on.get(&session) {
+            Some(me) => on.iter().filter(|(id, o)| **id != session && o.begun_seq > me.begun_seq).count() as u32,
+            None => 0,
+        };
         let r = on.entry(session).or_insert(match b.moved {
             Some(m) => Resident { last_ms: b.now_ms, arrived_ms: b.now_ms, running: 0, ours: true, ..m },
             None => Resident {
@@ -395,9 +402,8 @@ impl Residents {
         r.peak_tokens = r.peak_tokens.max(r.tokens);
         r.last_ms = b.now_ms;
         r.began_ms = b.now_ms;
-        let seq = self.begun.fetch_add(1, Ordering::Relaxed) + 1;
-        r.after_others = !fresh && seq.saturating_sub(r.begun_seq) > 1;
-        r.begun_seq = seq;
+        r.others_between = others_between;
+        r.begun_seq = self.begun.fetch_add(1, Ordering::Relaxed) + 1;
         r.running += 1;
         r.turns = r.turns.saturating_add(1);
         if r.turns >= 2 && r.continued_ms == 0 {
@@ -652,26 +658,34 @@ impl Residents {
     }
 
     /// Reads a pinned turn's receipt against the load resident now
-    /// (`WallEvidence::receipt`).
-    pub fn receipt(&self, predicted: u64, cached: u64, after_others: bool, now_ms: u64) -> Receipt {
-        self.evidence.receipt(self.load(), predicted, cached, after_others, now_ms)
+    /// (`WallEvidence::receipt`); `others_between`: other sessions whose
+    /// turns began here since the session's previous turn.
+    pub fn receipt(&self, predicted: u64, cached: u64, others_between: u32, now_ms: u64) -> Receipt {
+        self.evidence.receipt(self.load(), predicted, cached, others_between, now_ms)
     }
 
-    /// Tokens resident, and how many sessions hold them. Raw tokens, not
-    /// footprints (whole slots): read in footprints, a loss on a slot
-    /// engine at as many sessions as were once kept beside others always
-    /// read as the engine's miss, no wall was ever learned on llama-server
-    /// as shipped, and the agent-traffic replay there took 1.12-1.20x of
-    /// vllm-router's wall instead of 0.73-0.84x (docs/benchmarks-agent-traffic.md).
+    /// Tokens resident in the sessions not paused, and how many sessions
+    /// hold them. Why not the paused: their turns wait and take nothing of
+    /// the engine meanwhile; counted, a prefix kept beside two running
+    /// sessions while two more waited read as four sessions kept on two
+    /// slots (a host tier that is not there), and the learned capacity let
+    /// four in (real llama-server, the second set of families 347.5 s
+    /// instead of 107.1 s). Raw tokens, not footprints (whole slots): read
+    /// in footprints, a loss on a slot engine at as many sessions as were
+    /// once kept beside others always read as the engine's miss, no wall
+    /// was ever learned on llama-server as shipped, and the agent-traffic
+    /// replay there took 1.12-1.20x of vllm-router's wall instead of
+    /// 0.73-0.84x (docs/benchmarks-agent-traffic.md).
     fn load(&self) -> Load {
         let on = self.lock();
-        Load { tokens: on.values().map(|r| r.tokens).sum(), sessions: on.len() as u64 }
+        let running = || on.values().filter(|r| r.paused == 0);
+        Load { tokens: running().map(|r| r.tokens).sum(), sessions: running().count() as u64 }
     }
 
-    /// Whether other sessions' turns began here between `session`'s
-    /// previous turn and its latest (`Resident::after_others`).
-    pub fn after_others(&self, session: PrefixKey) -> bool {
-        self.lock().get(&session).is_some_and(|r| r.after_others)
+    /// How many other sessions began a turn here between `session`'s
+    /// previous turn and its latest (`Resident::others_between`).
+    pub fn others_between(&self, session: PrefixKey) -> u32 {
+        self.lock().get(&session).map_or(0, |r| r.others_between)
     }
 }
 
@@ -699,30 +713,47 @@ mod tests {
         };
         begin(1, 1_000, 0);
         begin(2, 1_000, 1);
-        assert_eq!(r.receipt(900, 100, false, 2), Receipt::Lost { load: 2_000 });
+        assert_eq!(r.receipt(900, 100, 0, 2), Receipt::Lost { load: 2_000 });
         assert_eq!(r.evidence.wall(), Some(2_000));
         // Session 1 comes back after session 2's turn, above the wall, and
         // finds its prefix: the replica keeps both (llama-server restoring
         // it from host memory); the loss was not its capacity.
         begin(1, 1_500, 3);
-        assert!(r.after_others(1));
-        assert_eq!(r.receipt(1_000, 1_000, r.after_others(1), 4), Receipt::Unwalled { wall: 2_000, load: 2_500 });
+        assert_eq!(r.others_between(1), 1);
+        assert_eq!(r.receipt(1_000, 1_000, r.others_between(1), 4), Receipt::Unwalled { wall: 2_000, load: 2_500 });
         assert_eq!(r.evidence.wall(), None);
         // A loss with more resident sets it again (at 2,500 it is a miss:
         // sessions were kept beside others' there); a session whose turns
         // follow each other with nothing between proves only its load.
         begin(3, 500, 5);
-        assert_eq!(r.receipt(900, 0, false, 5), Receipt::Lost { load: 3_000 });
+        assert_eq!(r.receipt(900, 0, 0, 5), Receipt::Lost { load: 3_000 });
         begin(2, 1_200, 6);
         begin(2, 1_400, 7);
-        assert!(!r.after_others(2));
-        assert_eq!(r.receipt(1_000, 1_000, r.after_others(2), 8), Receipt::Kept { load: 3_400 });
+        assert_eq!(r.others_between(2), 0);
+        assert_eq!(r.receipt(1_000, 1_000, r.others_between(2), 8), Receipt::Kept { load: 3_400 });
         assert_eq!(r.evidence.wall(), Some(3_400));
         // Kept beside others' turns at the wall, not above it: it stands.
         begin(1, 1_500, 9);
-        assert!(r.after_others(1));
-        assert_eq!(r.receipt(1_000, 1_000, true, 10), Receipt::Kept { load: 3_400 });
+        assert_eq!(r.others_between(1), 2, "3 and 2 began turns since its last");
+        assert_eq!(r.receipt(1_000, 1_000, 2, 10), Receipt::Kept { load: 3_400 });
         assert_eq!(r.evidence.wall(), Some(3_400));
+    }
+
+    #[test]
+    fn a_receipt_reads_the_load_of_the_sessions_not_paused() {
+        use crate::fleet::wall::KeptBeside;
+        let r = Residents::default();
+        for s in 1..=4 {
+            r.lock().insert(s, Resident { tokens: 2_000, ..Default::default() });
+        }
+        // Two of the four wait at the wall: the engine keeps what the two
+        // others hold, not four sessions.
+        let paused = [r.paused_turn(3), r.paused_turn(4)];
+        assert_eq!(r.receipt(1_500, 1_500, 1, 0), Receipt::Kept { load: 4_000 });
+        assert_eq!(r.evidence.kept_beside(0), KeptBeside { tokens: 4_000, sessions: 2 });
+        drop(paused);
+        assert_eq!(r.receipt(1_500, 0, 0, 1), Receipt::Lost { load: 8_000 });
+        assert_eq!(r.evidence.learned().wall_sessions, Some(3), "four running at the loss");
     }
 
     #[test]

@@ -30,9 +30,10 @@ pub struct Load {
     pub sessions: u64,
 }
 
-/// The most resident, in tokens and in sessions, when a session found its
-/// prefix after other sessions' turns here, within `WALL_MEMORY_MS`
-/// (`WallEvidence::kept_beside`; zeros: none).
+/// When a session found its prefix after other sessions' turns here,
+/// within `WALL_MEMORY_MS` (`WallEvidence::kept_beside`; zeros: none): the
+/// most resident (tokens), and the most sessions whose turns ran here
+/// across its gap, itself included.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct KeptBeside {
     pub tokens: u64,
@@ -96,8 +97,9 @@ pub struct WallEvidence {
     /// not the replica's wall (`Receipt::Missed`).
     kept_beside_high: AtomicU64,
     kept_beside_ms: AtomicU64,
-    /// The most sessions resident at such a receipt: more than the replica
-    /// has slots says it keeps prompts beyond them (`KeptBeside`).
+    /// The most sessions whose turns ran here across such a receipt's gap,
+    /// its own included: more than the replica has slots says it keeps
+    /// prompts beyond them (`KeptBeside`).
     kept_beside_sessions: AtomicU64,
 }
 
@@ -202,31 +204,31 @@ impl WallEvidence {
         }
     }
 
-    fn kept_beside_at(&self, load: Load, now_ms: u64) {
+    fn kept_beside_at(&self, tokens: u64, sessions: u64, now_ms: u64) {
         // An old high is forgotten, not kept: what the replica kept then
         // may be gone (a restart, a smaller cache).
         if self.kept_beside(now_ms).tokens == 0 {
-            self.kept_beside_high.store(load.tokens, Ordering::Relaxed);
-            self.kept_beside_sessions.store(load.sessions, Ordering::Relaxed);
+            self.kept_beside_high.store(tokens, Ordering::Relaxed);
+            self.kept_beside_sessions.store(sessions, Ordering::Relaxed);
         } else {
-            self.kept_beside_high.fetch_max(load.tokens, Ordering::Relaxed);
-            self.kept_beside_sessions.fetch_max(load.sessions, Ordering::Relaxed);
+            self.kept_beside_high.fetch_max(tokens, Ordering::Relaxed);
+            self.kept_beside_sessions.fetch_max(sessions, Ordering::Relaxed);
         }
         self.kept_beside_ms.store(now_ms, Ordering::Relaxed);
     }
 
     /// Reads a pinned turn's receipt with `load` resident: `predicted`
     /// cached tokens (the prefix it should have found on its home) against
-    /// the `cached` tokens the engine reported; `after_others`: other
-    /// sessions' turns ran here since its previous turn. A lost prefix
+    /// the `cached` tokens the engine reported; `others_between`: other
+    /// sessions whose turns began here since its previous turn. A lost prefix
     /// lowers the wall to the load it was lost at (the replica takes no new
     /// session above it); a kept one at a higher load raises it. Returns
     /// what it read.
-    pub fn receipt(&self, load: Load, predicted: u64, cached: u64, after_others: bool, now_ms: u64) -> Receipt {
+    pub fn receipt(&self, load: Load, predicted: u64, cached: u64, others_between: u32, now_ms: u64) -> Receipt {
         if predicted < MIN_RECEIPT_TOKENS {
             return Receipt::Unclear;
         }
-        let tokens = load.tokens;
+        let (tokens, after_others) = (load.tokens, others_between > 0);
         if cached.saturating_mul(2) < predicted {
             self.lost.fetch_add(1, Ordering::Relaxed);
             let kept_beside = self.kept_beside(now_ms).tokens;
@@ -239,7 +241,7 @@ impl WallEvidence {
             self.kept.fetch_add(1, Ordering::Relaxed);
             self.kept_high.fetch_max(tokens, Ordering::Relaxed);
             if after_others {
-                self.kept_beside_at(load, now_ms);
+                self.kept_beside_at(tokens, u64::from(others_between) + 1, now_ms);
             }
             // Above the wall: kept beside others' turns, the wall was not
             // the replica's; kept with nothing run between, it holds at
@@ -276,30 +278,34 @@ mod tests {
     fn a_loss_where_sessions_were_kept_beside_others_is_a_miss_not_a_wall() {
         let w = WallEvidence::default();
         // A prefix kept after others' turns at 3,000 resident.
-        assert_eq!(w.receipt(at(3_000), 900, 900, true, 0), Receipt::Kept { load: 3_000 });
+        assert_eq!(w.receipt(at(3_000), 900, 900, 1, 0), Receipt::Kept { load: 3_000 });
         // A loss at 3,000 (or up to a ninth more) is the engine's miss.
-        assert_eq!(w.receipt(at(3_000), 900, 100, false, 1), Receipt::Missed { load: 3_000, kept_beside: 3_000 });
-        assert_eq!(w.receipt(at(3_333), 900, 100, false, 2), Receipt::Missed { load: 3_333, kept_beside: 3_000 });
+        assert_eq!(w.receipt(at(3_000), 900, 100, 0, 1), Receipt::Missed { load: 3_000, kept_beside: 3_000 });
+        assert_eq!(w.receipt(at(3_333), 900, 100, 0, 2), Receipt::Missed { load: 3_333, kept_beside: 3_000 });
         assert_eq!(w.wall(), None);
         // Past that load, a loss is a wall.
-        assert_eq!(w.receipt(at(4_333), 900, 100, false, 3), Receipt::Lost { load: 4_333 });
+        assert_eq!(w.receipt(at(4_333), 900, 100, 0, 3), Receipt::Lost { load: 4_333 });
         assert_eq!(w.wall(), Some(4_333));
         // What was kept long ago says nothing now.
         let w = WallEvidence::default();
-        assert_eq!(w.receipt(at(3_000), 900, 900, true, 0), Receipt::Kept { load: 3_000 });
-        assert_eq!(w.receipt(at(3_000), 900, 100, false, WALL_MEMORY_MS + 1), Receipt::Lost { load: 3_000 });
+        assert_eq!(w.receipt(at(3_000), 900, 900, 1, 0), Receipt::Kept { load: 3_000 });
+        assert_eq!(w.receipt(at(3_000), 900, 100, 0, WALL_MEMORY_MS + 1), Receipt::Lost { load: 3_000 });
     }
 
     #[test]
-    fn what_was_kept_beside_others_remembers_the_most_sessions_resident_then_for_a_while() {
+    fn what_was_kept_beside_others_remembers_the_most_sessions_that_ran_across_its_gap_for_a_while() {
         let w = WallEvidence::default();
-        let _ = w.receipt(Load { tokens: 8_000, sessions: 3 }, 900, 900, true, 0);
-        let _ = w.receipt(Load { tokens: 9_000, sessions: 2 }, 900, 900, true, 1);
-        let _ = w.receipt(Load { tokens: 20_000, sessions: 5 }, 900, 900, false, 2);
-        assert_eq!(w.kept_beside(3), KeptBeside { tokens: 9_000, sessions: 3 }, "only what was kept after others");
+        let _ = w.receipt(Load { tokens: 8_000, sessions: 3 }, 900, 900, 2, 0);
+        let _ = w.receipt(Load { tokens: 9_000, sessions: 4 }, 900, 900, 1, 1);
+        let _ = w.receipt(Load { tokens: 20_000, sessions: 5 }, 900, 900, 0, 2);
+        assert_eq!(
+            w.kept_beside(3),
+            KeptBeside { tokens: 9_000, sessions: 3 },
+            "only what was kept after others; the sessions that ran across the gap, not those resident"
+        );
         assert_eq!(w.kept_beside(1 + WALL_MEMORY_MS + 1), KeptBeside::default());
-        let _ = w.receipt(Load { tokens: 2_000, sessions: 1 }, 900, 900, true, 2 * WALL_MEMORY_MS);
-        assert_eq!(w.kept_beside(2 * WALL_MEMORY_MS), KeptBeside { tokens: 2_000, sessions: 1 }, "started over");
+        let _ = w.receipt(Load { tokens: 2_000, sessions: 2 }, 900, 900, 1, 2 * WALL_MEMORY_MS);
+        assert_eq!(w.kept_beside(2 * WALL_MEMORY_MS), KeptBeside { tokens: 2_000, sessions: 2 }, "started over");
     }
 
     #[test]
@@ -309,19 +315,19 @@ mod tests {
         assert_eq!(w.learned().capacity(declared, None), declared, "learning starts from what is declared");
         // 9,000 tokens resident, a returning session finds its prefix: the
         // engine keeps more than its slot (host memory).
-        assert_eq!(w.receipt(at(9_000), 2_800, 2_800, false, 0), Receipt::Kept { load: 9_000 });
+        assert_eq!(w.receipt(at(9_000), 2_800, 2_800, 0, 0), Receipt::Kept { load: 9_000 });
         let kept = w.learned();
         assert_eq!((kept.wall_tokens, kept.kept_at_tokens, kept.receipts_kept), (None, 9_000, 1));
         assert_eq!(kept.capacity(declared, None), Some(9_000));
         // More resident, and a returning session finds less than half: the
         // wall is where it was lost.
-        assert_eq!(w.receipt(at(15_000), 2_800, 1_000, false, 1), Receipt::Lost { load: 15_000 });
-        assert_eq!(w.receipt(at(12_000), 2_800, 0, false, 2), Receipt::Lost { load: 12_000 });
+        assert_eq!(w.receipt(at(15_000), 2_800, 1_000, 0, 1), Receipt::Lost { load: 15_000 });
+        assert_eq!(w.receipt(at(12_000), 2_800, 0, 0, 2), Receipt::Lost { load: 12_000 });
         let lost = w.learned();
         assert_eq!((lost.wall_tokens, lost.receipts_lost), (Some(12_000), 2));
         assert_eq!(lost.capacity(declared, None), Some(9_000), "between kept at 9,000 and lost at 12,000: the kept");
         // A later loss below what was kept lowers it.
-        assert_eq!(w.receipt(at(6_000), 2_800, 0, false, 3), Receipt::Lost { load: 6_000 });
+        assert_eq!(w.receipt(at(6_000), 2_800, 0, 0, 3), Receipt::Lost { load: 6_000 });
         assert_eq!(w.learned().capacity(declared, None), Some(6_000));
     }
 
@@ -330,20 +336,20 @@ mod tests {
         let w = WallEvidence::default();
         assert_eq!(w.learned().wall_sessions, None, "no wall: no sessions");
         // Three sessions on two slots of 8,192: one lost its prefix at 7,700.
-        let _ = w.receipt(Load { tokens: 7_700, sessions: 3 }, 2_000, 0, false, 0);
+        let _ = w.receipt(Load { tokens: 7_700, sessions: 3 }, 2_000, 0, 0, 0);
         let learned = w.learned();
         assert_eq!((learned.wall_tokens, learned.wall_sessions), (Some(7_700), Some(2)));
         assert_eq!(learned.wall(Some(8_192)), Some(16_384), "two slots held, not a wall below one slot");
         assert_eq!(learned.wall(None), Some(7_700), "a pool reads tokens");
         assert_eq!(learned.capacity(Some(16_384), Some(8_192)), Some(16_384));
         // Kept above it with nothing between: it held that many.
-        let _ = w.receipt(Load { tokens: 9_000, sessions: 3 }, 2_000, 2_000, false, 1);
+        let _ = w.receipt(Load { tokens: 9_000, sessions: 3 }, 2_000, 2_000, 0, 1);
         assert_eq!((w.learned().wall_tokens, w.learned().wall_sessions), (Some(9_000), Some(3)));
         // A lone session lost (an engine restarted): still one slot, never none.
-        let _ = w.receipt(Load { tokens: 1_000, sessions: 1 }, 900, 0, false, 2);
+        let _ = w.receipt(Load { tokens: 1_000, sessions: 1 }, 900, 0, 0, 2);
         assert_eq!(w.learned().wall(Some(8_192)), Some(8_192));
         // Kept beside others above it: forgotten, sessions and all.
-        let _ = w.receipt(Load { tokens: 2_000, sessions: 2 }, 900, 900, true, 3);
+        let _ = w.receipt(Load { tokens: 2_000, sessions: 2 }, 900, 900, 1, 3);
         assert_eq!((w.learned().wall_tokens, w.learned().wall_sessions), (None, None));
     }
 
@@ -378,7 +384,7 @@ mod tests {
     fn a_wall_no_loss_confirmed_for_ten_minutes_is_forgotten() {
         let w = WallEvidence::default();
         let t0 = 1_000_000;
-        assert_eq!(w.receipt(at(4_000), 3_000, 0, false, t0), Receipt::Lost { load: 4_000 });
+        assert_eq!(w.receipt(at(4_000), 3_000, 0, 0, t0), Receipt::Lost { load: 4_000 });
         assert_eq!(w.forget_stale_wall(t0 + WALL_MEMORY_MS - 1), None, "still fresh");
         // A loss at the wall again confirms it, though it does not move it.
         assert_eq!(w.engine_full(at(5_000), t0 + 60_000), None, "not lower: nothing new to say");
@@ -388,21 +394,21 @@ mod tests {
         assert_eq!(w.wall(), None, "new sessions go up to the capacity again");
         assert_eq!(w.forget_stale_wall(t0 + 60_000 + 2 * WALL_MEMORY_MS), None, "forgotten once");
         // The next loss finds it again.
-        assert_eq!(w.receipt(at(5_000), 3_000, 0, false, t0 + 3 * WALL_MEMORY_MS), Receipt::Lost { load: 5_000 });
+        assert_eq!(w.receipt(at(5_000), 3_000, 0, 0, t0 + 3 * WALL_MEMORY_MS), Receipt::Lost { load: 5_000 });
         assert_eq!(w.wall(), Some(5_000));
     }
 
     #[test]
     fn a_lost_prefix_sets_the_wall_at_the_load_it_was_lost_at_and_a_kept_one_raises_it() {
         let w = WallEvidence::default();
-        assert_eq!(w.receipt(at(11_000), 100, 0, false, 0), Receipt::Unclear, "too small to say");
-        assert_eq!(w.receipt(at(11_000), 5_000, 4_900, false, 0), Receipt::Kept { load: 11_000 });
+        assert_eq!(w.receipt(at(11_000), 100, 0, 0, 0), Receipt::Unclear, "too small to say");
+        assert_eq!(w.receipt(at(11_000), 5_000, 4_900, 0, 0), Receipt::Kept { load: 11_000 });
         assert_eq!(w.wall(), None, "no loss seen: no wall");
-        assert_eq!(w.receipt(at(11_000), 5_000, 1_000, false, 0), Receipt::Lost { load: 11_000 });
+        assert_eq!(w.receipt(at(11_000), 5_000, 1_000, 0, 0), Receipt::Lost { load: 11_000 });
         assert_eq!(w.wall(), Some(11_000));
-        assert_eq!(w.receipt(at(13_000), 5_000, 5_000, false, 0), Receipt::Kept { load: 13_000 });
+        assert_eq!(w.receipt(at(13_000), 5_000, 5_000, 0, 0), Receipt::Kept { load: 13_000 });
         assert_eq!(w.wall(), Some(13_000), "kept at a higher load: the wall is higher");
-        assert_eq!(w.receipt(at(11_000), 5_000, 0, false, 0), Receipt::Lost { load: 11_000 });
+        assert_eq!(w.receipt(at(11_000), 5_000, 0, 0, 0), Receipt::Lost { load: 11_000 });
         assert_eq!(w.wall(), Some(11_000));
     }
 }

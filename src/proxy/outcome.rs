@@ -320,13 +320,14 @@ impl OutcomeRecorder {
     /// replica is over its wall in practice. It then takes no new session
     /// above the load it lost it at (`Residents::receipt`); said once per
     /// lowering, in history and the log.
-    /// `session`: the turn's, when it is a session's (others' turns ran
-    /// between its last two here: a prefix kept then was kept beside theirs).
+    /// `session`: the turn's, when it is a session's (other sessions' turns
+    /// that ran between its last two here: a prefix kept then was kept
+    /// beside theirs).
     fn receipt(&self, replica: &Replica, predicted: u64, cached: u64, session: Option<PrefixKey>) {
         use crate::fleet::wall::Receipt;
         let before = replica.residents.evidence.wall();
-        let after_others = session.is_some_and(|s| replica.residents.after_others(s));
-        match replica.residents.receipt(predicted, cached, after_others, crate::clock::now_ms()) {
+        let others_between = session.map_or(0, |s| replica.residents.others_between(s));
+        match replica.residents.receipt(predicted, cached, others_between, crate::clock::now_ms()) {
             Receipt::Lost { load } if before.is_none_or(|w| load < w) => {
                 let detail = format!(
                     "a pinned turn found {cached} of ~{predicted} cached tokens at ~{load} tokens resident: \

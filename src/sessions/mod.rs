@@ -79,7 +79,9 @@ pub struct SessionConfig {
     pub hold_min_tokens: Option<u64>,
     /// When a replica's resident sessions outgrow its KV anyway (their
     /// projections fell short, or nothing was learned yet), the next turn of
-    /// the youngest one there waits, at a turn boundary, until room opens
+    /// the youngest one there (on slots that are all the engine keeps, of
+    /// every one past them, the oldest kept first) waits, at a turn
+    /// boundary, until room opens
     /// (at most `max_wait_ms`), so the older ones stay warm instead of all
     /// evicting each other. A paused agent waits for others' work: turn it
     /// off where one agent's latency matters more than the fleet's.
@@ -973,7 +975,7 @@ mod tests {
         let (s, a) = pool_of(3_000);
         let now = crate::clock::now_ms();
         drop(s.begin_turn(&a, 1, None, 800, &Who::default(), now));
-        assert_eq!(a.residents.receipt(1_000, 0, false, 0), crate::fleet::wall::Receipt::Lost { load: 800 });
+        assert_eq!(a.residents.receipt(1_000, 0, 0, 0), crate::fleet::wall::Receipt::Lost { load: 800 });
         assert_eq!(s.room_of(&a).left(), Some(0), "lost a prefix at 800: no room above it");
         assert!(s.sweep(now + 60_000).any);
         assert_eq!(s.room_of(&a).left(), Some(3_000), "empty: no session loses its prefix to another's");
@@ -993,7 +995,7 @@ mod tests {
         }
         // Five sessions on four slots: a returning one lost its prefix. The
         // loss is read in tokens (5,000), the wall in the slots held (four).
-        assert_eq!(a.residents.receipt(900, 0, false, now + 10), Receipt::Lost { load: 5_000 });
+        assert_eq!(a.residents.receipt(900, 0, 0, now + 10), Receipt::Lost { load: 5_000 });
         assert_eq!(s.wall_of(&a), Some(16_384), "the four slots, not the 5,000 tokens the five held");
         // They leave, and three come: a fourth still has its slot.
         assert!(s.sweep(now + 60_000).any);
@@ -1015,7 +1017,7 @@ mod tests {
         let now = crate::clock::now_ms();
         drop(s.begin_turn(&a, 1, None, 2_900, &Who::default(), now));
         drop(s.begin_turn(&a, 2, None, 2_900, &Who::default(), now + 1));
-        let _ = a.residents.receipt(2_500, 0, false, now + 2);
+        let _ = a.residents.receipt(2_500, 0, 0, now + 2);
         assert_eq!(a.residents.evidence.wall(), Some(5_800), "lost at 5,800 tokens resident");
         assert_eq!(s.wall_of(&a), Some(8_192), "one slot held: 5,800 tokens were two slots' worth");
         assert_eq!(entry(&[s.room_of(&a)], 2_900, 0), Entry::Hold, "it fits the slot once the slot is free");

@@ -103,7 +103,14 @@ impl Sessions {
             .iter()
             .filter(|(s, _)| *s != session)
             .map(|(s, r)| occupant(*s, r, r.next_turn_tokens(), continued(r, u64::MAX)));
-        room::must_pause(&shape, occupant(session, &me, tokens.max(me.tokens), continued(&me, now_ms)), others)
+        // Every session past the slots gives way where a turn let through
+        // evicts a whole prompt; elsewhere the first alone (`room::Yielding`).
+        let yielding = match let_through_evicts_a_prompt(replica, crate::clock::now_ms()) {
+            true => room::Yielding::Past,
+            false => room::Yielding::First,
+        };
+        let me = occupant(session, &me, tokens.max(me.tokens), continued(&me, now_ms));
+        room::must_pause(&shape, me, others, yielding)
     }
 
     /// Pauses the next turn of resident `session` on `replica` (`tokens` of
@@ -191,8 +198,8 @@ impl Sessions {
 /// session's whole prompt: it is a slot engine (each slot holds one
 /// prompt) not seen keeping more than its slots. Seen keeping more:
 /// within `WALL_MEMORY_MS` of `now_ms`, a session found its prefix after
-/// other sessions' turns with more sessions resident than it has slots
-/// (a host tier: llama-server's `--cache-ram`).
+/// the turns of as many other sessions as it has slots (more prompts than
+/// slots ran across its gap: a host tier, llama-server's `--cache-ram`).
 fn let_through_evicts_a_prompt(replica: &Replica, now_ms: u64) -> bool {
     let Some(slot) = replica.slot_tokens() else { return false };
     let slots = replica.kv_capacity().map_or(1, |kv| (kv / slot).max(1));
@@ -247,24 +254,52 @@ mod tests {
         let max = std::time::Duration::from_millis(s.settings().max_wait_ms);
         let now = crate::clock::now_ms();
         assert_eq!(s.pause_bound(&a, 2, 6_500), max, "nothing seen kept beyond the slots");
-        // Two sessions, each in its own slot, found their prefixes after
-        // each other's turns: that is what the slots keep. A turn let
-        // through would evict one of them whole.
-        drop(s.begin_turn(&a, 1, None, 2_000, &Who::default(), now));
-        drop(s.begin_turn(&a, 2, None, 2_000, &Who::default(), now + 1));
-        let _ = a.residents.receipt(1_500, 1_500, true, now + 2);
+        // Four sessions resident, two of them idle (waiting on tools, or
+        // paused): 1 and 2 take turns in the two slots and find their
+        // prefixes after each other's. That is what the slots keep, however
+        // many are resident: a turn let through would evict one whole.
+        for (id, at) in [(3, now), (4, now + 1), (1, now + 2), (2, now + 3), (1, now + 4)] {
+            drop(s.begin_turn(&a, id, None, 2_000, &Who::default(), at));
+        }
+        assert_eq!(a.residents.others_between(1), 1);
+        let _ = a.residents.receipt(1_500, 1_500, a.residents.others_between(1), now + 5);
         assert_eq!(s.pause_bound(&a, 2, 6_500), max);
-        // A third, and one of the three kept after the others' turns: two
-        // slots hold two prompts, so the engine kept one in host memory.
-        // A turn let through evicts nothing for good: it waits no longer
-        // than its cold turn (3.25 s at 2,000 tokens a second).
-        drop(s.begin_turn(&a, 3, None, 2_000, &Who::default(), now + 3));
-        let _ = a.residents.receipt(1_500, 1_500, true, now + 4);
+        // 2 and 3 take turns, then 1 again, and finds its prefix after
+        // both: three prompts across two slots, so the engine kept one in
+        // host memory. A turn let through evicts nothing for good: it
+        // waits no longer than its cold turn (3.25 s at 2,000 tokens a
+        // second).
+        drop(s.begin_turn(&a, 2, None, 2_000, &Who::default(), now + 6));
+        drop(s.begin_turn(&a, 3, None, 2_000, &Who::default(), now + 7));
+        drop(s.begin_turn(&a, 1, None, 2_000, &Who::default(), now + 8));
+        assert_eq!(a.residents.others_between(1), 2);
+        let _ = a.residents.receipt(1_500, 1_500, a.residents.others_between(1), now + 8);
         assert_eq!(s.pause_bound(&a, 2, 6_500), std::time::Duration::from_millis(3_250));
         // Evidence that old says nothing now.
-        let later = now + 4 + crate::fleet::wall::WALL_MEMORY_MS + 1;
-        assert!(!super::let_through_evicts_a_prompt(&a, now + 4));
+        let later = now + 8 + crate::fleet::wall::WALL_MEMORY_MS + 1;
+        assert!(!super::let_through_evicts_a_prompt(&a, now + 8));
         assert!(super::let_through_evicts_a_prompt(&a, later));
+    }
+
+    #[test]
+    fn on_slots_that_are_all_the_engine_keeps_every_session_past_them_pauses_and_with_a_host_tier_the_youngest_alone() {
+        let s = Sessions::new(settings()); // the wall declared: two slots
+        let a = replica("a");
+        a.set_observed_kv(Some(16_384));
+        a.set_slot_tokens(Some(8_192));
+        let now = crate::clock::now_ms();
+        // Four sessions a second apart, each shorter than a slot.
+        for id in 1..=4 {
+            drop(s.begin_turn(&a, id, None, 2_000, &Who::default(), now + id as u64 * 1_000));
+        }
+        let pauses = || (1..=4).map(|id| s.must_pause(&a, id, 2_000, u64::MAX)).collect::<Vec<_>>();
+        assert_eq!(pauses(), [false, false, true, true], "nothing seen kept beyond the slots: both past them pause");
+        // The oldest finds its prefix after three other sessions' turns:
+        // the engine keeps more prompts than its two slots.
+        drop(s.begin_turn(&a, 1, None, 2_100, &Who::default(), now + 5_000));
+        assert_eq!(a.residents.others_between(1), 3);
+        let _ = a.residents.receipt(1_500, 1_500, 3, crate::clock::now_ms());
+        assert_eq!(pauses(), [false, false, false, true], "a host tier: the youngest alone");
     }
 
     #[tokio::test(start_paused = true)]
@@ -290,7 +325,7 @@ mod tests {
         // A turn running meanwhile finds its prefix after the other's, two
         // sessions on one slot: a host tier. The pause is past its bound,
         // and ends at the next look, with no room made.
-        let _ = a.residents.receipt(1_500, 1_500, true, crate::clock::now_ms());
+        let _ = a.residents.receipt(1_500, 1_500, 1, crate::clock::now_ms());
         let waited = paused.await.unwrap().expect("it paused");
         assert!(waited >= Duration::from_secs(3) && waited <= Duration::from_secs(3) + RECHECK, "{waited:?}");
         assert!(s.must_pause(&a, 2, 2_500, u64::MAX), "ended by its bound, not by room");

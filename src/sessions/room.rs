@@ -216,23 +216,54 @@ impl Occupant {
     }
 }
 
+/// Which residents give way when a replica's residents run over it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Yielding {
+    /// The first to give way alone (`Occupant::yield_order`): the engine
+    /// evicts only what the others run over by (a pool's least recently
+    /// used blocks) or restores what it evicts (a host tier), so pausing
+    /// one is enough. Why not more there: on llama-server as shipped,
+    /// pausing every session past one slot paused 24 turns of the
+    /// agent-traffic replay where the first alone paused 3, and the replay
+    /// took 172.1 s instead of 135.4 s (docs/benchmarks-agent-traffic.md).
+    First,
+    /// Every resident past what the capacity holds, kept in the reverse
+    /// order: slots that are all the engine keeps, where each turn let
+    /// through evicts a whole prompt. Why: on two slots with four sessions,
+    /// pausing the youngest left three taking turns on two slots, each turn
+    /// evicting a kept session's whole prompt (a pause of 120 s on real
+    /// llama-server while the other three thrashed).
+    Past,
+}
+
 /// Whether the next turn of `me` (a resident of `room`'s replica, now at
 /// `tokens` of context) must pause: the residents' contexts with this turn
-/// exceed the replica's capacity, and `me` is the first to give way there
-/// (`Occupant::yield_order`: the lowest class, the client with the most
-/// sessions, the youngest). Pausing one keeps the others warm; pausing all
-/// would thrash every one. `others` are the other residents. Alone, a
-/// session never pauses, however large: no room would ever open for it.
-/// Unknown capacity: never.
-pub fn must_pause(room: &Room, me: Occupant, others: impl IntoIterator<Item = Occupant>) -> bool {
+/// exceed the replica's capacity, and `me` gives way as `yielding` says:
+/// the first to give way (`Occupant::yield_order`: the lowest class, the
+/// client with the most sessions, the youngest), or any past what the
+/// capacity holds when the residents are kept in the reverse order (its
+/// context and those of every resident kept before it exceed it).
+/// Pausing those keeps the others warm; pausing all would thrash every
+/// one. `others` are the other residents. The first kept never pauses,
+/// however large: no room would ever open for it. Unknown capacity: never.
+pub fn must_pause(room: &Room, me: Occupant, others: impl IntoIterator<Item = Occupant>, yielding: Yielding) -> bool {
     let Some(capacity) = room.capacity else { return false };
-    let (mut taken, mut first, mut alone) = (room.footprint(me.tokens), true, true);
+    let mine = me.yield_order();
+    let (mut taken, mut kept_before, mut first, mut alone) = (room.footprint(me.tokens), 0, true, true);
     for o in others {
-        taken += room.footprint(o.tokens);
-        first &= me.yield_order() < o.yield_order();
+        let footprint = room.footprint(o.tokens);
+        taken += footprint;
+        if o.yield_order() > mine {
+            kept_before += footprint;
+        } else {
+            first = false;
+        }
         alone = false;
     }
-    taken > capacity && first && !alone
+    match yielding {
+        Yielding::First => taken > capacity && first && !alone,
+        Yielding::Past => kept_before > 0 && room.footprint(me.tokens) + kept_before > capacity,
+    }
 }
 
 /// Which lower-class residents give their room to a waiting session of
@@ -361,22 +392,56 @@ mod tests {
             client_sessions: 1,
         };
         // Three sessions at 4,000 fit; the youngest growing to 5,000 crosses the pool.
-        assert!(!must_pause(&pool, at(3, 4_000), [at(1, 4_000), at(2, 4_000)]));
-        assert!(must_pause(&pool, at(3, 5_000), [at(1, 4_000), at(2, 4_000)]));
+        assert!(!must_pause(&pool, at(3, 4_000), [at(1, 4_000), at(2, 4_000)], Yielding::First));
+        assert!(must_pause(&pool, at(3, 5_000), [at(1, 4_000), at(2, 4_000)], Yielding::First));
         // An older one crossing it does not pause: the youngest will.
-        assert!(!must_pause(&pool, at(2, 5_000), [at(1, 4_000), at(3, 4_000)]));
+        assert!(!must_pause(&pool, at(2, 5_000), [at(1, 4_000), at(3, 4_000)], Yielding::First));
         // Room opened (the oldest idled out): the youngest goes on.
-        assert!(!must_pause(&pool, at(3, 5_000), [at(2, 4_000)]));
+        assert!(!must_pause(&pool, at(3, 5_000), [at(2, 4_000)], Yielding::First));
         let unknown = Room { capacity: None, taken: 0, slot_tokens: None };
-        assert!(!must_pause(&unknown, at(3, 50_000), [at(1, 4_000)]));
+        assert!(!must_pause(&unknown, at(3, 50_000), [at(1, 4_000)], Yielding::First));
         // On one-slot llama.cpp replicas, a second conversation never fits beside the first.
         let slot = Room { capacity: Some(8_192), taken: 0, slot_tokens: Some(8_192) };
-        assert!(must_pause(&slot, at(2, 100), [at(1, 100)]));
+        assert!(must_pause(&slot, at(2, 100), [at(1, 100)], Yielding::First));
         // Alone on it, a session larger than the replica goes on: nothing would make room.
-        assert!(!must_pause(&pool, at(1, 50_000), []));
+        assert!(!must_pause(&pool, at(1, 50_000), [], Yielding::First));
         // Two that arrived in the same millisecond: exactly one pauses.
         let (x, y) = (Occupant { id: 1, ..at(5, 7_000) }, Occupant { id: 2, ..at(5, 7_000) });
-        assert!(must_pause(&pool, y, [x]) != must_pause(&pool, x, [y]));
+        assert!(must_pause(&pool, y, [x], Yielding::First) != must_pause(&pool, x, [y], Yielding::First));
+    }
+
+    #[test]
+    fn on_slots_that_are_all_the_engine_keeps_every_session_past_them_pauses_not_only_the_youngest() {
+        let at = |arrived_ms, tokens| Occupant {
+            arrived_ms,
+            continued_ms: arrived_ms,
+            id: u128::from(arrived_ms),
+            tokens,
+            class: Class::Default,
+            client_sessions: 1,
+        };
+        // Four sessions on two slots: the two oldest keep theirs, both
+        // younger ones pause (with only the youngest paused, the third
+        // would evict one of the first two every turn).
+        let slots = Room { capacity: Some(16_384), taken: 0, slot_tokens: Some(8_192) };
+        let all = [at(1_000, 2_000), at(2_000, 2_000), at(3_000, 2_000), at(4_000, 2_000)];
+        let pauses_at = |yielding| {
+            (0..4)
+                .map(|i: usize| {
+                    let others = all.iter().enumerate().filter(|(j, _)| *j != i).map(|(_, o)| *o);
+                    must_pause(&slots, all[i], others, yielding)
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(pauses_at(Yielding::Past), [false, false, true, true]);
+        // Where the engine keeps more than its slots, the youngest alone.
+        assert_eq!(pauses_at(Yielding::First), [false, false, false, true]);
+        // An older session grown past what it and the oldest fit pauses
+        // too; the oldest, first kept, never does.
+        let pool = room(12_000, 0);
+        assert!(must_pause(&pool, at(2_000, 9_000), [at(1_000, 4_000), at(3_000, 1_000)], Yielding::Past));
+        assert!(!must_pause(&pool, at(2_000, 9_000), [at(1_000, 4_000), at(3_000, 1_000)], Yielding::First));
+        assert!(!must_pause(&pool, at(1_000, 13_000), [at(2_000, 4_000)], Yielding::Past));
     }
 
     #[test]
@@ -393,13 +458,20 @@ mod tests {
         // The same millisecond, the engine served `ahead` first: it
         // continued first, so `behind` (the smaller id, even) yields.
         let (ahead, behind) = (o(2, 10_000, 10_400), o(1, 10_000, 10_800));
-        assert!(must_pause(&pool, behind, [ahead]) && !must_pause(&pool, ahead, [behind]));
+        assert!(
+            must_pause(&pool, behind, [ahead], Yielding::First) && !must_pause(&pool, ahead, [behind], Yielding::First)
+        );
         // Not continued yet: younger than any that has.
         let (ahead, behind) = (o(1, 10_000, 10_400), o(2, 10_000, u64::MAX));
-        assert!(must_pause(&pool, behind, [ahead]) && !must_pause(&pool, ahead, [behind]));
+        assert!(
+            must_pause(&pool, behind, [ahead], Yielding::First) && !must_pause(&pool, ahead, [behind], Yielding::First)
+        );
         // Another second: arrival decides, however late the older continued.
         let (older, younger) = (o(1, 10_000, 19_000), o(2, 11_000, 11_400));
-        assert!(must_pause(&pool, younger, [older]) && !must_pause(&pool, older, [younger]));
+        assert!(
+            must_pause(&pool, younger, [older], Yielding::First)
+                && !must_pause(&pool, older, [younger], Yielding::First)
+        );
     }
 
     #[test]
@@ -415,11 +487,11 @@ mod tests {
         };
         // An older background session pauses before a younger interactive one.
         let (bg, int) = (o(1, Class::Background, 1), o(2, Class::Interactive, 1));
-        assert!(must_pause(&pool, bg, [int]) && !must_pause(&pool, int, [bg]));
+        assert!(must_pause(&pool, bg, [int], Yielding::First) && !must_pause(&pool, int, [bg], Yielding::First));
         // Same class: the client with three sessions here yields before the
         // one with one, even though that one is younger.
         let (many, one) = (o(1, Class::Default, 3), o(2, Class::Default, 1));
-        assert!(must_pause(&pool, many, [one]) && !must_pause(&pool, one, [many]));
+        assert!(must_pause(&pool, many, [one], Yielding::First) && !must_pause(&pool, one, [many], Yielding::First));
     }
 
     #[test]
