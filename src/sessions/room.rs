@@ -335,6 +335,19 @@ mod tests {
         assert!(!admit_and_pause(12_000, &full, new, Pace::default()));
     }
 
+    /// A default-class resident of one client, arrived (and continued) at
+    /// `arrived_ms`, at `tokens` of context.
+    fn at(arrived_ms: u64, tokens: u64) -> Occupant {
+        Occupant {
+            arrived_ms,
+            continued_ms: arrived_ms,
+            id: u128::from(arrived_ms),
+            tokens,
+            class: Class::Default,
+            client_sessions: 1,
+        }
+    }
+
     fn room(capacity: u64, taken: u64) -> Room {
         Room { capacity: Some(capacity), taken, slot_tokens: None }
     }
@@ -383,14 +396,6 @@ mod tests {
     #[test]
     fn only_the_youngest_resident_pauses_and_only_over_the_pool() {
         let pool = room(12_000, 0);
-        let at = |arrived_ms, tokens| Occupant {
-            arrived_ms,
-            continued_ms: arrived_ms,
-            id: u128::from(arrived_ms),
-            tokens,
-            class: Class::Default,
-            client_sessions: 1,
-        };
         // Three sessions at 4,000 fit; the youngest growing to 5,000 crosses the pool.
         assert!(!must_pause(&pool, at(3, 4_000), [at(1, 4_000), at(2, 4_000)], Yielding::First));
         assert!(must_pause(&pool, at(3, 5_000), [at(1, 4_000), at(2, 4_000)], Yielding::First));
@@ -412,14 +417,6 @@ mod tests {
 
     #[test]
     fn on_slots_that_are_all_the_engine_keeps_every_session_past_them_pauses_not_only_the_youngest() {
-        let at = |arrived_ms, tokens| Occupant {
-            arrived_ms,
-            continued_ms: arrived_ms,
-            id: u128::from(arrived_ms),
-            tokens,
-            class: Class::Default,
-            client_sessions: 1,
-        };
         // Four sessions on two slots: the two oldest keep theirs, both
         // younger ones pause (with only the youngest paused, the third
         // would evict one of the first two every turn).
