@@ -105,6 +105,7 @@ impl Sessions {
             .map(|(s, r)| occupant(*s, r, r.next_turn_tokens(), continued(r, u64::MAX)));
         // Every session past the slots gives way where a turn let through
         // evicts a whole prompt; elsewhere the first alone (`room::Yielding`).
+        // The evidence is read as of now: `now_ms` is when this turn came.
         let yielding = match let_through_evicts_a_prompt(replica, crate::clock::now_ms()) {
             true => room::Yielding::Past,
             false => room::Yielding::First,
@@ -200,6 +201,9 @@ impl Sessions {
 /// within `WALL_MEMORY_MS` of `now_ms`, a session found its prefix after
 /// the turns of as many other sessions as it has slots (more prompts than
 /// slots ran across its gap: a host tier, llama-server's `--cache-ram`).
+/// It decides both how long a pause lasts (`pause_bound`) and who pauses
+/// (`room::Yielding` in `must_pause`): one reading of the evidence, so the
+/// two never disagree about the engine.
 fn let_through_evicts_a_prompt(replica: &Replica, now_ms: u64) -> bool {
     let Some(slot) = replica.slot_tokens() else { return false };
     let slots = replica.kv_capacity().map_or(1, |kv| (kv / slot).max(1));
