@@ -101,7 +101,7 @@ function learnedLabel(c) {
 function learnedTitle(c) {
   const e = c.evidence || {};
   const rate = c.prefill_tokens_per_s !== undefined ? `; prefill measured at ${fmtTokens(c.prefill_tokens_per_s)} tokens/s` : "";
-  return `receipts: ${e.receipts_kept || 0} kept (the most resident when kept: ${e.kept_at_tokens || 0} tokens), ${e.receipts_lost || 0} lost${rate}`;
+  return `receipts: ${e.receipts_kept || 0} kept (the most resident when kept: ${e.kept_at_tokens || 0} tokens; kept across ${e.kept_sessions || 0} sessions' turns), ${e.receipts_lost || 0} lost${rate}`;
 }
 
 function renderReplicas(replicas, capacity) {

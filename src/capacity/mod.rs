@@ -191,6 +191,12 @@ pub struct Learned {
     /// prefix: it keeps at least this much (more than its slot or pool,
     /// where the engine keeps prompts in host memory).
     pub kept_at_tokens: u64,
+    /// The most sessions a returning session's prefix was kept across:
+    /// itself and the other sessions whose turns ran there in its gap. On
+    /// slots the kept side of the capacity is this many whole slots, as
+    /// the wall is.
+    #[serde(default)]
+    pub kept_sessions: u64,
     /// Receipts read: prefixes found, prefixes lost.
     pub receipts_kept: u64,
     pub receipts_lost: u64,
@@ -215,11 +221,19 @@ impl Learned {
     /// What the replica holds as learned, starting from `declared`: the
     /// most it was seen to keep (the declared capacity, raised by kept
     /// receipts), and no more than where it was seen to lose a prefix
-    /// (`wall`, on slots of `slot_tokens` in whole slots). Why the lower
-    /// of the two: a loss is read at the load resident when it was found,
-    /// which can be above what the replica keeps.
+    /// (`wall`). On slots of `slot_tokens` both sides count whole slots:
+    /// the sessions kept across each other's turns, the sessions held at
+    /// the wall. Why not the kept tokens there: five sessions of 3,000
+    /// tokens kept on 8,192-token slots (a host tier) are 15,000 tokens
+    /// but five slots of room, and the tokens would cap the room at one. Why the lower of the two: a
+    /// loss is read at the load resident when it was found, which can be
+    /// above what the replica keeps.
     pub fn capacity(&self, declared: Option<u64>, slot_tokens: Option<u64>) -> Option<u64> {
-        let kept = Some(declared.map_or(self.kept_at_tokens, |d| d.max(self.kept_at_tokens))).filter(|k| *k > 0);
+        let kept_at = match slot_tokens {
+            Some(slot) if slot > 0 => self.kept_sessions.saturating_mul(slot),
+            _ => self.kept_at_tokens,
+        };
+        let kept = Some(declared.map_or(kept_at, |d| d.max(kept_at))).filter(|k| *k > 0);
         match (self.wall(slot_tokens), kept) {
             (Some(wall), Some(kept)) => Some(wall.min(kept)),
             (wall, kept) => wall.or(kept),

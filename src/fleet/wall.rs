@@ -88,10 +88,13 @@ pub struct WallEvidence {
     wall_lesson: AtomicBool,
     /// Receipts read here: kept (a returning session found its prefix),
     /// lost (found less than half of it), and the highest load a kept
-    /// one was read at: the evidence of what the replica keeps (`learned`).
+    /// one was read at, and the most sessions one was kept across (itself
+    /// and the sessions whose turns ran here in its gap; slots count
+    /// sessions): the evidence of what the replica keeps (`learned`).
     kept: AtomicU64,
     lost: AtomicU64,
     kept_high: AtomicU64,
+    kept_sessions_high: AtomicU64,
     /// The most resident when a returning session found its prefix after
     /// other sessions' turns, and when (ms): a loss at about that load is
     /// not the replica's wall (`Receipt::Missed`).
@@ -116,6 +119,7 @@ impl WallEvidence {
             wall_tokens,
             wall_sessions: wall_tokens.and(Some(self.wall_sessions.load(Ordering::Relaxed)).filter(|s| *s > 0)),
             kept_at_tokens: self.kept_high.load(Ordering::Relaxed),
+            kept_sessions: self.kept_sessions_high.load(Ordering::Relaxed),
             receipts_kept: self.kept.load(Ordering::Relaxed),
             receipts_lost: self.lost.load(Ordering::Relaxed),
         }
@@ -240,6 +244,7 @@ impl WallEvidence {
         } else if cached.saturating_mul(10) >= predicted.saturating_mul(9) {
             self.kept.fetch_add(1, Ordering::Relaxed);
             self.kept_high.fetch_max(tokens, Ordering::Relaxed);
+            self.kept_sessions_high.fetch_max(u64::from(others_between) + 1, Ordering::Relaxed);
             if after_others {
                 self.kept_beside_at(tokens, u64::from(others_between) + 1, now_ms);
             }
@@ -351,6 +356,33 @@ mod tests {
         // Kept beside others above it: forgotten, sessions and all.
         let _ = w.receipt(Load { tokens: 2_000, sessions: 2 }, 900, 900, 1, 3);
         assert_eq!((w.learned().wall_tokens, w.learned().wall_sessions), (None, None));
+    }
+
+    #[test]
+    fn on_slots_what_was_kept_counts_whole_slots_as_the_wall_does() {
+        let w = WallEvidence::default();
+        let slot = Some(8_192);
+        // One slot and nothing beyond it: kept with another session
+        // resident but none run between proves the one slot only.
+        let _ = w.receipt(Load { tokens: 6_000, sessions: 2 }, 2_000, 2_000, 0, 0);
+        let _ = w.receipt(Load { tokens: 9_000, sessions: 3 }, 2_000, 0, 0, 1);
+        let learned = w.learned();
+        assert_eq!((learned.kept_sessions, learned.wall_sessions), (1, Some(2)));
+        assert_eq!(learned.capacity(Some(8_192), slot), Some(8_192), "one slot kept, whatever was resident");
+        // One slot and a host tier: a session kept across four others'
+        // turns, five sessions of 3,000 tokens.
+        let w = WallEvidence::default();
+        let _ = w.receipt(Load { tokens: 15_000, sessions: 5 }, 2_000, 2_000, 4, 0);
+        // Then a loss with seven resident: six held at the wall.
+        let _ = w.receipt(Load { tokens: 21_000, sessions: 7 }, 2_000, 0, 0, 1);
+        let learned = w.learned();
+        assert_eq!((learned.kept_at_tokens, learned.kept_sessions, learned.wall_sessions), (15_000, 5, Some(6)));
+        assert_eq!(
+            learned.capacity(Some(8_192), slot),
+            Some(5 * 8_192),
+            "five sessions kept are five slots of room, not 15,000 tokens (one slot)"
+        );
+        assert_eq!(learned.capacity(Some(8_192), None), Some(15_000), "a pool reads tokens");
     }
 
     #[test]
