@@ -17,9 +17,12 @@
 # 8,000-token families (+200 a turn). The same with the new instances
 # started GAP (6) seconds after the stop, each way ROUNDS times,
 # interleaved: prints both walls and the ratio now/later.
+# SIM_ARGS: more sim-replica flags, for both replicas: `--slots 1` makes
+# them llama-server-like (one slot of SIM_KV tokens, nothing kept beyond
+# it), where the wall is learned from receipts (sessions.wall = "auto").
 # BIN=path/to/prefixgate runs that build instead of building this tree.
 # Never run in CI. Needs redis-server.
-# Usage: [ROUNDS=3 FAMILIES=4 SIM_KV=12000 TIME_SCALE=0.25 CONTEXT=8000 TURN=200] bench/wall-instances.sh
+# Usage: [ROUNDS=3 FAMILIES=4 SIM_KV=12000 TIME_SCALE=0.25 CONTEXT=8000 TURN=200 SIM_ARGS=] bench/wall-instances.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-3}; FAMILIES=${FAMILIES:-4}; SIM_KV=${SIM_KV:-12000}; TIME_SCALE=${TIME_SCALE:-0.25}
@@ -29,8 +32,10 @@ bin=${BIN:-$PWD/target/release/prefixgate}
 source bench/lib.sh
 bench_init
 tmp=$BENCH_TMP
-start_sim a --kv-tokens "$SIM_KV" --time-scale "$TIME_SCALE"
-start_sim b --kv-tokens "$SIM_KV" --time-scale "$TIME_SCALE"
+# shellcheck disable=SC2086 # SIM_ARGS is a list of flags
+start_sim a --kv-tokens "$SIM_KV" --time-scale "$TIME_SCALE" ${SIM_ARGS:-}
+# shellcheck disable=SC2086
+start_sim b --kv-tokens "$SIM_KV" --time-scale "$TIME_SCALE" ${SIM_ARGS:-}
 
 # arm N ROUND: N instances on a fresh Redis; prints the wall time in seconds.
 arm() {

@@ -241,7 +241,9 @@ impl AppState {
     /// This instance's heartbeat in a shared store (no-op otherwise).
     async fn heartbeat(&self, admin_url: Option<String>) -> Result<(), StoreError> {
         let Some(instance) = self.store.instance() else { return Ok(()) };
-        let inflight = self.fleet.snapshot().iter().map(|r| (r.id.to_string(), r.inflight())).collect();
+        let fleet = self.fleet.snapshot();
+        let inflight = fleet.iter().map(|r| (r.id.to_string(), r.inflight())).collect();
+        let walls = fleet.iter().filter_map(|r| Some((r.id.to_string(), r.residents.evidence.shared()?))).collect();
         let now = crate::clock::now_ms();
         let beat = crate::store::InstanceBeat {
             instance: instance.to_string(),
@@ -249,6 +251,7 @@ impl AppState {
             inflight,
             admin_url,
             running: self.capacity.running.totals(),
+            walls,
         };
         let result = async {
             self.store.heartbeat(&beat).await?;
@@ -268,11 +271,47 @@ impl AppState {
                     e.1 += tokens;
                 }
             }
-            for r in self.fleet.snapshot().iter() {
+            for r in fleet.iter() {
                 r.capacity.set_running_elsewhere(elsewhere.get(&*r.id).copied().unwrap_or_default());
             }
+            self.merge_walls(instance, beats, now);
         }
         result.map(|_| ())
+    }
+
+    /// Merges the walls the other live instances hold into this one's
+    /// (`fleet::wall::shared`): a wall is the replica's, whichever instance
+    /// saw it. Said in history as a wall seen here would be.
+    fn merge_walls(&self, me: &str, beats: &[crate::store::InstanceBeat], now: u64) {
+        use crate::events::EventKind;
+        use crate::fleet::wall::Merged;
+        let live = beats
+            .iter()
+            .filter(|b| b.instance != me && now.saturating_sub(b.at_ms) <= crate::operator::INSTANCE_TIMEOUT_MS);
+        for b in live {
+            for (id, wall) in &b.walls {
+                let Some(r) = self.fleet.get(id) else { continue };
+                let (kind, detail) = match r.residents.evidence.merge(*wall, now) {
+                    Merged::Nothing => continue,
+                    Merged::Seen(at) => (
+                        EventKind::KvWallSeen,
+                        format!(
+                            "instance {} saw the wall at ~{at} tokens resident: no new session above that load",
+                            b.instance
+                        ),
+                    ),
+                    Merged::Forgotten(was) => (
+                        EventKind::KvWallForgotten,
+                        format!(
+                            "instance {} found a prefix kept above the wall at ~{was} tokens: forgotten",
+                            b.instance
+                        ),
+                    ),
+                };
+                tracing::info!(replica = %r.id, "{detail}");
+                self.events.record(kind, Some(&r.id), None, detail);
+            }
+        }
     }
 
     /// Graceful shutdown's last step: everything to disk.

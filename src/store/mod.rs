@@ -124,6 +124,10 @@ pub struct InstanceBeat {
     /// Requests it runs now, per replica: (count, estimated prompt tokens).
     #[serde(default)]
     pub running: std::collections::BTreeMap<String, (u64, u64)>,
+    /// The walls it holds, per replica (`fleet::wall::SharedWall`): every
+    /// instance merges them into its own.
+    #[serde(default)]
+    pub walls: std::collections::BTreeMap<String, crate::fleet::wall::SharedWall>,
 }
 
 /// Every call may wait on a network or a disk: callers await it, and no

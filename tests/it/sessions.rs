@@ -528,6 +528,42 @@ async fn a_receipt_that_shows_a_lost_prefix_closes_the_replica_to_new_sessions()
     gw.stop().await;
 }
 
+/// Several instances behave as one at the wall: a wall one instance read
+/// from a receipt is every instance's within a heartbeat, with a
+/// `kv_wall_seen` event that names where it was seen; a new session sent
+/// to the other instance waits below it as it would on the first.
+#[actix_web::test]
+async fn a_wall_one_instance_saw_holds_new_sessions_on_every_instance() {
+    let Some(redis) = crate::shared::Redis::start() else { return };
+    let a = start_sim("a", card()).await;
+    let config = |name: &str| on_redis(holding(&[&a], 10_000, 8), &redis, name);
+    let (g1, g2) = (start_gateway(config("gw1")).await, start_gateway(config("gw2")).await);
+    for g in [&g1, &g2] {
+        capacity_read(g).await;
+    }
+    assert_eq!(send(&g1, "kept", 1).await.status, 200);
+    // A one-shot evicts the session's prefix; its next turn on gw1 finds it lost.
+    assert_eq!(chat(&g1, &[("user", &text("a large one-shot", 19_000))]).await.status, 200);
+    let second = send(&g1, "kept", 2).await;
+    assert!(cached_tokens(&second) < 1_000, "the prefix was lost: {} cached", cached_tokens(&second));
+    let seen = g1.gw.fleet.get("a").unwrap().residents.evidence.wall().expect("gw1 saw the wall");
+    let other = g2.gw.fleet.get("a").unwrap();
+    wait_until("gw2 holds gw1's wall", Duration::from_secs(5), || other.residents.evidence.wall() == Some(seen)).await;
+    let kind = Some(prefixgate::events::EventKind::KvWallSeen);
+    let all = g2.gw.events.query(&prefixgate::events::EventFilter { kind, limit: 10, ..Default::default() });
+    let said: Vec<_> = all.iter().filter(|e| e.instance.as_deref() == Some("gw2")).collect();
+    assert_eq!(said.len(), 1, "said once by gw2: {all:?}");
+    assert!(said[0].detail.contains("instance gw1"), "{}", said[0].detail);
+    // A new ~6,000-token session fits the capacity, not the wall: held on gw2 too.
+    let newcomer = spawn_turn_of(&g2, "newcomer", 6_000);
+    wait_until("the newcomer held on gw2", Duration::from_secs(5), || g2.gw.sessions.held() == 1).await;
+    let newcomer = newcomer.await.unwrap();
+    assert_eq!(newcomer.status, 200);
+    assert!(held_ms(&newcomer).is_some(), "it waited for room below the wall");
+    g1.stop().await;
+    g2.stop().await;
+}
+
 /// A family's first turn of about `tokens`, sent on its own task (it may be held).
 fn spawn_turn_of(gw: &Gw, family: &str, tokens: usize) -> actix_web::rt::task::JoinHandle<Reply> {
     spawn_chat(gw, vec![("system".into(), text(family, tokens)), ("user".into(), format!("{family} task"))])

@@ -6,7 +6,11 @@
 //! resident (`Residents::load`, raw tokens) and passes
 //! it in, so every rule here is tested with plain numbers.
 
+mod shared;
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+pub use shared::{Merged, SharedWall};
 
 use crate::capacity::Learned;
 
@@ -83,6 +87,10 @@ pub struct WallEvidence {
     /// or above it), ms: a wall not confirmed for `WALL_MEMORY_MS` is
     /// forgotten (`forget_stale_wall`).
     wall_confirmed_ms: AtomicU64,
+    /// When a kept receipt above the wall last raised it or showed it was
+    /// not the replica's, ms (0: never): another instance's losses older
+    /// than that do not lower it again (`merge`).
+    raised_ms: AtomicU64,
     /// The wall was set or lowered since the projections last learned from
     /// the sessions resident here (`take_wall_lesson`).
     wall_lesson: AtomicBool,
@@ -156,25 +164,29 @@ impl WallEvidence {
         })
     }
 
-    /// Sets the wall at `load` when none was seen or it is lower; a wall
-    /// that moved leaves a lesson (the same wall seen again teaches nothing).
-    /// Either way the wall is confirmed now. The sessions held there are
-    /// one fewer than were resident: the one that lost its prefix is what
-    /// did not fit.
+    /// Sets the wall at `load` when none was seen or it is lower, and
+    /// confirms it now. The sessions held there are one fewer than were
+    /// resident: the one that lost its prefix is what did not fit.
     fn lower_wall(&self, load: Load, now_ms: u64) {
+        self.lower_wall_to(load.tokens, load.sessions.saturating_sub(1).max(1), now_ms);
+    }
+
+    /// Sets the wall at `tokens` (`held` sessions) when none was seen or
+    /// it is lower; a wall that moved leaves a lesson (the same wall seen
+    /// again teaches nothing). Either way the wall is confirmed at `at_ms`.
+    fn lower_wall_to(&self, tokens: u64, held: u64, at_ms: u64) {
         let lower = |at: u64| {
             move |w: u64| match w {
                 0 => Some(at),
                 w => (at < w).then_some(at),
             }
         };
-        let before = self.wall.fetch_update(Ordering::Relaxed, Ordering::Relaxed, lower(load.tokens));
+        let before = self.wall.fetch_update(Ordering::Relaxed, Ordering::Relaxed, lower(tokens));
         if before.is_ok() {
             self.wall_lesson.store(true, Ordering::Relaxed);
         }
-        let held = load.sessions.saturating_sub(1).max(1);
         let _ = self.wall_sessions.fetch_update(Ordering::Relaxed, Ordering::Relaxed, lower(held));
-        self.wall_confirmed_ms.fetch_max(now_ms, Ordering::Relaxed);
+        self.wall_confirmed_ms.fetch_max(at_ms, Ordering::Relaxed);
     }
 
     /// Forgets a wall no loss confirmed for `WALL_MEMORY_MS`; returns it
@@ -254,6 +266,9 @@ impl WallEvidence {
             let raised = self.wall.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| {
                 (w > 0 && tokens > w).then_some(if after_others { 0 } else { tokens })
             });
+            if raised.is_ok() {
+                self.raised_ms.fetch_max(now_ms, Ordering::Relaxed);
+            }
             match raised {
                 Ok(wall) if after_others => {
                     self.wall_sessions.store(0, Ordering::Relaxed);
