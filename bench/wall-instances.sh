@@ -17,16 +17,19 @@
 # 8,000-token families (+200 a turn). The same with the new instances
 # started GAP (6) seconds after the stop, each way ROUNDS times,
 # interleaved: prints both walls and the ratio now/later.
+# SETS (1): sets of new families, one after the other on the same
+# gateways (each once the one before idled out); the ratio is the last
+# set's, which meets whatever walls the gateways learned from the sets before.
 # SIM_ARGS: more sim-replica flags, for both replicas: `--slots 1` makes
 # them llama-server-like (one slot of SIM_KV tokens, nothing kept beyond
 # it), where the wall is learned from receipts (sessions.wall = "auto").
 # BIN=path/to/prefixgate runs that build instead of building this tree.
 # Never run in CI. Needs redis-server.
-# Usage: [ROUNDS=3 FAMILIES=4 SIM_KV=12000 TIME_SCALE=0.25 CONTEXT=8000 TURN=200 SIM_ARGS=] bench/wall-instances.sh
+# Usage: [ROUNDS=3 FAMILIES=4 SIM_KV=12000 TIME_SCALE=0.25 CONTEXT=8000 TURN=200 SETS=1 SIM_ARGS=] bench/wall-instances.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-3}; FAMILIES=${FAMILIES:-4}; SIM_KV=${SIM_KV:-12000}; TIME_SCALE=${TIME_SCALE:-0.25}
-CONTEXT=${CONTEXT:-8000}; TURN=${TURN:-200}
+CONTEXT=${CONTEXT:-8000}; TURN=${TURN:-200}; SETS=${SETS:-1}
 if [ -z "${BIN:-}" ]; then cargo build --release -q; fi
 bin=${BIN:-$PWD/target/release/prefixgate}
 source bench/lib.sh
@@ -52,11 +55,17 @@ arm() {
       curl -s "$admin/admin/v1/capacity" | grep -q '"kv_tokens":[0-9]' && break; sleep 0.2
     done
   done
-  start=$(date +%s.%N)
-  $bin bench agent-loop --base-url "$(IFS=,; echo "${urls[*]}")" --families "$FAMILIES" --turns 6 \
-    --system-tokens 500 --context-tokens "$CONTEXT" --turn-tokens "$TURN" --max-tokens 16 --json >"$tmp/r$round-n$n.json"
-  echo "$(date +%s.%N) - $start" | bc
-  python3 -c 'import json,sys; r=json.load(open(sys.argv[1]))["summary"]; print("  errors", r["errors"], file=sys.stderr)' "$tmp/r$round-n$n.json"
+  local set wall
+  for set in $(seq 1 "$SETS"); do
+    [ "$set" = 1 ] || sleep 3 # the set before idles out
+    start=$(date +%s.%N)
+    $bin bench agent-loop --base-url "$(IFS=,; echo "${urls[*]}")" --families "$FAMILIES" --turns 6 --label "set$set" \
+      --system-tokens 500 --context-tokens "$CONTEXT" --turn-tokens "$TURN" --max-tokens 16 --json >"$tmp/r$round-n$n.json"
+    wall=$(echo "$(date +%s.%N) - $start" | bc)
+    python3 -c 'import json,sys; r=json.load(open(sys.argv[1]))["summary"]; print("  set", sys.argv[2], "wall", sys.argv[3], "s, errors", r["errors"], file=sys.stderr)' \
+      "$tmp/r$round-n$n.json" "$set" "$wall"
+  done
+  echo "$wall"
   local paused=0 held=0
   for admin in "${admins[@]}"; do
     paused=$((paused + $(curl -s "$admin/metrics" | awk '/^prefixgate_session_turns_paused_total/ {n += $2} END {print int(n)}')))

@@ -283,33 +283,19 @@ impl AppState {
     /// (`fleet::wall::shared`): a wall is the replica's, whichever instance
     /// saw it. Said in history as a wall seen here would be.
     fn merge_walls(&self, me: &str, beats: &[crate::store::InstanceBeat], now: u64) {
-        use crate::events::EventKind;
-        use crate::fleet::wall::Merged;
         let live = beats
             .iter()
             .filter(|b| b.instance != me && now.saturating_sub(b.at_ms) <= crate::operator::INSTANCE_TIMEOUT_MS);
         for b in live {
             for (id, wall) in &b.walls {
                 let Some(r) = self.fleet.get(id) else { continue };
-                let (kind, detail) = match r.residents.evidence.merge(*wall, now) {
-                    Merged::Nothing => continue,
-                    Merged::Seen(at) => (
-                        EventKind::KvWallSeen,
-                        format!(
-                            "instance {} saw the wall at ~{at} tokens resident: no new session above that load",
-                            b.instance
-                        ),
-                    ),
-                    Merged::Forgotten(was) => (
-                        EventKind::KvWallForgotten,
-                        format!(
-                            "instance {} found a prefix kept above the wall at ~{was} tokens: forgotten",
-                            b.instance
-                        ),
-                    ),
-                };
+                let Some(at) = r.residents.evidence.merge(*wall, now) else { continue };
+                let detail = format!(
+                    "instance {} saw the wall at ~{at} tokens resident: no new session above that load",
+                    b.instance
+                );
                 tracing::info!(replica = %r.id, "{detail}");
-                self.events.record(kind, Some(&r.id), None, detail);
+                self.events.record(crate::events::EventKind::KvWallSeen, Some(&r.id), None, detail);
             }
         }
     }

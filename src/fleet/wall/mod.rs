@@ -10,7 +10,7 @@ mod shared;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-pub use shared::{Merged, SharedWall};
+pub use shared::SharedWall;
 
 use crate::capacity::Learned;
 
@@ -88,7 +88,7 @@ pub struct WallEvidence {
     /// forgotten (`forget_stale_wall`).
     wall_confirmed_ms: AtomicU64,
     /// When a kept receipt above the wall last raised it or showed it was
-    /// not the replica's, ms (0: never): another instance's losses older
+    /// not the replica's, ms (0: never): another instance's losses no newer
     /// than that do not lower it again (`merge`).
     raised_ms: AtomicU64,
     /// The wall was set or lowered since the projections last learned from

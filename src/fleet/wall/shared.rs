@@ -7,12 +7,18 @@
 //! had seen, until a session of its own lost its prefix there: a re-prefill
 //! per instance and replica, again after each wall was forgotten.
 //!
-//! The rule: losses meet at the lowest (each is evidence of the wall),
-//! unless a kept receipt above the wall came after them (it raised the
-//! wall, or showed it was not the replica's): then the state of the
-//! instance that read that receipt wins. Forgetting a stale wall needs no
-//! message: every instance holds the same confirmation time, so each
-//! forgets it at the same moment, and a stale report is never taken back.
+//! What is shared is losses: they meet at the lowest, unless a kept
+//! receipt above the wall came after them on the instance merging them
+//! (it raised the wall there, or showed it was not the replica's). A kept
+//! receipt is not shared: it raises or forgets the wall only where it was
+//! read. Why: sharing those too (a first version) spread every forgetting
+//! to every instance, and with three instances on slot-declared replicas
+//! that keep partial prefixes (`SETS=2 SIM_ARGS="--slots 1"
+//! bench/wall-instances.sh`) the second set took 4.3-6.7 s in four of six
+//! runs, against 3.65 s in all six before; with losses alone, 3.64-3.67 s
+//! in six of six. Forgetting a stale wall needs no message: every instance
+//! holds the same confirmation time, so each forgets it at the same
+//! moment, and a stale report is never taken back.
 
 use std::sync::atomic::Ordering;
 
@@ -29,61 +35,33 @@ pub struct SharedWall {
     pub sessions: u64,
     /// When a loss last confirmed it, ms since the epoch (0: never).
     pub confirmed_ms: u64,
-    /// When a kept receipt above a wall last raised it or showed it was
-    /// not the replica's, ms since the epoch (0: never).
-    pub raised_ms: u64,
-}
-
-/// What merging another instance's wall changed here.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Merged {
-    Nothing,
-    /// A wall appeared or came lower: new sessions above it wait.
-    Seen(u64),
-    /// The wall here (this many tokens) was not the replica's.
-    Forgotten(u64),
 }
 
 impl WallEvidence {
     /// What this instance holds of the replica's wall, for the others;
-    /// None: nothing to tell (no wall, and none ever raised).
+    /// None: no wall.
     pub fn shared(&self) -> Option<SharedWall> {
         let wall = SharedWall {
             tokens: self.wall.load(Ordering::Relaxed),
             sessions: self.wall_sessions.load(Ordering::Relaxed),
             confirmed_ms: self.wall_confirmed_ms.load(Ordering::Relaxed),
-            raised_ms: self.raised_ms.load(Ordering::Relaxed),
         };
-        (wall.tokens > 0 || wall.raised_ms > 0).then_some(wall)
+        (wall.tokens > 0).then_some(wall)
     }
 
     /// Merges another instance's wall (`other`, from its heartbeat) into
-    /// this one at `now_ms`. A loss it saw lowers the wall here, unless a
-    /// kept receipt here came after it; a kept receipt it read after every
-    /// loss seen here makes its wall this one's. A wall no loss confirmed
-    /// for `WALL_MEMORY_MS` is not taken. The steps are atomic each, not
-    /// together: a receipt read between them is merged again on the next
-    /// heartbeat, a fraction of a second later.
-    pub fn merge(&self, other: SharedWall, now_ms: u64) -> Merged {
-        let before = self.wall();
+    /// this one at `now_ms`: it lowers the wall here as a loss seen here
+    /// would, unless a kept receipt here came after it (`raised_ms`) or no
+    /// loss confirmed it for `WALL_MEMORY_MS`. Returns the wall when it
+    /// appeared or came lower here (new sessions above it wait).
+    pub fn merge(&self, other: SharedWall, now_ms: u64) -> Option<u64> {
         let fresh = now_ms.saturating_sub(other.confirmed_ms) < WALL_MEMORY_MS;
-        let raised = self.raised_ms.load(Ordering::Relaxed);
-        let confirmed = self.wall_confirmed_ms.load(Ordering::Relaxed);
-        if other.raised_ms > raised.max(confirmed) {
-            self.raised_ms.fetch_max(other.raised_ms, Ordering::Relaxed);
-            let tokens = if fresh { other.tokens } else { 0 };
-            self.wall.store(tokens, Ordering::Relaxed);
-            self.wall_sessions.store(if tokens > 0 { other.sessions } else { 0 }, Ordering::Relaxed);
-            self.wall_confirmed_ms.fetch_max(other.confirmed_ms, Ordering::Relaxed);
-        } else if other.tokens > 0 && fresh && other.confirmed_ms > raised {
-            self.lower_wall_to(other.tokens, other.sessions.max(1), other.confirmed_ms);
+        if other.tokens == 0 || !fresh || other.confirmed_ms <= self.raised_ms.load(Ordering::Relaxed) {
+            return None;
         }
-        match (before, self.wall()) {
-            (Some(was), None) => Merged::Forgotten(was),
-            (None, Some(now)) => Merged::Seen(now),
-            (Some(was), Some(now)) if now < was => Merged::Seen(now),
-            _ => Merged::Nothing,
-        }
+        let before = self.wall();
+        self.lower_wall_to(other.tokens, other.sessions.max(1), other.confirmed_ms);
+        self.wall().filter(|now| before.is_none_or(|was| *now < was))
     }
 }
 
@@ -99,9 +77,10 @@ mod tests {
     }
 
     /// Each instance merges the other's heartbeat, as the flusher does.
-    fn beat(a: &WallEvidence, b: &WallEvidence, now_ms: u64) -> (Merged, Merged) {
-        let merged_into_b = a.shared().map_or(Merged::Nothing, |s| b.merge(s, now_ms));
-        let merged_into_a = b.shared().map_or(Merged::Nothing, |s| a.merge(s, now_ms));
+    /// What each saw of the other's wall: (into a, into b).
+    fn beat(a: &WallEvidence, b: &WallEvidence, now_ms: u64) -> (Option<u64>, Option<u64>) {
+        let merged_into_b = a.shared().and_then(|s| b.merge(s, now_ms));
+        let merged_into_a = b.shared().and_then(|s| a.merge(s, now_ms));
         (merged_into_a, merged_into_b)
     }
 
@@ -110,44 +89,39 @@ mod tests {
         let (a, b) = (WallEvidence::default(), WallEvidence::default());
         assert_eq!(a.shared(), None, "nothing to tell");
         lose(&a, 12_000, 4, MIN);
-        assert_eq!(beat(&a, &b, MIN + 200), (Merged::Nothing, Merged::Seen(12_000)));
+        assert_eq!(beat(&a, &b, MIN + 200), (None, Some(12_000)));
         assert_eq!((b.wall(), b.learned().wall_sessions), (Some(12_000), Some(3)), "the sessions held too");
         assert!(b.take_wall_lesson(), "the projections here learn from it as from a wall seen here");
         // Each instance's own loss, lower on the other: both at the lowest.
         lose(&b, 9_000, 3, 2 * MIN);
-        assert_eq!(beat(&a, &b, 2 * MIN + 200), (Merged::Seen(9_000), Merged::Nothing));
+        assert_eq!(beat(&a, &b, 2 * MIN + 200), (Some(9_000), None));
         assert_eq!((a.wall(), b.wall()), (Some(9_000), Some(9_000)));
         // A higher loss lowers nothing, on either.
         lose(&a, 15_000, 5, 3 * MIN);
-        assert_eq!(beat(&a, &b, 3 * MIN + 200), (Merged::Nothing, Merged::Nothing));
+        assert_eq!(beat(&a, &b, 3 * MIN + 200), (None, None));
         assert_eq!((a.wall(), b.wall()), (Some(9_000), Some(9_000)));
     }
 
     #[test]
-    fn a_kept_receipt_above_the_wall_on_one_instance_raises_or_forgets_it_on_every_one() {
+    fn a_kept_receipt_above_the_wall_moves_it_only_where_it_was_read_and_older_losses_do_not_undo_it() {
         let (a, b) = (WallEvidence::default(), WallEvidence::default());
         lose(&a, 9_000, 3, MIN);
         let _ = beat(&a, &b, MIN + 200);
-        // Kept above it with nothing run between: raised on a, then on b,
-        // and b's older copy of the loss does not lower a's again.
-        assert_eq!(
-            a.receipt(Load { tokens: 12_000, sessions: 4 }, 2_000, 2_000, 0, 2 * MIN),
-            Receipt::Kept { load: 12_000 }
-        );
-        assert_eq!(beat(&a, &b, 2 * MIN + 200), (Merged::Nothing, Merged::Nothing));
-        assert_eq!((a.wall(), b.wall()), (Some(12_000), Some(12_000)));
-        // A loss after the raise lowers it everywhere again.
-        lose(&b, 10_000, 3, 3 * MIN);
-        assert_eq!(beat(&a, &b, 3 * MIN + 200), (Merged::Seen(10_000), Merged::Nothing));
-        // Kept beside others' turns above it: not the replica's wall, anywhere.
-        let kept_beside = b.receipt(Load { tokens: 11_000, sessions: 3 }, 2_000, 2_000, 1, 4 * MIN);
-        assert_eq!(kept_beside, Receipt::Unwalled { wall: 10_000, load: 11_000 });
-        assert_eq!(beat(&a, &b, 4 * MIN + 200), (Merged::Forgotten(10_000), Merged::Nothing));
-        assert_eq!((a.wall(), b.wall()), (None, None));
-        assert_eq!(a.learned().wall_sessions, None);
-        // And it stays forgotten: the older losses are not taken back.
-        assert_eq!(beat(&a, &b, 4 * MIN + 400), (Merged::Nothing, Merged::Nothing));
-        assert_eq!((a.wall(), b.wall()), (None, None));
+        // Kept above it with nothing run between: raised on a alone, and
+        // b's copy of the older loss does not lower a's again.
+        let kept = a.receipt(Load { tokens: 12_000, sessions: 4 }, 2_000, 2_000, 0, 2 * MIN);
+        assert_eq!(kept, Receipt::Kept { load: 12_000 });
+        assert_eq!(beat(&a, &b, 2 * MIN + 200), (None, None));
+        assert_eq!((a.wall(), b.wall()), (Some(12_000), Some(9_000)));
+        // Kept beside others' turns above it on b: forgotten on b alone,
+        // and a's copy of the older loss does not bring it back.
+        let kept_beside = b.receipt(Load { tokens: 10_000, sessions: 3 }, 2_000, 2_000, 1, 3 * MIN);
+        assert_eq!(kept_beside, Receipt::Unwalled { wall: 9_000, load: 10_000 });
+        assert_eq!(beat(&a, &b, 3 * MIN + 200), (None, None));
+        assert_eq!((a.wall(), b.wall()), (Some(12_000), None));
+        // A loss after that, on a, is b's wall again.
+        lose(&a, 11_000, 3, 4 * MIN);
+        assert_eq!(beat(&a, &b, 4 * MIN + 200), (None, Some(11_000)));
     }
 
     #[test]
@@ -157,7 +131,7 @@ mod tests {
         let _ = beat(&a, &b, MIN + 200);
         let stale = MIN + WALL_MEMORY_MS;
         assert_eq!(a.forget_stale_wall(stale), Some(9_000));
-        assert_eq!(beat(&a, &b, stale), (Merged::Nothing, Merged::Nothing), "b's copy is as stale");
+        assert_eq!(beat(&a, &b, stale), (None, None), "b's copy is as stale");
         assert_eq!(a.wall(), None);
         assert_eq!(b.forget_stale_wall(stale), Some(9_000), "b forgets it at the same moment");
     }
