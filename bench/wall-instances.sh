@@ -20,12 +20,14 @@
 # SETS (1): sets of new families, one after the other on the same
 # gateways (each once the one before idled out); the ratio is the last
 # set's, which meets whatever walls the gateways learned from the sets before.
+# FIRST_ON_ONE=1: the sets before the last go through the first instance
+# alone (what the others know of the walls is what it shares).
 # SIM_ARGS: more sim-replica flags, for both replicas: `--slots 1` makes
 # them llama-server-like (one slot of SIM_KV tokens, nothing kept beyond
 # it), where the wall is learned from receipts (sessions.wall = "auto").
 # BIN=path/to/prefixgate runs that build instead of building this tree.
 # Never run in CI. Needs redis-server.
-# Usage: [ROUNDS=3 FAMILIES=4 SIM_KV=12000 TIME_SCALE=0.25 CONTEXT=8000 TURN=200 SETS=1 SIM_ARGS=] bench/wall-instances.sh
+# Usage: [ROUNDS=3 FAMILIES=4 SIM_KV=12000 TIME_SCALE=0.25 CONTEXT=8000 TURN=200 SETS=1 FIRST_ON_ONE= SIM_ARGS=] bench/wall-instances.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-3}; FAMILIES=${FAMILIES:-4}; SIM_KV=${SIM_KV:-12000}; TIME_SCALE=${TIME_SCALE:-0.25}
@@ -58,8 +60,11 @@ arm() {
   local set wall
   for set in $(seq 1 "$SETS"); do
     [ "$set" = 1 ] || sleep 3 # the set before idles out
+    local through=("${urls[@]}")
+    # FIRST_ON_ONE: the sets before the last through the first instance alone.
+    if [ -n "${FIRST_ON_ONE:-}" ] && [ "$set" -lt "$SETS" ]; then through=("${urls[0]}"); fi
     start=$(date +%s.%N)
-    $bin bench agent-loop --base-url "$(IFS=,; echo "${urls[*]}")" --families "$FAMILIES" --turns 6 --label "set$set" \
+    $bin bench agent-loop --base-url "$(IFS=,; echo "${through[*]}")" --families "$FAMILIES" --turns 6 --label "set$set" \
       --system-tokens 500 --context-tokens "$CONTEXT" --turn-tokens "$TURN" --max-tokens 16 --json >"$tmp/r$round-n$n.json"
     wall=$(echo "$(date +%s.%N) - $start" | bc)
     python3 -c 'import json,sys; r=json.load(open(sys.argv[1]))["summary"]; print("  set", sys.argv[2], "wall", sys.argv[3], "s, errors", r["errors"], file=sys.stderr)' \
