@@ -259,12 +259,17 @@ impl AppState {
             self.store.instances().await
         }
         .await;
-        // The capacity verdict covers the fleet: what the other live instances run counts too.
+        // The other live instances: what they run counts in the capacity
+        // verdict, and the walls they hold are this one's too.
         if let Ok(beats) = &result {
+            let others: Vec<_> = beats
+                .iter()
+                .filter(|b| {
+                    b.instance != instance && now.saturating_sub(b.at_ms) <= crate::operator::INSTANCE_TIMEOUT_MS
+                })
+                .collect();
             let mut elsewhere: std::collections::HashMap<&str, (u64, u64)> = Default::default();
-            for b in beats.iter().filter(|b| {
-                b.instance != instance && now.saturating_sub(b.at_ms) <= crate::operator::INSTANCE_TIMEOUT_MS
-            }) {
+            for b in &others {
                 for (replica, (count, tokens)) in &b.running {
                     let e = elsewhere.entry(replica.as_str()).or_default();
                     e.0 += count;
@@ -274,19 +279,17 @@ impl AppState {
             for r in fleet.iter() {
                 r.capacity.set_running_elsewhere(elsewhere.get(&*r.id).copied().unwrap_or_default());
             }
-            self.merge_walls(instance, beats, now);
+            self.merge_walls(&others, now);
         }
         result.map(|_| ())
     }
 
-    /// Merges the walls the other live instances hold into this one's
-    /// (`fleet::wall::shared`): a wall is the replica's, whichever instance
-    /// saw it. Said in history as a wall seen here would be.
-    fn merge_walls(&self, me: &str, beats: &[crate::store::InstanceBeat], now: u64) {
-        let live = beats
-            .iter()
-            .filter(|b| b.instance != me && now.saturating_sub(b.at_ms) <= crate::operator::INSTANCE_TIMEOUT_MS);
-        for b in live {
+    /// Merges the walls the other live instances hold (`others`, their
+    /// beats) into this one's (`fleet::wall::shared`): a wall is the
+    /// replica's, whichever instance saw it. Said in history as a wall
+    /// seen here would be.
+    fn merge_walls(&self, others: &[&crate::store::InstanceBeat], now: u64) {
+        for b in others {
             for (id, wall) in &b.walls {
                 let Some(r) = self.fleet.get(id) else { continue };
                 let Some(at) = r.residents.evidence.merge(*wall, now) else { continue };

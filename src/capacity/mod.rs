@@ -225,9 +225,9 @@ impl Learned {
     /// the sessions kept across each other's turns, the sessions held at
     /// the wall. Why not the kept tokens there: five sessions of 3,000
     /// tokens kept on 8,192-token slots (a host tier) are 15,000 tokens
-    /// but five slots of room, and the tokens would cap the room at one. Why the lower of the two: a
-    /// loss is read at the load resident when it was found, which can be
-    /// above what the replica keeps.
+    /// but five slots of room, and the tokens would cap the room at one.
+    /// Why the lower of the two: a loss is read at the load resident when
+    /// it was found, which can be above what the replica keeps.
     pub fn capacity(&self, declared: Option<u64>, slot_tokens: Option<u64>) -> Option<u64> {
         let kept_at = match slot_tokens {
             Some(slot) if slot > 0 => self.kept_sessions.saturating_mul(slot),
