@@ -106,9 +106,10 @@ impl Sessions {
         // Every session past the slots gives way where a turn let through
         // evicts a whole prompt; elsewhere the first alone (`room::Yielding`).
         // The evidence is read as of now: `now_ms` is when this turn came.
-        let yielding = match let_through_evicts_a_prompt(replica, crate::clock::now_ms()) {
-            true => room::Yielding::Past,
-            false => room::Yielding::First,
+        let yielding = if let_through_evicts_a_prompt(replica, crate::clock::now_ms()) {
+            room::Yielding::Past
+        } else {
+            room::Yielding::First
         };
         let me = occupant(session, &me, tokens.max(me.tokens), continued(&me, now_ms));
         room::must_pause(&shape, me, others, yielding)

@@ -528,6 +528,12 @@ async fn a_receipt_that_shows_a_lost_prefix_closes_the_replica_to_new_sessions()
     gw.stop().await;
 }
 
+/// Two instances, gw1 and gw2, on `redis`, holding sessions on `a` (`holding`'s settings).
+async fn two_holding_instances(redis: &crate::shared::Redis, a: &Sim) -> (Gw, Gw) {
+    let config = |name: &str| on_redis(holding(&[a], 10_000, 8), redis, name);
+    (start_gateway(config("gw1")).await, start_gateway(config("gw2")).await)
+}
+
 /// Several instances behave as one at the wall: a wall one instance read
 /// from a receipt is every instance's within a heartbeat, with a
 /// `kv_wall_seen` event that names where it was seen; a new session sent
@@ -536,8 +542,7 @@ async fn a_receipt_that_shows_a_lost_prefix_closes_the_replica_to_new_sessions()
 async fn a_wall_one_instance_saw_holds_new_sessions_on_every_instance() {
     let Some(redis) = crate::shared::Redis::start() else { return };
     let a = start_sim("a", card()).await;
-    let config = |name: &str| on_redis(holding(&[&a], 10_000, 8), &redis, name);
-    let (g1, g2) = (start_gateway(config("gw1")).await, start_gateway(config("gw2")).await);
+    let (g1, g2) = two_holding_instances(&redis, &a).await;
     for g in [&g1, &g2] {
         capacity_read(g).await;
     }
@@ -577,8 +582,7 @@ fn spawn_turn_of(gw: &Gw, family: &str, tokens: usize) -> actix_web::rt::task::J
 async fn a_released_session_reaches_another_instance_in_milliseconds() {
     let Some(redis) = crate::shared::Redis::start() else { return };
     let a = start_sim("a", card()).await;
-    let config = |name: &str| on_redis(holding(&[&a], 10_000, 8), &redis, name);
-    let (g1, g2) = (start_gateway(config("gw1")).await, start_gateway(config("gw2")).await);
+    let (g1, g2) = two_holding_instances(&redis, &a).await;
     let store = prefixgate::store::open_url(&redis.url, "reader").await.unwrap();
     let load = || async { store.session_loads(&["a".to_string()]).await.unwrap()[0] };
     // A session on gw1; gw1 keeps it in the store, and gw2 knows it from its pins.
