@@ -30,10 +30,14 @@ use std::sync::{Arc, RwLock};
 use serde::{Deserialize, Serialize};
 
 use crate::policy::{Boundary, Dialect, Passed, PrefixKey};
-use crate::read_mostly::ReadMostly;
 
+mod interner;
 mod pages;
+mod shard;
 pub use pages::{page_of, OnLoaded, PageReader, PAGES};
+
+use interner::{Interner, ReplicaRef};
+use shard::{next_slot, pin_of, Shard, Slot};
 
 const SHARDS: usize = 64;
 
@@ -124,236 +128,6 @@ pub fn dialect_from_u8(v: u8) -> Dialect {
 
 /// A change waiting to be persisted: `None` means deleted.
 pub type PinChange = (PrefixKey, Option<Pin>);
-
-/// A replica name in the interner: its index, and the generation the index
-/// had when the name was interned. An index is reused once its name is
-/// released; a pin that still carries the old generation names nobody (it
-/// reads as absent), so a stale pin never reaches the index's next replica.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-struct ReplicaRef {
-    index: u32,
-    generation: u16,
-}
-
-/// A pin as stored in memory: 64 bytes (the replica's index and generation
-/// are two fields, not a struct, so they share the padding with the origin;
-/// `went_on` took the size from 48 to 64, the key's 16-byte alignment).
-#[derive(Debug, Clone, Copy)]
-struct Slot {
-    family: PrefixKey,
-    created_ms: u64,
-    last_used_ms: u64,
-    est_tokens: u32,
-    turns: u32,
-    replica_index: u32,
-    replica_generation: u16,
-    went_on: u32,
-    /// `dialect_to_u8` and `PinSource::to_u8`: two bytes that fit in the padding.
-    dialect: u8,
-    source: u8,
-}
-
-impl Slot {
-    /// A message's lead (`policy::chain`): a mark where a request ended.
-    fn is_lead(&self) -> bool {
-        self.source == PinSource::Passed.to_u8() && self.went_on == 0
-    }
-
-    fn replica(&self) -> ReplicaRef {
-        ReplicaRef { index: self.replica_index, generation: self.replica_generation }
-    }
-
-    fn set_replica(&mut self, r: ReplicaRef) {
-        (self.replica_index, self.replica_generation) = (r.index, r.generation);
-    }
-}
-
-// The request path's maps hash with foldhash (seeded per process): their
-// keys are already hashes or short names, and SipHash's strength is not
-// needed to spread them.
-#[derive(Default)]
-struct Shard {
-    map: foldhash::HashMap<PrefixKey, Slot>,
-    /// Keys changed since the last flush; the flusher reads their current
-    /// value (absent: deleted), so a key written twice is written once.
-    dirty: foldhash::HashSet<PrefixKey>,
-    /// Pins per replica in this shard (kept in step, so counting is O(shards)).
-    counts: foldhash::HashMap<ReplicaRef, usize>,
-}
-
-impl Shard {
-    fn insert(&mut self, key: PrefixKey, slot: Slot) {
-        let was = self.map.insert(key, slot).map(|old| old.replica());
-        // The same replica (a returning conversation): its count stands.
-        if was != Some(slot.replica()) {
-            if let Some(was) = was {
-                self.uncount(was);
-            }
-            *self.counts.entry(slot.replica()).or_default() += 1;
-        }
-        self.dirty.insert(key);
-    }
-
-    fn remove(&mut self, key: PrefixKey) -> Option<Slot> {
-        let old = self.map.remove(&key)?;
-        self.uncount(old.replica());
-        self.dirty.insert(key);
-        Some(old)
-    }
-
-    fn uncount(&mut self, r: ReplicaRef) {
-        if let Some(n) = self.counts.get_mut(&r) {
-            *n -= 1;
-            if *n == 0 {
-                self.counts.remove(&r);
-            }
-        }
-    }
-
-    fn retain(&mut self, mut keep: impl FnMut(&PrefixKey, &Slot) -> bool) -> usize {
-        let gone: Vec<PrefixKey> = self.map.iter().filter(|(k, s)| !keep(k, s)).map(|(k, _)| *k).collect();
-        for k in &gone {
-            self.remove(*k);
-        }
-        gone.len()
-    }
-}
-
-/// Replica names, each stored once; pins refer to them by `ReplicaRef`. A
-/// name is released when its replica leaves with no pin left on it (or, for
-/// names only other instances' pins carried, when its last pin went), and
-/// its index is reused under the next generation: the table holds the names
-/// in use, not every name the process ever saw.
-#[derive(Default)]
-struct Interner {
-    /// Read by every pin write (from both workers); written when a name
-    /// comes or goes.
-    table: ReadMostly<InternTable>,
-}
-
-#[derive(Default, Clone)]
-struct InternTable {
-    /// By index: the name it holds now (None: free), and its generation.
-    entries: Vec<(Option<Arc<str>>, u16)>,
-    index: foldhash::HashMap<Arc<str>, ReplicaRef>,
-    free: Vec<u32>,
-}
-
-impl Interner {
-    fn intern(&self, name: &Arc<str>) -> ReplicaRef {
-        if let Some(r) = self.find(name) {
-            return r;
-        }
-        let added = self.table.update(|table| {
-            if table.index.contains_key(name) {
-                return None; // interned while we waited for the writer lock
-            }
-            let index = match table.free.pop() {
-                Some(i) => i,
-                None => {
-                    table.entries.push((None, 0));
-                    // More names at once than a u32 counts would be billions of pins.
-                    u32::try_from(table.entries.len() - 1).expect("fewer than 2^32 names in use")
-                }
-            };
-            let entry = &mut table.entries[index as usize];
-            entry.0 = Some(name.clone());
-            let r = ReplicaRef { index, generation: entry.1 };
-            table.index.insert(name.clone(), r);
-            Some(r)
-        });
-        added.or_else(|| self.find(name)).expect("interned")
-    }
-
-    fn find(&self, name: &str) -> Option<ReplicaRef> {
-        self.table.load().index.get(name).copied()
-    }
-
-    /// The name `r` refers to; None once it was released (a stale pin).
-    fn name(&self, r: ReplicaRef) -> Option<Arc<str>> {
-        match self.table.load().entries.get(r.index as usize) {
-            Some((Some(name), generation)) if *generation == r.generation => Some(name.clone()),
-            _ => None,
-        }
-    }
-
-    /// Frees the names `release` picks among those interned; their indexes
-    /// are reused under the next generation.
-    fn release(&self, mut release: impl FnMut(&str, ReplicaRef) -> bool) -> usize {
-        self.table
-            .update(|table| {
-                let gone: Vec<(Arc<str>, ReplicaRef)> =
-                    table.index.iter().filter(|(n, r)| release(n, **r)).map(|(n, r)| (n.clone(), *r)).collect();
-                if gone.is_empty() {
-                    return None;
-                }
-                for (name, r) in &gone {
-                    table.index.remove(name);
-                    let entry = &mut table.entries[r.index as usize];
-                    *entry = (None, entry.1.wrapping_add(1));
-                    table.free.push(r.index);
-                }
-                Some(gone.len())
-            })
-            .unwrap_or(0)
-    }
-
-    fn len(&self) -> usize {
-        self.table.load().index.len()
-    }
-}
-
-/// The slot `record` writes at `key`: the one held there a turn later, or a
-/// new one continuing the parent's (turns, family); `origin` as
-/// (dialect, source) bytes.
-fn next_slot(
-    held: Option<&Slot>,
-    parent: Option<(u32, PrefixKey)>,
-    key: PrefixKey,
-    replica: ReplicaRef,
-    est_tokens: u64,
-    now_ms: u64,
-    (dialect, source): (u8, u8),
-) -> Slot {
-    match held {
-        Some(old) => Slot {
-            last_used_ms: now_ms,
-            replica_index: replica.index,
-            replica_generation: replica.generation,
-            turns: old.turns.saturating_add(1),
-            est_tokens: tokens32(est_tokens),
-            // A request ended here now: whatever passed it before, it is a request's own pin.
-            went_on: 0,
-            source: if old.source == PinSource::Passed.to_u8() { source } else { old.source },
-            ..*old
-        },
-        None => Slot {
-            family: parent.map_or(key, |(_, f)| f),
-            created_ms: now_ms,
-            last_used_ms: now_ms,
-            est_tokens: tokens32(est_tokens),
-            turns: parent.map_or(1, |(t, _)| t.saturating_add(1)),
-            replica_index: replica.index,
-            replica_generation: replica.generation,
-            went_on: 0,
-            dialect,
-            source,
-        },
-    }
-}
-
-fn pin_of(s: Slot, replica: Arc<str>) -> Pin {
-    Pin {
-        replica,
-        created_ms: s.created_ms,
-        last_used_ms: s.last_used_ms,
-        turns: s.turns,
-        est_tokens: u64::from(s.est_tokens),
-        family: s.family,
-        origin: PinOrigin { dialect: dialect_from_u8(s.dialect), source: PinSource::from_u8(s.source) },
-        went_on: s.went_on,
-    }
-}
 
 /// A mark's `went_on` once several conversations passed its boundary: no
 /// request goes further than that, so none continues from it
@@ -1232,11 +1006,7 @@ mod tests {
             assert_eq!(t.remove_replica(&format!("pod-{i}")), 1);
         }
         assert_eq!((t.len(), t.interned()), (0, 0));
-        assert!(
-            t.replicas.table.load().entries.len() <= 1,
-            "one index, reused: {}",
-            t.replicas.table.load().entries.len()
-        );
+        assert!(t.replicas.indexes() <= 1, "one index, reused: {}", t.replicas.indexes());
     }
 
     #[test]
