@@ -327,7 +327,9 @@ impl OutcomeRecorder {
         use crate::fleet::wall::Receipt;
         let before = replica.residents.evidence.wall();
         let others_between = session.map_or(0, |s| replica.residents.others_between(s));
-        match replica.residents.receipt(predicted, cached, others_between, crate::clock::now_ms()) {
+        let receipt = replica.residents.receipt(predicted, cached, others_between, crate::clock::now_ms());
+        tracing::debug!(replica = %replica.id, predicted, cached, others_between, ?receipt, "receipt read");
+        match receipt {
             Receipt::Lost { load } if before.is_none_or(|w| load < w) => {
                 let detail = format!(
                     "a pinned turn found {cached} of ~{predicted} cached tokens at ~{load} tokens resident: \
