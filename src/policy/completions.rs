@@ -23,7 +23,10 @@ struct CompletionBody<'a> {
     cache_salt: Option<Cow<'a, str>>,
     #[serde(default)]
     stream: bool,
-    // What continuation reads (`stream.rs`), borrowed raw.
+    // What continuation reads (`stream.rs`), borrowed raw. The same fields
+    // are written out in `chat.rs`, not shared through `#[serde(flatten)]`:
+    // a flattened struct cannot borrow a `RawValue` (serde-rs/json#599),
+    // and flatten buffers every field it does not take (the whole prompt).
     #[serde(borrow, default)]
     n: Option<&'a RawValue>,
     #[serde(borrow, default)]
