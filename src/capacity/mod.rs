@@ -209,7 +209,7 @@ impl Learned {
     /// slot still take a whole one, so three sessions lost on two slots at
     /// 7,700 tokens set a wall below one slot, and every new session was
     /// held as larger than the replica (one session where two were kept:
-    /// docs/benchmarks-agent-traffic.md). The loss itself is still judged
+    /// docs/benchmarks-log.md, real agent traffic). The loss itself is still judged
     /// in tokens (`fleet::wall::WallEvidence::receipt`).
     pub fn wall(&self, slot_tokens: Option<u64>) -> Option<u64> {
         match (slot_tokens, self.wall_sessions) {

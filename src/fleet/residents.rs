@@ -675,7 +675,7 @@ impl Residents {
     /// once kept beside others always read as the engine's miss, no wall
     /// was ever learned on llama-server as shipped, and the agent-traffic
     /// replay there took 1.12-1.20x of vllm-router's wall instead of
-    /// 0.73-0.84x (docs/benchmarks-agent-traffic.md).
+    /// 0.73-0.84x (docs/benchmarks-log.md, real agent traffic).
     fn load(&self) -> Load {
         let on = self.lock();
         let running = || on.values().filter(|r| r.paused == 0);

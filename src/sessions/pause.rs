@@ -166,7 +166,7 @@ impl Sessions {
     /// this one's, each turn after: the pause is for the resident's sake,
     /// and lasts until room opens. Bounded by its own re-prefill there, the
     /// second set at llama-server's wall took 1.10x the cold set's time;
-    /// waiting for room, 0.54x (docs/benchmarks-agent-traffic.md). On the
+    /// waiting for room, 0.54x (docs/benchmarks-log.md, real agent traffic). On the
     /// simulated pool, waiting for room made the cold set 0.87x of the hold
     /// off instead of 0.77x.
     /// A turn that gave its room to a higher class waits the whole

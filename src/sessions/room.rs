@@ -225,7 +225,7 @@ pub enum Yielding {
     /// one is enough. Why not more there: on llama-server as shipped,
     /// pausing every session past one slot paused 24 turns of the
     /// agent-traffic replay where the first alone paused 3, and the replay
-    /// took 172.1 s instead of 135.4 s (docs/benchmarks-agent-traffic.md).
+    /// took 172.1 s instead of 135.4 s (docs/benchmarks-log.md, real agent traffic).
     First,
     /// Every resident past what the capacity holds, kept in the reverse
     /// order: slots that are all the engine keeps, where each turn let
