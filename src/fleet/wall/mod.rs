@@ -152,8 +152,7 @@ impl WallEvidence {
     /// is lowered to it. Returns that load when the wall moved (a full
     /// pool read again at the same load says nothing new).
     pub fn engine_full(&self, load: Load, now_ms: u64) -> Option<u64> {
-        let before = self.wall();
-        self.over_wall(load, now_ms).filter(|load| before.is_none_or(|w| *load < w))
+        (load.tokens > 0 && self.lower_wall(load, now_ms)).then_some(load.tokens)
     }
 
     /// Lowers the wall to `load`; None when nothing is resident.
@@ -165,16 +164,18 @@ impl WallEvidence {
     }
 
     /// Sets the wall at `load` when none was seen or it is lower, and
-    /// confirms it now. The sessions held there are one fewer than were
-    /// resident: the one that lost its prefix is what did not fit.
-    fn lower_wall(&self, load: Load, now_ms: u64) {
-        self.lower_wall_to(load.tokens, load.sessions.saturating_sub(1).max(1), now_ms);
+    /// confirms it now; true when it moved. The sessions held there are
+    /// one fewer than were resident: the one that lost its prefix is what
+    /// did not fit.
+    fn lower_wall(&self, load: Load, now_ms: u64) -> bool {
+        self.lower_wall_to(load.tokens, load.sessions.saturating_sub(1).max(1), now_ms)
     }
 
     /// Sets the wall at `tokens` (`held` sessions) when none was seen or
     /// it is lower; a wall that moved leaves a lesson (the same wall seen
     /// again teaches nothing). Either way the wall is confirmed at `at_ms`.
-    fn lower_wall_to(&self, tokens: u64, held: u64, at_ms: u64) {
+    /// True when it moved.
+    fn lower_wall_to(&self, tokens: u64, held: u64, at_ms: u64) -> bool {
         let lower = |at: u64| {
             move |w: u64| match w {
                 0 => Some(at),
@@ -187,6 +188,7 @@ impl WallEvidence {
         }
         let _ = self.wall_sessions.fetch_update(Ordering::Relaxed, Ordering::Relaxed, lower(held));
         self.wall_confirmed_ms.fetch_max(at_ms, Ordering::Relaxed);
+        before.is_ok()
     }
 
     /// Forgets a wall no loss confirmed for `WALL_MEMORY_MS`; returns it
@@ -256,9 +258,11 @@ impl WallEvidence {
         } else if cached.saturating_mul(10) >= predicted.saturating_mul(9) {
             self.kept.fetch_add(1, Ordering::Relaxed);
             self.kept_high.fetch_max(tokens, Ordering::Relaxed);
-            self.kept_sessions_high.fetch_max(u64::from(others_between) + 1, Ordering::Relaxed);
+            // Itself and the sessions whose turns ran here in its gap.
+            let kept_across = u64::from(others_between) + 1;
+            self.kept_sessions_high.fetch_max(kept_across, Ordering::Relaxed);
             if after_others {
-                self.kept_beside_at(tokens, u64::from(others_between) + 1, now_ms);
+                self.kept_beside_at(tokens, kept_across, now_ms);
             }
             // Above the wall: kept beside others' turns, the wall was not
             // the replica's; kept with nothing run between, it holds at

@@ -59,9 +59,7 @@ impl WallEvidence {
         if other.tokens == 0 || !fresh || other.confirmed_ms <= self.raised_ms.load(Ordering::Relaxed) {
             return None;
         }
-        let before = self.wall();
-        self.lower_wall_to(other.tokens, other.sessions.max(1), other.confirmed_ms);
-        self.wall().filter(|now| before.is_none_or(|was| *now < was))
+        self.lower_wall_to(other.tokens, other.sessions.max(1), other.confirmed_ms).then_some(other.tokens)
     }
 }
 
