@@ -12,7 +12,12 @@
 # ALTERNATE=1: heavy and light families alternate (H L H L H), so the
 # counter stacks every heavy one on one replica (the default puts them
 # first: H H H L L, which the counter splits 2:1 as well as any placement).
-# Never run in CI. Usage: [ROUNDS=1 FAMILIES=5 HEAVY=3 TURNS=10 ALTERNATE=] bench/load-placement.sh
+# BEFORE=path/to/old/prefixgate adds two arms on that build's gateway (hold
+# on, hold off) with its own defaults, the bench client still this one (a
+# build from before issue 49, 901770f: the seed's counter, a continuation
+# only from where a served request ended). Each arm prints its families'
+# first-turn replicas in family order (H heavy, L light).
+# Never run in CI. Usage: [ROUNDS=1 FAMILIES=5 HEAVY=3 TURNS=10 ALTERNATE= BEFORE=] bench/load-placement.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FAMILIES=${FAMILIES:-5}; HEAVY=${HEAVY:-3}; TURNS=${TURNS:-10}; SHARED=${SHARED:-15000}
@@ -26,8 +31,9 @@ n=0
 arm() {
   local name=$1; shift
   n=$((n + 1))
-  local gw="$name-$n"
-  start_gateway "$gw" "$bin" $REPLICAS "$@"
+  local gw="$name-$n" gateway=$bin
+  case $name in before-*) gateway=$BEFORE ;; esac
+  start_gateway "$gw" "$gateway" $REPLICAS "$@"
   wait_replicas_up "${GW_ADMIN[$gw]}" 2
   $bin bench agent-loop --base-url "${GW_URL[$gw]}" --label "$name" --families "$FAMILIES" --heavy "$HEAVY" \
     --heavy-factor 15 ${ALTERNATE:+--heavy-alternate} --turns "$TURNS" --shared-tokens "$SHARED" --context-tokens 2000 --turn-tokens 300 \
@@ -38,9 +44,11 @@ r = json.load(open(sys.argv[1]))
 s = r["samples"]
 prompt = sum(x.get("prompt_tokens") or 0 for x in s)
 cached = sum(x.get("cached_tokens") or 0 for x in s)
-heavy = {x["replica"] for x in s if x["family"] in r["settings"]["heavy_families"] and x["turn"] == 0}
+heavy = r["settings"]["heavy_families"]
+first = " ".join(("H" if x["family"] in heavy else "L") + ":" + str(x["replica"])
+                 for x in sorted((x for x in s if x["turn"] == 0), key=lambda x: x["family"]))
 print(f"{sys.argv[2]:16} wall {r['summary']['wall_ms'] / 1000:6.2f} s  routes {dict(r['summary']['by_route'])}  "
-      f"cached {100 * cached / max(prompt, 1):.1f} %  heavy first turns on {sorted(heavy)}")
+      f"cached {100 * cached / max(prompt, 1):.1f} %  first turns {first}")
 PY
 }
 for _ in $(seq "$ROUNDS"); do
@@ -48,4 +56,8 @@ for _ in $(seq "$ROUNDS"); do
   arm counter-hold --set routing.spread=counter
   arm load-off --set routing.spread=load --set sessions.max_wait_ms=0
   arm counter-off --set routing.spread=counter --set sessions.max_wait_ms=0
+  if [ -n "${BEFORE:-}" ]; then
+    arm before-hold
+    arm before-off --set sessions.max_wait_ms=0
+  fi
 done
