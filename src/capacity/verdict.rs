@@ -36,8 +36,7 @@ pub struct ReplicaCapacity {
     #[serde(default)]
     pub resident_sessions: usize,
     /// What they count for against the room, tokens: each at the larger of
-    /// its context now and what it was projected to grow to; on a pool, a
-    /// first link (system prompt, tools) several share counted once.
+    /// its context now and what it was projected to grow to.
     #[serde(default)]
     pub resident_tokens: u64,
     /// KV room left for new sessions in tokens (negative: over); absent

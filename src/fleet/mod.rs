@@ -604,7 +604,6 @@ impl Replica {
 
     pub fn set_slot_tokens(&self, tokens: Option<u64>) {
         self.slot_tokens.store(tokens.unwrap_or(0), Ordering::Release);
-        self.residents.set_slots(tokens.is_some());
     }
 
     /// KV capacity in tokens: what the replica reports (vLLM's metrics,

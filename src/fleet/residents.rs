@@ -8,20 +8,11 @@
 //! resident where and keeps the index from a session to its replica; this
 //! is only the replica's side of it.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use super::wall::{Load, Receipt, WallEvidence};
 use crate::policy::PrefixKey;
-
-/// A session's first link (system prompt, instructions, tools): what its
-/// projection is kept by, and a prefix other sessions may share.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Link {
-    pub key: PrefixKey,
-    /// Its estimated prompt tokens.
-    pub tokens: u64,
-}
 
 /// One resident session.
 #[derive(Debug, Clone, Copy, Default)]
@@ -39,7 +30,7 @@ pub struct Resident {
     /// it counts against the room at the larger of this and `tokens`.
     pub projected: u64,
     /// Its first link (system prompt, instructions, tools), when it has one.
-    pub link: Option<Link>,
+    pub link: Option<crate::policy::PrefixKey>,
     /// When it arrived on this replica (its first turn here), ms: the
     /// youngest is the one whose turns pause when the pool is crossed.
     pub arrived_ms: u64,
@@ -101,8 +92,6 @@ pub struct Resident {
 struct Ended {
     tokens: u64,
     last_ms: u64,
-    /// Its first link, when it was resident here (not from restored pins).
-    link: Option<Link>,
 }
 
 /// A session idles out after this many times its longest gap between turns.
@@ -194,10 +183,6 @@ pub struct Residents {
     prefill: Mutex<Prefilled>,
     /// Session turns begun here: whether others ran between two turns of one.
     begun: AtomicU64,
-    /// The engine keeps each sequence in slots of its own (llama.cpp), not
-    /// in one pool of blocks (`Replica::set_slot_tokens`): a prefix several
-    /// residents share then takes room once per resident.
-    slots: AtomicBool,
     /// Where its cache ends, as its receipts showed it.
     pub evidence: WallEvidence,
 }
@@ -265,7 +250,7 @@ pub struct Begin {
     pub moved: Option<Resident>,
     /// What a session new here is projected to reach (0: nothing learned).
     pub projected: u64,
-    pub link: Option<Link>,
+    pub link: Option<PrefixKey>,
     pub class: crate::priority::Class,
     /// The turn stated its class (a later turn's stated class replaces the first's).
     pub stated: bool,
@@ -343,12 +328,17 @@ impl Residents {
     /// The sum of the residents' footprints: each counted at
     /// `counted_tokens`, shaped by `footprint` (whole slots on llama.cpp),
     /// the preempted ones at nothing.
+    ///
+    /// A system prompt several residents of a pool share is counted with
+    /// each, though the pool caches it once. Why: counting it once paused
+    /// fewer turns and was slower on real vLLM at its wall (whole 128-token
+    /// blocks: the learned set 6-9 % slower in three runs), where on
+    /// simulated pools it spared two needless pauses (docs/benchmarks-log.md,
+    /// "Counting a shared system prompt once on a pool").
     pub fn footprint_sum(&self, footprint: impl Fn(u64) -> u64) -> u64 {
         // A preempted session counts for nothing: on slots, not even the
         // whole slot a session of any size takes (it gave that slot away).
-        let on = self.lock();
-        let counted = on.values().filter(|s| !s.preempted);
-        counted.clone().map(|s| footprint(s.counted_tokens())).sum::<u64>().saturating_sub(self.shared_twice(counted))
+        self.lock().values().filter(|s| !s.preempted).map(|s| footprint(s.counted_tokens())).sum()
     }
 
     /// The same sum with each resident at its next turn's context
@@ -356,52 +346,13 @@ impl Residents {
     /// room a newcomer admitted to pause later (`room::admit_and_pause`)
     /// has until the residents' turns cross it.
     pub fn next_turn_sum(&self, footprint: impl Fn(u64) -> u64) -> u64 {
-        let on = self.lock();
-        let counted = on.values().filter(|s| !s.preempted);
-        counted.clone().map(|s| footprint(s.next_turn_tokens())).sum::<u64>().saturating_sub(self.shared_twice(counted))
-    }
-
-    /// Tokens the residents' sums count more than once: on a pool, a first
-    /// link (a system prompt and tools) that several residents share is
-    /// cached once, in blocks they all use, so each but one counts its
-    /// context without it. On slots each sequence holds its own copy:
-    /// nothing. Why: five agent sessions after one 15,000-token system
-    /// prompt counted 60,000 tokens the pool did not hold, and the hold
-    /// paused turns on a replica that lost nothing
-    /// (docs/benchmarks-agent-traffic.md, sessions starting together).
-    fn shared_twice<'a>(&self, residents: impl Iterator<Item = &'a Resident>) -> u64 {
-        if self.slots.load(Ordering::Relaxed) {
-            return 0;
-        }
-        let mut links: smallvec::SmallVec<[(PrefixKey, u64, u64); 8]> = smallvec::SmallVec::new();
-        for link in residents.filter_map(|r| r.link) {
-            match links.iter_mut().find(|(key, _, _)| *key == link.key) {
-                // Sessions estimate it alike; the least is surely shared.
-                Some((_, tokens, more)) => (*tokens, *more) = ((*tokens).min(link.tokens), *more + 1),
-                None => links.push((link.key, link.tokens, 0)),
-            }
-        }
-        links.iter().map(|(_, tokens, more)| tokens * more).sum()
-    }
-
-    /// The residents' shared links counted more than once
-    /// (`shared_twice`), the preempted ones apart: what the pauses' sum of
-    /// contexts takes off (`Sessions::must_pause`).
-    pub fn counted_twice(&self) -> u64 {
-        self.shared_twice(self.lock().values().filter(|s| !s.preempted))
-    }
-
-    /// The engine keeps sequences in slots of their own (`slots`).
-    pub fn set_slots(&self, slots: bool) {
-        self.slots.store(slots, Ordering::Relaxed);
+        self.lock().values().filter(|s| !s.preempted).map(|s| footprint(s.next_turn_tokens())).sum()
     }
 
     /// Sessions, their contexts and their counted contexts, summed.
     pub fn figures(&self) -> (usize, u64, u64) {
         let on = self.lock();
-        let tokens = on.values().map(|r| r.tokens).sum();
-        let counted = on.values().map(|r| r.counted_tokens()).sum::<u64>();
-        (on.len(), tokens, counted.saturating_sub(self.shared_twice(on.values().filter(|s| !s.preempted))))
+        (on.len(), on.values().map(|r| r.tokens).sum(), on.values().map(|r| r.counted_tokens()).sum())
     }
 
     /// Turns paused now, by class (`Class::ALL`'s order).
@@ -587,7 +538,7 @@ impl Residents {
     ) -> SweptOne {
         let mut on = self.lock();
         let Some(r) = on.get(&session).copied() else { return SweptOne { gone: true, ..SweptOne::default() } };
-        let crossed = lesson.then_some((r.link.map(|l| l.key), r.tokens));
+        let crossed = lesson.then_some((r.link, r.tokens));
         let idle_out_ms = (r.running == 0).then(|| r.last_ms.saturating_add(idle_after(&r)).saturating_add(1));
         if idle_out_ms.is_some_and(|at| now_ms >= at) {
             on.remove(&session);
@@ -654,8 +605,7 @@ impl Residents {
     /// remembered for the working set, at the largest context it held.
     pub fn remember_ended(&self, session: PrefixKey, r: &Resident) {
         if r.turns >= 2 {
-            let ended = Ended { tokens: r.peak_tokens.max(r.tokens), last_ms: r.last_ms, link: r.link };
-            self.ended().insert(session, ended);
+            self.ended().insert(session, Ended { tokens: r.peak_tokens.max(r.tokens), last_ms: r.last_ms });
         }
     }
 
@@ -664,7 +614,7 @@ impl Residents {
     /// window passes or it is resident again.
     pub fn remember(&self, conversation: PrefixKey, tokens: u64, last_ms: u64) {
         let mut ended = self.ended();
-        let e = ended.entry(conversation).or_insert(Ended { tokens, last_ms, link: None });
+        let e = ended.entry(conversation).or_insert(Ended { tokens, last_ms });
         e.tokens = e.tokens.max(tokens);
         e.last_ms = e.last_ms.max(last_ms);
     }
@@ -687,23 +637,18 @@ impl Residents {
 
     /// The working set: every conversation that came back here, resident
     /// now or ended since `since_ms` (older ones are dropped), with the
-    /// largest context each held; on a pool, a first link several share
-    /// counted with the first of them only (`shared_twice`).
+    /// largest context each held.
     pub fn working_set(&self, since_ms: u64) -> Vec<(PrefixKey, u64)> {
-        let on = self.lock();
-        let resident =
-            on.iter().filter(|(_, r)| r.turns >= 2).map(|(id, r)| (*id, r.peak_tokens.max(r.tokens), r.link));
+        let mut out: Vec<(PrefixKey, u64)> = self
+            .lock()
+            .iter()
+            .filter(|(_, r)| r.turns >= 2)
+            .map(|(id, r)| (*id, r.peak_tokens.max(r.tokens)))
+            .collect();
         let mut ended = self.ended();
         ended.retain(|_, e| e.last_ms >= since_ms);
-        let pool = !self.slots.load(Ordering::Relaxed);
-        let mut links_counted = foldhash::HashSet::default();
-        resident
-            .chain(ended.iter().map(|(id, e)| (*id, e.tokens, e.link)))
-            .map(|(id, tokens, link)| match link.filter(|l| pool && !links_counted.insert(l.key)) {
-                Some(shared) => (id, tokens.saturating_sub(shared.tokens)),
-                None => (id, tokens),
-            })
-            .collect()
+        out.extend(ended.iter().map(|(id, e)| (*id, e.tokens)));
+        out
     }
 
     /// The engine's preemption counter read (`total`, vLLM's): the wall
@@ -741,8 +686,7 @@ impl Residents {
     fn load(&self) -> Load {
         let on = self.lock();
         let running = || on.values().filter(|r| r.paused == 0);
-        let tokens = running().map(|r| r.tokens).sum::<u64>().saturating_sub(self.shared_twice(running()));
-        Load { tokens, sessions: running().count() as u64 }
+        Load { tokens: running().map(|r| r.tokens).sum(), sessions: running().count() as u64 }
     }
 
     /// How many other sessions began a turn here between `session`'s
@@ -755,41 +699,6 @@ impl Residents {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_first_link_residents_share_counts_once_on_a_pool_and_once_each_on_slots() {
-        let r = Residents::default();
-        let link = |key, tokens| Some(Link { key, tokens });
-        let sessions = [(1, link(7, 1_000)), (2, link(7, 1_000)), (3, link(7, 1_200)), (4, link(8, 1_000)), (5, None)];
-        for (session, link) in sessions {
-            let class = Default::default();
-            let begin =
-                Begin { tokens: 3_000, now_ms: 0, moved: None, projected: 0, link, class, stated: false, client: 0 };
-            r.begin(session, begin);
-        }
-        // 15,000 counted whole; link 7's three sessions hold it once (at
-        // the least of their estimates), link 8's one session alone.
-        assert_eq!(r.counted_twice(), 2_000);
-        assert_eq!(r.footprint_sum(|t| t), 13_000);
-        assert_eq!(r.next_turn_sum(|t| t), 13_000);
-        assert_eq!(r.figures(), (5, 15_000, 13_000));
-        assert_eq!(r.receipt(900, 900, 0, 1), Receipt::Kept { load: 13_000 }, "the load receipts are read at too");
-        // The working set (conversations that came back) likewise.
-        for session in [1, 2] {
-            let class = Default::default();
-            let link = link(7, 1_000);
-            let begin =
-                Begin { tokens: 3_000, now_ms: 2, moved: None, projected: 0, link, class, stated: false, client: 0 };
-            r.begin(session, begin);
-        }
-        assert_eq!(r.working_set(0).iter().map(|(_, t)| t).sum::<u64>(), 5_000);
-        // A preempted session counts for nothing, its link's share with it.
-        r.preempt(&[1], crate::priority::Class::Interactive, |_, _| true);
-        assert_eq!((r.counted_twice(), r.footprint_sum(|t| t)), (1_000, 11_000));
-        // Slots hold a copy each.
-        r.set_slots(true);
-        assert_eq!((r.counted_twice(), r.footprint_sum(|t| t)), (0, 12_000));
-    }
 
     #[test]
     fn a_prefix_kept_beside_other_sessions_turns_above_the_wall_forgets_it() {

@@ -6,7 +6,6 @@ use std::sync::Arc;
 use actix_web::HttpRequest;
 
 use crate::error::ApiError;
-use crate::fleet::residents::Link;
 use crate::pins::Pin;
 use crate::policy::tenancy::Scope;
 use crate::policy::{self, conversation, Boundary, Dialect, Endpoint, Mode, PolicySettings, PrefixKey};
@@ -176,11 +175,7 @@ impl Lookup {
         Some(Ask {
             session,
             new,
-            link: self
-                .shape
-                .boundaries
-                .first()
-                .map(|b| Link { key: b.key, tokens: crate::tokens::estimate_tokens(b.bytes) }),
+            link: self.shape.boundaries.first().map(|b| b.key),
             tokens: crate::tokens::estimate_tokens(self.shape.prompt_bytes),
             model: self.shape.model.as_deref(),
             who,

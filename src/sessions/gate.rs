@@ -24,7 +24,6 @@ use std::time::Duration;
 use super::room::{self, Entry, Room};
 use super::{Counting, Footprint, Heard, Reservation, SessionTurn, Sessions, WaitEnded, RECHECK};
 use crate::domain_error::DomainError;
-use crate::fleet::residents::Link;
 use crate::fleet::{Fleet, Replica};
 use crate::policy::PrefixKey;
 use crate::priority::{Class, Who};
@@ -50,9 +49,8 @@ pub struct Ask<'a> {
     /// Nothing pins it yet: held at the wall, and placed by room.
     pub new: bool,
     /// Its first link (system prompt, instructions, tools): what its
-    /// projection is kept by (`projection.rs`), and a prefix other
-    /// sessions on its replica may share (`Residents::counted_twice`).
-    pub link: Option<Link>,
+    /// projection is kept by (`projection.rs`).
+    pub link: Option<PrefixKey>,
     /// Its context with this turn, estimated from its bytes, tokens.
     pub tokens: u64,
     pub model: Option<&'a str>,
@@ -180,8 +178,7 @@ impl<'a> Gate<'a> {
     fn footprint(&self, ask: &Ask<'_>) -> (Footprint, bool) {
         let rooms = self.rooms(ask.model, Counting::Whole);
         let largest = rooms.iter().filter_map(|r| r.capacity).max();
-        let projected =
-            super::projection::admitted_tokens(ask.tokens, self.sessions.project(ask.link.map(|l| l.key)), largest);
+        let projected = super::projection::admitted_tokens(ask.tokens, self.sessions.project(ask.link), largest);
         let footprint = Footprint { whole: projected, next_turn: ask.tokens.min(projected) };
         let hold = self.sessions.settings();
         if projected <= ask.tokens || hold.max_wait_ms == 0 {
@@ -204,7 +201,7 @@ impl<'a> Gate<'a> {
             return false;
         };
         let Some(capacity) = room(best).capacity else { return false };
-        let learned = sessions.project_growth(ask.link.map(|l| l.key)).unwrap_or(0);
+        let learned = sessions.project_growth(ask.link).unwrap_or(0);
         let growth = |g: u64| if g > 0 { g } else { learned };
         let mut residents: Vec<room::Growing> = best
             .residents
@@ -610,8 +607,7 @@ mod tests {
         let (s, fleet) = gateway(&["a"], 12_000);
         let a = fleet.get("a").unwrap();
         let who = Who::default();
-        // Its first link shares nothing it counts (0 tokens).
-        let link = Some(Link { key: 42, tokens: 0 });
+        let link = Some(42);
         let t0 = crate::clock::now_ms();
         for (i, tokens) in [2_000, 3_500, 5_000, 6_500, 8_000, 9_500].into_iter().enumerate() {
             drop(s.begin_turn(&a, 1, link, tokens, &who, t0 + i as u64));

@@ -47,7 +47,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 pub use crate::fleet::residents::Heard;
-use crate::fleet::residents::{Begin, Link, Resident};
+use crate::fleet::residents::{Begin, Resident};
 use crate::fleet::Replica;
 use crate::policy::PrefixKey;
 use crate::priority::{FairQueue, Who};
@@ -429,12 +429,12 @@ impl Sessions {
         self: &Arc<Self>,
         replica: &Arc<Replica>,
         session: PrefixKey,
-        link: Option<Link>,
+        link: Option<PrefixKey>,
         tokens: u64,
         who: &Who,
         now_ms: u64,
     ) -> SessionTurn {
-        let projected = self.project(link.map(|l| l.key)).unwrap_or(0);
+        let projected = self.project(link).unwrap_or(0);
         let moved = {
             let mut state = self.lock();
             state.clients.entry(client_hash(&who.client)).or_insert_with(|| who.client.clone());
@@ -533,8 +533,8 @@ impl Sessions {
         if !ended.is_empty() || !crossed.is_empty() {
             let mut projections = self.projections();
             for r in ended {
-                projections.learn(r.link.map(|l| l.key), r.peak_tokens);
-                projections.learn_growth(r.link.map(|l| l.key), r.growth());
+                projections.learn(r.link, r.peak_tokens);
+                projections.learn_growth(r.link, r.growth());
             }
             for (link, tokens) in crossed {
                 projections.learn(link, tokens);
@@ -559,8 +559,8 @@ impl Sessions {
             // It ended: every instance learns what it grew to, not only
             // the one that served its last turn.
             let mut projections = self.projections();
-            projections.learn(ended.link.map(|l| l.key), ended.peak_tokens);
-            projections.learn_growth(ended.link.map(|l| l.key), ended.growth());
+            projections.learn(ended.link, ended.peak_tokens);
+            projections.learn_growth(ended.link, ended.growth());
             drop(projections);
             self.changed.notify_waiters();
         }
@@ -679,24 +679,16 @@ impl Sessions {
         let idle_ms = self.settings.idle_ms;
         let state = self.lock();
         let mut out = Vec::new();
-        // A first link shared on a pool counts with the first of its
-        // sessions only (`Residents::counted_twice`), as the room does here.
-        let mut links_counted = std::collections::HashSet::new();
         for (session, home) in &state.home {
             let Some(replica) = home.upgrade() else { continue };
             let Some(r) = replica.residents.get(*session).filter(|r| r.ours) else { continue };
             let from = if r.running > 0 { now_ms } else { r.last_ms };
-            let slots = replica.slot_tokens();
-            let counted_before = r
-                .link
-                .filter(|l| slots.is_none() && !r.preempted && !links_counted.insert((replica.id.clone(), l.key)));
             out.push(crate::store::KeptSession {
                 replica: replica.id.to_string(),
                 session: format!("{session:032x}"),
-                footprint: match (r.preempted, counted_before) {
-                    (true, _) => 0,
-                    (false, Some(shared)) => r.counted_tokens().saturating_sub(shared.tokens),
-                    (false, None) => room::footprint(r.counted_tokens(), slots),
+                footprint: match r.preempted {
+                    true => 0,
+                    false => room::footprint(r.counted_tokens(), replica.slot_tokens()),
                 },
                 until_ms: from + r.idle_after_ms(idle_ms) + STORE_SLACK_MS,
             });
@@ -804,12 +796,6 @@ mod tests {
         }
     }
 
-    /// A first link of `key` whose tokens are not counted as shared (the
-    /// tests of projections and rooms count whole contexts).
-    pub(super) fn unshared(key: PrefixKey) -> Option<Link> {
-        Some(Link { key, tokens: 0 })
-    }
-
     /// One gateway instance's sessions and its view of replica "a" (a
     /// 12,000-token pool): tests of several instances take one each.
     pub(super) fn instance() -> (Arc<Sessions>, Arc<Replica>) {
@@ -913,28 +899,10 @@ mod tests {
     }
 
     #[test]
-    fn what_a_shared_store_keeps_of_sessions_sharing_a_system_prompt_counts_it_once_a_pool() {
-        let (s, a) = instance();
-        let b = replica("b");
-        let link = Some(Link { key: 42, tokens: 2_000 });
-        let now = crate::clock::now_ms();
-        for (replica, session) in [(&a, 1), (&a, 2), (&a, 3), (&b, 4)] {
-            drop(s.begin_turn(replica, session, link, 5_000, &Who::default(), now));
-        }
-        let on = |r: &str| s.kept(now).iter().filter(|k| k.replica == r).map(|k| k.footprint).sum::<u64>();
-        // As the room counts them here, so the fleet's load read back agrees.
-        assert_eq!((on("a"), s.room_of(&a).taken), (11_000, 11_000));
-        assert_eq!(on("b"), 5_000, "another replica holds its own copy");
-        // Slots hold a copy each.
-        a.set_slot_tokens(Some(8_000));
-        assert_eq!(on("a"), 24_000, "three whole slots");
-    }
-
-    #[test]
     fn the_projection_learns_what_ended_sessions_grew_to_and_new_ones_count_at_it() {
         let (s, a) = instance();
-        let link = unshared(42);
-        assert_eq!(s.project(Some(42)), None, "a cold gateway projects nothing");
+        let link = Some(42);
+        assert_eq!(s.project(link), None, "a cold gateway projects nothing");
         // An agent of that link grows from 2,000 to 9,000 tokens, then idles out.
         let start = crate::clock::now_ms();
         for (i, tokens) in [2_000, 5_500, 9_000].into_iter().enumerate() {
@@ -942,7 +910,7 @@ mod tests {
         }
         assert_eq!(s.room_of(&a).left(), Some(3_000));
         assert!(s.sweep(crate::clock::now_ms() + 60_000).any);
-        assert_eq!(s.project(Some(42)), Some(9_000));
+        assert_eq!(s.project(link), Some(9_000));
         assert_eq!(s.project(Some(7)), Some(9_000), "another link: the fleet's");
         // A new session of that link counts at 9,000 from its first 2,000-token turn.
         drop(s.begin_turn(&a, 2, link, 2_000, &Who::default(), crate::clock::now_ms()));
@@ -958,7 +926,7 @@ mod tests {
     async fn a_turn_that_ends_where_its_next_would_pass_its_projection_gives_its_room_at_once() {
         let s = Sessions::new(SessionConfig { idle_ms: 10_000, ..settings() });
         let a = replica("a");
-        let link = unshared(42);
+        let link = Some(42);
         // One session of the link grows to 9,000 tokens and ends: learned.
         let start = crate::clock::now_ms();
         for (i, tokens) in [2_000, 5_500, 9_000].into_iter().enumerate() {
@@ -980,7 +948,7 @@ mod tests {
         assert!(!s.is_resident(2));
         // Another link's session counts at the fleet's projection (9,000
         // too): well below it, it keeps its room through its gaps.
-        drop(s.begin_turn(&a, 3, unshared(7), 2_000, &Who::default(), crate::clock::now_ms()));
+        drop(s.begin_turn(&a, 3, Some(7), 2_000, &Who::default(), crate::clock::now_ms()));
         assert!(!s.sweep(crate::clock::now_ms() + 100).any);
     }
 
@@ -989,9 +957,9 @@ mod tests {
         let s = Sessions::new(settings());
         let (a, b) = (replica("a"), replica("b"));
         let now = crate::clock::now_ms();
-        drop(s.begin_turn(&a, 1, unshared(42), 6_500, &Who::default(), now));
-        drop(s.begin_turn(&a, 2, unshared(42), 5_000, &Who::default(), now));
-        drop(s.begin_turn(&b, 3, unshared(7), 9_000, &Who::default(), now));
+        drop(s.begin_turn(&a, 1, Some(42), 6_500, &Who::default(), now));
+        drop(s.begin_turn(&a, 2, Some(42), 5_000, &Who::default(), now));
+        drop(s.begin_turn(&b, 3, Some(7), 9_000, &Who::default(), now));
         assert!(!s.sweep(now).any);
         assert_eq!(s.project(Some(42)), None, "no session ended, no wall seen: nothing learned");
         // The engine on a says its pool is full (or preempted, or a receipt found a lost prefix).

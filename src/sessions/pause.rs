@@ -50,9 +50,6 @@ impl Sessions {
             return false;
         }
         let Some(capacity) = self.pause_pool(replica) else { return false };
-        // The sum of the residents' contexts counts a first link they share
-        // once per resident; the pool holds it once.
-        let capacity = capacity + replica.residents.counted_twice();
         let shape = Room { capacity: Some(capacity), taken: 0, slot_tokens: replica.slot_tokens() };
         let on = replica.residents.snapshot();
         let Some(me) = on.iter().find(|(id, _)| *id == session).map(|(_, r)| *r) else { return false };
@@ -230,23 +227,6 @@ mod tests {
         let older = s.begin_turn(a, 1, None, 5_000, &Who::default(), now + 10);
         drop(s.begin_turn(a, 2, None, 5_000, &Who::default(), now + 11));
         older
-    }
-
-    #[test]
-    fn a_system_prompt_the_residents_share_takes_the_pool_once_and_no_turn_pauses_for_its_copies() {
-        let (s, a) = instance(); // a 12,000-token pool
-        let link = Some(crate::fleet::residents::Link { key: 42, tokens: 2_000 });
-        let now = crate::clock::now_ms();
-        drop(s.begin_turn(&a, 1, link, 3_500, &Who::default(), now));
-        drop(s.begin_turn(&a, 2, link, 3_500, &Who::default(), now + 1));
-        drop(s.begin_turn(&a, 1, link, 5_000, &Who::default(), now + 10));
-        drop(s.begin_turn(&a, 2, link, 5_000, &Who::default(), now + 11));
-        assert_eq!(s.room_of(&a).taken, 8_000, "10,000 counted whole, the shared 2,000 once");
-        // Their next turns, 6,500 each: 13,000 counted whole, 11,000 held.
-        assert!(!s.must_pause(&a, 2, 6_500, u64::MAX));
-        // Past the pool without the copies too (8,000 and 6,500, 12,500 held): the youngest gives way.
-        assert!(s.must_pause(&a, 2, 8_000, u64::MAX));
-        assert!(!s.must_pause(&a, 1, 8_000, u64::MAX), "not the older");
     }
 
     #[tokio::test(start_paused = true)]
