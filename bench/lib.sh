@@ -21,7 +21,9 @@ CHAT_BODY='{"model":"sim-model","max_tokens":4,"messages":[{"role":"user","conte
 
 bench_init() {
   BENCH_TMP=$(mktemp -d)
-  trap 'kill $(jobs -p) 2>/dev/null; wait 2>/dev/null; rm -rf "$BENCH_TMP"' EXIT
+  # `|| true`: under `set -e` a failing command in the trap becomes the script's exit status, and
+  # `kill` with no jobs left (a script that stopped everything itself) fails with 2.
+  trap 'kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$BENCH_TMP"' EXIT
 }
 
 free_port() {
