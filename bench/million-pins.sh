@@ -4,7 +4,7 @@
 # simulated replicas; rounds alternate between them. Every request is a new
 # prompt: a pin lookup and a pin write on a full table.
 # Usage: BEFORE=/path/to/old/prefixgate [BEFORE_SEED=/path/to/old/seed_pins] bench/million-pins.sh [secs] [rounds]
-#        [CONVERSATIONS=1000000] [MESSAGES=40] [EAGER=1] bench/million-pins.sh load
+#        [CONVERSATIONS=1000000] [MESSAGES=40] [EAGER=1 | FLOOR=1] bench/million-pins.sh load
 # (build the old revision in a worktree: cargo build --release --examples).
 #
 # `bench/million-pins.sh load`: instead, what a table of CONVERSATIONS
@@ -12,7 +12,9 @@
 # marked (examples/pin_sizes): its memory, its size on disk, how long a
 # restart takes before it routes (pages read on first touch) and before
 # every page is read (the background loader); EAGER=1 also times reading
-# the whole table first (the startup before pins::pages). The database is
+# the whole table first (the startup before pins::pages); FLOOR=1 instead
+# times only the same number of keys put into a map sized for them, no disk
+# (what no layout undercuts on the machine). The database is
 # written once to target/pins-CONVERSATIONSxMESSAGES (1M x 40: ~4 GiB, ~1
 # minute, the in-memory table ~5 GiB) and kept: a second run measures the
 # load only. A gateway keeps such a table only with pins.max_pins at least

@@ -7,7 +7,9 @@
 //! With `DIR=path`, the database is kept there, and a later run with the
 //! same `DIR` only measures the load (writing 40M pins takes minutes).
 //! `EAGER=1` also times reading the whole table before routing (the
-//! startup before `pins::pages`), in the same run.
+//! startup before `pins::pages`), in the same run. `FLOOR=1` only times
+//! what no layout can undercut on this machine: the same number of keys
+//! put into one map already sized for them, with no disk and no decoding.
 //! Run: `[CONVERSATIONS=1000000 MESSAGES=40] [DIR=...] cargo run --release --example pin_sizes`.
 
 use std::sync::Arc;
@@ -46,6 +48,10 @@ fn var(name: &str, default: u128) -> u128 {
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
     let (conversations, messages) = (var("CONVERSATIONS", 1_000_000), var("MESSAGES", 1));
+    if std::env::var("FLOOR").is_ok_and(|v| !v.is_empty()) {
+        floor(conversations * messages);
+        return;
+    }
     let kept = std::env::var_os("DIR").map(std::path::PathBuf::from);
     let dir = kept
         .clone()
@@ -61,6 +67,25 @@ async fn main() {
     if kept.is_none() {
         let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+/// A whole table can be in memory no sooner than its keys are in a map:
+/// `n` spread keys into a map sized for them up front, once with a pin's
+/// size in memory (a 16-byte key and a 64-byte `Slot`), once with the
+/// least a pin could be (an 8-byte key and a 4-byte replica), one thread.
+fn floor(n: u128) {
+    fn fill<K: std::hash::Hash + Eq, V: Copy>(n: u128, key: impl Fn(u128) -> K, value: V) -> f64 {
+        let started = Instant::now();
+        let mut map = foldhash::HashMap::with_capacity_and_hasher(n as usize, Default::default());
+        for i in 0..n {
+            map.insert(key(i), value);
+        }
+        assert_eq!(map.len() as u128, n, "every key distinct");
+        started.elapsed().as_secs_f64()
+    }
+    let pin_sized = fill(n, |i| i.wrapping_mul(SPREAD), [0u64; 8]);
+    let least = fill(n, |i| i.wrapping_mul(SPREAD) as u64, 0u32);
+    println!("floor: {n} keys into a map sized for them, no disk: {pin_sized:.2} s at a pin's size (80 bytes), {least:.2} s at 12 bytes");
 }
 
 const SPREAD: u128 = 0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835;
