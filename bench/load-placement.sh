@@ -16,7 +16,8 @@
 # on, hold off) with its own defaults, the bench client still this one (a
 # build from before issue 49, 901770f: the seed's counter, a continuation
 # only from where a served request ended). Each arm prints its families'
-# first-turn replicas in family order (H heavy, L light).
+# first-turn replicas in family order (H heavy, L light), and the tokens
+# each replica prefilled (prompt less cached: the busiest one's bounds the wall).
 # Never run in CI. Usage: [ROUNDS=1 FAMILIES=5 HEAVY=3 TURNS=10 ALTERNATE= BEFORE=] bench/load-placement.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,8 +48,14 @@ cached = sum(x.get("cached_tokens") or 0 for x in s)
 heavy = r["settings"]["heavy_families"]
 first = " ".join(("H" if x["family"] in heavy else "L") + ":" + str(x["replica"])
                  for x in sorted((x for x in s if x["turn"] == 0), key=lambda x: x["family"]))
+# Each replica prefills one prompt at a time: the wall is at least the
+# busiest replica's uncached tokens over its prefill rate.
+prefilled = {}
+for x in s:
+    at = x.get("replica") or "?"
+    prefilled[at] = prefilled.get(at, 0) + (x.get("prompt_tokens") or 0) - (x.get("cached_tokens") or 0)
 print(f"{sys.argv[2]:16} wall {r['summary']['wall_ms'] / 1000:6.2f} s  routes {dict(r['summary']['by_route'])}  "
-      f"cached {100 * cached / max(prompt, 1):.1f} %  first turns {first}")
+      f"cached {100 * cached / max(prompt, 1):.1f} %  first turns {first}  prefilled {dict(sorted(prefilled.items()))}")
 PY
 }
 for _ in $(seq "$ROUNDS"); do
