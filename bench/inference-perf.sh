@@ -24,9 +24,11 @@
 # Prints, per arm: wall (inference-perf's benchmark time), TTFT p50 / p90,
 # request latency p90, pooled KV-cache hit share from the engines' usage.
 #
-# inference-perf asks for Python 3.12; where python3 is older (Debian 12:
-# 3.11) it is installed with --ignore-requires-python, numpy < 2.3 and
-# binary wheels only (its agentic generator and reports run on 3.11).
+# inference-perf asks for Python 3.12: the venv is made with PYTHON, else
+# the newest 3.12 or later on PATH or under pyenv. With only an older one
+# (Debian 12: 3.11) it is installed with --ignore-requires-python, numpy <
+# 2.3 and binary wheels only (its agentic generator and reports run on 3.11).
+# A venv made before is kept: remove target/inference-perf-venv to remake it.
 #
 # Usage: [ENGINE=sim|llama] [ARMS=...] [ROUNDS=1] [SESSIONS=8] [BIN=...] bench/inference-perf.sh
 set -euo pipefail
@@ -36,12 +38,24 @@ REPLICA_URLS=${REPLICA_URLS:-}
 if [ -z "${BIN:-}" ]; then cargo build -q; BIN=$PWD/target/debug/prefixgate; fi
 bin=$BIN
 
+# The Python inference-perf asks for: PYTHON, else the newest 3.12 or later
+# on PATH or under pyenv, else python3.
+iperf_python() {
+  [ -n "${PYTHON:-}" ] && { echo "$PYTHON"; return; }
+  local p
+  # Run, not only found: a pyenv shim is on PATH for versions it will not run.
+  for p in python3.14 python3.13 python3.12 $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.1[2-9]*/bin/python3 2>/dev/null | sort -rV); do
+    "$p" -c '' 2>/dev/null && { echo "$p"; return; }
+  done
+  echo python3
+}
 iperf_venv=$PWD/target/inference-perf-venv
 install_tools() {
   if [ ! -x "$iperf_venv/bin/inference-perf" ]; then
-    echo "--- installing inference-perf 0.7.0 under $iperf_venv (once)"
-    python3 -m venv "$iperf_venv"
-    if python3 -c 'import sys; sys.exit(sys.version_info >= (3, 12))'; then
+    local py; py=$(iperf_python)
+    echo "--- installing inference-perf 0.7.0 under $iperf_venv with $("$py" --version) (once)"
+    "$py" -m venv "$iperf_venv"
+    if "$py" -c 'import sys; sys.exit(sys.version_info >= (3, 12))'; then
       "$iperf_venv/bin/pip" install -q --ignore-requires-python --prefer-binary inference-perf==0.7.0 "numpy<2.3" gguf
     else
       "$iperf_venv/bin/pip" install -q inference-perf==0.7.0 gguf
