@@ -30,8 +30,8 @@ install_vllm_router() {
 check_engine() {
   model=${MODEL_NAME:-smollm2}
   [ "$ENGINE" = sim ] && [ -z "$REPLICA_URLS" ] && model=sim-model
-  if [ "$ENGINE" = llama ] && [ -z "$REPLICA_URLS" ] && [ -z "${LLAMA_SERVER:-}" ]; then
-    echo "ENGINE=llama needs LLAMA_SERVER and MODEL (bench/kv-wall.sh builds them)" >&2; exit 2
+  if [ "$ENGINE" = llama ] && [ -z "$REPLICA_URLS" ] && { [ ! -x "${LLAMA_SERVER:-}" ] || [ ! -f "${MODEL:-}" ]; }; then
+    echo "ENGINE=llama needs LLAMA_SERVER (a llama-server binary) and MODEL (a GGUF file); bench/kv-wall.sh builds them" >&2; exit 2
   fi
 }
 
@@ -60,6 +60,13 @@ replicas_up() {
   done
   for i in 0 1; do
     for _ in $(seq 300); do curl -sf "${URLS[$i]}/health" >/dev/null && break; sleep 0.2; done
+    # Fatal, and said here: not later as a gateway that never saw its
+    # replicas up, nor as caches that could not be emptied (return 1).
+    curl -sf "${URLS[$i]}/health" >/dev/null || {
+      echo "replica $i (${URLS[$i]}) never answered /health" >&2
+      tail -5 "$BENCH_TMP/llama-$i.log" >&2 2>/dev/null || true
+      exit 1
+    }
   done
 }
 
