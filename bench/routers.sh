@@ -59,7 +59,11 @@ replicas_up() {
     fi
   done
   for i in 0 1; do
-    for _ in $(seq 300); do curl -sf "${URLS[$i]}/health" >/dev/null && break; sleep 0.2; done
+    for _ in $(seq 300); do
+      curl -sf "${URLS[$i]}/health" >/dev/null && break
+      kill -0 "${replica_pids[$i]}" 2>/dev/null || break
+      sleep 0.2
+    done
     # Fatal, and said here: not later as a gateway that never saw its
     # replicas up, nor as caches that could not be emptied (return 1).
     curl -sf "${URLS[$i]}/health" >/dev/null || {
