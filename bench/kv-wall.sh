@@ -95,11 +95,9 @@ elif [ -z "$SIM" ]; then
     port=$(free_port)
     taskset -c "$i" "$LLAMA_SERVER" -m "$MODEL" --host 127.0.0.1 --port "$port" -t 1 -c "$ctx" -np "$slots" \
       --cache-ram "${CACHE_RAM:-0}" --jinja -a smollm2 --metrics >"$BENCH_TMP/llama-$i.log" 2>&1 &
-    LLAMA_URL[$i]="http://127.0.0.1:$port"
+    LLAMA_URL[$i]="http://127.0.0.1:$port"; llama_pid[$i]=$!
   done
-  for i in 0 1; do
-    for _ in $(seq 300); do curl -sf "${LLAMA_URL[$i]}/health" >/dev/null && break; sleep 0.2; done
-  done
+  for i in 0 1; do wait_engine "${LLAMA_URL[$i]}" "${llama_pid[$i]}" "$BENCH_TMP/llama-$i.log"; done
 else
   model=sim-model
   for i in 0 1; do

@@ -9,6 +9,8 @@
 #   start_redis SOCK                a throwaway redis-server on unix socket SOCK, up; REDIS_PID
 #   wait_replicas_up ADMIN N        until N replicas report health "up" on that admin API
 #   wait_ok URL                     until a small chat completion through URL answers 200
+#   wait_engine URL PID LOG [SECS]  until an engine's URL/health answers (60 s); else stops the script
+#                                   with LOG's tail, as soon as PID exits
 #   free_port                       a free loopback port, for programs that need one up front (nginx, peers)
 #   run_wrk URL SECS CONNS          wrk -t2 with the small chat body; prints wrk's output
 #   CHAT_BODY                       that body
@@ -83,6 +85,20 @@ wait_replicas_up() {
   done
   echo "bench/lib.sh: $admin never had $n replicas up" >&2
   return 1
+}
+
+wait_engine() {
+  local url=$1 pid=$2 log=$3 tries=$(( ${4:-60} * 5 ))
+  for _ in $(seq "$tries"); do
+    curl -sf "$url/health" >/dev/null && return 0
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.2
+  done
+  # Said here: not later as a gateway that never saw its replicas up.
+  curl -sf "$url/health" >/dev/null && return 0
+  echo "bench/lib.sh: the engine at $url never answered /health" >&2
+  tail -20 "$log" >&2 2>/dev/null || true
+  exit 1
 }
 
 wait_ok() {

@@ -104,14 +104,7 @@ for i in 0 1; do
   urls+=("http://127.0.0.1:$port"); pids+=($!)
 done
 echo "--- starting two vLLM replicas of $KV_GIB GiB of KV (~3 minutes)"
-for i in 0 1; do
-  for _ in $(seq 1800); do
-    curl -sf "${urls[$i]}/health" >/dev/null && break
-    kill -0 "${pids[$i]}" 2>/dev/null || break
-    sleep 0.5
-  done
-  curl -sf "${urls[$i]}/health" >/dev/null || { echo "vLLM $i never came up" >&2; tail -30 "$BENCH_TMP/vllm-$i.log" >&2; exit 1; }
-done
+for i in 0 1; do wait_engine "${urls[$i]}" "${pids[$i]}" "$BENCH_TMP/vllm-$i.log" 900; done
 curl -s "${urls[0]}/metrics" | grep -E '^vllm:cache_config_info' | head -1
 if [ "${CONTINUE:-}" = 1 ]; then
   # bench/continue.sh REAL=1: streams that outlive their replica, on these two.

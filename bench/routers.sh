@@ -58,20 +58,8 @@ replicas_up() {
       replica_pids+=($!); URLS+=("http://127.0.0.1:$port")
     fi
   done
-  for i in 0 1; do
-    for _ in $(seq 300); do
-      curl -sf "${URLS[$i]}/health" >/dev/null && break
-      kill -0 "${replica_pids[$i]}" 2>/dev/null || break
-      sleep 0.2
-    done
-    # Fatal, and said here: not later as a gateway that never saw its
-    # replicas up, nor as caches that could not be emptied (return 1).
-    curl -sf "${URLS[$i]}/health" >/dev/null || {
-      echo "replica $i (${URLS[$i]}) never answered /health" >&2
-      tail -5 "$BENCH_TMP/llama-$i.log" >&2 2>/dev/null || true
-      exit 1
-    }
-  done
+  # Exits when one never comes up (a return would read as caches that could not be emptied).
+  for i in 0 1; do wait_engine "${URLS[$i]}" "${replica_pids[$i]}" "$BENCH_TMP/llama-$i.log"; done
 }
 
 # router_up ARM: the arm's router in front of URLS; sets ROUTER_URL, ROUTER_PID.
